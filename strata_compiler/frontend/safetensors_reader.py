@@ -1,0 +1,143 @@
+"""Lazy reader for safetensors checkpoints (single file or sharded with an index).
+
+Only headers are read up front; tensor data is mapped when asked for, a block of rows at a
+time, converted to f32 and unmapped again, so compiling never keeps the model resident and the
+compiler's RSS stays near one block. (safetensors' own numpy loader copies whole tensors and
+has no bf16 in numpy, hence this small reader; the format is a u64 header length, a JSON
+header, then raw little-endian data.)
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import ModelError
+from ..formats import bf16_bits_to_f32
+
+_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    key: str
+    file: Path
+    dtype: str            # safetensors dtype name: F32 | F16 | BF16
+    shape: tuple[int, ...]
+    offset: int           # absolute byte offset of the data in `file`
+    nbytes: int
+
+
+def _read_header(path: Path) -> dict[str, TensorInfo]:
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ModelError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > min(_MAX_HEADER, size - 8):
+                raise ModelError(f"{path}: not a safetensors file (header length {n} exceeds the file)")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise ModelError(f"{path}: cannot read ({e.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ModelError(f"{path}: safetensors header is not valid JSON; the file is corrupt") from None
+    if not isinstance(header, dict):
+        raise ModelError(f"{path}: safetensors header is not a JSON object")
+    base = 8 + n
+    out = {}
+    for key, v in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (b, e) = v["dtype"], tuple(int(d) for d in v["shape"]), v["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ModelError(f"{path}: malformed header entry for tensor {key}") from None
+        if dtype not in _DTYPES:
+            raise ModelError(f"{path}: tensor {key} has dtype {dtype}; Strata reads F32, F16 and BF16 weights")
+        nbytes = _DTYPES[dtype].itemsize * int(np.prod(shape, dtype=np.int64))
+        if not (0 <= b <= e) or e - b != nbytes or base + e > size:
+            raise ModelError(f"{path}: tensor {key} data lies outside the file or has the wrong size; the file is truncated or corrupt")
+        out[key] = TensorInfo(key, path, dtype, shape, base + b, nbytes)
+    return out
+
+
+class TensorStore:
+    """All tensors of a model folder by key, read lazily."""
+
+    def __init__(self, infos: dict[str, TensorInfo]) -> None:
+        self.infos = infos
+
+    @classmethod
+    def open(cls, model_dir: Path) -> "TensorStore":
+        index = model_dir / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise ModelError(f"{index}: not a valid safetensors index (needs a 'weight_map' object)") from None
+        elif (model_dir / "model.safetensors").exists():
+            files = ["model.safetensors"]
+        else:
+            files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+            if not files:
+                raise ModelError(f"{model_dir}: no *.safetensors weights found (Strata reads safetensors checkpoints)")
+        infos: dict[str, TensorInfo] = {}
+        for name in files:
+            path = model_dir / name
+            if not path.exists():
+                raise ModelError(f"{path}: missing weight shard (listed in model.safetensors.index.json)")
+            infos.update(_read_header(path))
+        return cls(infos)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.infos
+
+    def info(self, key: str) -> TensorInfo:
+        return self.infos[key]
+
+    def read_rows(self, key: str, r0: int, r1: int) -> np.ndarray:
+        """Rows [r0, r1) of the tensor (along axis 0) as f32; 1-D tensors read whole."""
+        t = self.infos[key]
+        dt = _DTYPES[t.dtype]
+        row = int(np.prod(t.shape[1:], dtype=np.int64)) * dt.itemsize if len(t.shape) > 1 else t.nbytes
+        if len(t.shape) <= 1:
+            r0, r1 = 0, 1
+        start, length = t.offset + r0 * row, (r1 - r0) * row
+        if length == 0:
+            return np.zeros((0,) + t.shape[1:], np.float32)
+        page = start - start % mmap.ALLOCATIONGRANULARITY
+        with open(t.file, "rb") as f:
+            mm = mmap.mmap(f.fileno(), start - page + length, offset=page, access=mmap.ACCESS_READ)
+            try:
+                raw = np.frombuffer(mm, dtype=dt, count=length // dt.itemsize, offset=start - page)
+                out = bf16_bits_to_f32(raw) if t.dtype == "BF16" else raw.astype(np.float32)
+                del raw
+            finally:
+                mm.close()
+        return out.reshape((-1,) + t.shape[1:]) if len(t.shape) > 1 else out.reshape(t.shape)
+
+    def iter_row_blocks(self, key: str, block_bytes: int = 16 << 20) -> Iterator[np.ndarray]:
+        """The tensor as f32 row blocks of about `block_bytes` (of f32) each."""
+        t = self.infos[key]
+        if len(t.shape) <= 1:
+            yield self.read_rows(key, 0, 1)
+            return
+        row_f32 = 4 * int(np.prod(t.shape[1:], dtype=np.int64))
+        step = max(1, block_bytes // max(row_f32, 1))
+        for r0 in range(0, t.shape[0], step):
+            yield self.read_rows(key, r0, min(t.shape[0], r0 + step))
+
+    def read_f32(self, key: str) -> np.ndarray:
+        t = self.infos[key]
+        return self.read_rows(key, 0, t.shape[0] if t.shape else 1)
+

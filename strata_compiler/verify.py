@@ -1,0 +1,152 @@
+"""Per-level IR verifier, run after every pass that changed the graph.
+
+Checks structure (unique ids, operands defined before use, outputs exist), that each op is
+legal at the graph's level with the operands, weight roles and attributes it needs, that weight
+shapes agree with the activations they touch, and at kernel level that every node is bound to a
+device, a backend and a buffer. Failures raise IRError with the IR around the failing node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import IRError
+from .ir import LEVEL_OPS, DType, Graph, Level, Node, Op
+
+
+@dataclass(frozen=True)
+class Signature:
+    nargs: tuple[int, ...]                 # allowed operand counts
+    roles: frozenset[str] = frozenset()    # required weight roles
+    optional: frozenset[str] = frozenset() # optional weight roles
+    attrs: frozenset[str] = frozenset()    # required attributes
+
+
+def _sig(nargs, roles=(), optional=(), attrs=()) -> Signature:
+    return Signature(tuple(nargs), frozenset(roles), frozenset(optional), frozenset(attrs))
+
+
+_ATTN_ATTRS = ("layer", "n_heads", "n_kv_heads", "head_dim", "rope_theta", "rope_type")
+SIGNATURES: dict[Op, Signature] = {
+    Op.INPUT_IDS: _sig([0]),
+    Op.EMBED: _sig([1], ["table"]),
+    Op.RMS_NORM: _sig([1], ["w"], attrs=["eps"]),
+    Op.ATTENTION: _sig([1], ["q", "k", "v", "o"], ["bq", "bk", "bv", "bo", "q_norm", "k_norm"], _ATTN_ATTRS + ("qk_norm",)),
+    Op.MLP: _sig([1], ["gate", "up", "down"]),
+    Op.MOE: _sig([1], ["router", "gate", "up", "down"],
+                 ["shared_gate", "shared_up", "shared_down", "shared_expert_gate"], ["top_k", "norm_topk_prob"]),
+    Op.ADD: _sig([2]),
+    Op.MATMUL: _sig([1], ["w"], ["b"]),
+    Op.MUL: _sig([2]),
+    Op.SILU: _sig([1]),
+    Op.SIGMOID: _sig([1]),
+    Op.SLICE: _sig([1], attrs=["start", "stop"]),
+    Op.CLAMP: _sig([1], attrs=["limit"]),
+    Op.ROPE: _sig([1], attrs=["head_dim", "rope_theta", "rope_type"]),
+    Op.SDPA: _sig([3], attrs=["layer", "n_heads", "n_kv_heads", "head_dim"]),
+    Op.SOFTMAX: _sig([1]),
+    Op.TOPK_MASK: _sig([1], attrs=["k"]),
+    Op.RENORM: _sig([1]),
+    Op.MOE_FFN: _sig([2, 3], ["down"], ["gate", "up", "gate_up"]),
+    Op.LINEAR: _sig([1, 2], ["w"], ["b", "norm"]),
+    Op.ROUTE: _sig([1], attrs=["k", "norm"]),
+    Op.FUSED_ATTENTION: _sig([1], optional=["q_norm", "k_norm"], attrs=_ATTN_ATTRS + ("qk_norm",)),
+}
+
+
+def ir_window(g: Graph, nid: int, radius: int = 3) -> str:
+    """The printed IR lines around node `nid`, the failing one marked with '>>'."""
+    from .ir_text import print_graph
+
+    lines = [ln for ln in print_graph(g).splitlines() if ln.startswith("%")]
+    idx = next((i for i, n in enumerate(g.nodes) if n.id == nid), 0)
+    lo, hi = max(0, idx - radius), min(len(lines), idx + radius + 1)
+    return "\n".join(("  >> " if i == idx else "     ") + lines[i] for i in range(lo, hi))
+
+
+class _Fail(Exception):
+    def __init__(self, nid: int, msg: str) -> None:
+        self.nid, self.msg = nid, msg
+
+
+def _check_node(g: Graph, n: Node, seen: set[int]) -> None:
+    if n.op not in LEVEL_OPS[g.level]:
+        raise _Fail(n.id, f"op {n.op.value!r} is not legal at level {g.level.value}")
+    sig = SIGNATURES[n.op]
+    if len(n.args) not in sig.nargs:
+        raise _Fail(n.id, f"{n.op.value} takes {' or '.join(map(str, sig.nargs))} operands, got {len(n.args)}")
+    for a in n.args:
+        if a not in seen:
+            raise _Fail(n.id, f"operand %{a} is not defined before use")
+    roles = [r for r, _ in n.weights]
+    if len(set(roles)) != len(roles):
+        raise _Fail(n.id, "a weight role appears twice")
+    missing = sig.roles - set(roles)
+    if missing:
+        raise _Fail(n.id, f"{n.op.value} needs weight role(s) {sorted(missing)}")
+    extra = set(roles) - sig.roles - sig.optional
+    if extra:
+        raise _Fail(n.id, f"{n.op.value} takes no weight role(s) {sorted(extra)}")
+    for _, w in n.weights:
+        if not g.has_weight(w):
+            raise _Fail(n.id, f"weight @{w} is not declared")
+    keys = {k for k, _ in n.attrs}
+    if list(k for k, _ in n.attrs) != sorted(keys) or len(keys) != len(n.attrs):
+        raise _Fail(n.id, "attributes must be unique and sorted")
+    if not sig.attrs <= keys:
+        raise _Fail(n.id, f"{n.op.value} needs attribute(s) {sorted(sig.attrs - keys)}")
+    if n.op is Op.MOE_FFN and not ({"gate", "up"} <= set(roles)) ^ ("gate_up" in roles):
+        raise _Fail(n.id, "moe_ffn takes either gate+up or gate_up")
+    _check_shapes(g, n)
+    if g.level is Level.KERNEL:
+        if not n.device or not n.backend:
+            raise _Fail(n.id, "kernel-level node without a device and backend")
+        if n.buffer < 0:
+            raise _Fail(n.id, "kernel-level node without a buffer (run plan-memory)")
+
+
+def _last(g: Graph, nid: int):
+    return g.node(nid).type.shape[-1]
+
+
+def _check_shapes(g: Graph, n: Node) -> None:
+    if n.op is Op.INPUT_IDS:
+        if n.type.dtype is not DType.I64:
+            raise _Fail(n.id, "input_ids must be i64")
+        return
+    if n.type.dtype is not DType.F32:
+        raise _Fail(n.id, "activations are f32")
+    if n.op in (Op.MATMUL, Op.LINEAR):
+        w = g.weight(n.weight("w"))
+        k_in = _last(g, n.args[0])
+        if len(w.shape) != 2 or w.shape[1] != k_in:
+            raise _Fail(n.id, f"weight @{w.name} {list(w.shape)} does not take an input of width {k_in}")
+        out = w.shape[0] // 2 if n.attr("epilogue", "none") == "silu_mul" else w.shape[0]
+        if n.type.shape[-1] != out:
+            raise _Fail(n.id, f"result width {n.type.shape[-1]} != {out} from @{w.name}")
+    if n.op in (Op.ADD, Op.MUL):
+        a, b = (g.node(x).type.shape for x in n.args)
+        if a != b:
+            raise _Fail(n.id, f"operand shapes differ: {a} vs {b}")
+    if n.op is Op.EMBED:
+        w = g.weight(n.weight("table"))
+        if n.type.shape[-1] != w.shape[1]:
+            raise _Fail(n.id, "embedding width mismatch")
+
+
+def verify(g: Graph) -> None:
+    seen: set[int] = set()
+    try:
+        for n in g.nodes:
+            if n.id in seen:
+                raise _Fail(n.id, f"duplicate id %{n.id}")
+            _check_node(g, n, seen)
+            seen.add(n.id)
+        for o in g.outputs:
+            if o not in seen:
+                raise _Fail(g.nodes[-1].id if g.nodes else 0, f"output %{o} is not defined")
+        names = [w.name for w in g.weights]
+        if len(set(names)) != len(names):
+            raise _Fail(g.nodes[0].id if g.nodes else 0, "duplicate weight names")
+    except _Fail as f:
+        raise IRError(f"{g.level.value} IR invalid at %{f.nid}: {f.msg}\n{ir_window(g, f.nid)}") from None

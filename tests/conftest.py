@@ -1,0 +1,26 @@
+"""Shared pytest setup: import paths and an offline Hugging Face environment.
+
+Tests import the oracle helpers as `from hf_models import ...` and the product as
+`import strata_compiler` without installing either, so both the tests directory and the
+repository root go on sys.path. Nothing here imports torch: the torch thread count is set
+by `hf_models` when it is first imported (2 threads unless STRATA_TEST_TORCH_THREADS says
+otherwise), so tests that never touch the oracle do not pay for torch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+# Never reach the network: the oracle models are built locally from random weights.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+_TESTS_DIR = Path(__file__).resolve().parent
+_REPO_ROOT = _TESTS_DIR.parent
+for _p in (str(_REPO_ROOT), str(_TESTS_DIR)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
