@@ -126,7 +126,8 @@ def _check_shapes(g: Graph, n: Node) -> None:
             raise _Fail(n.id, f"result width {n.type.shape[-1]} != {out} from @{w.name}")
     if n.op in (Op.ADD, Op.MUL):
         a, b = (g.node(x).type.shape for x in n.args)
-        if a != b:
+        # MUL broadcasts a [..., 1] gate (Qwen2-MoE's shared-expert gate) over the last axis.
+        if a != b and not (n.op is Op.MUL and a[:-1] == b[:-1] and 1 in (a[-1], b[-1])):
             raise _Fail(n.id, f"operand shapes differ: {a} vs {b}")
     if n.op is Op.EMBED:
         w = g.weight(n.weight("table"))

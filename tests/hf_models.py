@@ -239,8 +239,7 @@ def clear_prompts(
         m = min(chunk, max_candidates - tried)
         cand = rng.integers(0, vocab, size=(m, length), dtype=np.int64)
         tried += m
-        # n_new + 1 steps: the extra step checks the logits after the last generated token too,
-        # i.e. every step a runtime generating n_new tokens (plus one) would take.
+        # n_new + 1 step logits: the prompt's last position, then after each of n_new generated tokens.
         _, logits = hf_greedy(model, cand, n_new + 1)
         ok = (step_gaps(logits) >= rel_gap).all(axis=-1)
         good.extend(cand[ok])

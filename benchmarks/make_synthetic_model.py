@@ -1,0 +1,378 @@
+"""Write a large synthetic Hugging Face MoE checkpoint folder, streaming, in bounded memory.
+
+    python benchmarks/make_synthetic_model.py OUT_DIR --arch qwen3_moe|mixtral|olmoe \\
+        [--size-gb 2.2] [--dtype bf16|f16|f32] [--layers N] [--hidden D] [--experts E] \\
+        [--moe-intermediate I] [--vocab V] [--heads H] [--kv-heads KV] [--head-dim HD] \\
+        [--top-k K] [--shard-gb 1.0] [--seed 0]
+
+Output: config.json, model-0000i-of-0000n.safetensors shards (each <= --shard-gb unless a single
+tensor is larger) and model.safetensors.index.json, with the checkpoint key names transformers
+uses for the architecture. Weights are random but finite and roughly N(0, 1/fan_in)-sized
+(norm weights are ~1); they are meant for compiler memory/throughput benchmarks, not for
+generating text.
+
+The safetensors header is written by hand and tensor data is streamed in chunks of at most
+CHUNK_ELEMS elements, so memory use is a few tens of MB regardless of model or tensor size.
+Values come from a random pool of bf16 bit patterns (built once per run) that every chunk reads
+at a random offset with a random sign/mantissa XOR mask, which keeps the generation disk-bound.
+Everything is deterministic given the arguments (including --seed).
+
+Unless overridden, dimensions are chosen from --size-gb (see `choose_dims`) and the number of
+layers is whatever brings the total closest to --size-gb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import struct
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+ARCHS = ("qwen3_moe", "mixtral", "olmoe")
+DTYPES = {"bf16": ("BF16", 2), "f16": ("F16", 2), "f32": ("F32", 4)}
+GB = 1_000_000_000
+CHUNK_ELEMS = 1 << 22  # 4 Mi elements per write (8 MB of bf16)
+POOL_ELEMS = 1 << 23  # 8 Mi random bf16 patterns (16 MB)
+TRANSFORMERS_VERSION = "5.0.0"
+
+
+@dataclass(frozen=True)
+class Dims:
+    hidden: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    moe_intermediate: int
+    top_k: int
+    layers: int = 0
+
+
+# Presets by target size: (min_size_gb, hidden, vocab, heads, kv_heads, experts, moe_intermediate)
+PRESETS = [
+    (1.0, 2048, 32000, 16, 4, 64, 512),
+    (0.1, 1024, 16000, 8, 2, 32, 256),
+    (0.0, 256, 4096, 4, 2, 8, 128),
+]
+DEFAULT_TOP_K = {"qwen3_moe": 8, "mixtral": 2, "olmoe": 8}
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def layer_tensors(arch: str, d: Dims, i: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) for layer i; kind is 'linear' or 'norm'."""
+    D, H, KV, hd, E, I = d.hidden, d.heads, d.kv_heads, d.head_dim, d.experts, d.moe_intermediate
+    p = f"model.layers.{i}."
+    out = [
+        (p + "input_layernorm.weight", (D,), "norm"),
+        (p + "self_attn.q_proj.weight", (H * hd, D), "linear"),
+        (p + "self_attn.k_proj.weight", (KV * hd, D), "linear"),
+        (p + "self_attn.v_proj.weight", (KV * hd, D), "linear"),
+        (p + "self_attn.o_proj.weight", (D, H * hd), "linear"),
+    ]
+    if arch == "qwen3_moe":
+        out += [(p + "self_attn.q_norm.weight", (hd,), "norm"),
+                (p + "self_attn.k_norm.weight", (hd,), "norm")]
+    elif arch == "olmoe":
+        out += [(p + "self_attn.q_norm.weight", (H * hd,), "norm"),
+                (p + "self_attn.k_norm.weight", (KV * hd,), "norm")]
+    out.append((p + "post_attention_layernorm.weight", (D,), "norm"))
+    if arch == "mixtral":
+        m = p + "block_sparse_moe."
+        out.append((m + "gate.weight", (E, D), "linear"))
+        for e in range(E):
+            q = f"{m}experts.{e}."
+            out += [(q + "w1.weight", (I, D), "linear"),
+                    (q + "w2.weight", (D, I), "linear"),
+                    (q + "w3.weight", (I, D), "linear")]
+    else:
+        m = p + "mlp."
+        out.append((m + "gate.weight", (E, D), "linear"))
+        for e in range(E):
+            q = f"{m}experts.{e}."
+            out += [(q + "gate_proj.weight", (I, D), "linear"),
+                    (q + "up_proj.weight", (I, D), "linear"),
+                    (q + "down_proj.weight", (D, I), "linear")]
+    return out
+
+
+def all_tensors(arch: str, d: Dims) -> list[tuple[str, tuple[int, ...], str]]:
+    out = [("model.embed_tokens.weight", (d.vocab, d.hidden), "embed")]
+    for i in range(d.layers):
+        out += layer_tensors(arch, d, i)
+    out += [("model.norm.weight", (d.hidden,), "norm"),
+            ("lm_head.weight", (d.vocab, d.hidden), "linear")]
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def choose_dims(arch: str, size_gb: float, itemsize: int, **overrides) -> Dims:
+    """Preset dims for `size_gb`, `overrides` (non-None) applied, layers fitted to the size."""
+    preset = next(p for p in PRESETS if size_gb >= p[0])
+    _, hidden, vocab, heads, kv_heads, experts, moe_i = preset
+    o = {k: v for k, v in overrides.items() if v is not None}
+    hidden = o.get("hidden", hidden)
+    heads = o.get("heads", heads)
+    head_dim = hidden // heads if arch == "olmoe" else o.get("head_dim", hidden // heads)
+    d = Dims(
+        hidden=hidden,
+        vocab=o.get("vocab", vocab),
+        heads=heads,
+        kv_heads=o.get("kv_heads", kv_heads),
+        head_dim=head_dim,
+        experts=o.get("experts", experts),
+        moe_intermediate=o.get("moe_intermediate", moe_i),
+        top_k=o.get("top_k", DEFAULT_TOP_K[arch]),
+        layers=o.get("layers", 0),
+    )
+    if d.heads % d.kv_heads:
+        raise SystemExit(f"--heads {d.heads} is not a multiple of --kv-heads {d.kv_heads}")
+    if d.top_k > d.experts:
+        raise SystemExit(f"--top-k {d.top_k} > --experts {d.experts}")
+    if d.layers <= 0:
+        fixed = sum(_numel(s) for _, s, _ in all_tensors(arch, replace(d, layers=0)))
+        per_layer = sum(_numel(s) for _, s, _ in layer_tensors(arch, d, 0))
+        target = size_gb * GB / itemsize
+        d = replace(d, layers=max(1, round((target - fixed) / per_layer)))
+    return d
+
+
+def make_config(arch: str, d: Dims, dtype: str) -> dict:
+    torch_dtype = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}[dtype]
+    common = {
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "dtype": torch_dtype,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": d.hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": d.moe_intermediate,
+        "num_attention_heads": d.heads,
+        "num_experts_per_tok": d.top_k,
+        "num_hidden_layers": d.layers,
+        "num_key_value_heads": d.kv_heads,
+        "output_router_logits": False,
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+        "transformers_version": TRANSFORMERS_VERSION,
+        "use_cache": True,
+        "vocab_size": d.vocab,
+    }
+    if arch == "qwen3_moe":
+        return dict(sorted({
+            **common,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "attention_bias": False,
+            "decoder_sparse_step": 1,
+            "head_dim": d.head_dim,
+            "intermediate_size": 4 * d.hidden,  # dense MLP size (unused: every layer is MoE)
+            "max_position_embeddings": 32768,
+            "max_window_layers": d.layers,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": d.moe_intermediate,
+            "norm_topk_prob": True,
+            "num_experts": d.experts,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+            "router_aux_loss_coef": 0.001,
+            "sliding_window": None,
+            "use_sliding_window": False,
+        }.items()))
+    if arch == "mixtral":
+        return dict(sorted({
+            **common,
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "head_dim": d.head_dim,
+            "max_position_embeddings": 32768,
+            "num_local_experts": d.experts,
+            "rms_norm_eps": 1e-5,
+            "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+            "router_aux_loss_coef": 0.02,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+        }.items()))
+    return dict(sorted({
+        **common,
+        "architectures": ["OlmoeForCausalLM"],
+        "model_type": "olmoe",
+        "attention_bias": False,
+        "clip_qkv": None,
+        "max_position_embeddings": 4096,
+        "norm_topk_prob": False,
+        "num_experts": d.experts,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "router_aux_loss_coef": 0.01,
+    }.items()))
+
+
+# ----------------------------------------------------------------------------- data
+
+
+class Filler:
+    """Deterministic, cheap random values, as bf16 bit patterns, delivered in chunks."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+        raw = np.frombuffer(self.rng.bytes(POOL_ELEMS * 2), dtype=np.uint16)
+        # sign | 2-bit exponent offset (0..3) | 7-bit mantissa: a value in [2^(k-3), 2^(k+1))
+        # once (k - 3 + 127) << 7 is added (k chosen per tensor from its scale).
+        self.pool = (raw & np.uint16(0x81FF)).astype(np.uint16)
+        self.buf = np.empty(CHUNK_ELEMS, dtype=np.uint16)
+
+    def chunk(self, n: int, kind: str, fan_in: int) -> np.ndarray:
+        out = self.buf[:n]
+        if kind == "norm":  # 1 + small positive: exponent 127, low mantissa bits
+            off = int(self.rng.integers(0, POOL_ELEMS - n + 1))
+            np.bitwise_and(self.pool[off:off + n], np.uint16(0x000F), out=out)
+            np.bitwise_or(out, np.uint16(0x3F80), out=out)
+            return out
+        scale = 0.02 if kind == "embed" else 1.0 / math.sqrt(fan_in)
+        k = round(math.log2(scale))
+        off = int(self.rng.integers(0, POOL_ELEMS - n + 1))
+        mask = np.uint16(int(self.rng.integers(0, 1 << 16)) & 0x807F)
+        np.bitwise_xor(self.pool[off:off + n], mask, out=out)
+        np.add(out, np.uint16((k - 3 + 127) << 7), out=out)
+        return out
+
+
+def _encode(bits: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bf16":
+        return bits
+    f32 = (bits.astype(np.uint32) << 16).view(np.float32)
+    return f32 if dtype == "f32" else f32.astype(np.float16)
+
+
+def safetensors_header(entries: list[tuple[str, tuple[int, ...]]], st_dtype: str,
+                       itemsize: int) -> tuple[bytes, list[tuple[int, int]]]:
+    """Header bytes (u64 length + JSON padded to 8) and each tensor's data offsets."""
+    hdr: dict = {"__metadata__": {"format": "pt"}}
+    offsets = []
+    pos = 0
+    for name, shape in entries:
+        nbytes = _numel(shape) * itemsize
+        hdr[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        offsets.append((pos, pos + nbytes))
+        pos += nbytes
+    js = json.dumps(hdr, separators=(",", ":")).encode("utf-8")
+    js += b" " * (-len(js) % 8)
+    return struct.pack("<Q", len(js)) + js, offsets
+
+
+def plan_shards(tensors, itemsize: int, shard_bytes: int) -> list[list]:
+    shards: list[list] = [[]]
+    size = 0
+    for t in tensors:
+        nbytes = _numel(t[1]) * itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += nbytes
+    return shards
+
+
+def make_synthetic_model(out_dir: Path, arch: str = "qwen3_moe", size_gb: float = 2.2,
+                         dtype: str = "bf16", shard_gb: float = 1.0, seed: int = 0,
+                         quiet: bool = False, **overrides) -> dict:
+    """Write the folder; returns a summary dict (dims, total_bytes, largest tensor, files)."""
+    if arch not in ARCHS:
+        raise SystemExit(f"unknown --arch {arch!r}; choose from {', '.join(ARCHS)}")
+    st_dtype, itemsize = DTYPES[dtype]
+    d = choose_dims(arch, size_gb, itemsize, **overrides)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(
+        json.dumps(make_config(arch, d, dtype), indent=2) + "\n", encoding="utf-8")
+
+    tensors = all_tensors(arch, d)
+    shards = plan_shards(tensors, itemsize, int(shard_gb * GB))
+    n = len(shards)
+    filler = Filler(seed)
+    weight_map: dict[str, str] = {}
+    total = 0
+    largest = ("", 0)
+    files = []
+    for si, shard in enumerate(shards, 1):
+        fname = f"model-{si:05d}-of-{n:05d}.safetensors"
+        header, offsets = safetensors_header([(nm, sh) for nm, sh, _ in shard], st_dtype, itemsize)
+        with open(out_dir / fname, "wb") as f:
+            f.write(header)
+            for (name, shape, kind), (b, e) in zip(shard, offsets):
+                numel = _numel(shape)
+                fan_in = shape[-1]
+                done = 0
+                while done < numel:
+                    m = min(CHUNK_ELEMS, numel - done)
+                    f.write(_encode(filler.chunk(m, kind, fan_in), dtype).tobytes())
+                    done += m
+                weight_map[name] = fname
+                total += e - b
+                if e - b > largest[1]:
+                    largest = (name, e - b)
+        files.append(fname)
+
+    index = {
+        "metadata": {"total_parameters": total // itemsize, "total_size": total},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    summary = {
+        "out_dir": str(out_dir),
+        "arch": arch,
+        "dtype": dtype,
+        "dims": asdict(d),
+        "total_bytes": total,
+        "largest_tensor": largest[0],
+        "largest_tensor_bytes": largest[1],
+        "files": files,
+    }
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        description="Write a large synthetic HF MoE checkpoint (streamed, bounded memory).")
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--arch", choices=ARCHS, default="qwen3_moe")
+    ap.add_argument("--size-gb", type=float, default=2.2, help="target size, 1 GB = 1e9 bytes")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--shard-gb", type=float, default=1.0, help="max shard size (GB)")
+    ap.add_argument("--seed", type=int, default=0)
+    for flag in ("layers", "hidden", "experts", "moe-intermediate", "vocab", "heads",
+                 "kv-heads", "head-dim", "top-k"):
+        ap.add_argument(f"--{flag}", type=int, default=None)
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    s = make_synthetic_model(
+        a.out_dir, arch=a.arch, size_gb=a.size_gb, dtype=a.dtype, shard_gb=a.shard_gb,
+        seed=a.seed, layers=a.layers, hidden=a.hidden, experts=a.experts,
+        moe_intermediate=a.moe_intermediate, vocab=a.vocab, heads=a.heads,
+        kv_heads=a.kv_heads, head_dim=a.head_dim, top_k=a.top_k)
+    dt = time.perf_counter() - t0
+    d = s["dims"]
+    print(f"{s['out_dir']}: {s['arch']} {s['dtype']}, {d['layers']} layers, hidden {d['hidden']}, "
+          f"{d['experts']} experts x {d['moe_intermediate']}, vocab {d['vocab']}, "
+          f"{len(s['files'])} shard(s)")
+    print(f"total {s['total_bytes']:,} bytes ({s['total_bytes'] / GB:.3f} GB); largest tensor "
+          f"{s['largest_tensor']} = {s['largest_tensor_bytes']:,} bytes; {dt:.1f} s",
+          file=sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

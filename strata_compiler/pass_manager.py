@@ -1,0 +1,119 @@
+"""Pass registry, pass context and the pass manager (timing, verification, dumps).
+
+A pass is a named function `(Graph, PassContext) -> Graph`. The manager runs a pipeline (a list
+of names, see pipelines.py), verifies the IR after every pass that changed it, times each pass,
+and with a dump directory writes `NNN.<level>.<pass>.txt` + `.dot` and `index.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .dot import graph_to_dot
+from .errors import PassError, StrataError
+from .ir import Graph, Level
+from .ir_text import print_graph
+from .verify import verify
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    quant: str = "f32"
+    group_size: int = 32
+    backend: str = "reference"
+
+
+@dataclass
+class PassContext:
+    options: CompileOptions
+    model_dir: Path | None = None
+    output_dir: Path | None = None
+    store: object | None = None         # frontend TensorStore, for passes that read weights
+    tokenizer_json: bytes | None = None
+    analyses: dict = field(default_factory=dict)
+    progress: Callable[[str], None] | None = None
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    fn: Callable[[Graph, PassContext], Graph]
+    level_in: Level
+    level_out: Level
+    doc: str
+
+
+PASSES: dict[str, Pass] = {}
+
+
+def register(name: str, level_in: Level, level_out: Level | None = None):
+    def deco(fn: Callable[[Graph, PassContext], Graph]):
+        PASSES[name] = Pass(name, fn, level_in, level_out or level_in, (fn.__doc__ or "").strip().split("\n")[0])
+        return fn
+    return deco
+
+
+@dataclass(frozen=True)
+class DumpConfig:
+    directory: Path
+    after: frozenset[str] | None = None   # None = every pass
+
+    def wants(self, name: str) -> bool:
+        return self.after is None or name in self.after
+
+
+def _write_dump(d: DumpConfig, seq: int, g: Graph, name: str) -> tuple[str, str]:
+    stem = f"{seq:03d}.{g.level.value}.{name}"
+    text, dot = d.directory / f"{stem}.txt", d.directory / f"{stem}.dot"
+    text.write_text(print_graph(g))
+    dot.write_text(graph_to_dot(g, title=f"{name} ({g.level.value})"))
+    return text.name, dot.name
+
+
+def run_pipeline(g: Graph, pipeline: list[str], ctx: PassContext, *, dump: DumpConfig | None = None,
+                 stop_after: str | None = None) -> Graph:
+    for name in pipeline + ([stop_after] if stop_after else []):
+        if name not in PASSES:
+            raise PassError(f"unknown pass {name!r}; passes: {', '.join(PASSES)}")
+    if stop_after and stop_after not in pipeline:
+        raise PassError(f"--stop-after {stop_after}: not in the pipeline ({', '.join(pipeline)})")
+    records = []
+    if dump:
+        dump.directory.mkdir(parents=True, exist_ok=True)
+        txt, dot = _write_dump(dump, 0, g, "input")
+        records.append({"pass": "input", "level": g.level.value, "nodes": len(g.nodes), "text": txt, "dot": dot})
+    for seq, name in enumerate(pipeline, start=1):
+        p = PASSES[name]
+        if g.level is not p.level_in:
+            raise PassError(f"pass {name} expects {p.level_in.value} IR, got {g.level.value}")
+        if ctx.progress:
+            ctx.progress(name)
+        t0 = time.perf_counter()
+        try:
+            out = p.fn(g, ctx)
+        except StrataError:
+            raise
+        except Exception as e:  # a bug in a pass: say which pass, keep the traceback chained
+            raise PassError(f"internal error in pass {name}: {e.__class__.__name__}: {e}") from e
+        changed = out != g
+        if changed:
+            try:
+                verify(out)
+            except StrataError as e:
+                raise PassError(f"after pass {name}: {e}") from None
+        rec = {"pass": name, "level": out.level.value, "seconds": round(time.perf_counter() - t0, 6),
+               "nodes_before": len(g.nodes), "nodes_after": len(out.nodes), "changed": changed}
+        g = out
+        if dump and dump.wants(name):
+            rec["text"], rec["dot"] = _write_dump(dump, seq, g, name)
+        records.append(rec)
+        if name == stop_after:
+            break
+    ctx.analyses["pass_records"] = records
+    if dump:
+        (dump.directory / "index.json").write_text(json.dumps({"passes": records}, indent=2) + "\n")
+    return g

@@ -1,0 +1,32 @@
+"""Materialising WeightSpecs from a checkpoint: streamed for the plan writer, whole for tests.
+
+A WeightSpec's rows are its source tensors concatenated along axis 0, per expert when stacked.
+Group-wise formats quantize each row on its own, so a weight can be converted one row block of
+one source tensor at a time and written as it goes: peak memory is one block, whatever the
+model's size.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from .formats import get_format
+from .frontend.safetensors_reader import TensorStore
+from .ir import WeightSpec
+
+
+def iter_blocks(spec: WeightSpec, store: TensorStore, block_bytes: int = 16 << 20) -> Iterator[np.ndarray]:
+    """f32 row blocks of the logical tensor, in storage order (expert-major, then sources)."""
+    for e in range(spec.experts) if spec.experts else (None,):
+        for key in spec.source_keys(e):
+            yield from store.iter_row_blocks(key, block_bytes)
+
+
+def materialize_f32(spec: WeightSpec, store: TensorStore) -> np.ndarray:
+    """The whole logical tensor as f32, rounded through its format (for tests and references)."""
+    w = np.concatenate(list(iter_blocks(spec, store)), axis=0).reshape(spec.shape)
+    if spec.fmt != "f32":
+        w = get_format(spec.fmt).roundtrip(w, spec.group_size or 32)
+    return w.astype(np.float32, copy=False)
