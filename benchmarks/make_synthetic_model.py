@@ -133,7 +133,7 @@ def choose_dims(arch: str, size_gb: float, itemsize: int, **overrides) -> Dims:
         head_dim=head_dim,
         experts=o.get("experts", experts),
         moe_intermediate=o.get("moe_intermediate", moe_i),
-        top_k=o.get("top_k", DEFAULT_TOP_K[arch]),
+        top_k=o.get("top_k", min(DEFAULT_TOP_K[arch], max(1, o.get("experts", experts) // 4))),
         layers=o.get("layers", 0),
     )
     if d.heads % d.kv_heads:
@@ -180,11 +180,11 @@ def make_config(arch: str, d: Dims, dtype: str) -> dict:
             "head_dim": d.head_dim,
             "intermediate_size": 4 * d.hidden,  # dense MLP size (unused: every layer is MoE)
             "max_position_embeddings": 32768,
-            "max_window_layers": d.layers,
             "mlp_only_layers": [],
             "moe_intermediate_size": d.moe_intermediate,
             "norm_topk_prob": True,
             "num_experts": d.experts,
+            "num_local_experts": d.experts,  # transformers 5 spelling (num_experts: alias)
             "rms_norm_eps": 1e-6,
             "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
             "router_aux_loss_coef": 0.001,
@@ -288,7 +288,7 @@ def plan_shards(tensors, itemsize: int, shard_bytes: int) -> list[list]:
 
 def make_synthetic_model(out_dir: Path, arch: str = "qwen3_moe", size_gb: float = 2.2,
                          dtype: str = "bf16", shard_gb: float = 1.0, seed: int = 0,
-                         quiet: bool = False, **overrides) -> dict:
+                         **overrides) -> dict:
     """Write the folder; returns a summary dict (dims, total_bytes, largest tensor, files)."""
     if arch not in ARCHS:
         raise SystemExit(f"unknown --arch {arch!r}; choose from {', '.join(ARCHS)}")

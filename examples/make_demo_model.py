@@ -179,7 +179,6 @@ def _config(vocab: int, bos: int, eos: int, pad: int) -> dict:
         "initializer_range": 0.02,
         "intermediate_size": INTERMEDIATE,
         "max_position_embeddings": MAX_POS,
-        "max_window_layers": LAYERS,
         "mlp_only_layers": [],
         "model_type": "qwen3_moe",
         "moe_intermediate_size": MOE_INTERMEDIATE,
@@ -187,6 +186,7 @@ def _config(vocab: int, bos: int, eos: int, pad: int) -> dict:
         "num_attention_heads": HEADS,
         "num_experts": EXPERTS,
         "num_experts_per_tok": TOP_K,
+        "num_local_experts": EXPERTS,  # transformers 5 spelling (num_experts is its alias)
         "num_hidden_layers": LAYERS,
         "num_key_value_heads": KV_HEADS,
         "output_router_logits": False,

@@ -1,0 +1,3 @@
+"""Strata: a compiler and runtime for Mixture-of-Experts language models."""
+
+__version__ = "0.1.0"

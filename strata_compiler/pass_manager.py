@@ -35,7 +35,8 @@ class PassContext:
     store: object | None = None         # frontend TensorStore, for passes that read weights
     tokenizer_json: bytes | None = None
     analyses: dict = field(default_factory=dict)
-    progress: Callable[[str], None] | None = None
+    progress: Callable[[str], None] | None = None        # called with each pass's name
+    progress_bytes: Callable[[int], None] | None = None  # called as emit converts source bytes
 
 
 @dataclass(frozen=True)

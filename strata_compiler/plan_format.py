@@ -432,6 +432,15 @@ class Container:
     def __repr__(self) -> str:
         return f"Container({self.path!r}, {len(self._sections)} sections)"
 
+    @property
+    def body_checksum(self) -> int:
+        """The header's crc32 of the body: a cheap identity for a file another one references."""
+        return self._body_crc
+
+    @property
+    def total_size(self) -> int:
+        return len(self._view) if self._view is not None else 0
+
     # -- checks ---------------------------------------------------------------------------------
 
     def _check_header_and_toc(self) -> None:

@@ -144,3 +144,24 @@ def test_tokenizer_round_trip(demo_dirs, text):
     if "<|endoftext|>" not in text:
         # Trained merges actually compress in-domain English.
         assert len(enc.ids) < len(text.encode("utf-8")) / 2
+
+
+@pytest.mark.slow
+def test_loads_in_transformers(demo_dirs):
+    """Oracle check (test-only deps): transformers loads every weight and decodes sensibly."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    d = str(demo_dirs[0])
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        d, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert model.config.num_experts == 8 and model.config.rope_parameters["rope_theta"] == 10000.0
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    ids = tok("The lighthouse stood on", return_tensors="pt").input_ids
+    assert ids[0].tolist() == Tokenizer.from_file(d + "/tokenizer.json").encode(
+        "The lighthouse stood on").ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    new = out[0, ids.shape[1]:].tolist()
+    assert len(set(new)) > 2  # not a single repeated token

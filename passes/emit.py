@@ -1,0 +1,85 @@
+"""`emit`: write `plan.bin` and `weights.bin` into the output directory.
+
+weights.bin is a container (plan_format) with one 4 KiB-aligned section per stored array,
+named `<weight>:<array>` (e.g. `L0.attn.q_k_v:qs`), streamed one row block at a time so the
+compiler never holds a whole weight. plan.bin holds the metadata (JSON), the kernel-level IR
+(text) and the tokenizer, and names weights.bin with its size and body checksum. Both are
+written to a temp file and renamed; the same inputs give the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from strata_compiler import __version__
+from strata_compiler.errors import PassError
+from strata_compiler.formats import get_format
+from strata_compiler.ir import Graph, Level, WeightSpec
+from strata_compiler.ir_text import print_graph
+from strata_compiler.pass_manager import PassContext, register
+from strata_compiler.plan_format import WEIGHTS_ALIGN, Container, ContainerWriter
+from strata_compiler.weights import iter_blocks
+
+PLAN_MAGIC = b"STRATAPL"
+WEIGHTS_MAGIC = b"STRATAWT"
+WEIGHTS_FILE = "weights.bin"
+
+
+def section_name(weight: str, array: str) -> str:
+    return f"{weight}:{array}"
+
+
+def _write_weight(w: ContainerWriter, spec: WeightSpec, store, progress) -> int:
+    fmt = get_format(spec.fmt)
+    gs = spec.group_size or 32
+    names = list(fmt.array_shapes(spec.shape, gs))
+    rest: dict[str, list[np.ndarray]] = defaultdict(list)
+
+    def first_array() -> Iterator[np.ndarray]:
+        # The first array streams; the others (per-group scales: 1/16 of the size) wait in memory.
+        for block in iter_blocks(spec, store):
+            arrays = fmt.quantize(block, gs)
+            for n in names[1:]:
+                rest[n].append(arrays[n])
+            if progress:
+                progress(block.nbytes // 2)
+            yield arrays[names[0]]
+
+    total = w.add_stream(section_name(spec.name, names[0]), first_array(), align=WEIGHTS_ALIGN).length
+    for n in names[1:]:
+        total += w.add(section_name(spec.name, n), np.concatenate(rest[n], axis=0), align=WEIGHTS_ALIGN).length
+    return total
+
+
+@register("emit", Level.KERNEL)
+def emit(g: Graph, ctx: PassContext) -> Graph:
+    """Write plan.bin (metadata, kernel IR, tokenizer) and weights.bin (packed weights)."""
+    if ctx.output_dir is None or ctx.store is None:
+        raise PassError("pass emit needs an output directory and the model's tensors")
+    out = ctx.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    bytes_by_format: dict[str, int] = defaultdict(int)
+    with ContainerWriter(out / WEIGHTS_FILE, WEIGHTS_MAGIC) as w:
+        for spec in g.weights:
+            bytes_by_format[spec.fmt] += _write_weight(w, spec, ctx.store, ctx.progress_bytes)
+    with Container.open(out / WEIGHTS_FILE, WEIGHTS_MAGIC, verify="none") as c:
+        weights_ref = {"file": WEIGHTS_FILE, "size": c.total_size, "checksum": c.body_checksum}
+    meta = {
+        "strata_version": __version__,
+        "options": {"quant": ctx.options.quant, "group_size": ctx.options.group_size, "backend": ctx.options.backend},
+        "model": {k: list(v) if isinstance(v, tuple) else v for k, v in g.meta},
+        "weights": dict(weights_ref, bytes_by_format=dict(sorted(bytes_by_format.items()))),
+        "passes": [r["pass"] for r in ctx.analyses.get("pass_records", []) if r["pass"] != "input"] + ["emit"],
+    }
+    sections = [("meta", json.dumps(meta, sort_keys=True, indent=1).encode()), ("ir", print_graph(g).encode())]
+    if ctx.tokenizer_json is not None:
+        sections.append(("tokenizer", ctx.tokenizer_json))
+    with ContainerWriter(out / "plan.bin", PLAN_MAGIC) as p:
+        for name, data in sections:
+            p.add(name, data)
+    return g

@@ -1,0 +1,97 @@
+"""`strata-run`: execute a plan — prompt or token ids in, text / ids / logits out."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+import numpy as np
+
+from strata_compiler.cli_common import debug_option, run_cli
+from strata_compiler.errors import UsageError
+
+
+def _load_ids(path: Path) -> np.ndarray:
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--input-ids {path}: cannot read a .npy array ({e})") from None
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.dtype.kind not in "iu" or ids.shape[1] == 0:
+        raise UsageError(f"--input-ids {path}: expected integer token ids of shape [B, T], got {ids.dtype}{list(ids.shape)}")
+    return ids.astype(np.int64)
+
+
+def _save(path: Path, arr: np.ndarray) -> None:
+    tmp = path.with_name(path.name + ".tmp.npy")
+    np.save(tmp, arr)
+    tmp.replace(path)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("plan_path", type=click.Path(path_type=Path))
+@click.option("--prompt", help="Text prompt (needs the tokenizer that travels with the plan).")
+@click.option("--input-ids", type=click.Path(path_type=Path), help="Token ids as .npy, int64 [B, T] (or [T]).")
+@click.option("-n", "--max-new-tokens", type=click.IntRange(0), default=32, show_default=True)
+@click.option("--greedy", is_flag=True, help="Pick the most likely token (the default unless --temperature > 0).")
+@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True)
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")
+@click.option("--logits-out", type=click.Path(path_type=Path), help="Save the prompt logits, float32 [B, T, V], as .npy.")
+@click.option("--tokens-out", type=click.Path(path_type=Path), help="Save the generated ids, int64 [B, N], as .npy.")
+@click.option("--backend", type=click.Choice(["auto", "reference", "llvm", "xla"]), default="auto", show_default=True,
+              help="Where kernels run: auto picks the best available on this host.")
+@debug_option
+def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_new_tokens: int, greedy: bool,
+               temperature: float, top_p: float, seed: int, ignore_eos: bool, logits_out: Path | None,
+               tokens_out: Path | None, backend: str, debug: bool) -> None:
+    """Run PLAN_PATH (a plan.bin, or the directory holding it): prefill the prompt, then decode."""
+    from .plan import load_plan
+    from .sampler import Sampler
+    from .session import Session
+
+    if (prompt is None) == (input_ids is None):
+        raise UsageError("give exactly one of --prompt TEXT or --input-ids FILE.npy")
+    if greedy and temperature > 0:
+        raise UsageError("--greedy and --temperature > 0 contradict each other; pick one")
+    plan = load_plan(plan_path)
+    tokenizer = None
+    if plan.tokenizer_json is not None:
+        from tokenizers import Tokenizer
+        tokenizer = Tokenizer.from_str(plan.tokenizer_json.decode())
+    if prompt is not None:
+        if tokenizer is None:
+            raise UsageError(f"{plan.path}: the plan has no tokenizer (the model folder had no tokenizer.json); use --input-ids")
+        ids = np.array([tokenizer.encode(prompt).ids], np.int64)
+        if ids.shape[1] == 0:
+            raise UsageError("--prompt: the prompt encodes to no tokens")
+    else:
+        ids = _load_ids(input_ids)
+    session = Session(plan, backend)
+    stop = () if ignore_eos else tuple(plan.meta["model"].get("eos_token_ids") or ())
+    logits, new = session.generate(ids, max_new_tokens, Sampler(temperature, top_p, seed), stop)
+    if logits_out:
+        _save(logits_out, logits.astype(np.float32))
+    if tokens_out:
+        _save(tokens_out, new)
+    if tokenizer is not None:
+        for b in range(new.shape[0]):
+            text = tokenizer.decode(ids[b].tolist() + new[b].tolist())
+            click.echo(text)
+    else:
+        for row in new:
+            click.echo(" ".join(map(str, row.tolist())))
+    pre, dec = session.timings.rates()
+    click.echo(f"[{session.backend}] prefill {ids.size} tokens at {pre:.1f} tok/s, "
+               f"decode {session.timings.decode_tokens} tokens at {dec:.1f} tok/s", err=True)
+
+
+def main() -> None:
+    sys.exit(run_cli(strata_run))
+
+
+if __name__ == "__main__":
+    main()

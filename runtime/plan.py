@@ -1,0 +1,93 @@
+"""Loading a plan: checks before use, weights mapped lazily, nothing unpickled.
+
+`load_plan` verifies plan.bin whole (it is small), parses its metadata and kernel-level IR,
+verifies the IR, then opens the sibling weights file and checks it is the one the plan was
+compiled with (size and body checksum). Weight sections are checksummed on first access.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from strata_compiler.errors import IRError, PlanError
+from strata_compiler.formats import get_format
+from strata_compiler.ir import Graph, Level
+from strata_compiler.ir_text import parse_graph
+from strata_compiler.passes.emit import PLAN_MAGIC, WEIGHTS_MAGIC, section_name
+from strata_compiler.plan_format import Container
+from strata_compiler.verify import verify
+
+
+@dataclass
+class Plan:
+    path: Path
+    meta: dict
+    graph: Graph                 # kernel level
+    tokenizer_json: bytes | None
+    weights: "PlanWeights"
+
+    def model(self, key: str):
+        return self.meta["model"][key]
+
+
+class PlanWeights:
+    """Stored arrays by weight name (zero-copy views of the mmap) and f32 dequantized copies."""
+
+    def __init__(self, container: Container, graph: Graph) -> None:
+        self.c = container
+        self.g = graph
+        self._f32: dict[str, np.ndarray] = {}
+        for spec in graph.weights:
+            for arr in get_format(spec.fmt).array_shapes(spec.shape, spec.group_size or 32):
+                if section_name(spec.name, arr) not in container:
+                    raise PlanError(f"{container.path}: no section {section_name(spec.name, arr)!r} for weight "
+                                    f"@{spec.name}; recompile with `stratac compile`")
+
+    def arrays(self, name: str) -> dict[str, np.ndarray]:
+        spec = self.g.weight(name)
+        shapes = get_format(spec.fmt).array_shapes(spec.shape, spec.group_size or 32)
+        return {a: self.c.array(section_name(name, a), dt, shp) for a, (dt, shp) in shapes.items()}
+
+    def get(self, name: str) -> np.ndarray:
+        """The weight dequantized to f32 in its logical shape (cached)."""
+        if name not in self._f32:
+            spec = self.g.weight(name)
+            w = get_format(spec.fmt).dequantize(self.arrays(name), spec.shape[-1], spec.group_size or 32)
+            self._f32[name] = np.ascontiguousarray(w.reshape(spec.shape), dtype=np.float32)
+        return self._f32[name]
+
+
+def load_plan(path: str | Path, *, verify_weights: str = "lazy") -> Plan:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "plan.bin"
+    c = Container.open(path, PLAN_MAGIC, verify="full")
+    for s in ("meta", "ir"):
+        if s not in c:
+            raise PlanError(f"{path}: missing section {s!r}; recompile it with `stratac compile`")
+    try:
+        meta = json.loads(bytes(c.section("meta")))
+        wref = meta["weights"]
+        wfile, wsize, wsum = str(wref["file"]), int(wref["size"]), int(wref["checksum"])
+    except (ValueError, KeyError, TypeError):
+        raise PlanError(f"{path}: metadata section is malformed; recompile it with `stratac compile`") from None
+    try:
+        graph = parse_graph(bytes(c.section("ir")).decode(), source=f"{path}:ir")
+        if graph.level is not Level.KERNEL:
+            raise IRError(f"IR is at level {graph.level.value}, expected kernel")
+        verify(graph)
+    except (IRError, UnicodeDecodeError) as e:
+        raise PlanError(f"{path}: kernel IR is invalid ({str(e).splitlines()[0]}); recompile it") from None
+    tok = bytes(c.section("tokenizer")) if "tokenizer" in c else None
+    if "/" in wfile or wfile.startswith("."):
+        raise PlanError(f"{path}: weights file name {wfile!r} is not a plain file name")
+    wpath = path.parent / wfile
+    wc = Container.open(wpath, WEIGHTS_MAGIC, verify=verify_weights)
+    if wc.total_size != wsize or wc.body_checksum != wsum:
+        raise PlanError(f"{wpath}: does not match {path.name} (size or checksum differs); "
+                        f"it belongs to another compile — recompile or copy both files together")
+    return Plan(path, meta, graph, tok, PlanWeights(wc, graph))

@@ -1,0 +1,78 @@
+"""A generation session: a plan bound to a backend, a KV cache, prefill and decode steps."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from strata_compiler.backends import resolve_backend
+from strata_compiler.backends.reference.executor import ReferenceExecutor
+from strata_compiler.errors import UsageError
+
+from .kv_cache import KVCache
+from .plan import Plan
+from .sampler import Sampler
+
+
+@dataclass
+class Timings:
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+
+    def rates(self) -> tuple[float, float]:
+        return (self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0,
+                self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0)
+
+
+@dataclass
+class Session:
+    plan: Plan
+    backend: str = "auto"
+    timings: Timings = field(default_factory=Timings)
+
+    def __post_init__(self) -> None:
+        self.backend = resolve_backend(self.backend)
+        self.executor = ReferenceExecutor(self.plan.graph, self.plan.weights)
+        self.cache: KVCache | None = None
+
+    def reset(self, batch: int, capacity: int) -> None:
+        m = self.plan.meta["model"]
+        self.cache = KVCache(m["n_layers"], batch, m["n_kv_heads"], m["head_dim"], capacity)
+
+    def step(self, ids: np.ndarray) -> np.ndarray:
+        """Run ids i64[B, T] through the model at the cache's position; logits f32[B, T, V]."""
+        assert self.cache is not None, "call reset() first"
+        vocab = self.plan.meta["model"]["vocab_size"]
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            raise UsageError(f"token id {int(ids.max() if ids.max() >= vocab else ids.min())} is outside the vocabulary [0, {vocab})")
+        out = self.executor.run(ids, self.cache)
+        return out[self.plan.graph.outputs[0]]
+
+    def generate(self, prompt: np.ndarray, max_new_tokens: int, sampler: Sampler,
+                 stop_ids: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """Prefill the prompt i64[B, T], then decode. Returns (prompt logits [B,T,V], new ids [B,N])."""
+        B, T = prompt.shape
+        self.reset(B, T + max_new_tokens)
+        t0 = time.perf_counter()
+        logits = self.step(prompt)
+        self.timings.prefill_seconds += time.perf_counter() - t0
+        self.timings.prefill_tokens += B * T
+        new = np.zeros((B, max_new_tokens), np.int64)
+        done = np.zeros(B, bool)
+        last = logits[:, -1]
+        t0 = time.perf_counter()
+        for i in range(max_new_tokens):
+            tok = sampler(last)
+            new[:, i] = tok
+            done |= np.isin(tok, stop_ids)
+            if done.all() or i == max_new_tokens - 1:
+                new = new[:, : i + 1]
+                break
+            last = self.step(tok[:, None])[:, -1]
+        self.timings.decode_seconds += time.perf_counter() - t0
+        self.timings.decode_tokens += B * max(new.shape[1] - 1, 0)
+        return logits, new

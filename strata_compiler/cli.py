@@ -1,0 +1,149 @@
+"""`stratac`: compile a Hugging Face model folder into a plan, and inspect plans."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import click
+
+from .cli_common import debug_option, run_cli
+from .formats import FORMATS, get_format
+from .pass_manager import PASSES, CompileOptions, DumpConfig
+from .pipelines import DEFAULT
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def stratac() -> None:
+    """Strata compiler: Hugging Face MoE model folder -> plan.bin + weights.bin.
+
+    \b
+      stratac compile ./Qwen3-30B-A3B --quant int4 -o qwen/
+      strata-run qwen/plan.bin --prompt "Explain MoE routing"
+    """
+
+
+@stratac.command("compile")
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out_dir", type=click.Path(path_type=Path), required=True,
+              help="Directory to write plan.bin and weights.bin into (created if missing).")
+@click.option("--quant", type=click.Choice(list(FORMATS)), default="f32", show_default=True,
+              help="Storage format of the linear layers' weights (embeddings, norms, biases and routers stay f32).")
+@click.option("--group-size", type=int, default=32, show_default=True,
+              help="Values per quantization scale for int8/int4 (even).")
+@click.option("--dump-dir", type=click.Path(path_type=Path),
+              help="Write the IR after each pass as NNN.<level>.<pass>.txt/.dot plus index.json.")
+@click.option("--dump-after", default="all", show_default=True,
+              help="Passes to dump after: 'all' or a comma-separated list of pass names.")
+@click.option("--stop-after", help="Stop the pipeline after this pass (no plan is written unless it is 'emit').")
+@click.option("--backend", type=click.Choice(["reference"]), default="reference", show_default=True,
+              help="Backend the kernels are bound to (strata-run --backend can rebind).")
+@debug_option
+def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, dump_dir: Path | None,
+                dump_after: str, stop_after: str | None, backend: str, debug: bool) -> None:
+    """Compile MODEL_DIR (config.json, *.safetensors, tokenizer.json) into a plan.
+
+    \b
+    Pipeline: """
+    from .compiler import compile_model, weight_source_bytes
+    from .errors import UsageError
+
+    dump = None
+    if dump_dir is not None:
+        after = None
+        if dump_after != "all":
+            after = frozenset(s.strip() for s in dump_after.split(",") if s.strip())
+            unknown = after - set(PASSES)
+            if unknown:
+                raise UsageError(f"--dump-after: unknown pass(es) {', '.join(sorted(unknown))}; passes: {', '.join(DEFAULT)}")
+        dump = DumpConfig(dump_dir, after)
+    if stop_after is not None and stop_after not in DEFAULT:
+        raise UsageError(f"--stop-after {stop_after}: unknown pass; passes: {', '.join(DEFAULT)}")
+    opts = CompileOptions(quant=quant, group_size=group_size, backend=backend)
+    show = sys.stderr.isatty()
+    total = weight_source_bytes(model_dir) if show and model_dir.is_dir() else 0
+    bar = click.progressbar(length=max(total, 1), label="converting weights", file=sys.stderr, width=30)
+    with bar if show else contextlib.nullcontext():
+        g = compile_model(model_dir, out_dir, opts, dump=dump, stop_after=stop_after,
+                          progress_bytes=bar.update if show else None)
+    if stop_after in (None, "emit"):
+        plan, weights = out_dir / "plan.bin", out_dir / "weights.bin"
+        click.echo(f"wrote {plan} ({plan.stat().st_size} B) and {weights} ({weights.stat().st_size / 2**20:.1f} MiB); "
+                   f"{len(g.nodes)} kernels, quant {quant}")
+    else:
+        click.echo(f"stopped after {stop_after}: {len(g.nodes)} {g.level.value}-level nodes")
+
+
+compile_cmd.help = (compile_cmd.help or "") + ", ".join(DEFAULT)
+
+
+def summarize(plan) -> dict:
+    from .ir import Op
+
+    g = plan.graph
+    kernels = Counter(f"{n.backend}@{n.device}:{n.op.value}" for n in g.nodes)
+    fused = Counter()
+    for n in g.nodes:
+        if n.op is Op.LINEAR:
+            parts = [p for p in (n.attr("prologue", "none"), "matmul", n.attr("epilogue", "none"),
+                                 "residual" if len(n.args) == 2 else "none") if p != "none"]
+            fused["+".join(parts)] += 1
+        elif n.op in (Op.FUSED_ATTENTION, Op.ROUTE) or (n.op is Op.MOE_FFN and n.weight("gate_up")):
+            fused[n.op.value + ("+residual" if n.op is Op.MOE_FFN and len(n.args) == 3 else "")] += 1
+    weights = []
+    for w in g.weights:
+        nbytes = get_format(w.fmt).nbytes(w.shape, w.group_size or 32)
+        weights.append({"name": w.name, "shape": list(w.shape), "format": w.fmt, "group_size": w.group_size,
+                        "bytes": nbytes, "tier": "host-ram (mmap)"})
+    tiers = Counter()
+    for w in weights:
+        tiers[w["tier"]] += w["bytes"]
+    return {
+        "plan": str(plan.path), "model": plan.meta["model"], "options": plan.meta["options"],
+        "kernels": dict(sorted(kernels.items())), "fused_kernels": dict(sorted(fused.items())),
+        "bytes_per_tier": dict(tiers), "weights": weights,
+        "peak_activation_bytes_per_token": plan.meta["model"].get("peak_activation_bytes_per_token"),
+    }
+
+
+@stratac.command("inspect")
+@click.argument("plan_path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+@click.option("--weights/--no-weights", default=True, help="List every weight with its format.")
+@debug_option
+def inspect_cmd(plan_path: Path, as_json: bool, weights: bool, debug: bool) -> None:
+    """Summarise a plan: kernels per device, bytes per memory tier, format per tensor, fusions."""
+    from strata_compiler.runtime.plan import load_plan
+
+    s = summarize(load_plan(plan_path))
+    if as_json:
+        click.echo(json.dumps(s, indent=1))
+        return
+    m = s["model"]
+    click.echo(f"plan {s['plan']}: {m['architecture']}, {m['n_layers']} layers, vocab {m['vocab_size']}, "
+               f"quant {s['options']['quant']} (group {s['options']['group_size']})")
+    click.echo("\nkernels (backend@device:op)")
+    for k, v in s["kernels"].items():
+        click.echo(f"  {v:6d}  {k}")
+    click.echo("\nfused kernels")
+    for k, v in s["fused_kernels"].items():
+        click.echo(f"  {v:6d}  {k}")
+    click.echo("\nbytes per memory tier")
+    for k, v in s["bytes_per_tier"].items():
+        click.echo(f"  {v / 2**20:10.2f} MiB  {k}")
+    click.echo(f"\npeak activations: {s['peak_activation_bytes_per_token']} B per token")
+    if weights:
+        click.echo("\nweights")
+        for w in s["weights"]:
+            click.echo(f"  {w['name']:40s} {w['format']:5s} {str(w['shape']):>18s} {w['bytes'] / 1024:10.1f} KiB")
+
+
+def main() -> None:
+    sys.exit(run_cli(stratac))
+
+
+if __name__ == "__main__":
+    main()

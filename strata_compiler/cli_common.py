@@ -1,0 +1,45 @@
+"""What both CLIs share: one-line errors, --debug tracebacks, exit codes."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from .errors import StrataError
+
+
+def run_cli(cmd: click.Command, argv: list[str] | None = None) -> int:
+    """Run a click command; user mistakes print one line `error: ...` and exit nonzero.
+
+    `--debug` anywhere on the command line (or STRATA_DEBUG=1) shows the traceback instead.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("STRATA_DEBUG") == "1"
+    try:
+        rv = cmd.main(args=args, prog_name=os.path.basename(sys.argv[0]) or cmd.name, standalone_mode=False)
+        return rv if isinstance(rv, int) else 0
+    except click.exceptions.Abort:
+        click.echo("error: aborted", err=True)
+        return 130
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:
+        if debug:
+            raise
+        hint = f" (see `{e.ctx.command_path} --help`)" if getattr(e, "ctx", None) else ""
+        click.echo(f"error: {e.format_message()}{hint}", err=True)
+        return 2
+    except StrataError as e:
+        if debug:
+            raise
+        click.echo(f"error: {e}", err=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        click.echo("error: interrupted", err=True)
+        return 130
+
+
+
+debug_option = click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")

@@ -1,0 +1,15 @@
+"""The compile pipelines, each pass one line. The manager verifies the IR after every pass."""
+
+from __future__ import annotations
+
+# Importing the pass modules registers them.
+from strata_compiler.passes import emit, fuse, lower, plan_memory, quantize, select_kernels  # noqa: F401
+
+DEFAULT = [
+    "lower",           # graph -> tensor: attention, mlp and moe become primitive tensor ops
+    "fuse",            # QKV / gate-up merges, SiLU*mul, attention, router, norm prologues, residuals
+    "quantize",        # weight formats from --quant / --group-size; fused weights share one
+    "select-kernels",  # tensor -> kernel: bind every op to a device and a backend
+    "plan-memory",     # activation buffers by liveness; peak activation bytes per token
+    "emit",            # write plan.bin and weights.bin
+]

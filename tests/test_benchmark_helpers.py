@@ -1,0 +1,185 @@
+"""benchmarks/make_synthetic_model.py and the header/limit arithmetic of benchmarks/compile_rss.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import struct
+import sys
+from pathlib import Path
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy for safetensors)
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+msm = _load("make_synthetic_model")
+crss = _load("compile_rss")
+
+EXPERT_KEYS = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
+
+
+def _check_folder(d: Path, arch: str) -> dict:
+    cfg = json.loads((d / "config.json").read_text())
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    weight_map = index["weight_map"]
+    shards = sorted(d.glob("*.safetensors"))
+    n = len(shards)
+    assert [p.name for p in shards] == [f"model-{i:05d}-of-{n:05d}.safetensors"
+                                        for i in range(1, n + 1)]
+    assert set(weight_map.values()) == {p.name for p in shards}
+
+    shapes: dict[str, tuple] = {}
+    total = 0
+    for p in shards:
+        raw = p.read_bytes()[:8]
+        (hlen,) = struct.unpack("<Q", raw)
+        assert hlen % 8 == 0
+        with safe_open(str(p), framework="numpy") as f:
+            assert f.metadata() == {"format": "pt"}
+            for k in f.keys():
+                assert weight_map[k] == p.name
+                t = f.get_tensor(k)
+                assert t.dtype == np.dtype(ml_dtypes.bfloat16)
+                x = t.astype(np.float32)
+                assert np.isfinite(x).all(), k
+                if k.endswith("norm.weight"):
+                    assert 1.0 <= x.min() and x.max() < 1.2, k
+                else:
+                    assert 0 < x.std() < 0.2 and abs(x.mean()) < 0.01, k
+                shapes[k] = t.shape
+                total += t.nbytes
+    assert set(shapes) == set(weight_map)
+    assert index["metadata"]["total_size"] == total
+
+    D, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    H, KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim", D // H)
+    E = cfg["num_local_experts"] if arch == "mixtral" else cfg["num_experts"]
+    I = cfg["moe_intermediate_size"] if arch == "qwen3_moe" else cfg["intermediate_size"]
+    assert cfg["model_type"] == arch
+    assert shapes["model.embed_tokens.weight"] == (V, D)
+    assert shapes["lm_head.weight"] == (V, D)
+    assert shapes["model.norm.weight"] == (D,)
+    block, (g, u, dn) = EXPERT_KEYS[arch]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        assert shapes[p + "self_attn.q_proj.weight"] == (H * hd, D)
+        assert shapes[p + "self_attn.k_proj.weight"] == (KV * hd, D)
+        assert shapes[p + "self_attn.v_proj.weight"] == (KV * hd, D)
+        assert shapes[p + "self_attn.o_proj.weight"] == (D, H * hd)
+        assert shapes[f"{p}{block}.gate.weight"] == (E, D)
+        for e in range(E):
+            q = f"{p}{block}.experts.{e}."
+            assert shapes[q + g + ".weight"] == (I, D)
+            assert shapes[q + u + ".weight"] == (I, D)
+            assert shapes[q + dn + ".weight"] == (D, I)
+    assert f"model.layers.{L}.input_layernorm.weight" not in shapes
+    if arch == "qwen3_moe":
+        assert shapes["model.layers.0.self_attn.q_norm.weight"] == (hd,)
+    elif arch == "olmoe":
+        assert shapes["model.layers.0.self_attn.k_norm.weight"] == (KV * hd,)
+    else:
+        assert "model.layers.0.self_attn.q_norm.weight" not in shapes
+    return {"shapes": shapes, "total": total, "cfg": cfg}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])
+def test_synthetic_model_parses_back(tmp_path, arch):
+    s = msm.make_synthetic_model(tmp_path / arch, arch=arch, size_gb=0.01)
+    info = _check_folder(tmp_path / arch, arch)
+    assert s["total_bytes"] == info["total"]
+    assert 0.005e9 < s["total_bytes"] < 0.02e9
+    largest = max(info["shapes"].items(), key=lambda kv: int(np.prod(kv[1])))
+    assert s["largest_tensor_bytes"] == int(np.prod(largest[1])) * 2
+
+    stats = crss.model_stats(tmp_path / arch)
+    assert stats.tensors == len(info["shapes"])
+    assert stats.tensor_bytes == info["total"]
+    assert stats.largest_bytes == s["largest_tensor_bytes"]
+    assert stats.largest_tensor == s["largest_tensor"]
+    assert stats.file_bytes == sum(p.stat().st_size for p in (tmp_path / arch).glob("*.safetensors"))
+
+
+def test_sharding_overrides_and_determinism(tmp_path):
+    kw = dict(arch="qwen3_moe", size_gb=0.01, shard_gb=0.0005, layers=2,
+              hidden=128, experts=4, vocab=3000, heads=4, kv_heads=2)
+    a = msm.make_synthetic_model(tmp_path / "a", **kw)
+    b = msm.make_synthetic_model(tmp_path / "b", **kw)
+    assert len(a["files"]) > 1
+    info = _check_folder(tmp_path / "a", "qwen3_moe")
+    cfg = info["cfg"]
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_experts"], cfg["vocab_size"]) \
+        == (2, 128, 4, 3000)
+    for name in a["files"]:
+        pa, pb = tmp_path / "a" / name, tmp_path / "b" / name
+        assert pa.read_bytes() == pb.read_bytes()
+        header = crss.read_safetensors_header(pa)
+        data = sum(v["data_offsets"][1] - v["data_offsets"][0]
+                   for k, v in header.items() if k != "__metadata__")
+        assert data <= 0.0005e9 or len(header) == 2  # over the limit only when alone
+    c = msm.make_synthetic_model(tmp_path / "c", seed=1, **kw)
+    assert (tmp_path / "c" / c["files"][0]).read_bytes() != (tmp_path / "a" / a["files"][0]).read_bytes()
+
+
+def test_size_fitting_without_writing():
+    d = msm.choose_dims("qwen3_moe", 2.2, 2)
+    assert (d.hidden, d.vocab, d.experts) == (2048, 32000, 64)
+    total = sum(int(np.prod(s)) for _, s, _ in msm.all_tensors("qwen3_moe", d)) * 2
+    per_layer = sum(int(np.prod(s)) for _, s, _ in msm.layer_tensors("qwen3_moe", d, 0)) * 2
+    assert abs(total - 2.2e9) <= per_layer / 2 + 1
+    assert max(int(np.prod(s)) for _, s, _ in msm.all_tensors("qwen3_moe", d)) * 2 == 32000 * 2048 * 2
+
+
+def test_limit_arithmetic():
+    MiB = 1 << 20
+    assert crss.rss_limit_bytes(0) == 500 * MiB
+    assert crss.rss_limit_bytes(131_072_000) == 196_608_000 + 500 * MiB
+    assert crss.maxrss_to_bytes(1000, "linux") == 1_024_000
+    assert crss.maxrss_to_bytes(1000, "darwin") == 1000
+    stats = crss.ModelStats(files=1, tensors=2, file_bytes=10 * MiB, tensor_bytes=10 * MiB,
+                            largest_tensor="x", largest_bytes=100 * MiB)
+    limit = 650 * MiB
+    assert crss.judge(stats, 0, limit, 1.0).verdict == "PASS"
+    assert crss.judge(stats, 0, limit + 1, 1.0).verdict == "FAIL"
+    assert crss.judge(stats, 3, 1, 1.0).verdict == "FAIL"
+    table = crss.format_table(crss.judge(stats, 0, 10 * MiB, 1.0))
+    assert "PASS" in table and "limit" in table and "peak RSS" in table
+
+
+def test_header_reader_and_measured_run(tmp_path):
+    # A hand-built header with __metadata__ and two tensors.
+    hdr = {"__metadata__": {"format": "pt"},
+           "a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+           "b": {"dtype": "BF16", "shape": [5], "data_offsets": [24, 34]}}
+    js = json.dumps(hdr).encode()
+    js += b" " * (-len(js) % 8)
+    (tmp_path / "m.safetensors").write_bytes(struct.pack("<Q", len(js)) + js + bytes(34))
+    assert crss.read_safetensors_header(tmp_path / "m.safetensors") == hdr
+    st = crss.model_stats(tmp_path)
+    assert (st.tensors, st.tensor_bytes, st.largest_tensor, st.largest_bytes) == (2, 34, "a", 24)
+
+    child = [sys.executable, "-c", "b = bytearray(64 << 20)"]  # zero-filled: RSS >= 64 MiB
+    cmd = crss.compile_command(child, tmp_path, tmp_path / "plan", "bf16", ["--extra"])
+    assert cmd[-7:] == ["compile", str(tmp_path), "-o", str(tmp_path / "plan"),
+                        "--quant", "bf16", "--extra"]
+    code, peak, wall = crss.run_measured(cmd)
+    assert code == 0 and peak >= 64 << 20 and wall > 0
+    code, _, _ = crss.run_measured([sys.executable, "-c", "raise SystemExit(3)"])
+    assert code == 3
+    assert crss.main([str(tmp_path), "-o", str(tmp_path / "plan"), "--dry-run"]) == 0
