@@ -25,7 +25,7 @@ from .rewrite import Rewriter
 
 def _merged_weight(rw: Rewriter, names: list[str]) -> str:
     specs = [rw.weights[n] for n in names]
-    prefix = names[0].rsplit(".", 1)[0] + "."
+    prefix = names[0][: names[0].rfind(".") + 1]   # "L0.attn." of "L0.attn.q"; "" without a dot
     name = prefix + "_".join(n[len(prefix):] if n.startswith(prefix) else n for n in names)
     ax = 1 if specs[0].experts else 0   # the output-row axis; stacked weights lead with E
     rows = sum(s.shape[ax] for s in specs)
