@@ -34,11 +34,14 @@ def _save(path: Path, arr: np.ndarray) -> None:
 @click.argument("plan_path", type=click.Path(path_type=Path))
 @click.option("--prompt", help="Text prompt (needs the tokenizer that travels with the plan).")
 @click.option("--input-ids", type=click.Path(path_type=Path), help="Token ids as .npy, int64 [B, T] (or [T]).")
-@click.option("-n", "--max-new-tokens", type=click.IntRange(0), default=32, show_default=True)
+@click.option("-n", "--max-new-tokens", type=click.IntRange(0), default=32, show_default=True,
+              help="Tokens to generate after the prompt (fewer if every sequence reaches EOS).")
 @click.option("--greedy", is_flag=True, help="Pick the most likely token (the default unless --temperature > 0).")
-@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True)
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True,
+              help="Sampling temperature; 0 is greedy.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
+              help="Nucleus sampling: keep the most likely tokens whose probabilities sum to this.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")
 @click.option("--logits-out", type=click.Path(path_type=Path), help="Save the prompt logits, float32 [B, T, V], as .npy.")
 @click.option("--tokens-out", type=click.Path(path_type=Path), help="Save the generated ids, int64 [B, N], as .npy.")
