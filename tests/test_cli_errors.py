@@ -31,7 +31,7 @@ from safetensors.numpy import load_file, save_file
 from strata_compiler.cli import stratac
 from strata_compiler.cli_common import run_cli
 from strata_compiler.passes.emit import PLAN_MAGIC, WEIGHTS_MAGIC
-from strata_compiler.plan_format import HEADER_SIZE, Container
+from strata_compiler.plan_format import HEADER_SIZE, Container, write_container
 from strata_compiler.runtime.cli import strata_run
 
 BIN = Path(sys.executable).parent
@@ -193,7 +193,7 @@ def _truncation_points(plan: Path) -> dict[str, int]:
 
 @pytest.mark.parametrize("where", ["empty", "inside-magic", "inside-header", "header-only", "inside-meta",
                                    "inside-ir", "inside-tokenizer", "inside-toc", "one-byte-short"])
-def test_truncated_plan(capsys, plan_dir, where, built):
+def test_truncated_plan(capsys, built, plan_dir, where):
     plan = plan_dir / "plan.bin"
     n = _truncation_points(plan)[where]
     plan.write_bytes(plan.read_bytes()[:n])
@@ -201,14 +201,14 @@ def test_truncated_plan(capsys, plan_dir, where, built):
     assert "truncated" in line or "empty" in line, line
 
 
-def test_truncated_plan_subprocess(plan_dir, built):
+def test_truncated_plan_subprocess(built, plan_dir):
     plan = plan_dir / "plan.bin"
     plan.write_bytes(plan.read_bytes()[:-7])
     line = assert_one_line_error(script(STRATA_RUN, plan, "--input-ids", built.ids, "-n", "2"), "plan.bin")
     assert "truncated" in line
 
 
-def test_plan_with_junk_appended(capsys, plan_dir, built):
+def test_plan_with_junk_appended(capsys, built, plan_dir):
     plan = plan_dir / "plan.bin"
     plan.write_bytes(plan.read_bytes() + b"\0junk")
     line = run_fails(capsys, plan, "--input-ids", built.ids, names=("plan.bin",))
@@ -217,7 +217,7 @@ def test_plan_with_junk_appended(capsys, plan_dir, built):
 
 @pytest.mark.parametrize("section", ["meta", "ir", "tokenizer"])
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
-def test_flipped_byte_in_plan_section(capsys, plan_dir, section, where, built):
+def test_flipped_byte_in_plan_section(capsys, built, plan_dir, section, where):
     plan = plan_dir / "plan.bin"
     s = {s.name: s for s in sections(plan, PLAN_MAGIC)}[section]
     flip(plan, s.offset + {"first": 0, "middle": s.length // 2, "last": s.length - 1}[where])
@@ -226,7 +226,7 @@ def test_flipped_byte_in_plan_section(capsys, plan_dir, section, where, built):
 
 
 @pytest.mark.parametrize("where", ["header-field", "header-checksum", "padding", "toc"])
-def test_flipped_byte_outside_sections(capsys, plan_dir, where, built):
+def test_flipped_byte_outside_sections(capsys, built, plan_dir, where):
     plan = plan_dir / "plan.bin"
     secs = sections(plan, PLAN_MAGIC)
     gap = secs[0].offset + secs[0].length  # zero padding up to the next 64-byte boundary
@@ -245,14 +245,14 @@ def test_flipped_byte_in_plan_section_inspect(capsys, plan_dir):
     assert_one_line_error(cli(capsys, stratac, "inspect", plan), "plan.bin", f"'{s.name}'")
 
 
-def test_flipped_byte_in_plan_subprocess(plan_dir, built):
+def test_flipped_byte_in_plan_subprocess(built, plan_dir):
     plan = plan_dir / "plan.bin"
     s = sections(plan, PLAN_MAGIC)[0]
     flip(plan, s.offset + 10)
     assert_one_line_error(script(STRATA_RUN, plan, "--input-ids", built.ids), "plan.bin", "'meta'")
 
 
-def test_wrong_magic(capsys, plan_dir, built):
+def test_wrong_magic(capsys, built, plan_dir):
     plan = plan_dir / "plan.bin"
     data = bytearray(plan.read_bytes())
     data[:8] = b"NOTAPLAN"
@@ -261,19 +261,19 @@ def test_wrong_magic(capsys, plan_dir, built):
     assert "wrong file kind" in line
 
 
-def test_weights_file_passed_as_plan(capsys, plan_dir, built):
+def test_weights_file_passed_as_plan(capsys, built, plan_dir):
     line = run_fails(capsys, plan_dir / "weights.bin", "--input-ids", built.ids, names=("weights.bin",))
     assert "wrong file kind" in line and "STRATAPL" in line
 
 
-def test_not_a_plan_at_all(capsys, tmp_path, built):
+def test_not_a_plan_at_all(capsys, built, tmp_path):
     bogus = tmp_path / "plan.bin"
     bogus.write_text('{"this": "is json, not a plan"}\n' * 4)
     run_fails(capsys, bogus, "--input-ids", built.ids, names=("plan.bin",))
 
 
 @pytest.mark.parametrize("major", [2, 0xFFFF])
-def test_newer_major_version(capsys, plan_dir, major, built):
+def test_newer_major_version(capsys, built, plan_dir, major):
     plan = plan_dir / "plan.bin"
     data = bytearray(plan.read_bytes())
     struct.pack_into("<H", data, MAJOR_AT, major)
@@ -293,12 +293,48 @@ def test_newer_major_version_subprocess(plan_dir):
     assert "newer" in line
 
 
-def test_missing_plan_file(capsys, tmp_path, built):
+def _rewrite_meta(plan_dir: Path, edit) -> None:
+    """Rewrite plan.bin with its metadata JSON edited: a well-formed container, all checksums valid."""
+    plan = plan_dir / "plan.bin"
+    with Container.open(plan, PLAN_MAGIC) as c:
+        secs = {n: bytes(c.section(n)) for n in c.names()}
+    meta = json.loads(secs["meta"])
+    edit(meta)
+    secs["meta"] = json.dumps(meta).encode()
+    write_container(plan, PLAN_MAGIC, list(secs.items()))
+
+
+@pytest.mark.parametrize("edit", ["drop-weights-ref", "weights-file-path", "meta-not-json"])
+def test_plan_meta_malformed(capsys, built, plan_dir, edit):
+    if edit == "meta-not-json":
+        plan = plan_dir / "plan.bin"
+        with Container.open(plan, PLAN_MAGIC) as c:
+            secs = {n: bytes(c.section(n)) for n in c.names()}
+        secs["meta"] = b"\x00not json"
+        write_container(plan, PLAN_MAGIC, list(secs.items()))
+    elif edit == "drop-weights-ref":
+        _rewrite_meta(plan_dir, lambda m: m.pop("weights"))
+    else:
+        _rewrite_meta(plan_dir, lambda m: m["weights"].__setitem__("file", "../../etc/passwd"))
+    run_fails(capsys, plan_dir, "--input-ids", built.ids, names=("plan.bin",))
+
+
+@pytest.mark.xfail(strict=True, raises=KeyError,
+                   reason="product bug: load_plan checks only meta['weights']; a checksum-valid plan "
+                   "whose metadata lacks 'model' (or a model field such as 'n_layers') loads, then strata-run "
+                   "and stratac inspect die with a KeyError traceback")
+@pytest.mark.parametrize("drop", ["model", "n_layers"])
+def test_plan_meta_missing_model_fields(capsys, built, plan_dir, drop):
+    _rewrite_meta(plan_dir, lambda m: m.pop("model") if drop == "model" else m["model"].pop(drop))
+    run_fails(capsys, plan_dir, "--input-ids", built.ids, names=("plan.bin",))
+
+
+def test_missing_plan_file(capsys, built, tmp_path):
     run_fails(capsys, tmp_path / "nowhere" / "plan.bin", "--input-ids", built.ids,
               names=("plan.bin", "no such file"))
 
 
-def test_plan_dir_without_plan(capsys, tmp_path, built):
+def test_plan_dir_without_plan(capsys, built, tmp_path):
     (tmp_path / "emptydir").mkdir()
     run_fails(capsys, tmp_path / "emptydir", "--input-ids", built.ids, names=("plan.bin",))
 
@@ -311,7 +347,7 @@ def test_missing_plan_file_subprocess(tmp_path):
 # weights.bin
 
 
-def test_weights_missing(capsys, plan_dir, built):
+def test_weights_missing(capsys, built, plan_dir):
     (plan_dir / "weights.bin").unlink()
     run_fails(capsys, plan_dir, "--input-ids", built.ids, names=("weights.bin", "no such file"))
 
@@ -322,7 +358,7 @@ def test_weights_from_another_compile(capsys, built, plan_dir):
     assert "does not match" in line
 
 
-def test_weights_truncated(capsys, plan_dir, built):
+def test_weights_truncated(capsys, built, plan_dir):
     w = plan_dir / "weights.bin"
     w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
     line = run_fails(capsys, plan_dir, "--input-ids", built.ids, names=("weights.bin",))
@@ -337,7 +373,7 @@ def _flip_in_weight(plan_dir: Path, pick: int) -> str:
 
 
 @pytest.mark.parametrize("pick", [0, -1])
-def test_weights_flipped_byte_in_section(capsys, plan_dir, pick, built):
+def test_weights_flipped_byte_in_section(capsys, built, plan_dir, pick):
     """Weights are checked lazily: the run fails when it reads the corrupt section."""
     name = _flip_in_weight(plan_dir, pick)
     line = run_fails(capsys, plan_dir, "--input-ids", built.ids, "-n", "2",
@@ -345,7 +381,7 @@ def test_weights_flipped_byte_in_section(capsys, plan_dir, pick, built):
     assert "corrupt" in line
 
 
-def test_weights_flipped_byte_subprocess(plan_dir, built):
+def test_weights_flipped_byte_subprocess(built, plan_dir):
     name = _flip_in_weight(plan_dir, 3)
     assert_one_line_error(script(STRATA_RUN, plan_dir / "plan.bin", "--input-ids", built.ids, "-n", "2"),
                           "weights.bin", f"'{name}'")
@@ -453,7 +489,8 @@ def test_config_bad_rope(capsys, tmp_path, model_dir, rope):
     compile_fails(capsys, tmp_path, model_dir, names=("config.json", "rope"))
 
 
-@pytest.mark.xfail(strict=True, reason="product bug: a rope_parameters value of the wrong type or a linear/llama3 "
+@pytest.mark.xfail(strict=True, raises=(ValueError, KeyError),
+                   reason="product bug: a rope_parameters value of the wrong type or a linear/llama3 "
                    "rope without its 'factor' escapes as a Python traceback (ValueError/KeyError in "
                    "frontend/hf.py _rope) instead of a one-line ModelError")
 @pytest.mark.parametrize("rope", [
@@ -465,7 +502,8 @@ def test_config_garbled_rope_values(capsys, tmp_path, model_dir, rope):
     compile_fails(capsys, tmp_path, model_dir, names=("config.json", "rope"))
 
 
-@pytest.mark.xfail(strict=True, reason="product bug: 'clip_qkv' of the wrong type escapes as a ValueError "
+@pytest.mark.xfail(strict=True, raises=ValueError,
+                   reason="product bug: 'clip_qkv' of the wrong type escapes as a ValueError "
                    "traceback (float(clip) in frontend/hf.py read_config) instead of a one-line ModelError")
 def test_config_clip_qkv_wrong_type(capsys, tmp_path, model_dir):
     _edit_config(model_dir, clip_qkv="high")
@@ -583,7 +621,8 @@ def test_sharded_index_garbled(capsys, tmp_path, model_dir, text):
     compile_fails(capsys, tmp_path, model_dir, names=("model.safetensors.index.json",))
 
 
-@pytest.mark.xfail(strict=True, reason="product bug: a weight_map value that is not a string (e.g. 5) escapes "
+@pytest.mark.xfail(strict=True, raises=TypeError,
+                   reason="product bug: a weight_map value that is not a string (e.g. 5) escapes "
                    "as a TypeError traceback (model_dir / name in safetensors_reader.TensorStore.open) "
                    "instead of a one-line ModelError naming model.safetensors.index.json")
 def test_sharded_index_non_string_shard(capsys, tmp_path, model_dir):
@@ -610,21 +649,23 @@ def test_compile_bad_flag(capsys, tmp_path, built, flags, names):
     compile_fails(capsys, tmp_path, built.model, *flags, names=names)
 
 
-def test_compile_dump_after_unknown_pass(capsys, tmp_path, built):
+def test_compile_dump_after_unknown_pass(capsys, built, tmp_path):
     line = compile_fails(capsys, tmp_path, built.model, "--dump-dir", tmp_path / "dump",
                          "--dump-after", "lower,nosuchpass", names=("--dump-after", "nosuchpass"))
     assert "lower" in line  # lists the passes there are
 
 
-@pytest.mark.xfail(strict=True, reason="product bug: without --dump-dir, an unknown --dump-after pass name is "
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="product bug: without --dump-dir, an unknown --dump-after pass name is "
                    "silently ignored (exit 0) instead of rejected")
-def test_compile_dump_after_unknown_pass_without_dump_dir(capsys, tmp_path, built):
+def test_compile_dump_after_unknown_pass_without_dump_dir(capsys, built, tmp_path):
     compile_fails(capsys, tmp_path, built.model, "--dump-after", "nosuchpass", names=("--dump-after", "nosuchpass"))
 
 
-@pytest.mark.xfail(strict=True, reason="product bug: --group-size 0 is accepted (exit 0, group_size 0 recorded "
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="product bug: --group-size 0 is accepted (exit 0, group_size 0 recorded "
                    "in the plan) when --quant is f32 (the default); the range check only runs for int8/int4")
-def test_compile_group_size_zero_default_quant(capsys, tmp_path, built):
+def test_compile_group_size_zero_default_quant(capsys, built, tmp_path):
     compile_fails(capsys, tmp_path, built.model, "--group-size", "0", names=("--group-size", "0"))
 
 
@@ -714,14 +755,24 @@ def _ids_file(tmp_path: Path, how: str) -> Path:
     return p
 
 
-@pytest.mark.parametrize("how", ["float", "3d", "0d", "empty", "bool", "text", "empty-file", "truncated-npy",
-                                 "missing", "directory"])
+@pytest.mark.parametrize("how", ["float", "3d", "0d", "empty", "bool", "text", "truncated-npy", "missing",
+                                 "directory"])
 def test_run_bad_input_ids(capsys, built, tmp_path, how):
     p = _ids_file(tmp_path, how)
     run_fails(capsys, built.plan, "--input-ids", p, names=("--input-ids", p.name))
 
 
-@pytest.mark.xfail(strict=True, reason="product bug: an .npz archive passed to --input-ids escapes as an "
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="product bug: an empty (0-byte) --input-ids file makes np.load raise "
+                   "EOFError, which click turns into Abort: stderr is a blank line then 'error: aborted', exit 130, "
+                   "and the file is not named")
+def test_run_input_ids_empty_file(capsys, built, tmp_path):
+    p = _ids_file(tmp_path, "empty-file")
+    run_fails(capsys, built.plan, "--input-ids", p, names=("--input-ids", p.name))
+
+
+@pytest.mark.xfail(strict=True, raises=AttributeError,
+                   reason="product bug: an .npz archive passed to --input-ids escapes as an "
                    "AttributeError traceback ('NpzFile' object has no attribute 'ndim' in runtime/cli.py "
                    "_load_ids) instead of a one-line UsageError")
 def test_run_input_ids_npz(capsys, built, tmp_path):
