@@ -74,7 +74,7 @@ def emit(g: Graph, ctx: PassContext) -> Graph:
         "options": {"quant": ctx.options.quant, "group_size": ctx.options.group_size, "backend": ctx.options.backend},
         "model": {k: list(v) if isinstance(v, tuple) else v for k, v in g.meta},
         "weights": dict(weights_ref, bytes_by_format=dict(sorted(bytes_by_format.items()))),
-        "passes": [r["pass"] for r in ctx.analyses.get("pass_records", []) if r["pass"] != "input"] + ["emit"],
+        "passes": [r["pass"] for r in ctx.analyses.get("pass_records", []) if r["pass"] != "input"],
     }
     sections = [("meta", json.dumps(meta, sort_keys=True, indent=1).encode()), ("ir", print_graph(g).encode())]
     if ctx.tokenizer_json is not None:

@@ -15,8 +15,10 @@ from strata_compiler.errors import UsageError
 def _load_ids(path: Path) -> np.ndarray:
     try:
         ids = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--input-ids {path}: cannot read a .npy array ({e})") from None
+    except (OSError, ValueError, EOFError) as e:
+        raise UsageError(f"--input-ids {path}: cannot read a .npy array ({str(e) or e.__class__.__name__})") from None
+    if not isinstance(ids, np.ndarray):
+        raise UsageError(f"--input-ids {path}: expected one .npy array, not an .npz archive")
     if ids.ndim == 1:
         ids = ids[None]
     if ids.ndim != 2 or ids.dtype.kind not in "iu" or ids.shape[1] == 0:

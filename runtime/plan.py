@@ -22,6 +22,9 @@ from strata_compiler.plan_format import Container
 from strata_compiler.verify import verify
 
 
+_MODEL_KEYS = ("n_layers", "n_kv_heads", "head_dim", "vocab_size")   # what the runtime reads
+
+
 @dataclass
 class Plan:
     path: Path
@@ -73,6 +76,9 @@ def load_plan(path: str | Path, *, verify_weights: str = "lazy") -> Plan:
         meta = json.loads(bytes(c.section("meta")))
         wref = meta["weights"]
         wfile, wsize, wsum = str(wref["file"]), int(wref["size"]), int(wref["checksum"])
+        for key in _MODEL_KEYS:
+            if not isinstance(meta["model"][key], int) or isinstance(meta["model"][key], bool):
+                raise TypeError(key)
     except (ValueError, KeyError, TypeError):
         raise PlanError(f"{path}: metadata section is malformed; recompile it with `stratac compile`") from None
     try:

@@ -52,6 +52,8 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, dum
     from .errors import UsageError
 
     dump = None
+    if dump_dir is None and dump_after != "all":
+        raise UsageError(f"--dump-after {dump_after}: needs --dump-dir (where the dumps go)")
     if dump_dir is not None:
         after = None
         if dump_after != "all":

@@ -15,8 +15,8 @@ from .pipelines import DEFAULT
 
 
 def check_options(opts: CompileOptions) -> None:
-    fmt = get_format(opts.quant)
-    if fmt.grouped and (opts.group_size < 2 or opts.group_size % 2 or opts.group_size > 4096):
+    get_format(opts.quant)
+    if opts.group_size < 2 or opts.group_size % 2 or opts.group_size > 4096:
         raise UsageError(f"--group-size {opts.group_size}: use an even number between 2 and 4096 (default 32)")
 
 

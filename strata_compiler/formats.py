@@ -41,7 +41,8 @@ def _pad_groups(w: np.ndarray, group_size: int) -> np.ndarray:
 
 def _group_scales(groups: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-group scale d (as stored, f16) and its reciprocal in f32 (0 where d == 0)."""
-    d = (np.abs(groups).max(axis=-1) / qmax).astype(np.float16)
+    # Scales saturate at f16's largest finite value (65504); weights beyond qmax * 65504 clip.
+    d = np.minimum(np.abs(groups).max(axis=-1) / qmax, np.float32(65504.0)).astype(np.float16)
     d32 = d.astype(np.float32)[..., None]
     inv = np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 != 0)
     return d, inv

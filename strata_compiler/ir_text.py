@@ -35,7 +35,7 @@ def _fmt_value(v: Attr) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, float):
-        return repr(v)
+        return json.dumps(v)   # repr, except inf/nan as JSON's Infinity/NaN, which parse back
     return json.dumps(v)
 
 
@@ -133,18 +133,20 @@ def _parse_type(dtype: str, shape: str, where: str) -> TensorType:
 
 
 def parse_graph(text: str, source: str = "<ir>") -> Graph:
-    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-    if not lines or not lines[0].startswith("strata.ir level="):
-        raise IRError(f"{source}: line 1: expected 'strata.ir level=graph|tensor|kernel'")
+    lines = [(i, ln) for i, ln in enumerate(text.splitlines(), start=1)
+             if ln.strip() and not ln.lstrip().startswith("#")]
+    if not lines or not lines[0][1].startswith("strata.ir level="):
+        first = lines[0][0] if lines else 1
+        raise IRError(f"{source}: line {first}: expected 'strata.ir level=graph|tensor|kernel'")
     try:
-        level = Level(lines[0].split("=", 1)[1].strip())
+        level = Level(lines[0][1].split("=", 1)[1].strip())
     except ValueError:
-        raise IRError(f"{source}: line 1: unknown level {lines[0].split('=', 1)[1]!r}") from None
+        raise IRError(f"{source}: line {lines[0][0]}: unknown level {lines[0][1].split('=', 1)[1]!r}") from None
     meta: tuple = ()
     weights: list[WeightSpec] = []
     nodes: list[Node] = []
     outputs: tuple[int, ...] | None = None
-    for lineno, line in enumerate(lines[1:], start=2):
+    for lineno, line in lines[1:]:
         where = f"{source}: line {lineno}"
         if line.startswith("meta {") and line.endswith("}"):
             meta = _parse_attrs(line[6:-1], where)

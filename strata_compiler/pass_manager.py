@@ -82,7 +82,8 @@ def run_pipeline(g: Graph, pipeline: list[str], ctx: PassContext, *, dump: DumpC
             raise PassError(f"unknown pass {name!r}; passes: {', '.join(PASSES)}")
     if stop_after and stop_after not in pipeline:
         raise PassError(f"--stop-after {stop_after}: not in the pipeline ({', '.join(pipeline)})")
-    records = []
+    records: list[dict] = []
+    ctx.analyses["pass_records"] = records   # filled as passes run; emit records the pipeline
     if dump:
         dump.directory.mkdir(parents=True, exist_ok=True)
         txt, dot = _write_dump(dump, 0, g, "input")
@@ -100,21 +101,21 @@ def run_pipeline(g: Graph, pipeline: list[str], ctx: PassContext, *, dump: DumpC
             raise
         except Exception as e:  # a bug in a pass: say which pass, keep the traceback chained
             raise PassError(f"internal error in pass {name}: {e.__class__.__name__}: {e}") from e
+        records.append({"pass": name})
         changed = out != g
         if changed:
             try:
                 verify(out)
             except StrataError as e:
                 raise PassError(f"after pass {name}: {e}") from None
-        rec = {"pass": name, "level": out.level.value, "seconds": round(time.perf_counter() - t0, 6),
-               "nodes_before": len(g.nodes), "nodes_after": len(out.nodes), "changed": changed}
+        rec = records[-1]
+        rec.update({"level": out.level.value, "seconds": round(time.perf_counter() - t0, 6),
+               "nodes_before": len(g.nodes), "nodes_after": len(out.nodes), "changed": changed})
         g = out
         if dump and dump.wants(name):
             rec["text"], rec["dot"] = _write_dump(dump, seq, g, name)
-        records.append(rec)
         if name == stop_after:
             break
-    ctx.analyses["pass_records"] = records
     if dump:
         (dump.directory / "index.json").write_text(json.dumps({"passes": records}, indent=2) + "\n")
     return g

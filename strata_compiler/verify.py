@@ -54,12 +54,11 @@ SIGNATURES: dict[Op, Signature] = {
 }
 
 
-def ir_window(g: Graph, nid: int, radius: int = 3) -> str:
-    """The printed IR lines around node `nid`, the failing one marked with '>>'."""
+def ir_window(g: Graph, idx: int, radius: int = 3) -> str:
+    """The printed IR lines around the node at position `idx`, the failing one marked '>>'."""
     from .ir_text import print_graph
 
     lines = [ln for ln in print_graph(g).splitlines() if ln.startswith("%")]
-    idx = next((i for i, n in enumerate(g.nodes) if n.id == nid), 0)
     lo, hi = max(0, idx - radius), min(len(lines), idx + radius + 1)
     return "\n".join(("  >> " if i == idx else "     ") + lines[i] for i in range(lo, hi))
 
@@ -67,6 +66,7 @@ def ir_window(g: Graph, nid: int, radius: int = 3) -> str:
 class _Fail(Exception):
     def __init__(self, nid: int, msg: str) -> None:
         self.nid, self.msg = nid, msg
+        self.pos = -1   # position in g.nodes, filled in by verify()
 
 
 def _check_node(g: Graph, n: Node, seen: set[int]) -> None:
@@ -137,17 +137,20 @@ def _check_shapes(g: Graph, n: Node) -> None:
 
 def verify(g: Graph) -> None:
     seen: set[int] = set()
+    pos = 0
     try:
-        for n in g.nodes:
+        for pos, n in enumerate(g.nodes):
             if n.id in seen:
                 raise _Fail(n.id, f"duplicate id %{n.id}")
             _check_node(g, n, seen)
             seen.add(n.id)
+        pos = len(g.nodes) - 1
         for o in g.outputs:
             if o not in seen:
                 raise _Fail(g.nodes[-1].id if g.nodes else 0, f"output %{o} is not defined")
         names = [w.name for w in g.weights]
         if len(set(names)) != len(names):
+            pos = 0
             raise _Fail(g.nodes[0].id if g.nodes else 0, "duplicate weight names")
     except _Fail as f:
-        raise IRError(f"{g.level.value} IR invalid at %{f.nid}: {f.msg}\n{ir_window(g, f.nid)}") from None
+        raise IRError(f"{g.level.value} IR invalid at %{f.nid}: {f.msg}\n{ir_window(g, pos)}") from None

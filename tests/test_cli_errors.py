@@ -319,10 +319,6 @@ def test_plan_meta_malformed(capsys, built, plan_dir, edit):
     run_fails(capsys, plan_dir, "--input-ids", built.ids, names=("plan.bin",))
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError,
-                   reason="product bug: load_plan checks only meta['weights']; a checksum-valid plan "
-                   "whose metadata lacks 'model' (or a model field such as 'n_layers') loads, then strata-run "
-                   "and stratac inspect die with a KeyError traceback")
 @pytest.mark.parametrize("drop", ["model", "n_layers"])
 def test_plan_meta_missing_model_fields(capsys, built, plan_dir, drop):
     _rewrite_meta(plan_dir, lambda m: m.pop("model") if drop == "model" else m["model"].pop(drop))
@@ -489,10 +485,6 @@ def test_config_bad_rope(capsys, tmp_path, model_dir, rope):
     compile_fails(capsys, tmp_path, model_dir, names=("config.json", "rope"))
 
 
-@pytest.mark.xfail(strict=True, raises=(ValueError, KeyError),
-                   reason="product bug: a rope_parameters value of the wrong type or a linear/llama3 "
-                   "rope without its 'factor' escapes as a Python traceback (ValueError/KeyError in "
-                   "frontend/hf.py _rope) instead of a one-line ModelError")
 @pytest.mark.parametrize("rope", [
     {"rope_type": "default", "rope_theta": "fast"},
     {"rope_type": "linear", "rope_theta": 10000.0},
@@ -502,9 +494,6 @@ def test_config_garbled_rope_values(capsys, tmp_path, model_dir, rope):
     compile_fails(capsys, tmp_path, model_dir, names=("config.json", "rope"))
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="product bug: 'clip_qkv' of the wrong type escapes as a ValueError "
-                   "traceback (float(clip) in frontend/hf.py read_config) instead of a one-line ModelError")
 def test_config_clip_qkv_wrong_type(capsys, tmp_path, model_dir):
     _edit_config(model_dir, clip_qkv="high")
     compile_fails(capsys, tmp_path, model_dir, names=("config.json", "clip_qkv"))
@@ -621,10 +610,6 @@ def test_sharded_index_garbled(capsys, tmp_path, model_dir, text):
     compile_fails(capsys, tmp_path, model_dir, names=("model.safetensors.index.json",))
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="product bug: a weight_map value that is not a string (e.g. 5) escapes "
-                   "as a TypeError traceback (model_dir / name in safetensors_reader.TensorStore.open) "
-                   "instead of a one-line ModelError naming model.safetensors.index.json")
 def test_sharded_index_non_string_shard(capsys, tmp_path, model_dir):
     (model_dir / "model.safetensors.index.json").write_text('{"weight_map": {"model.norm.weight": 5}}')
     compile_fails(capsys, tmp_path, model_dir, names=("model.safetensors.index.json",))
@@ -655,16 +640,10 @@ def test_compile_dump_after_unknown_pass(capsys, built, tmp_path):
     assert "lower" in line  # lists the passes there are
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="product bug: without --dump-dir, an unknown --dump-after pass name is "
-                   "silently ignored (exit 0) instead of rejected")
 def test_compile_dump_after_unknown_pass_without_dump_dir(capsys, built, tmp_path):
     compile_fails(capsys, tmp_path, built.model, "--dump-after", "nosuchpass", names=("--dump-after", "nosuchpass"))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="product bug: --group-size 0 is accepted (exit 0, group_size 0 recorded "
-                   "in the plan) when --quant is f32 (the default); the range check only runs for int8/int4")
 def test_compile_group_size_zero_default_quant(capsys, built, tmp_path):
     compile_fails(capsys, tmp_path, built.model, "--group-size", "0", names=("--group-size", "0"))
 
@@ -762,19 +741,11 @@ def test_run_bad_input_ids(capsys, built, tmp_path, how):
     run_fails(capsys, built.plan, "--input-ids", p, names=("--input-ids", p.name))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="product bug: an empty (0-byte) --input-ids file makes np.load raise "
-                   "EOFError, which click turns into Abort: stderr is a blank line then 'error: aborted', exit 130, "
-                   "and the file is not named")
 def test_run_input_ids_empty_file(capsys, built, tmp_path):
     p = _ids_file(tmp_path, "empty-file")
     run_fails(capsys, built.plan, "--input-ids", p, names=("--input-ids", p.name))
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="product bug: an .npz archive passed to --input-ids escapes as an "
-                   "AttributeError traceback ('NpzFile' object has no attribute 'ndim' in runtime/cli.py "
-                   "_load_ids) instead of a one-line UsageError")
 def test_run_input_ids_npz(capsys, built, tmp_path):
     p = tmp_path / "ids.npz"
     np.savez(p, ids=np.array([[1, 2, 3]], np.int64))

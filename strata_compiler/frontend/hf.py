@@ -77,8 +77,10 @@ def _field(cfg: dict, path: Path, *names: str, default=None, kind=int):
                     if not isinstance(v, bool):
                         raise TypeError
                     return v
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise TypeError
                 out = kind(v)
-                if kind is int and (isinstance(v, bool) or out != v):
+                if out != v:
                     raise TypeError
                 return out
             except (TypeError, ValueError):
@@ -92,18 +94,19 @@ def _rope(cfg: dict, path: Path) -> tuple:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ModelError(f"{path}: 'rope_parameters' should be an object")
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    merged = {"rope_theta": cfg.get("rope_theta", 10000.0), **params}
     rtype = params.get("rope_type", params.get("type", "default"))
     if rtype not in ROPE_TYPES:
         raise ModelError(f"{path}: rope_type {rtype!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    theta = _field(merged, path, "rope_theta", kind=float)
     extra: dict = {}
     if rtype in ("linear", "llama3"):
-        extra["rope_factor"] = float(params["factor"])
+        extra["rope_factor"] = _field(merged, path, "factor", kind=float)
     if rtype == "llama3":
-        extra.update(rope_low_freq_factor=float(params["low_freq_factor"]),
-                     rope_high_freq_factor=float(params["high_freq_factor"]),
-                     rope_original_max=int(params["original_max_position_embeddings"]))
-    return make_attrs(rope_theta=float(theta), rope_type=rtype, **extra)
+        extra.update(rope_low_freq_factor=_field(merged, path, "low_freq_factor", kind=float),
+                     rope_high_freq_factor=_field(merged, path, "high_freq_factor", kind=float),
+                     rope_original_max=_field(merged, path, "original_max_position_embeddings"))
+    return make_attrs(rope_theta=theta, rope_type=rtype, **extra)
 
 
 def read_config(model_dir: Path) -> ModelConfig:
@@ -141,7 +144,7 @@ def read_config(model_dir: Path) -> ModelConfig:
     else:
         qkv_bias = _field(cfg, path, "attention_bias", default=False, kind=bool)
         o_bias = qkv_bias and arch != "olmoe"
-    clip = cfg.get("clip_qkv")
+    clip = _field(cfg, path, "clip_qkv", default=0.0, kind=float) or None
     return ModelConfig(
         arch=arch, architecture=architecture,
         vocab_size=_field(cfg, path, "vocab_size"), hidden_size=hidden, n_layers=n_layers,
@@ -155,7 +158,7 @@ def read_config(model_dir: Path) -> ModelConfig:
         qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(arch, "none"),
         qkv_bias=qkv_bias, o_bias=o_bias,
         shared_expert=arch == "qwen2_moe" and _field(cfg, path, "shared_expert_intermediate_size", default=0) > 0,
-        clip_qkv=float(clip) if clip is not None else None,
+        clip_qkv=clip,
         max_position=_field(cfg, path, "max_position_embeddings", default=4096),
         eos_token_ids=eos_ids,
         bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else -1,

@@ -83,8 +83,10 @@ class TensorStore:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
                 files = sorted(set(weight_map.values()))
+                if not all(isinstance(f, str) and f and "/" not in f for f in files):
+                    raise TypeError
             except (ValueError, KeyError, TypeError, AttributeError):
-                raise ModelError(f"{index}: not a valid safetensors index (needs a 'weight_map' object)") from None
+                raise ModelError(f"{index}: not a valid safetensors index (needs a 'weight_map' object of tensor -> shard file name)") from None
         elif (model_dir / "model.safetensors").exists():
             files = ["model.safetensors"]
         else:
