@@ -1,0 +1,1 @@
+"""LLVM IR generators, one module per kernel family. Each returns a `KernelSource`."""

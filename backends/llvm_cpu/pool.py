@@ -1,0 +1,475 @@
+"""A persistent native thread pool, written in LLVM IR and JIT-compiled, for running kernels on all cores.
+
+Kernels have the uniform C signature ``void kernel(void* args, int64_t begin, int64_t end)``.
+``ThreadPool.parallel_for(kernel, args, total, n_chunks)`` splits ``[0, total)`` into ``n_chunks``
+contiguous ranges, as equal as possible (the first ``total % n_chunks`` are one longer; empty ranges are
+skipped), and runs them on the pool's workers and the calling thread; it returns when all have run. The
+call goes through a ctypes ``CFUNCTYPE``, so the GIL is released while the kernel runs, and costs a few
+microseconds.
+
+How the native side works (all of it is the IR in ``_POOL_IR``):
+
+* One job at a time lives in global state: the descriptor (``fn``, ``args``, ``total``), a 64-bit claim
+  word ``work = (n_chunks << 32) | next_chunk``, a 32-bit ``done`` counter and a 32-bit ``gen`` counter.
+* ``strata_parallel_for`` writes the descriptor, resets ``done``, stores the claim word (release) and bumps
+  ``gen`` (seq_cst); then it claims chunks itself and finally waits until ``done == n_chunks`` (acquire).
+* Every participant claims chunks with ``atomicrmw add work, 1 acq_rel``. The value it gets back says by
+  itself whether the claim is valid (``next_chunk < n_chunks``), so a worker that arrives late, even one
+  that saw an older ``gen``, can never run a chunk twice or read a half-written descriptor: a valid
+  claim's job cannot be replaced before that chunk's ``done`` increment, and the acquire RMW reads from the
+  release sequence of the store that published the job.
+* Workers (created once with ``pthread_create``, detached, with asynchronous signals blocked) wait for
+  ``gen`` to change: they spin with ``pause`` for ``spin`` TSC ticks, then ``sched_yield()`` until
+  ``spin + yield`` ticks, then sleep in ``futex(FUTEX_WAIT_PRIVATE)`` on ``gen``. Sleepers are counted;
+  the publisher wakes them (``FUTEX_WAKE_PRIVATE``) only when the count is non-zero. Both sides use
+  seq_cst (increment sleepers / load gen vs. increment gen / load sleepers), and the kernel re-checks the
+  futex word, so a wakeup cannot be lost. Even if one were, nothing would hang: the caller claims every
+  chunk no worker took, and only waits for chunks that a running worker holds.
+* The caller waits for ``done`` the same way (spin, then futex on ``done`` with a 2 ms timeout as a
+  backstop); the participant that finishes the last chunk wakes it when it is flagged as sleeping.
+
+The pool is process-wide: the native state is global, workers live until the process exits (exit_group
+ends them wherever they are) and the JIT'd code is deliberately never freed, so that interpreter shutdown
+cannot unmap code a worker is executing. After ``fork()`` the child has no workers; the next
+``parallel_for`` in the child starts them again. The pool is not re-entrant: a kernel must not call
+``strata_parallel_for``. Exceptions cannot cross native code, so kernels must not fail.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+
+import llvmlite.binding as llvm
+
+from strata_compiler.backends.llvm_cpu.target import Target
+
+__all__ = ["ThreadPool", "get_pool", "set_spin", "default_threads", "KERNEL_CFUNC"]
+
+#: ctypes prototype of a kernel: ``void kernel(void* args, int64_t begin, int64_t end)``.
+KERNEL_CFUNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+
+_MAX_CHUNKS = 2**31 - 1
+# Idle workers spin this long, then sched_yield until spin + yield, then sleep on a futex; a caller
+# waiting for the last chunk spins this long, then sleeps.
+_DEFAULT_SPIN_US = 100.0
+_DEFAULT_YIELD_US = 1000.0
+_DEFAULT_CALLER_SPIN_US = 500.0
+
+# Linux x86-64: SYS_futex = 202; FUTEX_WAIT_PRIVATE = 128, FUTEX_WAKE_PRIVATE = 129; SIG_SETMASK = 2.
+_POOL_IR = r"""
+; strata native thread pool
+%timespec = type { i64, i64 }
+
+@g_gen = internal global i32 0, align 64
+@g_sleepers = internal global i32 0, align 64
+@g_work = internal global i64 0, align 64
+@g_done = internal global i32 0, align 64
+@g_caller_waiting = internal global i32 0, align 64
+@g_fn = internal global ptr null, align 64
+@g_args = internal global ptr null, align 8
+@g_total = internal global i64 0, align 8
+@g_spin = internal global i64 262144, align 64
+@g_yield = internal global i64 2097152, align 8
+@g_caller_spin = internal global i64 1048576, align 8
+@g_started = internal global i32 0, align 64
+@g_caller_timeout = internal constant %timespec { i64 0, i64 2000000 }
+
+declare void @llvm.x86.sse2.pause()
+declare i64 @llvm.readcyclecounter()
+declare i32 @sched_yield()
+declare i64 @syscall(i64, ...)
+declare i32 @pthread_create(ptr, ptr, ptr, ptr)
+declare i32 @pthread_detach(i64)
+declare i32 @sigfillset(ptr)
+declare i32 @sigdelset(ptr, i32)
+declare i32 @pthread_sigmask(i32, ptr, ptr)
+
+define internal void @futex_wait(ptr %addr, i32 %val, ptr %timeout) noinline {
+  %v = zext i32 %val to i64
+  %r = call i64 (i64, ...) @syscall(i64 202, ptr %addr, i64 128, i64 %v, ptr %timeout)
+  ret void
+}
+
+define internal void @futex_wake(ptr %addr, i32 %n) noinline {
+  %n64 = zext i32 %n to i64
+  %r = call i64 (i64, ...) @syscall(i64 202, ptr %addr, i64 129, i64 %n64)
+  ret void
+}
+
+; Claim and run chunks of whatever job is current until a claim comes back invalid.
+define internal void @run_chunks() {
+entry:
+  br label %loop
+loop:
+  %v = atomicrmw add ptr @g_work, i64 1 acq_rel, align 8
+  %idx = and i64 %v, 4294967295
+  %n = lshr i64 %v, 32
+  %ok = icmp ult i64 %idx, %n
+  br i1 %ok, label %work, label %exit
+work:
+  %fn = load ptr, ptr @g_fn, align 8
+  %args = load ptr, ptr @g_args, align 8
+  %total = load i64, ptr @g_total, align 8
+  %base = udiv i64 %total, %n
+  %rem = urem i64 %total, %n
+  %lt = icmp ult i64 %idx, %rem
+  %minir = select i1 %lt, i64 %idx, i64 %rem
+  %b0 = mul i64 %idx, %base
+  %begin = add i64 %b0, %minir
+  %extra = zext i1 %lt to i64
+  %len = add i64 %base, %extra
+  %end = add i64 %begin, %len
+  %nonempty = icmp ne i64 %len, 0
+  br i1 %nonempty, label %call, label %fin
+call:
+  call void %fn(ptr %args, i64 %begin, i64 %end)
+  br label %fin
+fin:
+  %old = atomicrmw add ptr @g_done, i32 1 seq_cst, align 4
+  %new = add i32 %old, 1
+  %n32 = trunc i64 %n to i32
+  %last = icmp eq i32 %new, %n32
+  br i1 %last, label %check_caller, label %loop
+check_caller:
+  %cw = load atomic i32, ptr @g_caller_waiting seq_cst, align 4
+  %sleeping = icmp ne i32 %cw, 0
+  br i1 %sleeping, label %wake_caller, label %loop
+wake_caller:
+  call void @futex_wake(ptr @g_done, i32 1)
+  br label %loop
+exit:
+  ret void
+}
+
+define internal ptr @worker_main(ptr %unused) {
+entry:
+  %g0 = load atomic i32, ptr @g_gen acquire, align 4
+  br label %wait
+wait:
+  %seen = phi i32 [ %g0, %entry ], [ %g, %got ]
+  %t0 = call i64 @llvm.readcyclecounter()
+  %spin = load atomic i64, ptr @g_spin monotonic, align 8
+  %yield = load atomic i64, ptr @g_yield monotonic, align 8
+  %spin_yield = add i64 %spin, %yield
+  br label %spinloop
+spinloop:
+  %c1 = load atomic i32, ptr @g_gen acquire, align 4
+  %chg1 = icmp ne i32 %c1, %seen
+  br i1 %chg1, label %got, label %spinpause
+spinpause:
+  call void @llvm.x86.sse2.pause()
+  %t1 = call i64 @llvm.readcyclecounter()
+  %el1 = sub i64 %t1, %t0
+  %more1 = icmp ult i64 %el1, %spin
+  br i1 %more1, label %spinloop, label %yieldloop
+yieldloop:
+  %c2 = load atomic i32, ptr @g_gen acquire, align 4
+  %chg2 = icmp ne i32 %c2, %seen
+  br i1 %chg2, label %got, label %yieldbody
+yieldbody:
+  %y = call i32 @sched_yield()
+  %t2 = call i64 @llvm.readcyclecounter()
+  %el2 = sub i64 %t2, %t0
+  %more2 = icmp ult i64 %el2, %spin_yield
+  br i1 %more2, label %yieldloop, label %sleep
+sleep:
+  %s0 = atomicrmw add ptr @g_sleepers, i32 1 seq_cst, align 4
+  br label %sleeploop
+sleeploop:
+  %c3 = load atomic i32, ptr @g_gen seq_cst, align 4
+  %chg3 = icmp ne i32 %c3, %seen
+  br i1 %chg3, label %woke, label %sleepbody
+sleepbody:
+  call void @futex_wait(ptr @g_gen, i32 %seen, ptr null)
+  br label %sleeploop
+woke:
+  %s1 = atomicrmw sub ptr @g_sleepers, i32 1 seq_cst, align 4
+  br label %got
+got:
+  %g = phi i32 [ %c1, %spinloop ], [ %c2, %yieldloop ], [ %c3, %woke ]
+  call void @run_chunks()
+  br label %wait
+}
+
+define void @strata_parallel_for(ptr %fn, ptr %args, i64 %total, i64 %n) {
+entry:
+  %empty = icmp sle i64 %n, 0
+  br i1 %empty, label %ret, label %publish
+publish:
+  store ptr %fn, ptr @g_fn, align 8
+  store ptr %args, ptr @g_args, align 8
+  store i64 %total, ptr @g_total, align 8
+  store atomic i32 0, ptr @g_done monotonic, align 4
+  %w = shl i64 %n, 32
+  store atomic i64 %w, ptr @g_work release, align 8
+  %oldgen = atomicrmw add ptr @g_gen, i32 1 seq_cst, align 4
+  %sl = load atomic i32, ptr @g_sleepers seq_cst, align 4
+  %anysl = icmp ne i32 %sl, 0
+  br i1 %anysl, label %wake, label %run
+wake:
+  call void @futex_wake(ptr @g_gen, i32 2147483647)
+  br label %run
+run:
+  call void @run_chunks()
+  %n32 = trunc i64 %n to i32
+  %t0 = call i64 @llvm.readcyclecounter()
+  %cspin = load atomic i64, ptr @g_caller_spin monotonic, align 8
+  br label %spinloop
+spinloop:
+  %d1 = load atomic i32, ptr @g_done acquire, align 4
+  %fin1 = icmp eq i32 %d1, %n32
+  br i1 %fin1, label %ret, label %spinpause
+spinpause:
+  call void @llvm.x86.sse2.pause()
+  %t1 = call i64 @llvm.readcyclecounter()
+  %el = sub i64 %t1, %t0
+  %more = icmp ult i64 %el, %cspin
+  br i1 %more, label %spinloop, label %sleep
+sleep:
+  store atomic i32 1, ptr @g_caller_waiting seq_cst, align 4
+  br label %sleeploop
+sleeploop:
+  %d2 = load atomic i32, ptr @g_done seq_cst, align 4
+  %fin2 = icmp eq i32 %d2, %n32
+  br i1 %fin2, label %woke, label %sleepbody
+sleepbody:
+  call void @futex_wait(ptr @g_done, i32 %d2, ptr @g_caller_timeout)
+  br label %sleeploop
+woke:
+  store atomic i32 0, ptr @g_caller_waiting seq_cst, align 4
+  br label %ret
+ret:
+  ret void
+}
+
+; Start n more workers; returns how many were started.
+define i32 @strata_pool_start(i32 %n) {
+entry:
+  %set = alloca [128 x i8], align 8
+  %old = alloca [128 x i8], align 8
+  %tid = alloca i64, align 8
+  %f = call i32 @sigfillset(ptr %set)
+  ; keep synchronous signals deliverable (a crash in a kernel must still be reported)
+  %d4 = call i32 @sigdelset(ptr %set, i32 4)
+  %d5 = call i32 @sigdelset(ptr %set, i32 5)
+  %d6 = call i32 @sigdelset(ptr %set, i32 6)
+  %d7 = call i32 @sigdelset(ptr %set, i32 7)
+  %d8 = call i32 @sigdelset(ptr %set, i32 8)
+  %d11 = call i32 @sigdelset(ptr %set, i32 11)
+  %m = call i32 @pthread_sigmask(i32 2, ptr %set, ptr %old)
+  br label %loop
+loop:
+  %i = phi i32 [ 0, %entry ], [ %i1, %created ]
+  %more = icmp slt i32 %i, %n
+  br i1 %more, label %create, label %done
+create:
+  %r = call i32 @pthread_create(ptr %tid, ptr null, ptr @worker_main, ptr null)
+  %ok = icmp eq i32 %r, 0
+  br i1 %ok, label %created, label %done
+created:
+  %t = load i64, ptr %tid, align 8
+  %dr = call i32 @pthread_detach(i64 %t)
+  %s = atomicrmw add ptr @g_started, i32 1 seq_cst, align 4
+  %i1 = add i32 %i, 1
+  br label %loop
+done:
+  %cnt = phi i32 [ %i, %loop ], [ %i, %create ]
+  %m2 = call i32 @pthread_sigmask(i32 2, ptr %old, ptr null)
+  ret i32 %cnt
+}
+
+define void @strata_pool_set_spin(i64 %spin, i64 %yield, i64 %caller_spin) {
+  store atomic i64 %spin, ptr @g_spin monotonic, align 8
+  store atomic i64 %yield, ptr @g_yield monotonic, align 8
+  store atomic i64 %caller_spin, ptr @g_caller_spin monotonic, align 8
+  ret void
+}
+
+define i32 @strata_pool_sleepers() {
+  %s = load atomic i32, ptr @g_sleepers seq_cst, align 4
+  ret i32 %s
+}
+
+define i32 @strata_pool_started() {
+  %s = load atomic i32, ptr @g_started seq_cst, align 4
+  ret i32 %s
+}
+
+define i64 @strata_rdtsc() {
+  %t = call i64 @llvm.readcyclecounter()
+  ret i64 %t
+}
+
+; Direct single-threaded call of a kernel (so Python needs one ctypes object, not one per kernel).
+define void @strata_call(ptr %fn, ptr %args, i64 %begin, i64 %end) {
+  call void %fn(ptr %args, i64 %begin, i64 %end)
+  ret void
+}
+"""
+
+
+def default_threads() -> int:
+    """STRATA_NUM_THREADS if set, else the number of CPUs this process may run on."""
+    env = os.environ.get("STRATA_NUM_THREADS")
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise ValueError(f"STRATA_NUM_THREADS={env!r}: expected a positive integer") from None
+        if n < 1:
+            raise ValueError(f"STRATA_NUM_THREADS={env!r}: expected a positive integer")
+        return n
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+class _Native:
+    """The JIT-compiled pool code; one per process, never freed."""
+
+    def __init__(self) -> None:
+        tm = Target.host().machine()
+        mod = llvm.parse_assembly(_POOL_IR)
+        mod.triple = tm.triple
+        mod.data_layout = str(tm.target_data)
+        mod.verify()
+        pto = llvm.create_pipeline_tuning_options(speed_level=3)
+        pb = llvm.create_pass_builder(tm, pto)
+        pb.getModulePassManager().run(mod, pb)
+        ee = llvm.create_mcjit_compiler(llvm.parse_assembly(""), tm)
+        ee.add_object_file(llvm.ObjectFileRef.from_data(tm.emit_object(mod)))
+        ee.finalize_object()
+        # Workers execute this code until the process dies: never let the engine be disposed, not even
+        # while the interpreter tears down module globals at exit.
+        for obj in (ee, tm, mod):
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+        self._keep = (ee, tm, mod)
+
+        def fn(name: str, restype, *argtypes):
+            addr = ee.get_function_address(name)
+            if not addr:
+                raise RuntimeError(f"pool: JIT symbol {name} not found")
+            return ctypes.CFUNCTYPE(restype, *argtypes)(addr)
+
+        i64, i32, vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+        self.parallel_for = fn("strata_parallel_for", None, vp, vp, i64, i64)
+        self.start = fn("strata_pool_start", i32, i32)
+        self.set_spin_ticks = fn("strata_pool_set_spin", None, i64, i64, i64)
+        self.sleepers = fn("strata_pool_sleepers", i32)
+        self.started = fn("strata_pool_started", i32)
+        self.rdtsc = fn("strata_rdtsc", ctypes.c_uint64)
+        self.call = fn("strata_call", None, vp, vp, i64, i64)
+        self.ticks_per_us = self._calibrate()
+        tk = self.ticks_per_us
+        self.set_spin_ticks(int(_DEFAULT_SPIN_US * tk), int(_DEFAULT_YIELD_US * tk), int(_DEFAULT_CALLER_SPIN_US * tk))
+        self.workers = 0          # workers alive in this process
+        self.lock = threading.Lock()  # one parallel_for at a time, process-wide (the native state is global)
+
+    def _calibrate(self) -> float:
+        t0, c0 = time.perf_counter_ns(), self.rdtsc()
+        while time.perf_counter_ns() - t0 < 2_000_000:
+            pass
+        t1, c1 = time.perf_counter_ns(), self.rdtsc()
+        return max(1.0, (c1 - c0) / ((t1 - t0) / 1000.0))
+
+    def ensure_workers(self, n: int) -> None:
+        if n > self.workers:
+            self.workers += int(self.start(n - self.workers))
+
+
+_native: _Native | None = None
+_native_lock = threading.Lock()
+
+
+def _get_native() -> _Native:
+    global _native
+    if _native is None:
+        with _native_lock:
+            if _native is None:
+                _native = _Native()
+    return _native
+
+
+def _after_fork_in_child() -> None:
+    # The child has the parent's memory but none of its threads: start workers again on next use.
+    global _pool_lock
+    _pool_lock = threading.Lock()
+    if _native is not None:
+        _native.workers = 0
+        _native.lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def set_spin(spin_us: float = _DEFAULT_SPIN_US, yield_us: float = _DEFAULT_YIELD_US,
+             caller_spin_us: float = _DEFAULT_CALLER_SPIN_US) -> None:
+    """How long idle workers spin (``pause``) and then ``sched_yield`` before sleeping on a futex, and
+    how long a caller spins waiting for the last chunk before sleeping. Process-wide."""
+    nat = _get_native()
+    tk = nat.ticks_per_us
+    nat.set_spin_ticks(int(spin_us * tk), int(yield_us * tk), int(caller_spin_us * tk))
+
+
+class ThreadPool:
+    """Runs kernels over chunks of an index range on ``n_threads`` threads (the caller plus workers)."""
+
+    def __init__(self, n_threads: int | None = None) -> None:
+        n = default_threads() if n_threads is None else int(n_threads)
+        if n < 1:
+            raise ValueError(f"ThreadPool: n_threads must be >= 1, got {n_threads}")
+        self.n_threads = n
+        self._nat = _get_native()
+        self._nat.ensure_workers(n - 1)
+
+    @property
+    def workers_sleeping(self) -> int:
+        """Workers (process-wide) now asleep on the futex."""
+        return int(self._nat.sleepers())
+
+    def run(self, kernel_addr: int, args_addr: int, begin: int, end: int) -> None:
+        """Call the kernel once, on the calling thread, for ``[begin, end)`` (GIL released)."""
+        self._nat.call(kernel_addr, args_addr, begin, end)
+
+    def parallel_for(self, kernel_addr: int, args_addr: int, total: int, n_chunks: int | None = None,
+                     *, min_chunk: int = 1) -> None:
+        """Run ``kernel(args, begin, end)`` over ``[0, total)`` split in ``n_chunks`` contiguous ranges
+        (default ``n_threads``; never more than ``ceil(total / min_chunk)``) and return when all are
+        done. With one chunk, the kernel is called directly on the calling thread."""
+        total = int(total)
+        if total <= 0:
+            return
+        chunks = self.n_threads if n_chunks is None else int(n_chunks)
+        if chunks < 1:
+            raise ValueError(f"parallel_for: n_chunks must be >= 1, got {n_chunks}")
+        chunks = min(chunks, total, -(-total // max(1, int(min_chunk))))
+        if chunks > _MAX_CHUNKS:
+            raise ValueError(f"parallel_for: at most {_MAX_CHUNKS} chunks, got {chunks}")
+        nat = self._nat
+        if chunks == 1:
+            nat.call(kernel_addr, args_addr, 0, total)
+            return
+        if nat.workers < self.n_threads - 1:      # after fork(), in the child
+            with nat.lock:
+                nat.ensure_workers(self.n_threads - 1)
+        with nat.lock:
+            nat.parallel_for(kernel_addr, args_addr, total, chunks)
+
+
+_pool: ThreadPool | None = None
+_pool_lock = threading.Lock()
+
+
+def get_pool() -> ThreadPool:
+    """The process-wide pool with ``default_threads()`` threads."""
+    global _pool
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPool()
+    return _pool
