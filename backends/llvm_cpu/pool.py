@@ -288,6 +288,14 @@ define void @strata_pool_set_spin(i64 %spin, i64 %yield, i64 %caller_spin) {
   ret void
 }
 
+; In a child after fork(): the parent's workers do not exist here, so forget them.
+define void @strata_pool_after_fork() {
+  store atomic i32 0, ptr @g_sleepers seq_cst, align 4
+  store atomic i32 0, ptr @g_caller_waiting seq_cst, align 4
+  store atomic i32 0, ptr @g_started seq_cst, align 4
+  ret void
+}
+
 define i32 @strata_pool_sleepers() {
   %s = load atomic i32, ptr @g_sleepers seq_cst, align 4
   ret i32 %s
@@ -359,6 +367,7 @@ class _Native:
         self.parallel_for = fn("strata_parallel_for", None, vp, vp, i64, i64)
         self.start = fn("strata_pool_start", i32, i32)
         self.set_spin_ticks = fn("strata_pool_set_spin", None, i64, i64, i64)
+        self.after_fork = fn("strata_pool_after_fork", None)
         self.sleepers = fn("strata_pool_sleepers", i32)
         self.started = fn("strata_pool_started", i32)
         self.rdtsc = fn("strata_rdtsc", ctypes.c_uint64)
@@ -396,9 +405,11 @@ def _get_native() -> _Native:
 
 def _after_fork_in_child() -> None:
     # The child has the parent's memory but none of its threads: start workers again on next use.
-    global _pool_lock
+    global _pool_lock, _native_lock
     _pool_lock = threading.Lock()
+    _native_lock = threading.Lock()
     if _native is not None:
+        _native.after_fork()
         _native.workers = 0
         _native.lock = threading.Lock()
 
@@ -425,7 +436,8 @@ class ThreadPool:
             raise ValueError(f"ThreadPool: n_threads must be >= 1, got {n_threads}")
         self.n_threads = n
         self._nat = _get_native()
-        self._nat.ensure_workers(n - 1)
+        with self._nat.lock:
+            self._nat.ensure_workers(n - 1)
 
     @property
     def workers_sleeping(self) -> int:

@@ -1,0 +1,199 @@
+"""Mixture-of-experts FFN kernels: the experts chosen by some token, and only those.
+
+Routing is given as (token, expert, weight) pairs sorted by expert — P = tokens x top_k pairs,
+nA active experts, pairs [first[a], first[a+1]) belong to active expert a. Two kernels:
+
+  moe_gate_up  h[p, n] = silu(gate_e[n] . x[tok_p]) * (up_e[n] . x[tok_p])
+               parallel over the nA x I rows of the active experts' merged gate/up weights;
+               each weight row is read once and applied to all of that expert's tokens.
+  moe_down     y[m, n] = residual[m, n] + sum_p [tok_p == m] w_p * (down_{e_p}[n] . h[p])
+               parallel over the D output rows: every task owns its columns of y, so there
+               are no write conflicts and the residual add is fused.
+
+Legend: M tokens, D hidden, I expert intermediate, E experts, P pairs, nA active experts.
+Weights are stacked [E, rows, K] in a format of formats.py; `dot` is dot.py's row dot product.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..target import Target
+from .common import KernelSource, fn_attrs, load_args
+from .dot import DECLS, dot_function, intrinsic_decls
+from .linear import LinearSpec
+
+GATE_UP_PARAMS = ("h", "x", "xd", "xs", "w", "s", "pair_tok", "first", "active", "ldx")
+DOWN_PARAMS = ("y", "r", "h", "hd", "hs", "w", "s", "pair_tok", "pair_exp", "pair_w", "P", "M", "ldy", "ldr")
+_PTRS = {"h", "x", "xd", "xs", "w", "s", "pair_tok", "first", "active", "y", "r", "hd", "hs", "pair_exp", "pair_w"}
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    fmt: str
+    D: int           # hidden size (gate/up input, down output rows)
+    I: int           # expert intermediate size
+    group_size: int
+    q8: bool = False
+    residual: bool = False
+
+    def gate_up(self) -> LinearSpec:
+        return LinearSpec(self.fmt, self.I, self.D, self.group_size, self.q8, silu_mul=True)
+
+    def down(self) -> LinearSpec:
+        return LinearSpec(self.fmt, self.D, self.I, self.group_size, self.q8)
+
+    @property
+    def tag(self) -> str:
+        return f"{self.fmt}_{'q8' if self.q8 else 'f32'}_d{self.D}_i{self.I}_g{self.group_size}"
+
+
+def _xrow(q8: bool, K: int, group_size: int, base: str, idx: str, ld: str, out: str) -> str:
+    """Pointers %{out}, %{out}d, %{out}s to row `idx` of an activation matrix (f32 or q8)."""
+    if q8:
+        ng = -(-K // group_size)
+        return f"""  %{out}.o = mul nuw nsw i64 {idx}, {ng * group_size}
+  %{out} = getelementptr inbounds i8, ptr %{base}, i64 %{out}.o
+  %{out}.so = mul nuw nsw i64 {idx}, {4 * ng}
+  %{out}d = getelementptr inbounds i8, ptr %{base}d, i64 %{out}.so
+  %{out}s = getelementptr inbounds i8, ptr %{base}s, i64 %{out}.so"""
+    return f"""  %{out}.o = mul nuw nsw i64 {idx}, {ld}
+  %{out} = getelementptr inbounds float, ptr %{base}, i64 %{out}.o
+  %{out}d = getelementptr inbounds i8, ptr %{base}, i64 0
+  %{out}s = getelementptr inbounds i8, ptr %{base}, i64 0"""
+
+
+def gate_up(spec: MoESpec, target: Target) -> KernelSource:
+    lin = spec.gate_up()
+    rb, sb = lin.row_bytes()
+    I = spec.I
+    name = f"moe_gate_up_{spec.tag}"
+    dot = dot_function(target, spec.fmt, spec.D, spec.group_size, spec.q8)
+    ir = f"""{dot}
+define void @{name}(ptr noalias %args, i64 %begin, i64 %end) #0 {{
+entry:
+{load_args(GATE_UP_PARAMS, _PTRS)}
+  %empty = icmp sge i64 %begin, %end
+  br i1 %empty, label %exit, label %row
+row:
+  %j = phi i64 [%begin, %entry], [%j1, %row.next]
+  %a = udiv i64 %j, {I}
+  %n = urem i64 %j, {I}
+  %ep = getelementptr inbounds i64, ptr %active, i64 %a
+  %e = load i64, ptr %ep, align 8
+  %fp = getelementptr inbounds i64, ptr %first, i64 %a
+  %p0 = load i64, ptr %fp, align 8
+  %fp1 = getelementptr inbounds i64, ptr %fp, i64 1
+  %p1 = load i64, ptr %fp1, align 8
+  %er = mul nuw nsw i64 %e, {2 * I}
+  %gr = add nuw nsw i64 %er, %n
+  %ur = add nuw nsw i64 %gr, {I}
+  %gwo = mul nuw nsw i64 %gr, {rb}
+  %gw = getelementptr inbounds i8, ptr %w, i64 %gwo
+  %gso = mul nuw nsw i64 %gr, {sb}
+  %gs = getelementptr inbounds i8, ptr %s, i64 %gso
+  %uwo = mul nuw nsw i64 %ur, {rb}
+  %uw = getelementptr inbounds i8, ptr %w, i64 %uwo
+  %uso = mul nuw nsw i64 %ur, {sb}
+  %us = getelementptr inbounds i8, ptr %s, i64 %uso
+  %none = icmp sge i64 %p0, %p1
+  br i1 %none, label %row.next, label %pair
+pair:
+  %p = phi i64 [%p0, %row], [%p.1, %pair]
+  %tp = getelementptr inbounds i64, ptr %pair_tok, i64 %p
+  %tok = load i64, ptr %tp, align 8
+{_xrow(spec.q8, spec.D, spec.group_size, 'x', '%tok', '%ldx', 'xr')}
+  %g = call float @dot(ptr %gw, ptr %gs, ptr %xr, ptr %xrd, ptr %xrs)
+  %u = call float @dot(ptr %uw, ptr %us, ptr %xr, ptr %xrd, ptr %xrs)
+  %ng = fneg float %g
+  %ex = call float @llvm.exp.f32(float %ng)
+  %den = fadd float %ex, 1.0
+  %sg = fdiv float %g, %den
+  %hv = fmul float %sg, %u
+  %ho = mul nuw nsw i64 %p, {I}
+  %ho2 = add nuw nsw i64 %ho, %n
+  %hp = getelementptr inbounds float, ptr %h, i64 %ho2
+  store float %hv, ptr %hp, align 4
+  %p.1 = add nuw nsw i64 %p, 1
+  %pdone = icmp eq i64 %p.1, %p1
+  br i1 %pdone, label %row.next, label %pair
+row.next:
+  %j1 = add nuw nsw i64 %j, 1
+  %done = icmp eq i64 %j1, %end
+  br i1 %done, label %exit, label %row
+exit:
+  ret void
+}}
+"""
+    ir = ir + DECLS + intrinsic_decls(ir) + f"\nattributes #0 = {{ {fn_attrs(target)} }}\n"
+    return KernelSource(name, ir, GATE_UP_PARAMS, "active expert rows (nA * I)")
+
+
+def down(spec: MoESpec, target: Target) -> KernelSource:
+    lin = spec.down()
+    rb, sb = lin.row_bytes()
+    D = spec.D
+    name = f"moe_down_{spec.tag}{'_r' if spec.residual else ''}"
+    dot = dot_function(target, spec.fmt, spec.I, spec.group_size, spec.q8)
+    init = ("""  %ro = mul nuw nsw i64 %m, %ldr
+  %ro2 = add nuw nsw i64 %ro, %n
+  %rp = getelementptr inbounds float, ptr %r, i64 %ro2
+  %rv = load float, ptr %rp, align 4""" if spec.residual else "  %rv = fadd float 0.0, 0.0")
+    ir = f"""{dot}
+define void @{name}(ptr noalias %args, i64 %begin, i64 %end) #0 {{
+entry:
+{load_args(DOWN_PARAMS, _PTRS)}
+  %empty = icmp sge i64 %begin, %end
+  br i1 %empty, label %exit, label %row
+row:
+  %n = phi i64 [%begin, %entry], [%n1, %row.next]
+  %mempty = icmp sle i64 %M, 0
+  br i1 %mempty, label %pairs, label %init
+init:
+  %m = phi i64 [0, %row], [%m1, %init]
+{init}
+  %yo = mul nuw nsw i64 %m, %ldy
+  %yo2 = add nuw nsw i64 %yo, %n
+  %yp = getelementptr inbounds float, ptr %y, i64 %yo2
+  store float %rv, ptr %yp, align 4
+  %m1 = add nuw nsw i64 %m, 1
+  %mdone = icmp eq i64 %m1, %M
+  br i1 %mdone, label %pairs, label %init
+pairs:
+  %pnone = icmp sle i64 %P, 0
+  br i1 %pnone, label %row.next, label %pair
+pair:
+  %p = phi i64 [0, %pairs], [%p.1, %pair]
+  %epp = getelementptr inbounds i64, ptr %pair_exp, i64 %p
+  %e = load i64, ptr %epp, align 8
+  %er = mul nuw nsw i64 %e, {D}
+  %wr = add nuw nsw i64 %er, %n
+  %wo = mul nuw nsw i64 %wr, {rb}
+  %wp = getelementptr inbounds i8, ptr %w, i64 %wo
+  %so = mul nuw nsw i64 %wr, {sb}
+  %sp = getelementptr inbounds i8, ptr %s, i64 %so
+{_xrow(spec.q8, spec.I, spec.group_size, 'h', '%p', spec.I, 'hr')}
+  %v = call float @dot(ptr %wp, ptr %sp, ptr %hr, ptr %hrd, ptr %hrs)
+  %pwp = getelementptr inbounds float, ptr %pair_w, i64 %p
+  %pw = load float, ptr %pwp, align 4
+  %tp = getelementptr inbounds i64, ptr %pair_tok, i64 %p
+  %tok = load i64, ptr %tp, align 8
+  %to = mul nuw nsw i64 %tok, %ldy
+  %to2 = add nuw nsw i64 %to, %n
+  %ypp = getelementptr inbounds float, ptr %y, i64 %to2
+  %yv = load float, ptr %ypp, align 4
+  %yv1 = call float @llvm.fma.f32(float %pw, float %v, float %yv)
+  store float %yv1, ptr %ypp, align 4
+  %p.1 = add nuw nsw i64 %p, 1
+  %pdone = icmp eq i64 %p.1, %P
+  br i1 %pdone, label %row.next, label %pair
+row.next:
+  %n1 = add nuw nsw i64 %n, 1
+  %done = icmp eq i64 %n1, %end
+  br i1 %done, label %exit, label %row
+exit:
+  ret void
+}}
+"""
+    ir = ir + DECLS + intrinsic_decls(ir) + f"\nattributes #0 = {{ {fn_attrs(target)} }}\n"
+    return KernelSource(name, ir, DOWN_PARAMS, "output rows (D)")
