@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from strata_compiler.backends import resolve_backend
-from strata_compiler.backends.reference.executor import ReferenceExecutor
+from strata_compiler.backends import make_executor, resolve_backend
 from strata_compiler.errors import UsageError
 
 from .kv_cache import KVCache
@@ -36,7 +35,7 @@ class Session:
 
     def __post_init__(self) -> None:
         self.backend = resolve_backend(self.backend)
-        self.executor = ReferenceExecutor(self.plan.graph, self.plan.weights)
+        self.executor = make_executor(self.backend, self.plan.graph, self.plan.weights)
         self.cache: KVCache | None = None
 
     def reset(self, batch: int, capacity: int) -> None:

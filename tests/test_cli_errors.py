@@ -666,14 +666,14 @@ def test_unknown_subcommand(capsys):
 # strata-run flags and inputs
 
 
-def test_run_backend_llvm_not_built(capsys, built):
-    line = run_fails(capsys, built.plan, "--input-ids", built.ids, "--backend", "llvm", names=("--backend", "llvm"))
+def test_run_backend_xla_not_built(capsys, built):
+    line = run_fails(capsys, built.plan, "--input-ids", built.ids, "--backend", "xla", names=("--backend", "xla"))
     assert "not built" in line
 
 
-def test_run_backend_llvm_subprocess(built):
-    line = assert_one_line_error(script(STRATA_RUN, built.plan, "--input-ids", built.ids, "--backend", "llvm"),
-                                 "--backend", "llvm")
+def test_run_backend_xla_subprocess(built):
+    line = assert_one_line_error(script(STRATA_RUN, built.plan, "--input-ids", built.ids, "--backend", "xla"),
+                                 "--backend", "xla")
     assert "not built" in line
 
 
