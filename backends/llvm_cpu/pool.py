@@ -435,6 +435,7 @@ class ThreadPool:
         if n < 1:
             raise ValueError(f"ThreadPool: n_threads must be >= 1, got {n_threads}")
         self.n_threads = n
+        self._want_workers = n - 1
         self._nat = _get_native()
         with self._nat.lock:
             self._nat.ensure_workers(n - 1)
@@ -452,23 +453,27 @@ class ThreadPool:
                      *, min_chunk: int = 1) -> None:
         """Run ``kernel(args, begin, end)`` over ``[0, total)`` split in ``n_chunks`` contiguous ranges
         (default ``n_threads``; never more than ``ceil(total / min_chunk)``) and return when all are
-        done. With one chunk, the kernel is called directly on the calling thread."""
-        total = int(total)
+        done. With one chunk, the kernel is called directly on the calling thread. Addresses are Python
+        ints (``ctypes.addressof``, ``ExecutionEngine.get_function_address``). Not re-entrant: a kernel
+        must not call back into the pool."""
         if total <= 0:
             return
-        chunks = self.n_threads if n_chunks is None else int(n_chunks)
+        chunks = self.n_threads if n_chunks is None else n_chunks
+        if chunks > total:
+            chunks = total
+        if min_chunk > 1:
+            chunks = min(chunks, -(-total // min_chunk))
         if chunks < 1:
             raise ValueError(f"parallel_for: n_chunks must be >= 1, got {n_chunks}")
-        chunks = min(chunks, total, -(-total // max(1, int(min_chunk))))
-        if chunks > _MAX_CHUNKS:
-            raise ValueError(f"parallel_for: at most {_MAX_CHUNKS} chunks, got {chunks}")
         nat = self._nat
         if chunks == 1:
             nat.call(kernel_addr, args_addr, 0, total)
             return
-        if nat.workers < self.n_threads - 1:      # after fork(), in the child
+        if chunks > _MAX_CHUNKS:
+            raise ValueError(f"parallel_for: at most {_MAX_CHUNKS} chunks, got {chunks}")
+        if nat.workers < self._want_workers:      # after fork(), in the child
             with nat.lock:
-                nat.ensure_workers(self.n_threads - 1)
+                nat.ensure_workers(self._want_workers)
         with nat.lock:
             nat.parallel_for(kernel_addr, args_addr, total, chunks)
 

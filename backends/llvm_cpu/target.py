@@ -60,9 +60,7 @@ class Target:
         if force == "avx2":
             feats = [("-" + f[1:]) if f.startswith("+avx512") or f.startswith("+amx") or f.startswith("+avx10") else f
                      for f in feats]
-            cpu = "haswell" if cpu in ("sapphirerapids", "emeraldrapids", "graniterapids", "rocketlake",
-                                      "icelake-server", "icelake-client", "tigerlake", "cascadelake",
-                                      "skylake-avx512", "cooperlake", "znver4", "znver5") else cpu
+            cpu = "haswell" if cpu in _AVX512_CPUS else cpu
         elif force not in (None, "native"):
             raise BackendError(f"STRATA_CPU_FEATURES={force!r}: use 'avx2' or 'native'")
         if "+avx2" not in feats or "+fma" not in feats:
@@ -73,10 +71,16 @@ class Target:
 
     @staticmethod
     def named(cpu: str) -> "Target":
-        """A target for `cpu` with LLVM's default features for it (for assembly inspection)."""
+        """A target for another CPU, with LLVM's feature set for it (code to inspect, not to run)."""
         _init()
-        tm = llvm.Target.from_triple(llvm.get_process_triple())
-        feats = "-prefer-256-bit" if cpu in ("sapphirerapids", "rocketlake", "icelake-server", "skylake-avx512",
-                                              "emeraldrapids", "znver4", "cascadelake") else ""
-        del tm
-        return Target(cpu, feats)
+        avx512 = cpu in _AVX512_CPUS
+        feats = ["+avx2", "+fma", "+f16c"]
+        if avx512:
+            feats += ["+avx512f", "+avx512bw", "+avx512vl", "+avx512dq", "-prefer-256-bit"]
+            if cpu not in ("skylake-avx512",):
+                feats.append("+avx512vnni")
+        return Target(cpu, ",".join(sorted(feats)))
+
+
+_AVX512_CPUS = ("skylake-avx512", "cascadelake", "cooperlake", "icelake-server", "icelake-client", "tigerlake",
+                "rocketlake", "sapphirerapids", "emeraldrapids", "graniterapids", "znver4", "znver5")

@@ -135,6 +135,8 @@ def down(spec: MoESpec, target: Target) -> KernelSource:
     D = spec.D
     name = f"moe_down_{spec.tag}{'_r' if spec.residual else ''}"
     dot = dot_function(target, spec.fmt, spec.I, spec.group_size, spec.q8)
+    # f32 rows of h are padded to whole groups for grouped weights (the caller pads them)
+    h_stride = -(-spec.I // spec.group_size) * spec.group_size if spec.group_size else spec.I
     init = ("""  %ro = mul nuw nsw i64 %m, %ldr
   %ro2 = add nuw nsw i64 %ro, %n
   %rp = getelementptr inbounds float, ptr %r, i64 %ro2
@@ -172,7 +174,7 @@ pair:
   %wp = getelementptr inbounds i8, ptr %w, i64 %wo
   %so = mul nuw nsw i64 %wr, {sb}
   %sp = getelementptr inbounds i8, ptr %s, i64 %so
-{_xrow(spec.q8, spec.I, spec.group_size, 'h', '%p', spec.I, 'hr')}
+{_xrow(spec.q8, spec.I, spec.group_size, 'h', '%p', h_stride, 'hr')}
   %v = call float @dot(ptr %wp, ptr %sp, ptr %hr, ptr %hrd, ptr %hrs)
   %pwp = getelementptr inbounds float, ptr %pair_w, i64 %p
   %pw = load float, ptr %pwp, align 4

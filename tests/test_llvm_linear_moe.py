@@ -1,0 +1,168 @@
+"""llvm_cpu linear and MoE kernels against the reference semantics, every format and path.
+
+Shapes include sizes that are not multiples of the vector width or of the group size. The q8
+path is compared with the reference run on the same q8-rounded activations (its definition);
+f32 activations must match the dequantized-weight product to f32 rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from strata_compiler.backends.llvm_cpu.codegen.elementwise import quantize_q8
+from strata_compiler.backends.llvm_cpu.codegen.linear import PARAMS, LinearSpec, generate
+from strata_compiler.backends.llvm_cpu.codegen.moe import MoESpec, down, gate_up
+from strata_compiler.backends.llvm_cpu.jit import KernelLibrary, emit_artifacts
+from strata_compiler.backends.llvm_cpu.target import Target
+from strata_compiler.backends.reference.executor import moe_ffn, silu
+from strata_compiler.formats import get_format
+
+KFN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+TARGETS = {"native": Target.host(), "avx2": Target.host(force="avx2")}
+LIBS = {k: KernelLibrary(t, use_disk_cache=False) for k, t in TARGETS.items()}
+CASES = [("f32", False), ("bf16", False), ("int8", False), ("int8", True), ("int4", False), ("int4", True)]
+
+
+def call(lib, src, vals, total, split=None):
+    f = KFN(lib.address(src.ir, src.name))
+    args = (ctypes.c_int64 * len(src.params))(*[int(vals.get(p, 0)) for p in src.params])
+    cuts = [0, total] if split is None else [0, split, total]
+    for a, b in zip(cuts, cuts[1:]):
+        f(ctypes.addressof(args), a, b)
+
+
+def q8_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """q8 blocks as quantize_q8 defines them, plus the f32 values they stand for."""
+    M, K = x.shape
+    ng = -(-K // 32)
+    xp = np.zeros((M, ng * 32), np.float32)
+    xp[:, :K] = x
+    g = xp.reshape(M, ng, 32)
+    d = np.abs(g).max(-1) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    q = np.clip(np.rint(g * inv[..., None]), -127, 127)
+    return (q.astype(np.int8).reshape(M, -1), d.astype(np.float32), q.sum(-1).astype(np.int32),
+            (q * d[..., None]).reshape(M, -1)[:, :K].astype(np.float32))
+
+
+def quantized(fmt, w, G):
+    F = get_format(fmt)
+    a = F.quantize(w, G or 32)
+    return a.get("qs", a.get("w")), a.get("scales"), F.dequantize(a, w.shape[-1], G or 32)
+
+
+def activations(x, q8, G):
+    if q8:
+        xq, xd, xs, xdeq = q8_reference(x)
+        return xq, xd, xs, xdeq
+    K = x.shape[1]
+    kp = -(-K // G) * G if G else K
+    xp = np.zeros((x.shape[0], kp), np.float32)
+    xp[:, :K] = x
+    return xp, None, None, x
+
+
+def ptr(a):
+    return 0 if a is None else a.ctypes.data
+
+
+@pytest.mark.parametrize("tname", list(TARGETS))
+@pytest.mark.parametrize("fmt,q8", CASES)
+@pytest.mark.parametrize("N,K,M,epi", [(37, 70, 3, "bsr"), (64, 96, 1, ""), (16, 32, 2, "s"), (130, 288, 5, "br")])
+def test_linear_matches_reference(tname, fmt, q8, N, K, M, epi):
+    rng = np.random.default_rng(N * K + M)
+    G = 32 if fmt in ("int8", "int4") else 0
+    silu_mul = "s" in epi
+    rows = 2 * N if silu_mul else N
+    w, s, wd = quantized(fmt, rng.standard_normal((rows, K), dtype=np.float32), G)
+    x = rng.standard_normal((M, K), dtype=np.float32)
+    xin, xd, xs, xdeq = activations(x, q8, G)
+    b = rng.standard_normal(rows, dtype=np.float32)
+    r = rng.standard_normal((M, N), dtype=np.float32)
+    y = np.full((M, N), np.nan, np.float32)
+    spec = LinearSpec(fmt, N, K, G, q8, bias="b" in epi, silu_mul=silu_mul, residual="r" in epi)
+    call(LIBS[tname], generate(spec, TARGETS[tname]),
+         dict(y=ptr(y), x=ptr(xin), xd=ptr(xd), xs=ptr(xs), w=ptr(w), s=ptr(s), b=ptr(b), r=ptr(r), M=M,
+              ldx=xin.shape[1], ldy=N, ldr=N), N, split=N // 3)
+    h = xdeq @ wd.T + (b if "b" in epi else 0)
+    if silu_mul:
+        h = silu(h[:, :N]) * h[:, N:]
+    if "r" in epi:
+        h = h + r
+    np.testing.assert_allclose(y, h, rtol=0, atol=2e-5 * np.abs(h).max())
+
+
+def test_quantize_q8_kernel_matches_definition():
+    lib, t = LIBS["native"], TARGETS["native"]
+    x = np.random.default_rng(1).standard_normal((3, 70), dtype=np.float32)
+    xq, xd, xs = np.zeros((3, 96), np.int8), np.zeros((3, 3), np.float32), np.zeros((3, 3), np.int32)
+    call(lib, quantize_q8(70, t), dict(x=ptr(x), xq=ptr(xq), xd=ptr(xd), xs=ptr(xs), ldx=70), 3)
+    rq, rd, rs, _ = q8_reference(x)
+    np.testing.assert_array_equal(xq, rq)
+    np.testing.assert_array_equal(xd, rd)
+    np.testing.assert_array_equal(xs, rs)
+
+
+@pytest.mark.parametrize("tname", list(TARGETS))
+@pytest.mark.parametrize("fmt,q8", CASES)
+def test_moe_kernels_match_reference(tname, fmt, q8):
+    lib, t = LIBS[tname], TARGETS[tname]
+    rng = np.random.default_rng(7)
+    E, D, I, M, k = 6, 64, 40, 5, 2
+    G = 32 if fmt in ("int8", "int4") else 0
+    wu, su, gud = quantized(fmt, rng.standard_normal((E, 2 * I, D), dtype=np.float32), G)
+    wdn, sdn, dnd = quantized(fmt, rng.standard_normal((E, D, I), dtype=np.float32), G)
+    x = rng.standard_normal((M, D), dtype=np.float32)
+    r = rng.standard_normal((M, D), dtype=np.float32)
+    comb = np.zeros((M, E), np.float32)
+    for m in range(M):
+        comb[m, rng.choice(E, k, replace=False)] = rng.random(k, dtype=np.float32)
+    tok, exp = np.nonzero(comb)
+    order = np.argsort(exp, kind="stable")
+    tok, exp = tok[order].astype(np.int64), exp[order].astype(np.int64)
+    pw = comb[tok, exp].astype(np.float32)
+    active, counts = np.unique(exp, return_counts=True)
+    first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    active = active.astype(np.int64)
+    spec = MoESpec(fmt, D, I, G, q8, residual=True)
+    xin, xd, xs, xdeq = activations(x, q8, G)
+    h = np.zeros((len(tok), I), np.float32)
+    call(lib, gate_up(spec, t), dict(h=ptr(h), x=ptr(xin), xd=ptr(xd), xs=ptr(xs), w=ptr(wu), s=ptr(su),
+                                      pair_tok=ptr(tok), first=ptr(first), active=ptr(active), ldx=xin.shape[1]),
+         len(active) * I, split=I + 3)
+    href = np.stack([silu(xdeq[m] @ gud[e, :I].T) * (xdeq[m] @ gud[e, I:].T) for m, e in zip(tok, exp)])
+    np.testing.assert_allclose(h, href, atol=2e-5 * np.abs(href).max())
+    hin, hd, hs, hdeq = activations(h, q8, G)
+    y = np.zeros((M, D), np.float32)
+    call(lib, down(spec, t), dict(y=ptr(y), r=ptr(r), h=ptr(hin), hd=ptr(hd), hs=ptr(hs), w=ptr(wdn), s=ptr(sdn),
+                                   pair_tok=ptr(tok), pair_exp=ptr(exp), pair_w=ptr(pw), P=len(tok), M=M, ldy=D, ldr=D),
+         D, split=17)
+    if q8:
+        ref = r.copy()
+        for p, (m, e) in enumerate(zip(tok, exp)):
+            ref[m] += pw[p] * (hdeq[p] @ dnd[e].T)
+    else:
+        ref = moe_ffn(x[None], comb[None], lambda e: (gud[e, :I], gud[e, I:]), lambda e: dnd[e])[0] + r
+    np.testing.assert_allclose(y, ref, atol=2e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("cpu", ["sapphirerapids", "skylake-avx512"])
+def test_int4_gemv_uses_zmm_on_avx512_hosts(cpu):
+    """Compiled for an AVX-512 CPU (emitted, not run), the int4 GEMV works in zmm registers."""
+    t = Target.named(cpu)
+    assert t.avx512
+    for q8 in (True, False):
+        asm = emit_artifacts(generate(LinearSpec("int4", 4096, 4096, 32, q8), t).ir, t)["s"]
+        assert "zmm" in asm, f"no zmm in the int4 GEMV for {cpu} (q8={q8})"
+        if q8 and t.vnni:
+            assert "vpdpbusd" in asm
+
+
+def test_avx2_target_has_no_avx512():
+    t = TARGETS["avx2"]
+    assert not t.avx512 and t.vector_bits == 256
+    asm = emit_artifacts(generate(LinearSpec("int4", 256, 256, 32, True), t).ir, t)["s"]
+    assert "zmm" not in asm and "ymm" in asm
