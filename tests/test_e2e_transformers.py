@@ -24,10 +24,10 @@ def compile_plan(model_dir, out_dir, *extra) -> None:
     assert run_cli(stratac, ["compile", str(model_dir), "-o", str(out_dir), *extra]) == 0
 
 
-def run_plan(plan_dir, ids: np.ndarray, tmp, n_new: int = N_NEW) -> tuple[np.ndarray, np.ndarray]:
+def run_plan(plan_dir, ids: np.ndarray, tmp, n_new: int = N_NEW, backend: str = "reference") -> tuple[np.ndarray, np.ndarray]:
     np.save(tmp / "ids.npy", ids)
     rc = run_cli(strata_run, [str(plan_dir / "plan.bin"), "--input-ids", str(tmp / "ids.npy"), "-n", str(n_new),
-                              "--greedy", "--ignore-eos", "--backend", "reference",
+                              "--greedy", "--ignore-eos", "--backend", backend,
                               "--logits-out", str(tmp / "logits.npy"), "--tokens-out", str(tmp / "tokens.npy")])
     assert rc == 0
     return np.load(tmp / "logits.npy"), np.load(tmp / "tokens.npy")
@@ -42,27 +42,42 @@ def f32_model(request, tmp_path_factory):
     return arch, d, model, prompts[0]
 
 
-def test_f32_logits_and_greedy_match_transformers(f32_model, tmp_path):
+@pytest.mark.parametrize("backend", ["reference", "llvm", "llvm-avx2"])
+def test_f32_logits_and_greedy_match_transformers(f32_model, tmp_path, backend, monkeypatch):
     arch, d, model, ids = f32_model
+    if backend == "llvm-avx2":   # the AVX2 code path, forced on any host
+        monkeypatch.setenv("STRATA_CPU_FEATURES", "avx2")
+        backend = "llvm"
     compile_plan(d, tmp_path / "plan", "--quant", "f32")
-    logits, tokens = run_plan(tmp_path / "plan", ids, tmp_path)
+    logits, tokens = run_plan(tmp_path / "plan", ids, tmp_path, backend=backend)
     ref = hf_logits(model, ids)
     err = np.abs(logits - ref).max() / ref.std()
-    assert err <= 1e-4, f"{arch}: max abs error {err:.2e} x std"
+    assert err <= 1e-4, f"{arch} on {backend}: max abs error {err:.2e} x std"
     ref_tokens, _ = hf_greedy(model, ids, N_NEW)
     np.testing.assert_array_equal(tokens, ref_tokens)
 
 
-def test_int8_greedy_matches_transformers_on_dequantized_weights(f32_model, tmp_path):
-    arch, d, _, _ = f32_model
+@pytest.fixture(scope="module")
+def int8_reference(f32_model):
+    """transformers on int8 quantize-dequantized weights: prompts, logits and greedy tokens."""
+    _, d, _, _ = f32_model
     model = load_model(d)
     quantize_dequantize_model(model, "int8", 32)
     ids = clear_prompts(model, model.config.vocab_size, n_prompts=1, length=7, n_new=N_NEW, batch=2, seed=1)[0]
+    return ids, hf_logits(model, ids), hf_greedy(model, ids, N_NEW)[0]
+
+
+@pytest.mark.parametrize("backend", ["reference", "llvm-f32act"])
+def test_int8_greedy_matches_transformers_on_dequantized_weights(f32_model, int8_reference, tmp_path, backend,
+                                                                 monkeypatch):
+    _, d, _, _ = f32_model
+    ids, ref, ref_tokens = int8_reference
+    if backend == "llvm-f32act":   # exact path: f32 activations against int8 weights
+        monkeypatch.setenv("STRATA_CPU_ACT", "f32")
+        backend = "llvm"
     compile_plan(d, tmp_path / "plan", "--quant", "int8", "--group-size", "32")
-    logits, tokens = run_plan(tmp_path / "plan", ids, tmp_path)
-    ref = hf_logits(model, ids)
+    logits, tokens = run_plan(tmp_path / "plan", ids, tmp_path, backend=backend)
     assert np.abs(logits - ref).max() / ref.std() <= 1e-4
-    ref_tokens, _ = hf_greedy(model, ids, N_NEW)
     np.testing.assert_array_equal(tokens, ref_tokens)
 
 
