@@ -90,8 +90,14 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
         for row in new:
             click.echo(" ".join(map(str, row.tolist())))
     pre, dec = session.timings.rates()
+    extra = ""
+    if session.backend == "llvm":
+        from strata_compiler.backends.llvm_cpu.jit import library
+
+        st = library().stats
+        extra = f"; kernels: {st.compiled} compiled, {st.cached} from cache"
     click.echo(f"[{session.backend}] prefill {ids.size} tokens at {pre:.1f} tok/s, "
-               f"decode {session.timings.decode_tokens} tokens at {dec:.1f} tok/s", err=True)
+               f"decode {session.timings.decode_tokens} tokens at {dec:.1f} tok/s{extra}", err=True)
 
 
 def main() -> None:

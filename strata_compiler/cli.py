@@ -39,8 +39,9 @@ def stratac() -> None:
 @click.option("--dump-after", default="all", show_default=True,
               help="Passes to dump after: 'all' or a comma-separated list of pass names.")
 @click.option("--stop-after", help="Stop the pipeline after this pass (no plan is written unless it is 'emit').")
-@click.option("--backend", type=click.Choice(["reference"]), default="reference", show_default=True,
-              help="Backend the kernels are bound to (strata-run --backend can rebind).")
+@click.option("--backend", type=click.Choice(["auto", "reference", "llvm"]), default="auto", show_default=True,
+              help="Backend the CPU kernels are bound to: auto picks llvm on hosts with AVX2+FMA "
+                   "(strata-run --backend can rebind).")
 @debug_option
 def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, dump_dir: Path | None,
                 dump_after: str, stop_after: str | None, backend: str, debug: bool) -> None:
@@ -74,7 +75,7 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, dum
     if stop_after in (None, "emit"):
         plan, weights = out_dir / "plan.bin", out_dir / "weights.bin"
         click.echo(f"wrote {plan} ({plan.stat().st_size} B) and {weights} ({weights.stat().st_size / 2**20:.1f} MiB); "
-                   f"{len(g.nodes)} kernels, quant {quant}")
+                   f"{len(g.nodes)} ops, quant {quant}")
     else:
         click.echo(f"stopped after {stop_after}: {len(g.nodes)} {g.level.value}-level nodes")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -12,6 +13,15 @@ from .frontend.safetensors_reader import TensorStore
 from .ir import Graph
 from .pass_manager import CompileOptions, DumpConfig, PassContext, run_pipeline
 from .pipelines import DEFAULT
+
+
+def resolve_compile_backend(name: str) -> str:
+    """`--backend auto` binds CPU kernels to llvm where this host can run it, else reference."""
+    from .backends import llvm_available
+
+    if name == "auto":
+        return "llvm" if llvm_available()[0] else "reference"
+    return name
 
 
 def check_options(opts: CompileOptions) -> None:
@@ -25,6 +35,7 @@ def compile_model(model_dir: Path, out_dir: Path | None, opts: CompileOptions, *
                   pipeline: list[str] | None = None, progress: Callable[[str], None] | None = None,
                   progress_bytes: Callable[[int], None] | None = None) -> Graph:
     check_options(opts)
+    opts = replace(opts, backend=resolve_compile_backend(opts.backend))
     if not model_dir.is_dir():
         raise ModelError(f"{model_dir}: not a directory; pass a Hugging Face model folder")
     store = TensorStore.open(model_dir)
@@ -32,7 +43,8 @@ def compile_model(model_dir: Path, out_dir: Path | None, opts: CompileOptions, *
     tok = model_dir / "tokenizer.json"
     ctx = PassContext(opts, model_dir=model_dir, output_dir=out_dir, store=store,
                       tokenizer_json=tok.read_bytes() if tok.exists() else None,
-                      progress=progress, progress_bytes=progress_bytes)
+                      progress=progress, progress_bytes=progress_bytes,
+                      dump_dir=dump.directory if dump else None)
     return run_pipeline(graph, list(pipeline or DEFAULT), ctx, dump=dump, stop_after=stop_after)
 
 

@@ -24,7 +24,7 @@ from .verify import verify
 class CompileOptions:
     quant: str = "f32"
     group_size: int = 32
-    backend: str = "reference"
+    backend: str = "reference"   # what select-kernels binds: reference | llvm
 
 
 @dataclass
@@ -34,6 +34,7 @@ class PassContext:
     output_dir: Path | None = None
     store: object | None = None         # frontend TensorStore, for passes that read weights
     tokenizer_json: bytes | None = None
+    dump_dir: Path | None = None         # set with --dump-dir: passes may write extra artifacts
     analyses: dict = field(default_factory=dict)
     progress: Callable[[str], None] | None = None        # called with each pass's name
     progress_bytes: Callable[[int], None] | None = None  # called as emit converts source bytes

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # Importing the pass modules registers them.
-from strata_compiler.passes import emit, fuse, lower, plan_memory, quantize, select_kernels  # noqa: F401
+from strata_compiler.passes import cpu_codegen, emit, fuse, lower, plan_memory, quantize, select_kernels  # noqa: F401
 
 DEFAULT = [
     "lower",           # graph -> tensor: attention, mlp and moe become primitive tensor ops
@@ -11,5 +11,6 @@ DEFAULT = [
     "quantize",        # weight formats from --quant / --group-size; fused weights share one
     "select-kernels",  # tensor -> kernel: bind every op to a device and a backend
     "plan-memory",     # activation buffers by liveness; peak activation bytes per token
+    "cpu-codegen",     # LLVM IR for every CPU kernel, compiled into the kernel cache (+ IR/asm dumps)
     "emit",            # write plan.bin and weights.bin
 ]

@@ -121,7 +121,7 @@ def test_dumps_parse_back_to_identical_ir(tmp_path):
     compile_plan(d, tmp_path / "plan", "--quant", "int8", "--dump-dir", str(tmp_path / "dump"))
     index = json.loads((tmp_path / "dump" / "index.json").read_text())
     names = [r["pass"] for r in index["passes"]]
-    assert names == ["input", "lower", "fuse", "quantize", "select-kernels", "plan-memory", "emit"]
+    assert names == ["input", "lower", "fuse", "quantize", "select-kernels", "plan-memory", "cpu-codegen", "emit"]
     for rec in index["passes"]:
         text = (tmp_path / "dump" / rec["text"]).read_text()
         assert (tmp_path / "dump" / rec["dot"]).read_text().startswith("digraph")
@@ -130,6 +130,12 @@ def test_dumps_parse_back_to_identical_ir(tmp_path):
         assert parse_graph(print_graph(g)) == g
         if rec["pass"] != "input":
             assert {"seconds", "nodes_before", "nodes_after", "changed"} <= rec.keys()
+    # each CPU kernel: LLVM IR before and after optimisation, and its assembly
+    kernels = sorted((tmp_path / "dump" / "kernels").iterdir())
+    stems = {p.name.split(".")[0] for p in kernels}
+    assert any(s.startswith("linear_int8") for s in stems) and any(s.startswith("moe_gate_up") for s in stems)
+    for s in stems:
+        assert {f"{s}.ll", f"{s}.opt.ll", f"{s}.s"} <= {p.name for p in kernels}
 
 
 def test_dump_after_and_stop_after(tmp_path):

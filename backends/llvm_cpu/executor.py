@@ -88,11 +88,12 @@ class Q8:
 
 
 class LLVMExecutor:
-    def __init__(self, graph: Graph, weights, target: Target | None = None, act: str | None = None) -> None:
+    def __init__(self, graph: Graph, weights, target: Target | None = None, act: str | None = None,
+                 lib: "KernelLibrary | SourceCollector | None" = None) -> None:
         self.g = graph
         self.w = weights
         self.target = target or Target.host()
-        self.lib = library(self.target)
+        self.lib = lib or library(self.target)
         self.pool = get_pool()
         self.act = (act or os.environ.get("STRATA_CPU_ACT") or "q8").lower()
         if self.act not in ("q8", "f32"):
@@ -135,6 +136,39 @@ class LLVMExecutor:
                     del step.env[a]
         cache.advance(T)
         return {o: step.env[o].reshape(B, T, -1) for o in self.g.outputs}
+
+
+class SourceCollector:
+    """Stands in for a KernelLibrary to list a graph's kernels without compiling them."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, str] = {}
+
+    def address(self, ir_text: str, name: str) -> int:
+        self.sources[name] = ir_text
+        return 0
+
+
+class _ShapeOnlyWeights:
+    """Weight arrays with the right dtypes and shapes and no memory behind them."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.g = graph
+
+    def arrays(self, name: str) -> dict[str, np.ndarray]:
+        from strata_compiler.formats import get_format
+
+        spec = self.g.weight(name)
+        shapes = get_format(spec.fmt).array_shapes(spec.shape, spec.group_size or 32)
+        return {a: np.broadcast_to(np.zeros(1, dt), shp) for a, (dt, shp) in shapes.items()}
+
+
+def kernel_sources(graph: Graph, target: Target, act: str | None = None) -> dict[str, str]:
+    """Name -> LLVM IR of every kernel the graph's llvm nodes need, as the executor would build them."""
+    collector = SourceCollector()
+    if any(n.backend == "llvm" for n in graph.nodes):
+        LLVMExecutor(graph, _ShapeOnlyWeights(graph), target, act, lib=collector)
+    return dict(sorted(collector.sources.items()))
 
 
 # -- binders: Node -> step function ---------------------------------------------------------------

@@ -80,20 +80,11 @@ class KernelLibrary:
         return h.hexdigest()
 
     def _object(self, ir_text: str, key: str) -> bytes:
-        path = cache_dir() / f"{key}.o"
-        if self.use_disk_cache and path.exists():
-            data = path.read_bytes()
-            if len(data) >= _HEADER.size:
-                magic, n, digest = _HEADER.unpack_from(data)
-                body = data[_HEADER.size:]
-                if magic == _ENTRY_MAGIC and n == len(body) and hashlib.sha256(body).digest() == digest:
-                    self.stats.cached += 1
-                    return body
-        mod, tm = optimize(ir_text, self.target)
-        body = tm.emit_object(mod)
-        self.stats.compiled += 1
-        if self.use_disk_cache:
-            _write_atomic(path, _HEADER.pack(_ENTRY_MAGIC, len(body), hashlib.sha256(body).digest()) + body)
+        body, cached = object_code(ir_text, self.target, key, self.use_disk_cache)
+        if cached:
+            self.stats.cached += 1
+        else:
+            self.stats.compiled += 1
         return body
 
     def load(self, ir_text: str) -> str:
@@ -116,6 +107,26 @@ class KernelLibrary:
                 raise BackendError(f"kernel {name} not found in its module (a Strata bug)")
             self._addrs[key, name] = addr
         return self._addrs[key, name]
+
+
+def object_code(ir_text: str, target: Target, key: str, use_disk_cache: bool = True) -> tuple[bytes, bool]:
+    """Object code for the module (from the disk cache when a valid entry exists); (bytes, cached)."""
+    path = cache_dir() / f"{key}.o"
+    if use_disk_cache and path.exists():
+        try:
+            data = path.read_bytes()
+        except OSError:
+            data = b""
+        if len(data) >= _HEADER.size:
+            magic, n, digest = _HEADER.unpack_from(data)
+            body = data[_HEADER.size:]
+            if magic == _ENTRY_MAGIC and n == len(body) and hashlib.sha256(body).digest() == digest:
+                return body, True
+    mod, tm = optimize(ir_text, target)
+    body = tm.emit_object(mod)
+    if use_disk_cache:
+        _write_atomic(path, _HEADER.pack(_ENTRY_MAGIC, len(body), hashlib.sha256(body).digest()) + body)
+    return body, False
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

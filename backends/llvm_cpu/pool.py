@@ -45,6 +45,7 @@ import time
 import llvmlite.binding as llvm
 
 from strata_compiler.backends.llvm_cpu.target import Target
+from strata_compiler.backends.llvm_cpu.jit import KernelLibrary, object_code
 
 __all__ = ["ThreadPool", "get_pool", "set_spin", "default_threads", "KERNEL_CFUNC"]
 
@@ -340,22 +341,18 @@ class _Native:
     """The JIT-compiled pool code; one per process, never freed."""
 
     def __init__(self) -> None:
-        tm = Target.host().machine()
-        mod = llvm.parse_assembly(_POOL_IR)
-        mod.triple = tm.triple
-        mod.data_layout = str(tm.target_data)
-        mod.verify()
-        pto = llvm.create_pipeline_tuning_options(speed_level=3)
-        pb = llvm.create_pass_builder(tm, pto)
-        pb.getModulePassManager().run(mod, pb)
+        target = Target.host()
+        tm = target.machine()
+        lib = KernelLibrary(target)
+        obj, _ = object_code(_POOL_IR, target, lib.key(_POOL_IR))   # cached on disk like every kernel
         ee = llvm.create_mcjit_compiler(llvm.parse_assembly(""), tm)
-        ee.add_object_file(llvm.ObjectFileRef.from_data(tm.emit_object(mod)))
+        ee.add_object_file(llvm.ObjectFileRef.from_data(obj))
         ee.finalize_object()
         # Workers execute this code until the process dies: never let the engine be disposed, not even
         # while the interpreter tears down module globals at exit.
-        for obj in (ee, tm, mod):
+        for obj in (ee, tm):
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
-        self._keep = (ee, tm, mod)
+        self._keep = (ee, tm)
 
         def fn(name: str, restype, *argtypes):
             addr = ee.get_function_address(name)
