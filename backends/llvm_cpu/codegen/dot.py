@@ -164,73 +164,139 @@ def _q8_scale(g: str, t: str, off: int) -> str:
   %{t}.bf{off} = sitofp i32 %{t}.bs{off} to float"""
 
 
+BATCH = 8   # groups whose scales are combined in one 8-lane vector
+
+
+def _q8_pair_operands(fmt: str, P: int, base: str, t: str) -> list[tuple[str, str, str]]:
+    """Operands of 2 consecutive groups starting at group %{base}: a list of (ir, u, s) per
+    vector of P groups. int4 loads both groups' 32 nibble bytes at once."""
+    out = []
+    if fmt == "int4":
+        ir = f"""  %{t}.wo = mul nuw nsw i64 %{base}, 16
+  %{t}.qp = getelementptr inbounds i8, ptr %w, i64 %{t}.wo
+  %{t}.q = load <32 x i8>, ptr %{t}.qp, align 1
+  %{t}.lo = and <32 x i8> %{t}.q, {splat(32, 'i8', '15')}
+  %{t}.hi = lshr <32 x i8> %{t}.q, {splat(32, 'i8', '4')}
+  %{t}.xo = mul nuw nsw i64 %{base}, 32
+  %{t}.xp = getelementptr inbounds i8, ptr %x, i64 %{t}.xo"""
+        for v in range(2 // P):
+            groups = range(v * P, (v + 1) * P)
+            mask = [m for q in groups for m in [q * 16 + i for i in range(16)] + [32 + q * 16 + i for i in range(16)]]
+            ir += f"""
+  %{t}.u{v} = shufflevector <32 x i8> %{t}.lo, <32 x i8> %{t}.hi, {lanes(32 * P, mask)}
+  %{t}.xp{v} = getelementptr inbounds i8, ptr %{t}.xp, i64 {32 * P * v}
+  %{t}.s{v} = load <{32 * P} x i8>, ptr %{t}.xp{v}, align 1"""
+            out.append((ir, f"%{t}.u{v}", f"%{t}.s{v}"))
+            ir = ""
+        return out
+    for v in range(2 // P):
+        nb = 32 * P
+        ir = f"""  %{t}.o{v} = mul nuw nsw i64 %{base}, 32
+  %{t}.o{v}b = add nuw nsw i64 %{t}.o{v}, {nb * v}
+  %{t}.qp{v} = getelementptr inbounds i8, ptr %w, i64 %{t}.o{v}b
+  %{t}.q{v} = load <{nb} x i8>, ptr %{t}.qp{v}, align 1
+  %{t}.u{v} = call <{nb} x i8> @llvm.abs.v{nb}i8(<{nb} x i8> %{t}.q{v}, i1 false)
+  %{t}.xp{v} = getelementptr inbounds i8, ptr %x, i64 %{t}.o{v}b
+  %{t}.x{v} = load <{nb} x i8>, ptr %{t}.xp{v}, align 1
+  %{t}.neg{v} = icmp slt <{nb} x i8> %{t}.q{v}, zeroinitializer
+  %{t}.nx{v} = sub <{nb} x i8> zeroinitializer, %{t}.x{v}
+  %{t}.s{v} = select <{nb} x i1> %{t}.neg{v}, <{nb} x i8> %{t}.nx{v}, <{nb} x i8> %{t}.x{v}"""
+        out.append((ir, f"%{t}.u{v}", f"%{t}.s{v}"))
+    return out
+
+
 def _q8_dot(target: Target, fmt: str, NG: int) -> str:
-    """int8/int4 weights against q8 activations, P groups per vector (2 on AVX-512, else 1)."""
+    """int8/int4 weights against q8 activations.
+
+    The main loop takes BATCH groups at a time: their 8 weight scales times activation scales
+    form one vector (and, for int4, the -8 offset's correction one FMA against the block sums),
+    and each group's integer dot product (P groups per vector: 2 on AVX-512, else 1) is scaled
+    by a lane broadcast of it. Leftover groups (NG % BATCH) take the one-group path."""
     P = 2 if target.avx512 else 1
     L = 8 * P
     V = vec(L, "float")
-    main_groups = (NG // P) * P
+    V8 = vec(8, "float")
+    main = (NG // BATCH) * BATCH
     parts = []
-    if main_groups:
-        dvec = (f"  %m.dv0 = insertelement {vec(P, 'float')} poison, float %m.d0, i64 0\n"
-                + (f"  %m.dv1 = insertelement {vec(P, 'float')} %m.dv0, float %m.d1, i64 1\n" if P == 2 else "")
-                + f"  %m.dv = shufflevector {vec(P, 'float')} %m.dv{P - 1}, {vec(P, 'float')} poison, "
-                  f"{lanes(L, [i // 8 for i in range(L)])}")
-        csum = "  %m.c = fmul float %m.d0, %m.bf0" + (
-            "\n  %m.c1 = call float @llvm.fma.f32(float %m.d1, float %m.bf1, float %m.c)" if P == 2 else "")
-        cout = "%m.c1" if P == 2 else "%m.c"
+    if main:
+        body = []
+        n_acc = BATCH // 2          # one accumulator per pair of groups: independent FMA chains
+        accs = [f"%acc{a}" for a in range(n_acc)]
+        for pair in range(BATCH // 2):
+            body.append(f"  %b{pair} = add nuw nsw i64 %g, {2 * pair}")
+            for v, (ir, u, sv) in enumerate(_q8_pair_operands(fmt, P, f"b{pair}", f"p{pair}")):
+                tag = f"p{pair}v{v}"
+                first_group = 2 * pair + v * P
+                body.append(ir)
+                body.append(_idot(target, 32 * P, u, sv, f"%{tag}.i"))
+                body.append(f"  %{tag}.f = sitofp {vec(L, 'i32')} %{tag}.i to {V}")
+                body.append(f"  %{tag}.dv = shufflevector {V8} %d8, {V8} poison, "
+                            f"{lanes(L, [first_group + l // 8 for l in range(L)])}")
+                body.append(f"  %{tag}.acc = call {V} @llvm.fma.v{L}f32({V} %{tag}.f, {V} %{tag}.dv, {V} {accs[pair]})")
+                accs[pair] = f"%{tag}.acc"
+        corr = ("""  %xsp = getelementptr inbounds i32, ptr %xs, i64 %g
+  %xs8 = load <8 x i32>, ptr %xsp, align 4
+  %xs8f = sitofp <8 x i32> %xs8 to <8 x float>
+  %corr1 = call <8 x float> @llvm.fma.v8f32(<8 x float> %d8, <8 x float> %xs8f, <8 x float> %corr)"""
+                if fmt == "int4" else "  %corr1 = fadd <8 x float> %corr, zeroinitializer")
+        phis = "\n".join(f"  %acc{a} = phi {V} [zeroinitializer, %entry], [{accs[a]}, %loop]" for a in range(n_acc))
+        total = accs[0]
+        sums = []
+        for a in range(1, n_acc):
+            sums.append(f"  %accsum{a} = fadd {V} {total}, {accs[a]}")
+            total = f"%accsum{a}"
         parts.append(f"""
 entry:
   br label %loop
 loop:
   %g = phi i64 [0, %entry], [%g1, %loop]
-  %acc = phi {V} [zeroinitializer, %entry], [%acc1, %loop]
-  %corr = phi float [0.0, %entry], [%corr1, %loop]
-  %g.w = mul nuw nsw i64 %g, 16
-  %g.x = mul nuw nsw i64 %g, 32
-{_q8_operands(fmt, P, 'g', 'm')}
-{_idot(target, 32 * P, '%m.u', '%m.s', '%m.i')}
-  %m.f = sitofp {vec(L, 'i32')} %m.i to {V}
-{_q8_scale('g', 'm', 0)}
-{_q8_scale('g', 'm', 1) if P == 2 else ''}
-{dvec}
-  %acc1 = call {V} @llvm.fma.v{L}f32({V} %m.f, {V} %m.dv, {V} %acc)
-{csum}
-  %corr1 = fadd float %corr, {cout}
-  %g1 = add nuw nsw i64 %g, {P}
-  %done = icmp eq i64 %g1, {main_groups}
+{phis}
+  %corr = phi {V8} [zeroinitializer, %entry], [%corr1, %loop]
+  %sp8 = getelementptr inbounds half, ptr %s, i64 %g
+  %sh8 = load <8 x half>, ptr %sp8, align 2
+  %dw8 = fpext <8 x half> %sh8 to {V8}
+  %dp8 = getelementptr inbounds float, ptr %xd, i64 %g
+  %dx8 = load {V8}, ptr %dp8, align 4
+  %d8 = fmul {V8} %dw8, %dx8
+{corr}
+{chr(10).join(body)}
+  %g1 = add nuw nsw i64 %g, {BATCH}
+  %done = icmp eq i64 %g1, {main}
   br i1 %done, label %main.exit, label %loop
 main.exit:
-{_reduce(L, '%acc1', '%main.r')}
-  br label %tail""")
-        pre, r0, c0 = "main.exit", "%main.r", "%corr1"
+{chr(10).join(sums)}
+{_reduce(L, total, '%main.r')}
+{_reduce(8, '%corr1', '%main.c')}
+  br label %tail0""")
+        r, c = "%main.r", "%main.c"
+        prev = "main.exit"
     else:
-        parts.append("\nentry:\n  br label %tail")
-        pre, r0, c0 = "entry", "0.0", "0.0"
-    if main_groups < NG:   # one leftover group on AVX-512: 256-bit ops
+        parts.append("\nentry:\n  br label %tail0")
+        r, c = "0.0", "0.0"
+        prev = "entry"
+    for i, g in enumerate(range(main, NG)):   # leftover groups, one at a time (256-bit ops)
+        t = f"t{i}"
         parts.append(f"""
-tail:
-  %tg = add i64 0, {main_groups}
-  %tg.w = mul nuw nsw i64 %tg, 16
-  %tg.x = mul nuw nsw i64 %tg, 32
-{_q8_operands(fmt, 1, 'tg', 't')}
-{_idot(target, 32, '%t.u', '%t.s', '%t.i')}
-  %t.f = sitofp <8 x i32> %t.i to <8 x float>
-{_q8_scale('tg', 't', 0)}
-  %t.r0 = call reassoc float @llvm.vector.reduce.fadd.v8f32(float 0.0, <8 x float> %t.f)
-  %t.r = call float @llvm.fma.f32(float %t.r0, float %t.d0, float {r0})
-  %t.c = call float @llvm.fma.f32(float %t.d0, float %t.bf0, float {c0})
-  br label %exit""")
-        r, c = "%t.r", "%t.c"
-    else:
-        parts.append("\ntail:\n  br label %exit")
-        r, c = r0, c0
+tail{i}:
+  %{t}g = add i64 0, {g}
+  %{t}g.w = mul nuw nsw i64 %{t}g, 16
+  %{t}g.x = mul nuw nsw i64 %{t}g, 32
+{_q8_operands(fmt, 1, f'{t}g', t)}
+{_idot(target, 32, f'%{t}.u', f'%{t}.s', f'%{t}.i')}
+  %{t}.f = sitofp <8 x i32> %{t}.i to <8 x float>
+{_q8_scale(f'{t}g', t, 0)}
+  %{t}.r0 = call reassoc float @llvm.vector.reduce.fadd.v8f32(float 0.0, <8 x float> %{t}.f)
+  %{t}.r = call float @llvm.fma.f32(float %{t}.r0, float %{t}.d0, float {r})
+  %{t}.c = call float @llvm.fma.f32(float %{t}.d0, float %{t}.bf0, float {c})
+  br label %tail{i + 1}""")
+        r, c = f"%{t}.r", f"%{t}.c"
+    del prev
+    n_tail = NG - main
     if fmt == "int4":   # the nibbles carry +8: sum (q - 8) x = sum q x - 8 sum x
         fin = f"  %out = call float @llvm.fma.f32(float {c}, float -8.0, float {r})\n  ret float %out"
     else:
         fin = f"  %out = fadd float {r}, 0.0\n  ret float %out"
-    parts.append(f"\nexit:\n{fin}\n}}")
-    del pre
+    parts.append(f"\ntail{n_tail}:\n{fin}\n}}")
     return "".join(parts)
 
 
