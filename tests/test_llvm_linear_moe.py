@@ -14,7 +14,7 @@ import pytest
 
 from strata_compiler.backends.llvm_cpu.codegen.elementwise import quantize_q8
 from strata_compiler.backends.llvm_cpu.codegen.linear import PARAMS, LinearSpec, generate
-from strata_compiler.backends.llvm_cpu.codegen.moe import MoESpec, down, gate_up
+from strata_compiler.backends.llvm_cpu.codegen.moe import MoESpec, down, gate_up, h_stride
 from strata_compiler.backends.llvm_cpu.jit import KernelLibrary, emit_artifacts
 from strata_compiler.backends.llvm_cpu.target import Target
 from strata_compiler.backends.reference.executor import moe_ffn, silu
@@ -129,13 +129,15 @@ def test_moe_kernels_match_reference(tname, fmt, q8):
     active = active.astype(np.int64)
     spec = MoESpec(fmt, D, I, G, q8, residual=True)
     xin, xd, xs, xdeq = activations(x, q8, G)
-    h = np.zeros((len(tok), I), np.float32)
-    call(lib, gate_up(spec, t), dict(h=ptr(h), x=ptr(xin), xd=ptr(xd), xs=ptr(xs), w=ptr(wu), s=ptr(su),
+    hfull = np.zeros((len(tok), h_stride(spec)), np.float32)   # f32 rows padded to whole groups
+    h = hfull[:, :I]
+    call(lib, gate_up(spec, t), dict(h=ptr(hfull), x=ptr(xin), xd=ptr(xd), xs=ptr(xs), w=ptr(wu), s=ptr(su),
                                       pair_tok=ptr(tok), first=ptr(first), active=ptr(active), ldx=xin.shape[1]),
          len(active) * I, split=I + 3)
     href = np.stack([silu(xdeq[m] @ gud[e, :I].T) * (xdeq[m] @ gud[e, I:].T) for m, e in zip(tok, exp)])
     np.testing.assert_allclose(h, href, atol=2e-5 * np.abs(href).max())
-    hin, hd, hs, hdeq = activations(h, q8, G)
+    assert not hfull[:, I:].any()
+    hin, hd, hs, hdeq = activations(np.ascontiguousarray(h), q8, G)
     y = np.zeros((M, D), np.float32)
     call(lib, down(spec, t), dict(y=ptr(y), r=ptr(r), h=ptr(hin), hd=ptr(hd), hs=ptr(hs), w=ptr(wdn), s=ptr(sdn),
                                    pair_tok=ptr(tok), pair_exp=ptr(exp), pair_w=ptr(pw), P=len(tok), M=M, ldy=D, ldr=D),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -29,7 +29,7 @@ from .codegen import elementwise as ew
 from .codegen.common import KernelSource, float_slot
 from .codegen.dot import Q8_BLOCK, needs_q8
 from .codegen.linear import LinearSpec, generate as linear_gen
-from .codegen.moe import MoESpec, down as moe_down_gen, gate_up as moe_gate_up_gen
+from .codegen.moe import MoESpec, down as moe_down_gen, gate_up as moe_gate_up_gen, h_stride
 from .jit import KernelLibrary, library
 from .pool import get_pool
 from .target import Target
@@ -38,53 +38,109 @@ _NULL = 0
 
 
 class Kernel:
-    """A compiled kernel and its argument slots."""
+    """A compiled kernel and the positions of its argument slots."""
 
-    def __init__(self, lib: KernelLibrary, src: KernelSource) -> None:
+    def __init__(self, lib: "KernelLibrary | SourceCollector", src: KernelSource) -> None:
         self.src = src
         self.addr = lib.address(src.ir, src.name)
         self.index = {p: i for i, p in enumerate(src.params)}
 
-    def launch(self, pool, vals: dict, total: int, min_chunk: int = 1) -> None:
-        args = (ctypes.c_int64 * len(self.src.params))(*[int(vals.get(p, 0)) for p in self.src.params])
-        pool.parallel_for(self.addr, ctypes.addressof(args), total, min_chunk=min_chunk)
+    def args(self, **vals) -> "Args":
+        return Args(self, vals)
 
 
-def _ptr(a: np.ndarray | None) -> int:
-    return 0 if a is None else a.ctypes.data
+class Args:
+    """A kernel's argument array, built once per step shape; per-step values are set in place."""
+
+    def __init__(self, kernel: Kernel, vals: dict) -> None:
+        self.kernel = kernel
+        self.arr = (ctypes.c_int64 * len(kernel.src.params))(*[_slot(vals.get(p)) for p in kernel.src.params])
+        self.addr = ctypes.addressof(self.arr)
+
+    def set(self, **vals) -> "Args":
+        for k, v in vals.items():
+            self.arr[self.kernel.index[k]] = _slot(v)
+        return self
+
+    def go(self, pool, total: int, min_chunk: int = 1) -> None:
+        pool.parallel_for(self.kernel.addr, self.addr, total, min_chunk=min_chunk)
+
+
+def _ld(a: np.ndarray) -> int:
+    """Row stride in elements (views of padded scratch have rows longer than their width)."""
+    return a.strides[0] // a.itemsize
+
+
+def _slot(v) -> int:
+    if v is None:
+        return 0
+    if isinstance(v, np.ndarray):
+        return v.ctypes.data
+    return int(v)
+
+
+class Frame:
+    """Buffers for one step shape (M tokens): plan-memory's slots for node results, shared scratch."""
+
+    def __init__(self, exe: "LLVMExecutor", M: int) -> None:
+        self.M = M
+        self.exe = exe
+        self.slots: dict[int, np.ndarray] = {}
+        self.scratch: dict[tuple, np.ndarray] = {}
+        self.ids = np.zeros(M, np.int64)
+
+    def out(self, n: Node) -> np.ndarray:
+        """The f32[M, C] result of node n, in its plan-memory buffer."""
+        C = n.type.shape[-1]
+        if n.buffer not in self.slots:
+            self.slots[n.buffer] = np.zeros(self.M * n.type.bytes_per_token() // 4, np.float32)
+        return self.slots[n.buffer][: self.M * C].reshape(self.M, C)
+
+    def temp(self, key: str, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+        """Scratch live only within one op, shared by every op of the step that asks the same key."""
+        k = (key, shape, np.dtype(dtype).str)
+        if k not in self.scratch:
+            self.scratch[k] = np.zeros(shape, dtype)
+        return self.scratch[k]
 
 
 @dataclass
 class Step:
-    """What one forward step needs: token counts, the cache and the live activations."""
+    """What one forward step needs: token counts and the cache."""
 
-    ids: np.ndarray            # i64[M]
     B: int
     T: int
     cache: KVCache
-    env: dict = field(default_factory=dict)   # node id -> f32[M, C] (or i64[M] for input_ids)
 
     @property
     def M(self) -> int:
         return self.B * self.T
 
 
+Op_ = Callable[[Step], None]
+Binder = Callable[["LLVMExecutor", Node], Callable[[Frame], Op_]]
+
+
 class Q8:
-    """Scratch for one activation matrix quantized to q8 blocks (int8 data, f32 scales, i32 sums)."""
+    """Quantizes f32 rows of width K to q8 blocks (int8 data, f32 scales, i32 block sums)."""
 
     def __init__(self, exe: "LLVMExecutor", K: int) -> None:
         self.K = K
         self.ng = -(-K // Q8_BLOCK)
         self.kernel = Kernel(exe.lib, ew.quantize_q8(K, exe.target))
-        self.exe = exe
 
-    def __call__(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def prepare(self, frame: Frame, x: np.ndarray, key: str):
+        """Scratch (xq, xd, xs) for x's rows and a function that fills them."""
         M = x.shape[0]
-        xq = np.empty((M, self.ng * Q8_BLOCK), np.int8)
-        xd = np.empty((M, self.ng), np.float32)
-        xs = np.empty((M, self.ng), np.int32)
-        self.kernel.launch(self.exe.pool, dict(x=_ptr(x), xq=_ptr(xq), xd=_ptr(xd), xs=_ptr(xs), ldx=x.shape[1]), M)
-        return xq, xd, xs
+        xq = frame.temp(key + ".q", (M, self.ng * Q8_BLOCK), np.int8)
+        xd = frame.temp(key + ".d", (M, self.ng), np.float32)
+        xs = frame.temp(key + ".s", (M, self.ng), np.int32)
+        a = self.kernel.args(x=x, xq=xq, xd=xd, xs=xs, ldx=_ld(x))
+        pool = frame.exe.pool
+
+        def run(rows: int = M) -> None:
+            a.go(pool, rows, min_chunk=4)
+        return (xq, xd, xs), run, a
 
 
 class LLVMExecutor:
@@ -99,26 +155,22 @@ class LLVMExecutor:
         if self.act not in ("q8", "f32"):
             raise BackendError(f"STRATA_CPU_ACT={self.act!r}: use q8 or f32")
         self._q8: dict[int, Q8] = {}
-        last_use: dict[int, int] = {}
-        for i, n in enumerate(graph.nodes):
-            for a in n.args:
-                last_use[a] = i
-        outs = set(graph.outputs)
-        self.frees = [[a for a in n.args if last_use[a] == i and a not in outs] for i, n in enumerate(graph.nodes)]
-        self.steps: list[Callable[[Step], None]] = [self._bind(n) for n in graph.nodes]
-
-    # -- binding ----------------------------------------------------------------------------
+        self.binders = [self._bind(n) for n in graph.nodes]   # every kernel compiled here, not per step
+        self.frames: dict[int, tuple[Frame, list[Op_]]] = {}
 
     def q8(self, K: int) -> Q8:
         if K not in self._q8:
             self._q8[K] = Q8(self, K)
         return self._q8[K]
 
-    def _weight(self, name: str) -> tuple[np.ndarray, np.ndarray | None]:
+    def weight(self, name: str | None) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(data, scales) arrays of a stored weight, zero-copy from the plan's mmap."""
+        if name is None:
+            return None, None
         a = self.w.arrays(name)
         return (a["w"], None) if "w" in a else (a["qs"], a["scales"])
 
-    def _bind(self, n: Node) -> Callable[[Step], None]:
+    def _bind(self, n: Node):
         binder = _BINDERS.get(n.op)
         if binder is None:
             raise BackendError(f"the llvm backend has no kernel for op {n.op.value} (%{n.id}); "
@@ -127,15 +179,17 @@ class LLVMExecutor:
 
     def run(self, input_ids: np.ndarray, cache: KVCache) -> dict[int, np.ndarray]:
         B, T = input_ids.shape
-        step = Step(np.ascontiguousarray(input_ids.reshape(-1), dtype=np.int64), B, T, cache)
-        outputs = set(self.g.outputs)
-        for i, fn in enumerate(self.steps):
-            fn(step)
-            for a in self.frees[i]:
-                if a not in outputs:
-                    del step.env[a]
+        M = B * T
+        if M not in self.frames:
+            frame = Frame(self, M)
+            self.frames[M] = (frame, [b(frame) for b in self.binders])
+        frame, ops = self.frames[M]
+        frame.ids[:] = input_ids.reshape(-1)
+        step = Step(B, T, cache)
+        for op in ops:
+            op(step)
         cache.advance(T)
-        return {o: step.env[o].reshape(B, T, -1) for o in self.g.outputs}
+        return {o: frame.out(self.g.node(o)).reshape(B, T, -1).copy() for o in self.g.outputs}
 
 
 class SourceCollector:
@@ -171,114 +225,122 @@ def kernel_sources(graph: Graph, target: Target, act: str | None = None) -> dict
     return dict(sorted(collector.sources.items()))
 
 
-# -- binders: Node -> step function ---------------------------------------------------------------
+# -- binders: Node -> (Frame -> step function) -------------------------------------------------------
 
-def _out(step: Step, n: Node, cols: int) -> np.ndarray:
-    y = np.empty((step.M, cols), np.float32)
-    step.env[n.id] = y
-    return y
+
+def _src(frame: Frame, n: Node, i: int = 0) -> np.ndarray:
+    """Operand i of n: the f32[M, C] result of the node that defines it."""
+    return frame.out(frame.exe.g.node(n.args[i]))
 
 
 def _bind_input(exe: LLVMExecutor, n: Node):
-    def run(step: Step) -> None:
-        step.env[n.id] = step.ids
-    return run
+    return lambda frame: (lambda step: None)
 
 
 def _bind_embed(exe: LLVMExecutor, n: Node):
-    table, _ = exe._weight(n.weight("table"))
+    table, _ = exe.weight(n.weight("table"))
     D = table.shape[1]
     k = Kernel(exe.lib, ew.embed(D, exe.target))
 
-    def run(step: Step) -> None:
-        y = _out(step, n, D)
-        k.launch(exe.pool, dict(ids=_ptr(step.ids), table=_ptr(table), y=_ptr(y), ldy=D), step.M, min_chunk=16)
-    return run
+    def prepare(frame: Frame):
+        a = k.args(ids=frame.ids, table=table, y=frame.out(n), ldy=D)
+        return lambda step: a.go(exe.pool, frame.M, min_chunk=16)
+    return prepare
 
 
-def _rms_norm_kernel(exe: LLVMExecutor, C: int, group: int, weight: str, eps: float):
-    w, _ = exe._weight(weight)
+def _norm_args(exe: LLVMExecutor, C: int, group: int, weight: str, eps: float):
+    w, _ = exe.weight(weight)
     k = Kernel(exe.lib, ew.rms_norm(C, group, exe.target))
-
-    def apply(x: np.ndarray, y: np.ndarray) -> None:
-        k.launch(exe.pool, dict(x=_ptr(x), w=_ptr(w), y=_ptr(y), ldx=x.shape[1], ldy=y.shape[1],
-                                eps=float_slot(eps)), x.shape[0], min_chunk=4)
-    return apply
+    return lambda x, y: k.args(x=x, w=w, y=y, ldx=_ld(x), ldy=_ld(y), eps=float_slot(eps))
 
 
 def _bind_rms_norm(exe: LLVMExecutor, n: Node):
     C = n.type.shape[-1]
-    apply = _rms_norm_kernel(exe, C, n.attr("group", 0), n.weight("w"), n.attr("eps"))
+    mk = _norm_args(exe, C, n.attr("group", 0), n.weight("w"), n.attr("eps"))
 
-    def run(step: Step) -> None:
-        x = step.env[n.args[0]]
-        apply(x, _out(step, n, C))
-    return run
+    def prepare(frame: Frame):
+        a = mk(_src(frame, n), frame.out(n))
+        return lambda step: a.go(exe.pool, frame.M, min_chunk=4)
+    return prepare
 
 
 def _bind_linear(exe: LLVMExecutor, n: Node):
     spec_w = exe.g.weight(n.weight("w"))
     fmt, G = spec_w.fmt, spec_w.group_size
     K = spec_w.shape[1]
-    silu = n.attr("epilogue", "none") == "silu_mul"
     N = n.type.shape[-1]
     q8 = exe.act == "q8" and needs_q8(fmt, G)
-    spec = LinearSpec(fmt, N, K, G, q8, bias=n.weight("b") is not None, silu_mul=silu, residual=len(n.args) == 2)
+    spec = LinearSpec(fmt, N, K, G, q8, bias=n.weight("b") is not None,
+                      silu_mul=n.attr("epilogue", "none") == "silu_mul", residual=len(n.args) == 2)
     k = Kernel(exe.lib, linear_gen(spec, exe.target))
-    w, s = exe._weight(n.weight("w"))
-    b = exe._weight(n.weight("b"))[0] if n.weight("b") else None
-    norm = _rms_norm_kernel(exe, K, 0, n.weight("norm"), n.attr("eps")) if n.attr("prologue", "none") == "rms_norm" else None
+    w, s = exe.weight(n.weight("w"))
+    b, _ = exe.weight(n.weight("b"))
+    norm = (_norm_args(exe, K, 0, n.weight("norm"), n.attr("eps"))
+            if n.attr("prologue", "none") == "rms_norm" else None)
     quant = exe.q8(K) if q8 else None
-    pad = (-(-K // G) * G) if (G and not q8 and K % G) else 0
+    kp = -(-K // G) * G if G else K
 
-    def run(step: Step) -> None:
-        x = step.env[n.args[0]]
+    def prepare(frame: Frame):
+        M = frame.M
+        x = _src(frame, n)
+        pre = []
         if norm is not None:
-            xn = np.empty((x.shape[0], K), np.float32)
-            norm(x, xn)
+            xn = frame.temp("norm", (M, kp))    # zero padding past K stays zero
+            pre.append(norm(x, xn[:, :K] if kp != K else xn))
             x = xn
+        elif kp != K and not q8:
+            xp = frame.temp("pad", (M, kp))
+            pre.append(None)
+            x_src, x = x, xp
         xd = xs = None
+        qrun = None
         if quant is not None:
-            x, xd, xs = quant(x)
-        elif pad:
-            xp = np.zeros((x.shape[0], pad), np.float32)
-            xp[:, :K] = x
-            x = xp
-        y = _out(step, n, N)
-        r = step.env[n.args[1]] if len(n.args) == 2 else None
-        k.launch(exe.pool, dict(y=_ptr(y), x=_ptr(x), xd=_ptr(xd), xs=_ptr(xs), w=_ptr(w), s=_ptr(s), b=_ptr(b),
-                                r=_ptr(r), xidx=_NULL, M=step.M, ldx=x.shape[1] if not q8 else 0, ldy=N,
-                                ldr=N), N, min_chunk=16)
-    return run
+            (x, xd, xs), qrun, _ = quant.prepare(frame, x[:, :K] if x.shape[1] != K else x, "x")
+        r = _src(frame, n, 1) if len(n.args) == 2 else None
+        a = k.args(y=frame.out(n), x=x, xd=xd, xs=xs, w=w, s=s, b=b, r=r, xidx=None, M=M,
+                   ldx=_ld(x), ldy=N, ldr=N)
+        pool = exe.pool
+
+        def run(step: Step) -> None:
+            for p in pre:
+                if p is None:
+                    x[:, :K] = x_src
+                else:
+                    p.go(pool, M, min_chunk=4)
+            if qrun is not None:
+                qrun()
+            a.go(pool, N, min_chunk=16)
+        return run
+    return prepare
 
 
 def _bind_attention(exe: LLVMExecutor, n: Node):
     H, KV, hd = n.attr("n_heads"), n.attr("n_kv_heads"), n.attr("head_dim")
-    mode = n.attr("qk_norm")
-    clip = n.has_attr("clip_qkv")
-    prep = Kernel(exe.lib, attn_gen.attn_prep(H, KV, hd, mode, clip, exe.target))
+    prep = Kernel(exe.lib, attn_gen.attn_prep(H, KV, hd, n.attr("qk_norm"), n.has_attr("clip_qkv"), exe.target))
     core = Kernel(exe.lib, attn_gen.attn_core(H, KV, hd, exe.target))
     inv = np.ascontiguousarray(rope_inv_freq(hd, dict(n.attrs)), np.float32)
-    qn = exe._weight(n.weight("q_norm"))[0] if n.weight("q_norm") else None
-    kn = exe._weight(n.weight("k_norm"))[0] if n.weight("k_norm") else None
+    qn, _ = exe.weight(n.weight("q_norm"))
+    kn, _ = exe.weight(n.weight("k_norm"))
     layer = n.attr("layer")
-    eps = float_slot(n.attr("eps", 1e-6))
-    lim = float_slot(n.attr("clip_qkv", 0.0))
 
-    def run(step: Step) -> None:
-        qkv = step.env[n.args[0]]
-        c = step.cache
-        if c.length + step.T > c.capacity:
-            raise UsageError(f"sequence of {c.length + step.T} tokens exceeds the KV cache capacity {c.capacity}")
-        q = np.empty((step.M, H * hd), np.float32)
-        kc, vc = c.k[layer], c.v[layer]
-        prep.launch(exe.pool, dict(qkv=_ptr(qkv), qnw=_ptr(qn), knw=_ptr(kn), qout=_ptr(q), kc=_ptr(kc), vc=_ptr(vc),
-                                   inv_freq=_ptr(inv), T=step.T, past=c.length, cap=c.capacity, ldq=qkv.shape[1],
-                                   eps=eps, clip=lim), step.M, min_chunk=2)
-        o = _out(step, n, H * hd)
-        core.launch(exe.pool, dict(qout=_ptr(q), kc=_ptr(kc), vc=_ptr(vc), o=_ptr(o), T=step.T, past=c.length,
-                                   cap=c.capacity, ldo=H * hd), step.B * H)
-    return run
+    def prepare(frame: Frame):
+        qkv = _src(frame, n)
+        q = frame.temp("attn.q", (frame.M, H * hd))
+        o = frame.out(n)
+        ap = prep.args(qkv=qkv, qnw=qn, knw=kn, qout=q, ldq=_ld(qkv), inv_freq=inv,
+                       eps=float_slot(n.attr("eps", 1e-6)), clip=float_slot(n.attr("clip_qkv", 0.0)))
+        ac = core.args(qout=q, o=o, ldo=H * hd)
+        pool = exe.pool
+
+        def run(step: Step) -> None:
+            c = step.cache
+            if c.length + step.T > c.capacity:
+                raise UsageError(f"sequence of {c.length + step.T} tokens exceeds the KV cache capacity {c.capacity}")
+            kc, vc = c.k[layer], c.v[layer]
+            ap.set(kc=kc, vc=vc, T=step.T, past=c.length, cap=c.capacity).go(pool, frame.M, min_chunk=2)
+            ac.set(kc=kc, vc=vc, T=step.T, past=c.length, cap=c.capacity).go(pool, step.B * H)
+        return run
+    return prepare
 
 
 def _bind_moe(exe: LLVMExecutor, n: Node):
@@ -293,60 +355,72 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
     spec = MoESpec(fmt, D, I, G, q8, residual=len(n.args) == 3)
     ku = Kernel(exe.lib, moe_gate_up_gen(spec, exe.target))
     kd = Kernel(exe.lib, moe_down_gen(spec, exe.target))
-    wu, su = exe._weight(n.weight("gate_up"))
-    wd, sd = exe._weight(n.weight("down"))
+    wu, su = exe.weight(n.weight("gate_up"))
+    wd, sd = exe.weight(n.weight("down"))
     qx = exe.q8(D) if q8 else None
     qh = exe.q8(I) if q8 else None
-    pad = (-(-max(D, I) // G) * G) if (G and not q8 and (D % G or I % G)) else 0
+    dp = -(-D // G) * G if (G and not q8) else D     # f32 rows padded to whole groups
+    ip = h_stride(spec)
 
-    def padded(a: np.ndarray, K: int) -> np.ndarray:
-        if not pad or K % G == 0:
-            return a
-        out = np.zeros((a.shape[0], -(-K // G) * G), np.float32)
-        out[:, :K] = a
-        return out
-
-    def run(step: Step) -> None:
-        x, comb = step.env[n.args[0]], step.env[n.args[1]]
-        tok, exp = np.nonzero(comb)                          # pairs, sorted by token
-        order = np.argsort(exp, kind="stable")
-        tok, exp = tok[order].astype(np.int64), exp[order].astype(np.int64)
-        pw = np.ascontiguousarray(comb[tok, exp], np.float32)
-        active, counts = np.unique(exp, return_counts=True)
-        first = np.zeros(len(active) + 1, np.int64)
-        np.cumsum(counts, out=first[1:])
-        active = active.astype(np.int64)
-        P = len(tok)
-        xd = xs = None
-        xin = padded(x, D)
+    def prepare(frame: Frame):
+        M = frame.M
+        x, comb = _src(frame, n, 0), _src(frame, n, 1)
+        Pmax = M * E
+        tok = frame.temp("moe.tok", (Pmax,), np.int64)
+        exp = frame.temp("moe.exp", (Pmax,), np.int64)
+        pw = frame.temp("moe.w", (Pmax,), np.float32)
+        first = frame.temp("moe.first", (E + 1,), np.int64)
+        active = frame.temp("moe.active", (E,), np.int64)
+        h = frame.temp("moe.h", (Pmax, ip))
+        xin = x
+        if dp != D:
+            xin = frame.temp("moe.xpad", (M, dp))
+        xd = xs = hd = hs = None
+        qxrun = qhrun = None
+        hin = h
         if qx is not None:
-            xin, xd, xs = qx(x)
-        h = np.empty((P, I), np.float32)
-        ku.launch(exe.pool, dict(h=_ptr(h), x=_ptr(xin), xd=_ptr(xd), xs=_ptr(xs), w=_ptr(wu), s=_ptr(su),
-                                 pair_tok=_ptr(tok), first=_ptr(first), active=_ptr(active), ldx=xin.shape[1]),
-                  len(active) * I, min_chunk=8)
-        hd = hs = None
-        hin = padded(h, I)
-        if qh is not None:
-            hin, hd, hs = qh(h)
-        y = _out(step, n, D)
-        r = step.env[n.args[2]] if len(n.args) == 3 else None
-        kd.launch(exe.pool, dict(y=_ptr(y), r=_ptr(r), h=_ptr(hin), hd=_ptr(hd), hs=_ptr(hs), w=_ptr(wd), s=_ptr(sd),
-                                 pair_tok=_ptr(tok), pair_exp=_ptr(exp), pair_w=_ptr(pw), P=P, M=step.M, ldy=D,
-                                 ldr=D), D, min_chunk=16)
-        del hin
-    return run
+            (xin, xd, xs), qxrun, _ = qx.prepare(frame, x, "moe.x")
+            (hin, hd, hs), qhrun, qha = qh.prepare(frame, h[:, :I] if ip != I else h, "moe.h")
+        r = _src(frame, n, 2) if len(n.args) == 3 else None
+        au = ku.args(h=h, x=xin, xd=xd, xs=xs, w=wu, s=su, pair_tok=tok, first=first, active=active,
+                     ldx=_ld(xin))
+        ad = kd.args(y=frame.out(n), r=r, h=hin, hd=hd, hs=hs, w=wd, s=sd, pair_tok=tok, pair_exp=exp, pair_w=pw,
+                     M=M, ldy=D, ldr=D)
+        pool = exe.pool
+
+        def run(step: Step) -> None:
+            t, e = np.nonzero(comb)                              # routing pairs, by token
+            order = np.argsort(e, kind="stable")                 # ... grouped by expert
+            P = len(order)
+            tok[:P] = t[order]
+            exp[:P] = e[order]
+            pw[:P] = comb[tok[:P], exp[:P]]
+            act, counts = np.unique(exp[:P], return_counts=True)
+            nA = len(act)
+            active[:nA] = act
+            first[0] = 0
+            np.cumsum(counts, out=first[1:nA + 1])
+            if xin is not x and qxrun is None:
+                xin[:, :D] = x
+            if qxrun is not None:
+                qxrun()
+            au.go(pool, nA * I, min_chunk=8)
+            if qhrun is not None:
+                qhrun(P)
+            ad.set(P=P).go(pool, D, min_chunk=16)
+        return run
+    return prepare
 
 
 def _bind_route(exe: LLVMExecutor, n: Node):
     E = n.type.shape[-1]
     k = Kernel(exe.lib, ew.route(E, n.attr("k"), bool(n.attr("norm")), exe.target))
 
-    def run(step: Step) -> None:
-        x = step.env[n.args[0]]
-        y = _out(step, n, E)
-        k.launch(exe.pool, dict(x=_ptr(x), y=_ptr(y), ldx=x.shape[1], ldy=E), step.M, min_chunk=16)
-    return run
+    def prepare(frame: Frame):
+        x = _src(frame, n)
+        a = k.args(x=x, y=frame.out(n), ldx=_ld(x), ldy=E)
+        return lambda step: a.go(exe.pool, frame.M, min_chunk=16)
+    return prepare
 
 
 def _bind_binary(op: str):
@@ -354,17 +428,15 @@ def _bind_binary(op: str):
         C = n.type.shape[-1]
         a_cols, b_cols = (exe.g.node(a).type.shape[-1] for a in n.args)
         swap = a_cols != C                               # the kernel broadcasts its second operand
-        bc = a_cols if swap else b_cols
-        k = Kernel(exe.lib, ew.binary(op, C, bc, exe.target))
+        k = Kernel(exe.lib, ew.binary(op, C, a_cols if swap else b_cols, exe.target))
 
-        def run(step: Step) -> None:
-            a, b = step.env[n.args[0]], step.env[n.args[1]]
+        def prepare(frame: Frame):
+            a, b = _src(frame, n, 0), _src(frame, n, 1)
             if swap:
                 a, b = b, a
-            y = _out(step, n, C)
-            k.launch(exe.pool, dict(a=_ptr(a), b=_ptr(b), y=_ptr(y), lda=a.shape[1], ldb=b.shape[1], ldy=C),
-                     step.M, min_chunk=16)
-        return run
+            args = k.args(a=a, b=b, y=frame.out(n), lda=_ld(a), ldb=_ld(b), ldy=C)
+            return lambda step: args.go(exe.pool, frame.M, min_chunk=16)
+        return prepare
     return bind
 
 
@@ -372,13 +444,12 @@ def _bind_unary(op: str):
     def bind(exe: LLVMExecutor, n: Node):
         C = n.type.shape[-1]
         k = Kernel(exe.lib, ew.unary(op, C, exe.target))
-        lim = float_slot(n.attr("limit", 0.0))
 
-        def run(step: Step) -> None:
-            x = step.env[n.args[0]]
-            y = _out(step, n, C)
-            k.launch(exe.pool, dict(x=_ptr(x), y=_ptr(y), ldx=x.shape[1], ldy=C, limit=lim), step.M, min_chunk=16)
-        return run
+        def prepare(frame: Frame):
+            x = _src(frame, n)
+            a = k.args(x=x, y=frame.out(n), ldx=_ld(x), ldy=C, limit=float_slot(n.attr("limit", 0.0)))
+            return lambda step: a.go(exe.pool, frame.M, min_chunk=16)
+        return prepare
     return bind
 
 
@@ -386,14 +457,14 @@ def _bind_slice(exe: LLVMExecutor, n: Node):
     start, stop = n.attr("start"), n.attr("stop")
     k = Kernel(exe.lib, ew.slice_copy(start, stop, exe.target))
 
-    def run(step: Step) -> None:
-        x = step.env[n.args[0]]
-        y = _out(step, n, stop - start)
-        k.launch(exe.pool, dict(x=_ptr(x), y=_ptr(y), ldx=x.shape[1], ldy=stop - start), step.M, min_chunk=16)
-    return run
+    def prepare(frame: Frame):
+        x = _src(frame, n)
+        a = k.args(x=x, y=frame.out(n), ldx=_ld(x), ldy=stop - start)
+        return lambda step: a.go(exe.pool, frame.M, min_chunk=16)
+    return prepare
 
 
-_BINDERS: dict[Op, Callable[[LLVMExecutor, Node], Callable[[Step], None]]] = {
+_BINDERS: dict[Op, Binder] = {
     Op.INPUT_IDS: _bind_input,
     Op.EMBED: _bind_embed,
     Op.RMS_NORM: _bind_rms_norm,

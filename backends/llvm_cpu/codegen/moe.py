@@ -48,6 +48,11 @@ class MoESpec:
         return f"{self.fmt}_{'q8' if self.q8 else 'f32'}_d{self.D}_i{self.I}_g{self.group_size}"
 
 
+def h_stride(spec: MoESpec) -> int:
+    """Row stride of the f32 intermediate h: whole groups for grouped weights (padding stays 0)."""
+    return -(-spec.I // spec.group_size) * spec.group_size if spec.group_size else spec.I
+
+
 def _xrow(q8: bool, K: int, group_size: int, base: str, idx: str, ld: str, out: str) -> str:
     """Pointers %{out}, %{out}d, %{out}s to row `idx` of an activation matrix (f32 or q8)."""
     if q8:
@@ -110,7 +115,7 @@ pair:
   %den = fadd float %ex, 1.0
   %sg = fdiv float %g, %den
   %hv = fmul float %sg, %u
-  %ho = mul nuw nsw i64 %p, {I}
+  %ho = mul nuw nsw i64 %p, {h_stride(spec)}
   %ho2 = add nuw nsw i64 %ho, %n
   %hp = getelementptr inbounds float, ptr %h, i64 %ho2
   store float %hv, ptr %hp, align 4
@@ -135,8 +140,6 @@ def down(spec: MoESpec, target: Target) -> KernelSource:
     D = spec.D
     name = f"moe_down_{spec.tag}{'_r' if spec.residual else ''}"
     dot = dot_function(target, spec.fmt, spec.I, spec.group_size, spec.q8)
-    # f32 rows of h are padded to whole groups for grouped weights (the caller pads them)
-    h_stride = -(-spec.I // spec.group_size) * spec.group_size if spec.group_size else spec.I
     init = ("""  %ro = mul nuw nsw i64 %m, %ldr
   %ro2 = add nuw nsw i64 %ro, %n
   %rp = getelementptr inbounds float, ptr %r, i64 %ro2
@@ -174,7 +177,7 @@ pair:
   %wp = getelementptr inbounds i8, ptr %w, i64 %wo
   %so = mul nuw nsw i64 %wr, {sb}
   %sp = getelementptr inbounds i8, ptr %s, i64 %so
-{_xrow(spec.q8, spec.I, spec.group_size, 'h', '%p', h_stride, 'hr')}
+{_xrow(spec.q8, spec.I, spec.group_size, 'h', '%p', h_stride(spec), 'hr')}
   %v = call float @dot(ptr %wp, ptr %sp, ptr %hr, ptr %hrd, ptr %hrs)
   %pwp = getelementptr inbounds float, ptr %pair_w, i64 %p
   %pw = load float, ptr %pwp, align 4
