@@ -1,4 +1,4 @@
-"""Backends: `reference` (NumPy oracle), `llvm` (CPU JIT); `xla` (JAX) arrives in a later issue."""
+"""Backends: `reference` (NumPy oracle), `llvm` (CPU JIT kernels), `xla` (JAX: CUDA, or JAX-CPU)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ def llvm_available() -> tuple[bool, str]:
 def resolve_backend(name: str) -> str:
     """The backend a run uses for `--backend name` on this host."""
     if name == "auto":
+        from .xla.device import gpu_available
+
+        if gpu_available():
+            return "xla"
         return "llvm" if llvm_available()[0] else "reference"
     if name == "reference":
         return name
@@ -32,12 +36,19 @@ def resolve_backend(name: str) -> str:
             raise BackendError(f"--backend llvm: {why}")
         return name
     if name == "xla":
-        raise BackendError("--backend xla: this backend is not built yet; use --backend llvm or reference (or auto)")
+        from .xla.device import _jax
+
+        _jax()
+        return name
     raise BackendError(f"--backend {name}: unknown backend; choose one of reference, llvm, xla, auto")
 
 
-def make_executor(backend: str, graph, weights):
+def make_executor(backend: str, graph, weights, device: str = "auto"):
     """An executor for a kernel-level graph: `.run(input_ids i64[B,T], cache) -> {output id: array}`."""
+    if backend == "xla":
+        from .xla.executor import XLAExecutor
+
+        return XLAExecutor(graph, weights, device_kind=device)
     if backend == "llvm":
         from .llvm_cpu.executor import LLVMExecutor
 

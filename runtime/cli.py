@@ -49,10 +49,12 @@ def _save(path: Path, arr: np.ndarray) -> None:
 @click.option("--tokens-out", type=click.Path(path_type=Path), help="Save the generated ids, int64 [B, N], as .npy.")
 @click.option("--backend", type=click.Choice(["auto", "reference", "llvm", "xla"]), default="auto", show_default=True,
               help="Where kernels run: auto picks the best available on this host.")
+@click.option("--device", type=click.Choice(["auto", "gpu", "cpu"]), default="auto", show_default=True,
+              help="Where xla partitions run: auto = a CUDA GPU when JAX sees one, else JAX's CPU platform.")
 @debug_option
 def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_new_tokens: int, greedy: bool,
                temperature: float, top_p: float, seed: int, ignore_eos: bool, logits_out: Path | None,
-               tokens_out: Path | None, backend: str, debug: bool) -> None:
+               tokens_out: Path | None, backend: str, device: str, debug: bool) -> None:
     """Run PLAN_PATH (a plan.bin, or the directory holding it): prefill the prompt, then decode."""
     from .plan import load_plan
     from .sampler import Sampler
@@ -75,7 +77,7 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
             raise UsageError("--prompt: the prompt encodes to no tokens")
     else:
         ids = _load_ids(input_ids)
-    session = Session(plan, backend)
+    session = Session(plan, backend, device=device)
     stop = () if ignore_eos else tuple(plan.meta["model"].get("eos_token_ids") or ())
     logits, new = session.generate(ids, max_new_tokens, Sampler(temperature, top_p, seed), stop)
     if logits_out:

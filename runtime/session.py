@@ -31,11 +31,12 @@ class Timings:
 class Session:
     plan: Plan
     backend: str = "auto"
+    device: str = "auto"        # where xla partitions run: auto | gpu | cpu
     timings: Timings = field(default_factory=Timings)
 
     def __post_init__(self) -> None:
         self.backend = resolve_backend(self.backend)
-        self.executor = make_executor(self.backend, self.plan.graph, self.plan.weights)
+        self.executor = make_executor(self.backend, self.plan.graph, self.plan.weights, device=self.device)
         self.cache: KVCache | None = None
 
     def reset(self, batch: int, capacity: int) -> None:
@@ -55,7 +56,10 @@ class Session:
                  stop_ids: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
         """Prefill the prompt i64[B, T], then decode. Returns (prompt logits [B,T,V], new ids [B,N])."""
         B, T = prompt.shape
-        self.reset(B, T + max_new_tokens)
+        # Room for the xla backend's padded prefill (a power-of-two bucket), in steps of 64 so
+        # that device caches of nearby lengths share one compiled step.
+        bucket = 1 << max(4, (T - 1).bit_length())
+        self.reset(B, -(-(max(T, bucket) + max_new_tokens) // 64) * 64)
         t0 = time.perf_counter()
         logits = self.step(prompt)
         self.timings.prefill_seconds += time.perf_counter() - t0

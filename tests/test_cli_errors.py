@@ -666,15 +666,24 @@ def test_unknown_subcommand(capsys):
 # strata-run flags and inputs
 
 
-def test_run_backend_xla_not_built(capsys, built):
-    line = run_fails(capsys, built.plan, "--input-ids", built.ids, "--backend", "xla", names=("--backend", "xla"))
-    assert "not built" in line
+def test_run_xla_on_a_gpu_without_one(capsys, built):
+    """--device gpu where JAX sees no GPU: one line, not JAX's bare error."""
+    from strata_compiler.backends.xla.device import gpu_available
+
+    if gpu_available():
+        pytest.skip("this host has a GPU")
+    line = run_fails(capsys, built.plan, "--input-ids", built.ids, "--backend", "xla", "--device", "gpu",
+                     names=("--backend xla", "GPU"))
+    assert "no CUDA GPU" in line
 
 
-def test_run_backend_xla_subprocess(built):
-    line = assert_one_line_error(script(STRATA_RUN, built.plan, "--input-ids", built.ids, "--backend", "xla"),
-                                 "--backend", "xla")
-    assert "not built" in line
+def test_run_xla_on_a_gpu_without_one_subprocess(built):
+    from strata_compiler.backends.xla.device import gpu_available
+
+    if gpu_available():
+        pytest.skip("this host has a GPU")
+    assert_one_line_error(script(STRATA_RUN, built.plan, "--input-ids", built.ids, "--backend", "xla", "--device", "gpu"),
+                          "--backend xla", "GPU")
 
 
 @pytest.mark.parametrize("flags,names", [

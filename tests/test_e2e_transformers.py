@@ -42,7 +42,7 @@ def f32_model(request, tmp_path_factory):
     return arch, d, model, prompts[0]
 
 
-@pytest.mark.parametrize("backend", ["reference", "llvm", "llvm-avx2"])
+@pytest.mark.parametrize("backend", ["reference", "llvm", "llvm-avx2", "xla"])
 def test_f32_logits_and_greedy_match_transformers(f32_model, tmp_path, backend, monkeypatch):
     arch, d, model, ids = f32_model
     if backend == "llvm-avx2":   # the AVX2 code path, forced on any host
@@ -67,7 +67,7 @@ def int8_reference(f32_model):
     return ids, hf_logits(model, ids), hf_greedy(model, ids, N_NEW)[0]
 
 
-@pytest.mark.parametrize("backend", ["reference", "llvm-f32act"])
+@pytest.mark.parametrize("backend", ["reference", "llvm-f32act", "xla"])
 def test_int8_greedy_matches_transformers_on_dequantized_weights(f32_model, int8_reference, tmp_path, backend,
                                                                  monkeypatch):
     _, d, _, _ = f32_model

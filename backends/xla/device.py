@@ -1,0 +1,57 @@
+"""Which JAX device runs the xla backend, and JAX's persistent compilation cache.
+
+JAX asked for a platform it does not have fails with a bare error (or an AssertionError deep
+inside); Strata asks `jax.devices()` itself and says in one line what is missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+from strata_compiler.errors import BackendError
+
+
+def _cache_root() -> Path:
+    if os.environ.get("STRATA_CACHE_DIR"):
+        return Path(os.environ["STRATA_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "strata"
+
+
+@functools.cache
+def _jax():
+    try:
+        import jax
+    except ImportError as e:   # pragma: no cover - jax is a dependency
+        raise BackendError(f"the xla backend needs JAX, which does not import here ({e})") from None
+    # Compiled executables persist across runs: a second run on the same host compiles nothing.
+    jax.config.update("jax_compilation_cache_dir", str(_cache_root() / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return jax
+
+
+def gpus() -> list:
+    jax = _jax()
+    try:
+        return [d for d in jax.devices() if d.platform in ("gpu", "cuda", "rocm")]
+    except RuntimeError:
+        return []
+
+
+def gpu_available() -> bool:
+    return bool(gpus())
+
+
+def device(kind: str = "auto"):
+    """The device for xla partitions: a GPU when present (or required), else JAX's CPU."""
+    jax = _jax()
+    if kind in ("auto", "gpu"):
+        g = gpus()
+        if g:
+            return g[0]
+        if kind == "gpu":
+            raise BackendError("--backend xla on a GPU: no CUDA GPU is visible to JAX here "
+                               "(is jax installed with CUDA support, and a GPU present?); use --backend llvm")
+    return jax.devices("cpu")[0]

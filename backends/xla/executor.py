@@ -1,0 +1,315 @@
+"""The XLA executor: a kernel-level graph (or a partition of one) as one jitted JAX function.
+
+Each step shape (B, T, cache capacity) compiles once into a single XLA computation — not one
+dispatch per op — which XLA fuses. Weights are placed on the device once in their stored
+(packed) form and dequantized inside the computation, so device memory traffic is the packed
+bytes. The KV cache lives on the device and is updated in place (donated buffers). Prefill
+lengths are padded to a few buckets to bound recompiles. MoE gathers only the chosen experts'
+packed weights when few tokens route (decode); with many tokens (prefill) it groups tokens by
+expert and runs a ragged (grouped) matmul.
+
+Legend: B batch, T tokens per sequence, M = B*T, D hidden, H/KV heads, hd head dim, E experts,
+k experts per token, I expert intermediate, S = cache capacity.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import numpy as np
+
+from strata_compiler.errors import BackendError, UsageError
+from strata_compiler.ir import Graph, Node, Op
+from strata_compiler.rope import rope_inv_freq
+
+from .device import _jax, device as pick_device
+
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def _jnp():
+    _jax()
+    import jax.numpy as jnp
+
+    return jnp
+
+
+def dequantize(jnp, spec, arrays: dict, dtype):
+    """The weight's logical [..., N, K] values from its stored arrays (formats.py layouts)."""
+    fmt, G, K = spec.fmt, spec.group_size or 32, spec.shape[-1]
+    import jax
+
+    if fmt == "f32":
+        return arrays["w"].astype(dtype)
+    if fmt == "bf16":
+        return jax.lax.bitcast_convert_type(arrays["w"], jnp.bfloat16).astype(dtype)
+    qs, d = arrays["qs"], arrays["scales"]
+    lead = qs.shape[:-1]
+    ng = d.shape[-1]
+    if fmt == "int8":
+        q = qs.reshape(*lead, ng, G).astype(dtype)
+    else:
+        p = qs.reshape(*lead, ng, G // 2)
+        q = jnp.concatenate([p & 0x0F, p >> 4], axis=-1).astype(dtype) - 8
+    w = q * d.astype(dtype)[..., None]
+    return w.reshape(*lead, ng * G)[..., :K]
+
+
+class _Ctx:
+    """What the traced ops see: parameters, positions, cache, compute dtype."""
+
+    def __init__(self, exe: "XLAExecutor", params, ks, vs, ids, pos, B, T):
+        self.exe, self.params, self.ks, self.vs = exe, params, ks, vs
+        self.ids, self.pos, self.B, self.T = ids, pos, B, T
+        self.jnp = _jnp()
+        import jax
+
+        self.jax = jax
+
+    def w(self, n: Node, role: str, dtype=None):
+        name = n.weight(role)
+        if name is None:
+            return None
+        spec = self.exe.g.weight(name)
+        return dequantize(self.jnp, spec, self.params[name], dtype or self.exe.compute_dtype(spec))
+
+    def matmul(self, x, w):
+        """x [..., K] @ w[N, K]^T with f32 accumulation."""
+        jnp = self.jnp
+        prec = self.jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
+        return jnp.einsum("...k,nk->...n", x.astype(w.dtype), w, precision=prec, preferred_element_type=jnp.float32)
+
+
+def _rms(jnp, x, w, eps, group=0):
+    shape = x.shape
+    if group:
+        x = x.reshape(*shape[:-1], shape[-1] // group, group)
+    y = x * (1.0 / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
+    return (y * w).reshape(shape)
+
+
+def _silu(jnp, x):
+    return x / (1.0 + jnp.exp(-x))
+
+
+def _linear(c: _Ctx, n: Node, a: list):
+    jnp = c.jnp
+    x = a[0]
+    if n.attr("prologue", "none") == "rms_norm":
+        x = _rms(jnp, x, c.w(n, "norm", jnp.float32), n.attr("eps"))
+    y = c.matmul(x, c.w(n, "w"))
+    b = c.w(n, "b", jnp.float32)
+    if b is not None:
+        y = y + b
+    if n.attr("epilogue", "none") == "silu_mul":
+        half = y.shape[-1] // 2
+        y = _silu(jnp, y[..., :half]) * y[..., half:]
+    if len(a) == 2:
+        y = y + a[1]
+    return y
+
+
+def _rope(jnp, x, pos, hd, inv):
+    """x [B, T, n, hd], rotate-half RoPE at positions pos + t."""
+    T = x.shape[1]
+    freqs = (pos + jnp.arange(T, dtype=jnp.float32))[:, None] * inv[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos, sin = jnp.cos(emb)[None, :, None, :], jnp.sin(emb)[None, :, None, :]
+    half = hd // 2
+    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rot * sin
+
+
+def _attention(c: _Ctx, n: Node, a: list):
+    jnp, lax = c.jnp, c.jax.lax
+    H, KV, hd = n.attr("n_heads"), n.attr("n_kv_heads"), n.attr("head_dim")
+    B, T = c.B, c.T
+    qkv = a[0].reshape(B, T, -1)
+    q, k, v = qkv[..., :H * hd], qkv[..., H * hd:(H + KV) * hd], qkv[..., (H + KV) * hd:]
+    mode = n.attr("qk_norm")
+    if mode != "none":
+        g = hd if mode == "head" else 0
+        q = _rms(jnp, q, c.w(n, "q_norm", jnp.float32), n.attr("eps"), g)
+        k = _rms(jnp, k, c.w(n, "k_norm", jnp.float32), n.attr("eps"), g)
+    if n.has_attr("clip_qkv"):
+        lim = n.attr("clip_qkv")
+        q, k, v = (jnp.clip(t, -lim, lim) for t in (q, k, v))
+    inv = jnp.asarray(rope_inv_freq(hd, dict(n.attrs)))
+    posf = c.pos.astype(jnp.float32)
+    q = _rope(jnp, q.reshape(B, T, H, hd), posf, hd, inv)
+    k = _rope(jnp, k.reshape(B, T, KV, hd), posf, hd, inv)
+    v = v.reshape(B, T, KV, hd)
+    layer = n.attr("layer")
+    K = lax.dynamic_update_slice(c.ks[layer], k.transpose(0, 2, 1, 3).astype(c.ks[layer].dtype), (0, 0, c.pos, 0))
+    V = lax.dynamic_update_slice(c.vs[layer], v.transpose(0, 2, 1, 3).astype(c.vs[layer].dtype), (0, 0, c.pos, 0))
+    c.ks[layer], c.vs[layer] = K, V
+    S = K.shape[2]
+    rep = H // KV
+    qg = q.reshape(B, T, KV, rep, hd).transpose(0, 2, 3, 1, 4)               # [B, KV, rep, T, hd]
+    prec = lax.Precision.HIGHEST
+    scores = jnp.einsum("bgrtd,bgsd->bgrts", qg, K.astype(jnp.float32), precision=prec) / np.float32(np.sqrt(hd))
+    allowed = jnp.arange(S)[None, :] <= (c.pos + jnp.arange(T))[:, None]    # causal over the cache
+    scores = jnp.where(allowed[None, None, None], scores, -jnp.inf)
+    p = c.jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bgrts,bgsd->bgrtd", p, V.astype(jnp.float32), precision=prec)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B * T, H * hd)
+
+
+def _route(c: _Ctx, n: Node, a: list):
+    jnp = c.jnp
+    p = c.jax.nn.softmax(a[0], axis=-1)
+    vals, idx = c.jax.lax.top_k(p, n.attr("k"))          # ties: the lower index first, as the reference
+    if n.attr("norm"):
+        vals = vals / vals.sum(axis=-1, keepdims=True)
+    E = p.shape[-1]
+    return (c.jax.nn.one_hot(idx, E, dtype=p.dtype) * vals[..., None]).sum(axis=-2)
+
+
+def _moe(c: _Ctx, n: Node, a: list):
+    jnp, jax = c.jnp, c.jax
+    x, comb = a[0], a[1]
+    k = c.exe.route_k[n.id]
+    M, D = x.shape
+    gu_spec = c.exe.g.weight(n.weight("gate_up"))
+    dn_spec = c.exe.g.weight(n.weight("down"))
+    E, I2, _ = gu_spec.shape
+    I = I2 // 2
+    dt = c.exe.compute_dtype(gu_spec)
+    topw, topi = jax.lax.top_k(comb, k)                                  # [M, k]
+    gu_p, dn_p = c.params[n.weight("gate_up")], c.params[n.weight("down")]
+    prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
+    if M * k <= E:
+        # few tokens: gather just the chosen experts' packed weights, then dequantize those
+        gu = dequantize(jnp, gu_spec, {r: v[topi] for r, v in gu_p.items()}, dt)       # [M, k, 2I, D]
+        h = jnp.einsum("md,mkid->mki", x.astype(dt), gu, precision=prec, preferred_element_type=jnp.float32)
+        h = _silu(jnp, h[..., :I]) * h[..., I:]
+        dn = dequantize(jnp, dn_spec, {r: v[topi] for r, v in dn_p.items()}, dt)        # [M, k, D, I]
+        y = jnp.einsum("mki,mkdi->mkd", h.astype(dt), dn, precision=prec, preferred_element_type=jnp.float32)
+        out = (y * topw[..., None]).sum(axis=1)
+    else:
+        # many tokens: group the (token, expert) pairs by expert, one ragged matmul per projection
+        flat = topi.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        tok = order // k
+        sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+        xs = x[tok].astype(dt)
+        gu = dequantize(jnp, gu_spec, gu_p, dt).transpose(0, 2, 1)                   # [E, D, 2I]
+        h = jax.lax.ragged_dot(xs, gu, sizes, precision=prec, preferred_element_type=jnp.float32)
+        h = _silu(jnp, h[:, :I]) * h[:, I:]
+        dn = dequantize(jnp, dn_spec, dn_p, dt).transpose(0, 2, 1)                   # [E, I, D]
+        ys = jax.lax.ragged_dot(h.astype(dt), dn, sizes, precision=prec, preferred_element_type=jnp.float32)
+        w = topw.reshape(-1)[order]
+        out = jnp.zeros((M, D), jnp.float32).at[tok].add(ys * w[:, None])
+    return out + a[2] if len(a) == 3 else out
+
+
+_OPS: dict[Op, Callable[[_Ctx, Node, list], object]] = {
+    Op.EMBED: lambda c, n, a: c.w(n, "table", c.jnp.float32)[a[0]],
+    Op.RMS_NORM: lambda c, n, a: _rms(c.jnp, a[0], c.w(n, "w", c.jnp.float32), n.attr("eps"), n.attr("group", 0)),
+    Op.LINEAR: _linear,
+    Op.FUSED_ATTENTION: _attention,
+    Op.ROUTE: _route,
+    Op.MOE_FFN: _moe,
+    Op.ADD: lambda c, n, a: a[0] + a[1],
+    Op.MUL: lambda c, n, a: a[0] * a[1],
+    Op.SILU: lambda c, n, a: _silu(c.jnp, a[0]),
+    Op.SIGMOID: lambda c, n, a: c.jax.nn.sigmoid(a[0]),
+    Op.CLAMP: lambda c, n, a: c.jnp.clip(a[0], -n.attr("limit"), n.attr("limit")),
+    Op.SLICE: lambda c, n, a: a[0][..., n.attr("start"):n.attr("stop")],
+}
+
+
+class XLAExecutor:
+    """Runs the nodes of `graph` (all, or the ids in `nodes`) as one jitted JAX function."""
+
+    def __init__(self, graph: Graph, weights, nodes: list[int] | None = None, device_kind: str = "auto") -> None:
+        jax = _jax()
+        jnp = _jnp()
+        self.g = graph
+        self.device = pick_device(device_kind)
+        self.on_gpu = self.device.platform != "cpu"
+        ids = set(nodes) if nodes is not None else {n.id for n in graph.nodes}
+        self.nodes = [n for n in graph.nodes if n.id in ids]
+        for n in self.nodes:
+            if n.op not in _OPS and n.op is not Op.INPUT_IDS:
+                raise BackendError(f"the xla backend has no lowering for op {n.op.value} (%{n.id}); "
+                                   f"recompile the plan (the fuse pass removes it) or use --backend reference")
+        users = graph.users()
+        self.inputs = sorted({a for n in self.nodes for a in n.args if a not in ids})
+        self.outputs = [n.id for n in self.nodes if any(u == -1 or u not in ids for u in users[n.id])]
+        self.layers = sorted({n.attr("layer") for n in self.nodes if n.op is Op.FUSED_ATTENTION})
+        self.route_k = {}
+        for n in self.nodes:
+            if n.op is Op.MOE_FFN:
+                r = graph.node(n.args[1])
+                if r.op is not Op.ROUTE:
+                    raise BackendError(f"moe_ffn %{n.id}: the xla backend needs its routing from a route op")
+                self.route_k[n.id] = r.attr("k")
+        names = sorted({w for n in self.nodes for _, w in n.weights})
+        self.params = {name: {a: jax.device_put(np.asarray(v), self.device) for a, v in weights.arrays(name).items()}
+                       for name in names}
+        self.kv_dtype = jnp.float32
+        self._fn = jax.jit(self._forward, static_argnums=(5, 6), donate_argnums=(1, 2))
+
+    def compute_dtype(self, spec):
+        """f32 for f32 weights; on a GPU the others compute in bf16 (f32 accumulation)."""
+        jnp = _jnp()
+        if spec.fmt == "f32" or not self.on_gpu or os.environ.get("STRATA_XLA_COMPUTE") == "f32":
+            return jnp.float32
+        return jnp.bfloat16
+
+    def _forward(self, params, ks, vs, ext, ids, B, T, pos):
+        ks, vs = dict(ks), dict(vs)
+        c = _Ctx(self, params, ks, vs, ids, pos, B, T)
+        env = dict(ext)
+        for n in self.nodes:
+            if n.op is Op.INPUT_IDS:
+                env[n.id] = ids.reshape(-1)
+            else:
+                env[n.id] = _OPS[n.op](c, n, [env[a] for a in n.args])
+        return {o: env[o] for o in self.outputs}, ks, vs
+
+    def new_cache(self, cache) -> None:
+        """Put this partition's layers of the cache on the device (zeros)."""
+        jax, jnp = _jax(), _jnp()
+        for layer in self.layers:
+            shape = cache.k[layer].shape
+            cache.k[layer] = jax.device_put(jnp.zeros(shape, self.kv_dtype), self.device)
+            cache.v[layer] = jax.device_put(jnp.zeros(shape, self.kv_dtype), self.device)
+
+    def bucket(self, T: int, room: int) -> int:
+        """The padded prefill length: the smallest bucket >= T that fits the cache (else T)."""
+        if T == 1:
+            return 1
+        for b in PREFILL_BUCKETS:
+            if b >= T:
+                return b if b <= room else T
+        return T
+
+    def run_partition(self, ext: dict, input_ids: np.ndarray, cache, T_pad: int) -> dict:
+        jnp = _jnp()
+        B, T = input_ids.shape
+        if cache.length + T_pad > cache.capacity:
+            raise UsageError(f"sequence of {cache.length + T} tokens exceeds the KV cache capacity {cache.capacity}")
+        ids = input_ids
+        if T_pad != T:
+            ids = np.zeros((B, T_pad), np.int64)
+            ids[:, :T] = input_ids
+        ks = {l: cache.k[l] for l in self.layers}
+        vs = {l: cache.v[l] for l in self.layers}
+        outs, ks, vs = self._fn(self.params, ks, vs, ext, jnp.asarray(ids, jnp.int32), B, T_pad,
+                                jnp.asarray(cache.length, jnp.int32))
+        for l in self.layers:
+            cache.k[l], cache.v[l] = ks[l], vs[l]
+        return outs
+
+    def run(self, input_ids: np.ndarray, cache) -> dict[int, np.ndarray]:
+        """Whole-plan execution (every node on this executor)."""
+        B, T = input_ids.shape
+        if self.layers and not hasattr(cache.k[self.layers[0]], "device"):
+            self.new_cache(cache)
+        T_pad = self.bucket(T, cache.capacity - cache.length)
+        outs = self.run_partition({}, input_ids, cache, T_pad)
+        cache.advance(T)
+        return {o: np.asarray(outs[o]).reshape(B, T_pad, -1)[:, :T] for o in self.g.outputs}
