@@ -43,8 +43,14 @@ def resolve_backend(name: str) -> str:
     raise BackendError(f"--backend {name}: unknown backend; choose one of reference, llvm, xla, auto")
 
 
-def make_executor(backend: str, graph, weights, device: str = "auto"):
-    """An executor for a kernel-level graph: `.run(input_ids i64[B,T], cache) -> {output id: array}`."""
+def make_executor(backend: str, graph, weights, device: str = "auto", mixed: bool = False):
+    """An executor for a kernel-level graph: `.run(input_ids i64[B,T], cache) -> {output id: array}`.
+
+    `mixed`: run each node on the backend the plan bound it to (partitions, see runtime/partitions)."""
+    if mixed:
+        from strata_compiler.runtime.partitions import MixedExecutor
+
+        return MixedExecutor(graph, weights, device)
     if backend == "xla":
         from .xla.executor import XLAExecutor
 

@@ -71,7 +71,8 @@ def emit(g: Graph, ctx: PassContext) -> Graph:
         weights_ref = {"file": WEIGHTS_FILE, "size": c.total_size, "checksum": c.body_checksum}
     meta = {
         "strata_version": __version__,
-        "options": {"quant": ctx.options.quant, "group_size": ctx.options.group_size, "backend": ctx.options.backend},
+        "options": {"quant": ctx.options.quant, "group_size": ctx.options.group_size, "backend": ctx.options.backend,
+                    "place": ctx.options.place},
         "model": {k: list(v) if isinstance(v, tuple) else v for k, v in g.meta},
         "weights": dict(weights_ref, bytes_by_format=dict(sorted(bytes_by_format.items()))),
         "passes": [r["pass"] for r in ctx.analyses.get("pass_records", []) if r["pass"] != "input"],

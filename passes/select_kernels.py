@@ -1,20 +1,50 @@
-"""`select-kernels`: tensor -> kernel. Bind every op to a device and a backend.
+"""`select-kernels`: tensor -> kernel. Bind every op to a device and a backend; insert transfers.
 
-Until placement exists (a later pass), every op runs on the CPU with the backend chosen at
-compile time; `strata-run --backend` may rebind them. Each node starts with a buffer of its
-own; plan-memory then shares buffers between values whose lifetimes do not overlap.
+Without placement rules every op runs where `--backend` says (llvm or reference on the CPU, xla
+on the GPU). With `--place RULES` (placement_rules.py) each op goes to the device its rule names:
+gpu ops bind to xla, cpu ops to the CPU backend. Where an operand lives on another device, an
+explicit `transfer` node moves it. Each node starts with a buffer of its own; plan-memory then
+shares buffers between values whose lifetimes do not overlap.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from strata_compiler.ir import Graph, Level
+from strata_compiler.ir import Graph, Level, Node, Op, renumber
 from strata_compiler.pass_manager import PassContext, register
+
+from .placement_rules import parse_rules, place
+
+DEVICE_OF = {"xla": "gpu", "llvm": "cpu", "reference": "cpu"}
 
 
 @register("select-kernels", Level.TENSOR, Level.KERNEL)
 def select_kernels(g: Graph, ctx: PassContext) -> Graph:
-    """Bind each op to a device and backend (everything on the CPU for now)."""
-    nodes = tuple(replace(n, device="cpu", backend=ctx.options.backend, buffer=i) for i, n in enumerate(g.nodes))
-    return g.with_(level=Level.KERNEL, nodes=nodes)
+    """Bind each op to a device and backend (--backend, or --place rules); insert transfers."""
+    default = ctx.options.backend
+    cpu_backend = default if DEVICE_OF[default] == "cpu" else ctx.options.cpu_backend
+    placed = place(g, parse_rules(ctx.options.place)) if ctx.options.place else {}
+    nodes: list[Node] = []
+    where: dict[int, str] = {}
+    moved: dict[tuple[int, str], int] = {}
+    next_id = max((n.id for n in g.nodes), default=-1) + 1
+    for n in g.nodes:
+        dev = placed.get(n.id, DEVICE_OF[default])
+        backend = "xla" if dev == "gpu" else cpu_backend
+        args = []
+        for a in n.args:
+            if where[a] != dev:
+                if (a, dev) not in moved:
+                    src = next(x for x in nodes if x.id == a)
+                    t = Node(next_id, Op.TRANSFER, (a,), src.type, device=dev, backend=backend)
+                    nodes.append(t)
+                    moved[a, dev] = next_id
+                    where[next_id] = dev
+                    next_id += 1
+                a = moved[a, dev]
+            args.append(a)
+        nodes.append(replace(n, args=tuple(args), device=dev, backend=backend))
+        where[n.id] = dev
+    nodes = [replace(n, buffer=i) for i, n in enumerate(nodes)]
+    return renumber(g.with_(level=Level.KERNEL, nodes=tuple(nodes)))

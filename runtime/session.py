@@ -35,8 +35,16 @@ class Session:
     timings: Timings = field(default_factory=Timings)
 
     def __post_init__(self) -> None:
-        self.backend = resolve_backend(self.backend)
-        self.executor = make_executor(self.backend, self.plan.graph, self.plan.weights, device=self.device)
+        bound = {n.backend for n in self.plan.graph.nodes}
+        mixed = self.backend == "auto" and len(bound) > 1
+        if mixed:   # a mixed plan runs as placed (xla parts on JAX, CPU parts on llvm or reference)
+            if "llvm" in bound:
+                resolve_backend("llvm")
+            self.backend = "+".join(sorted(bound))
+        else:
+            self.backend = resolve_backend(self.backend)
+        self.executor = make_executor(self.backend, self.plan.graph, self.plan.weights, device=self.device,
+                                      mixed=mixed)
         self.cache: KVCache | None = None
 
     def reset(self, batch: int, capacity: int) -> None:

@@ -39,12 +39,16 @@ def stratac() -> None:
 @click.option("--dump-after", default="all", show_default=True,
               help="Passes to dump after: 'all' or a comma-separated list of pass names.")
 @click.option("--stop-after", help="Stop the pipeline after this pass (no plan is written unless it is 'emit').")
-@click.option("--backend", type=click.Choice(["auto", "reference", "llvm"]), default="auto", show_default=True,
-              help="Backend the CPU kernels are bound to: auto picks llvm on hosts with AVX2+FMA "
-                   "(strata-run --backend can rebind).")
+@click.option("--backend", type=click.Choice(["auto", "reference", "llvm", "xla"]), default="auto", show_default=True,
+              help="Backend ops are bound to: auto = llvm on hosts with AVX2+FMA, else reference; xla = JAX "
+                   "(a GPU at run time when present). strata-run --backend can rebind.")
+@click.option("--place", default="", metavar="RULES",
+              help="Manual placement, first match wins: CATEGORY=gpu|cpu or re:REGEX=gpu|cpu, comma-separated "
+                   "(categories: embed, attention, router, experts, shared, dense, head, all), "
+                   "e.g. 'experts=cpu,all=gpu'. gpu ops run on xla, cpu ops on the CPU backend.")
 @debug_option
 def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, dump_dir: Path | None,
-                dump_after: str, stop_after: str | None, backend: str, debug: bool) -> None:
+                dump_after: str, stop_after: str | None, backend: str, place: str, debug: bool) -> None:
     """Compile MODEL_DIR (config.json, *.safetensors, tokenizer.json) into a plan.
 
     \b
@@ -65,7 +69,7 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, dum
         dump = DumpConfig(dump_dir, after)
     if stop_after is not None and stop_after not in DEFAULT:
         raise UsageError(f"--stop-after {stop_after}: unknown pass; passes: {', '.join(DEFAULT)}")
-    opts = CompileOptions(quant=quant, group_size=group_size, backend=backend)
+    opts = CompileOptions(quant=quant, group_size=group_size, backend=backend, place=place)
     show = sys.stderr.isatty()
     total = weight_source_bytes(model_dir) if show and model_dir.is_dir() else 0
     bar = click.progressbar(length=max(total, 1), label="converting weights", file=sys.stderr, width=30)

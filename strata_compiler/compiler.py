@@ -17,11 +17,13 @@ from .pipelines import DEFAULT
 
 def resolve_compile_backend(name: str) -> str:
     """`--backend auto` binds CPU kernels to llvm where this host can run it, else reference."""
+    return cpu_backend() if name == "auto" else name
+
+
+def cpu_backend() -> str:
     from .backends import llvm_available
 
-    if name == "auto":
-        return "llvm" if llvm_available()[0] else "reference"
-    return name
+    return "llvm" if llvm_available()[0] else "reference"
 
 
 def check_options(opts: CompileOptions) -> None:
@@ -35,7 +37,11 @@ def compile_model(model_dir: Path, out_dir: Path | None, opts: CompileOptions, *
                   pipeline: list[str] | None = None, progress: Callable[[str], None] | None = None,
                   progress_bytes: Callable[[int], None] | None = None) -> Graph:
     check_options(opts)
-    opts = replace(opts, backend=resolve_compile_backend(opts.backend))
+    opts = replace(opts, backend=resolve_compile_backend(opts.backend), cpu_backend=cpu_backend())
+    if opts.place:
+        from .passes.placement_rules import parse_rules
+
+        parse_rules(opts.place)   # a bad rule fails before any work
     if not model_dir.is_dir():
         raise ModelError(f"{model_dir}: not a directory; pass a Hugging Face model folder")
     store = TensorStore.open(model_dir)

@@ -58,6 +58,8 @@ class Op(str, Enum):
     LINEAR = "linear"          # [rms_norm prologue] matmul [+bias] [silu*mul epilogue] [+residual]
     ROUTE = "route"            # softmax + top-k mask [+ renormalisation]
     FUSED_ATTENTION = "fused_attention"  # split qkv, [clamp], [q/k norm], rope, sdpa
+    # kernel level only: an activation moving between devices
+    TRANSFER = "transfer"
 
 
 GRAPH_OPS = frozenset({Op.INPUT_IDS, Op.EMBED, Op.RMS_NORM, Op.ATTENTION, Op.MLP, Op.MOE, Op.ADD, Op.MATMUL})
@@ -69,7 +71,7 @@ FUSED_OPS = frozenset({Op.LINEAR, Op.ROUTE, Op.FUSED_ATTENTION})
 LEVEL_OPS = {
     Level.GRAPH: GRAPH_OPS,
     Level.TENSOR: PRIMITIVE_OPS | FUSED_OPS,
-    Level.KERNEL: PRIMITIVE_OPS | FUSED_OPS,
+    Level.KERNEL: PRIMITIVE_OPS | FUSED_OPS | {Op.TRANSFER},
 }
 
 

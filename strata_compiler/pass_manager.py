@@ -24,7 +24,9 @@ from .verify import verify
 class CompileOptions:
     quant: str = "f32"
     group_size: int = 32
-    backend: str = "reference"   # what select-kernels binds: reference | llvm
+    backend: str = "reference"   # what select-kernels binds: reference | llvm | xla
+    place: str = ""              # --place rules (passes/placement_rules.py)
+    cpu_backend: str = "reference"  # the CPU backend for cpu-placed ops when --backend is xla
 
 
 @dataclass

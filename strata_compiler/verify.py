@@ -51,6 +51,7 @@ SIGNATURES: dict[Op, Signature] = {
     Op.LINEAR: _sig([1, 2], ["w"], ["b", "norm"]),
     Op.ROUTE: _sig([1], attrs=["k", "norm"]),
     Op.FUSED_ATTENTION: _sig([1], optional=["q_norm", "k_norm"], attrs=_ATTN_ATTRS + ("qk_norm",)),
+    Op.TRANSFER: _sig([1]),
 }
 
 

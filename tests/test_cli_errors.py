@@ -821,3 +821,9 @@ def test_strata_debug_env_shows_traceback(built, tmp_path):
     code, out, err = script(STRATA_RUN, plan, "--input-ids", built.ids, env={"STRATA_DEBUG": "1"})
     assert code != 0
     assert "Traceback" in err and "PlanError" in err
+
+
+@pytest.mark.parametrize("rules,named", [("experts=tpu", "experts=tpu"), ("everything=gpu", "everything"),
+                                         ("re:([=gpu", "re:([")])
+def test_compile_bad_place_rules(capsys, tmp_path, built, rules, named):
+    compile_fails(capsys, tmp_path, built.model, "--place", rules, names=("--place", named))

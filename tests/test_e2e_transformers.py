@@ -144,3 +144,17 @@ def test_dump_after_and_stop_after(tmp_path):
     files = sorted(p.name for p in (tmp_path / "dump").iterdir())
     assert files == ["000.graph.input.dot", "000.graph.input.txt", "002.tensor.fuse.dot", "002.tensor.fuse.txt", "index.json"]
     assert not (tmp_path / "plan" / "plan.bin").exists()
+
+
+@pytest.mark.parametrize("rules", ["attention=gpu,experts=cpu", "experts=gpu,router=gpu,dense=gpu,all=cpu"])
+def test_mixed_plan_matches_transformers(f32_model, tmp_path, rules):
+    """Partitions split between xla (JAX-CPU standing in for the GPU) and llvm, with transfers."""
+    arch, d, model, ids = f32_model
+    compile_plan(d, tmp_path / "plan", "--place", rules, "--dump-dir", str(tmp_path / "dump"),
+                 "--dump-after", "select-kernels")
+    ir = next((tmp_path / "dump").glob("*select-kernels.txt")).read_text()
+    assert "transfer(" in ir and " xla" in ir
+    logits, tokens = run_plan(tmp_path / "plan", ids, tmp_path, backend="auto")
+    ref = hf_logits(model, ids)
+    assert np.abs(logits - ref).max() / ref.std() <= 1e-4
+    np.testing.assert_array_equal(tokens, hf_greedy(model, ids, N_NEW)[0])

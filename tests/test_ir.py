@@ -115,8 +115,8 @@ TENSOR_PIPELINE = ["lower", "fuse"]
 KERNEL_PIPELINE = ["lower", "fuse", "quantize", "select-kernels", "plan-memory"]
 
 
-def compile_to(g: Graph, pipeline: list[str], quant: str = "f32") -> Graph:
-    return run_pipeline(g, pipeline, PassContext(CompileOptions(quant=quant)))
+def compile_to(g: Graph, pipeline: list[str], quant: str = "f32", place: str = "") -> Graph:
+    return run_pipeline(g, pipeline, PassContext(CompileOptions(quant=quant, place=place)))
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +137,7 @@ LEVELS = {
     "tensor_int4": lambda g: compile_to(g, TENSOR_PIPELINE + ["quantize"], "int4"),
     "kernel_int8": lambda g: compile_to(g, KERNEL_PIPELINE, "int8"),
     "kernel_f32": lambda g: compile_to(g, KERNEL_PIPELINE),
+    "kernel_mixed": lambda g: compile_to(g, KERNEL_PIPELINE, place="attention=gpu,experts=cpu"),
 }
 
 

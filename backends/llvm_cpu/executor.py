@@ -145,8 +145,13 @@ class Q8:
 
 class LLVMExecutor:
     def __init__(self, graph: Graph, weights, target: Target | None = None, act: str | None = None,
-                 lib: "KernelLibrary | SourceCollector | None" = None) -> None:
+                 lib: "KernelLibrary | SourceCollector | None" = None, nodes: list[int] | None = None) -> None:
         self.g = graph
+        ids = set(nodes) if nodes is not None else {n.id for n in graph.nodes}
+        self.nodes = [n for n in graph.nodes if n.id in ids]
+        users = graph.users()
+        self.inputs = sorted({a for n in self.nodes for a in n.args if a not in ids})
+        self.outputs = [n.id for n in self.nodes if any(u == -1 or u not in ids for u in users[n.id])]
         self.w = weights
         self.target = target or Target.host()
         self.lib = lib or library(self.target)
@@ -155,7 +160,7 @@ class LLVMExecutor:
         if self.act not in ("q8", "f32"):
             raise BackendError(f"STRATA_CPU_ACT={self.act!r}: use q8 or f32")
         self._q8: dict[int, Q8] = {}
-        self.binders = [self._bind(n) for n in graph.nodes]   # every kernel compiled here, not per step
+        self.binders = [self._bind(n) for n in self.nodes]   # every kernel compiled here, not per step
         self.frames: dict[int, tuple[Frame, list[Op_]]] = {}
 
     def q8(self, K: int) -> Q8:
@@ -177,7 +182,8 @@ class LLVMExecutor:
                                f"plans from `stratac compile` fuse it away — recompile, or use --backend reference")
         return binder(self, n)
 
-    def run(self, input_ids: np.ndarray, cache: KVCache) -> dict[int, np.ndarray]:
+    def run_segment(self, env: dict, input_ids: np.ndarray, cache: KVCache) -> None:
+        """Run this executor's nodes; operands from other devices come from (and results go to) env."""
         B, T = input_ids.shape
         M = B * T
         if M not in self.frames:
@@ -185,11 +191,22 @@ class LLVMExecutor:
             self.frames[M] = (frame, [b(frame) for b in self.binders])
         frame, ops = self.frames[M]
         frame.ids[:] = input_ids.reshape(-1)
+        for i in self.inputs:
+            node = self.g.node(i)
+            if node.op is not Op.INPUT_IDS:
+                np.copyto(frame.out(node), np.asarray(env[i]).reshape(M, -1))
         step = Step(B, T, cache)
         for op in ops:
             op(step)
+        for o in self.outputs:
+            env[o] = frame.out(self.g.node(o)).copy()
+
+    def run(self, input_ids: np.ndarray, cache: KVCache) -> dict[int, np.ndarray]:
+        B, T = input_ids.shape
+        env: dict = {}
+        self.run_segment(env, input_ids, cache)
         cache.advance(T)
-        return {o: frame.out(self.g.node(o)).reshape(B, T, -1).copy() for o in self.g.outputs}
+        return {o: env[o].reshape(B, T, -1) for o in self.g.outputs}
 
 
 class SourceCollector:
@@ -220,8 +237,9 @@ class _ShapeOnlyWeights:
 def kernel_sources(graph: Graph, target: Target, act: str | None = None) -> dict[str, str]:
     """Name -> LLVM IR of every kernel the graph's llvm nodes need, as the executor would build them."""
     collector = SourceCollector()
-    if any(n.backend == "llvm" for n in graph.nodes):
-        LLVMExecutor(graph, _ShapeOnlyWeights(graph), target, act, lib=collector)
+    mine = [n.id for n in graph.nodes if n.backend == "llvm"]
+    if mine:
+        LLVMExecutor(graph, _ShapeOnlyWeights(graph), target, act, lib=collector, nodes=mine)
     return dict(sorted(collector.sources.items()))
 
 
@@ -453,6 +471,14 @@ def _bind_unary(op: str):
     return bind
 
 
+def _bind_transfer(exe: LLVMExecutor, n: Node):
+    """An activation arriving from another device: its operand was copied into place already."""
+    def prepare(frame: Frame):
+        dst, src = frame.out(n), _src(frame, n)
+        return lambda step: np.copyto(dst, src)
+    return prepare
+
+
 def _bind_slice(exe: LLVMExecutor, n: Node):
     start, stop = n.attr("start"), n.attr("stop")
     k = Kernel(exe.lib, ew.slice_copy(start, stop, exe.target))
@@ -478,4 +504,5 @@ _BINDERS: dict[Op, Binder] = {
     Op.SILU: _bind_unary("silu"),
     Op.CLAMP: _bind_unary("clamp"),
     Op.SLICE: _bind_slice,
+    Op.TRANSFER: _bind_transfer,
 }

@@ -121,6 +121,16 @@ class ReferenceExecutor:
         cache.advance(T)
         return {o: env[o] for o in self.g.outputs}
 
+    def run_segment(self, env: dict, input_ids: np.ndarray, cache: KVCache, nodes: list[int]) -> None:
+        """Run just `nodes` (a partition of a mixed plan), reading and writing the shared env."""
+        B, T = input_ids.shape
+        ctx = _Step(self.w, cache, np.arange(cache.length, cache.length + T), input_ids)
+        for nid in nodes:
+            n = self.g.node(nid)
+            args = [np.asarray(env[a]).reshape(B, T, -1) if self.g.node(a).op is not Op.INPUT_IDS else env[a]
+                    for a in n.args]
+            env[n.id] = _HANDLERS[n.op](ctx, n, args)
+
 
 class _Step:
     def __init__(self, w: WeightSource, cache: KVCache, positions: np.ndarray, ids: np.ndarray) -> None:
@@ -213,4 +223,5 @@ _HANDLERS: dict[Op, Callable[[_Step, Node, list], np.ndarray]] = {
     Op.LINEAR: _linear,
     Op.ROUTE: _route,
     Op.FUSED_ATTENTION: _fused_attention,
+    Op.TRANSFER: lambda c, n, a: a[0],
 }

@@ -233,6 +233,7 @@ _OPS: dict[Op, Callable[[_Ctx, Node, list], object]] = {
     Op.SIGMOID: lambda c, n, a: c.jax.nn.sigmoid(a[0]),
     Op.CLAMP: lambda c, n, a: c.jnp.clip(a[0], -n.attr("limit"), n.attr("limit")),
     Op.SLICE: lambda c, n, a: a[0][..., n.attr("start"):n.attr("stop")],
+    Op.TRANSFER: lambda c, n, a: c.jnp.asarray(a[0], c.jnp.float32).reshape(-1, a[0].shape[-1]),
 }
 
 
@@ -355,6 +356,14 @@ class XLAExecutor:
             cache.k[l], cache.v[l] = ks[l], vs[l]
         cache.advance(n)
         return np.asarray(out).astype(np.int64)
+
+    def run_segment(self, env: dict, input_ids: np.ndarray, cache) -> None:
+        """Run this partition at the exact length (no padding: other devices share the step)."""
+        if self.layers and not hasattr(cache.k[self.layers[0]], "device"):
+            self.new_cache(cache)
+        outs = self.run_partition({i: env[i] for i in self.inputs if self.g.node(i).op is not Op.INPUT_IDS},
+                                  input_ids, cache, input_ids.shape[1])
+        env.update({o: np.asarray(v) for o, v in outs.items()})
 
     def run(self, input_ids: np.ndarray, cache) -> dict[int, np.ndarray]:
         """Whole-plan execution (every node on this executor)."""
