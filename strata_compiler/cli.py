@@ -100,11 +100,13 @@ def summarize(plan) -> dict:
             fused["+".join(parts)] += 1
         elif n.op in (Op.FUSED_ATTENTION, Op.ROUTE) or (n.op is Op.MOE_FFN and n.weight("gate_up")):
             fused[n.op.value + ("+residual" if n.op is Op.MOE_FFN and len(n.args) == 3 else "")] += 1
+    on_gpu = {w for n in g.nodes if n.device == "gpu" for _, w in n.weights}
     weights = []
     for w in g.weights:
         nbytes = get_format(w.fmt).nbytes(w.shape, w.group_size or 32)
+        tier = "gpu (device memory)" if w.name in on_gpu else "host-ram (mmap)"
         weights.append({"name": w.name, "shape": list(w.shape), "format": w.fmt, "group_size": w.group_size,
-                        "bytes": nbytes, "tier": "host-ram (mmap)"})
+                        "bytes": nbytes, "tier": tier})
     tiers = Counter()
     for w in weights:
         tiers[w["tier"]] += w["bytes"]

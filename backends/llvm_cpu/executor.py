@@ -300,33 +300,29 @@ def _bind_linear(exe: LLVMExecutor, n: Node):
 
     def prepare(frame: Frame):
         M = frame.M
+        pool = exe.pool
         x = _src(frame, n)
-        pre = []
+        before: list[Callable[[], None]] = []    # what must run ahead of the matrix kernel
         if norm is not None:
-            xn = frame.temp("norm", (M, kp))    # zero padding past K stays zero
-            pre.append(norm(x, xn[:, :K] if kp != K else xn))
+            xn = frame.temp("norm", (M, kp))    # columns past K stay zero (whole groups)
+            na = norm(x, xn[:, :K] if kp != K else xn)
+            before.append(lambda: na.go(pool, M, min_chunk=4))
             x = xn
         elif kp != K and not q8:
-            xp = frame.temp("pad", (M, kp))
-            pre.append(None)
-            x_src, x = x, xp
+            xp, src = frame.temp("pad", (M, kp)), x
+            before.append(lambda: np.copyto(xp[:, :K], src))
+            x = xp
         xd = xs = None
-        qrun = None
         if quant is not None:
             (x, xd, xs), qrun, _ = quant.prepare(frame, x[:, :K] if x.shape[1] != K else x, "x")
+            before.append(qrun)
         r = _src(frame, n, 1) if len(n.args) == 2 else None
         a = k.args(y=frame.out(n), x=x, xd=xd, xs=xs, w=w, s=s, b=b, r=r, xidx=None, M=M,
                    ldx=_ld(x), ldy=N, ldr=N)
-        pool = exe.pool
 
         def run(step: Step) -> None:
-            for p in pre:
-                if p is None:
-                    x[:, :K] = x_src
-                else:
-                    p.go(pool, M, min_chunk=4)
-            if qrun is not None:
-                qrun()
+            for f in before:
+                f()
             a.go(pool, N, min_chunk=16)
         return run
     return prepare

@@ -138,8 +138,3 @@ class TensorStore:
         step = max(1, block_bytes // max(row_f32, 1))
         for r0 in range(0, t.shape[0], step):
             yield self.read_rows(key, r0, min(t.shape[0], r0 + step))
-
-    def read_f32(self, key: str) -> np.ndarray:
-        t = self.infos[key]
-        return self.read_rows(key, 0, t.shape[0] if t.shape else 1)
-
