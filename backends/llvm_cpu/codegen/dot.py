@@ -125,7 +125,7 @@ def _idot(target: Target, width: int, u: str, s: str, out: str) -> str:
             f"  {out} = call <16 x i32> @llvm.x86.avx512.pmaddw.d.512(<32 x i16> {out}.p, <32 x i16> {splat(32, 'i16', '1')})")
 
 
-def _q8_operands(fmt: str, P: int, g: str, t: str) -> str:
+def _q8_operands(fmt: str, P: int, g: str, t: str, w: str = "%w") -> str:
     """Load P consecutive groups of weights and activations as (u8 %{t}.u, s8 %{t}.s) bytes."""
     nb = 32 * P
     xs = f"""  %{t}.xp = getelementptr inbounds i8, ptr %x, i64 %{g}.x
@@ -133,7 +133,7 @@ def _q8_operands(fmt: str, P: int, g: str, t: str) -> str:
     if fmt == "int4":
         # bytes of P groups: per group 16 bytes -> low nibbles are values 0..15, high 16..31
         mask = [m for q in range(P) for m in [q * 16 + i for i in range(16)] + [16 * P + q * 16 + i for i in range(16)]]
-        return f"""  %{t}.qp = getelementptr inbounds i8, ptr %w, i64 %{g}.w
+        return f"""  %{t}.qp = getelementptr inbounds i8, ptr {w}, i64 %{g}.w
   %{t}.q = load <{16 * P} x i8>, ptr %{t}.qp, align 1
   %{t}.lo = and <{16 * P} x i8> %{t}.q, {splat(16 * P, 'i8', '15')}
   %{t}.hi = lshr <{16 * P} x i8> %{t}.q, {splat(16 * P, 'i8', '4')}
@@ -141,7 +141,7 @@ def _q8_operands(fmt: str, P: int, g: str, t: str) -> str:
 {xs}
   %{t}.s = add <{nb} x i8> %{t}.x, zeroinitializer"""
     # int8: |w| as the unsigned operand, x carrying w's sign as the signed one
-    return f"""  %{t}.qp = getelementptr inbounds i8, ptr %w, i64 %{g}.x
+    return f"""  %{t}.qp = getelementptr inbounds i8, ptr {w}, i64 %{g}.x
   %{t}.q = load <{nb} x i8>, ptr %{t}.qp, align 1
   %{t}.u = call <{nb} x i8> @llvm.abs.v{nb}i8(<{nb} x i8> %{t}.q, i1 false)
 {xs}
@@ -150,10 +150,10 @@ def _q8_operands(fmt: str, P: int, g: str, t: str) -> str:
   %{t}.s = select <{nb} x i1> %{t}.neg, <{nb} x i8> %{t}.nx, <{nb} x i8> %{t}.x"""
 
 
-def _q8_scale(g: str, t: str, off: int) -> str:
+def _q8_scale(g: str, t: str, off: int, s: str = "%s") -> str:
     """d = weight scale * activation scale of group g+off; c = d * block sum (int4's -8 offset)."""
     return f"""  %{t}.gi{off} = add nuw nsw i64 %{g}, {off}
-  %{t}.sp{off} = getelementptr inbounds half, ptr %s, i64 %{t}.gi{off}
+  %{t}.sp{off} = getelementptr inbounds half, ptr {s}, i64 %{t}.gi{off}
   %{t}.sh{off} = load half, ptr %{t}.sp{off}, align 2
   %{t}.dw{off} = fpext half %{t}.sh{off} to float
   %{t}.dp{off} = getelementptr inbounds float, ptr %xd, i64 %{t}.gi{off}
@@ -167,13 +167,13 @@ def _q8_scale(g: str, t: str, off: int) -> str:
 BATCH = 8   # groups whose scales are combined in one 8-lane vector
 
 
-def _q8_pair_operands(fmt: str, P: int, base: str, t: str) -> list[tuple[str, str, str]]:
+def _q8_pair_operands(fmt: str, P: int, base: str, t: str, w: str = "%w") -> list[tuple[str, str, str]]:
     """Operands of 2 consecutive groups starting at group %{base}: a list of (ir, u, s) per
     vector of P groups. int4 loads both groups' 32 nibble bytes at once."""
     out = []
     if fmt == "int4":
         ir = f"""  %{t}.wo = mul nuw nsw i64 %{base}, 16
-  %{t}.qp = getelementptr inbounds i8, ptr %w, i64 %{t}.wo
+  %{t}.qp = getelementptr inbounds i8, ptr {w}, i64 %{t}.wo
   %{t}.q = load <32 x i8>, ptr %{t}.qp, align 1
   %{t}.lo = and <32 x i8> %{t}.q, {splat(32, 'i8', '15')}
   %{t}.hi = lshr <32 x i8> %{t}.q, {splat(32, 'i8', '4')}
@@ -193,7 +193,7 @@ def _q8_pair_operands(fmt: str, P: int, base: str, t: str) -> list[tuple[str, st
         nb = 32 * P
         ir = f"""  %{t}.o{v} = mul nuw nsw i64 %{base}, 32
   %{t}.o{v}b = add nuw nsw i64 %{t}.o{v}, {nb * v}
-  %{t}.qp{v} = getelementptr inbounds i8, ptr %w, i64 %{t}.o{v}b
+  %{t}.qp{v} = getelementptr inbounds i8, ptr {w}, i64 %{t}.o{v}b
   %{t}.q{v} = load <{nb} x i8>, ptr %{t}.qp{v}, align 1
   %{t}.u{v} = call <{nb} x i8> @llvm.abs.v{nb}i8(<{nb} x i8> %{t}.q{v}, i1 false)
   %{t}.xp{v} = getelementptr inbounds i8, ptr %x, i64 %{t}.o{v}b
@@ -205,98 +205,114 @@ def _q8_pair_operands(fmt: str, P: int, base: str, t: str) -> list[tuple[str, st
     return out
 
 
-def _q8_dot(target: Target, fmt: str, NG: int) -> str:
-    """int8/int4 weights against q8 activations.
+def _q8_dot(target: Target, fmt: str, NG: int, R: int = 1) -> str:
+    """int8/int4 weights against q8 activations, R weight rows against one activation row.
 
     The main loop takes BATCH groups at a time: their 8 weight scales times activation scales
     form one vector (and, for int4, the -8 offset's correction one FMA against the block sums),
     and each group's integer dot product (P groups per vector: 2 on AVX-512, else 1) is scaled
-    by a lane broadcast of it. Leftover groups (NG % BATCH) take the one-group path."""
+    by a lane broadcast of it. Leftover groups (NG % BATCH) take the one-group path. With R > 1
+    the rows' bodies share one loop, so each activation block is loaded once (the duplicated
+    loads are the same address: LLVM keeps one). Returns float (R = 1) or [R x float]."""
     P = 2 if target.avx512 else 1
     L = 8 * P
     V = vec(L, "float")
     V8 = vec(8, "float")
     main = (NG // BATCH) * BATCH
+    n_acc = BATCH // 2          # one accumulator per pair of groups: independent FMA chains
+    results, corrs = [], []
     parts = []
     if main:
-        body = []
-        n_acc = BATCH // 2          # one accumulator per pair of groups: independent FMA chains
-        accs = [f"%acc{a}" for a in range(n_acc)]
-        for pair in range(BATCH // 2):
-            body.append(f"  %b{pair} = add nuw nsw i64 %g, {2 * pair}")
-            for v, (ir, u, sv) in enumerate(_q8_pair_operands(fmt, P, f"b{pair}", f"p{pair}")):
-                tag = f"p{pair}v{v}"
-                first_group = 2 * pair + v * P
-                body.append(ir)
-                body.append(_idot(target, 32 * P, u, sv, f"%{tag}.i"))
-                body.append(f"  %{tag}.f = sitofp {vec(L, 'i32')} %{tag}.i to {V}")
-                body.append(f"  %{tag}.dv = shufflevector {V8} %d8, {V8} poison, "
-                            f"{lanes(L, [first_group + l // 8 for l in range(L)])}")
-                body.append(f"  %{tag}.acc = call {V} @llvm.fma.v{L}f32({V} %{tag}.f, {V} %{tag}.dv, {V} {accs[pair]})")
-                accs[pair] = f"%{tag}.acc"
-        corr = ("""  %xsp = getelementptr inbounds i32, ptr %xs, i64 %g
+        phis, bodies, exits = [], [], []
+        for r in range(R):
+            q = f"r{r}"                                   # this row's SSA prefix
+            w, sp = (f"%w{r}", f"%s{r}") if R > 1 else ("%w", "%s")
+            accs = [f"%{q}acc{a}" for a in range(n_acc)]
+            body = [f"""  %{q}sp8 = getelementptr inbounds half, ptr {sp}, i64 %g
+  %{q}sh8 = load <8 x half>, ptr %{q}sp8, align 2
+  %{q}dw8 = fpext <8 x half> %{q}sh8 to {V8}
+  %{q}d8 = fmul {V8} %{q}dw8, %dx8"""]
+            body.append(f"  %{q}corr1 = call <8 x float> @llvm.fma.v8f32(<8 x float> %{q}d8, <8 x float> %xs8f, "
+                        f"<8 x float> %{q}corr)" if fmt == "int4" else f"  %{q}corr1 = fadd <8 x float> %{q}corr, zeroinitializer")
+            for pair in range(BATCH // 2):
+                body.append(f"  %{q}b{pair} = add nuw nsw i64 %g, {2 * pair}")
+                for v, (ir, u, sv) in enumerate(_q8_pair_operands(fmt, P, f"{q}b{pair}", f"{q}p{pair}", w)):
+                    tag = f"{q}p{pair}v{v}"
+                    first_group = 2 * pair + v * P
+                    body.append(ir)
+                    body.append(_idot(target, 32 * P, u, sv, f"%{tag}.i"))
+                    body.append(f"  %{tag}.f = sitofp {vec(L, 'i32')} %{tag}.i to {V}")
+                    body.append(f"  %{tag}.dv = shufflevector {V8} %{q}d8, {V8} poison, "
+                                f"{lanes(L, [first_group + l // 8 for l in range(L)])}")
+                    body.append(f"  %{tag}.acc = call {V} @llvm.fma.v{L}f32({V} %{tag}.f, {V} %{tag}.dv, {V} {accs[pair]})")
+                    accs[pair] = f"%{tag}.acc"
+            bodies.append("\n".join(body))
+            phis.append("\n".join(f"  %{q}acc{a} = phi {V} [zeroinitializer, %entry], [{accs[a]}, %loop]"
+                                  for a in range(n_acc)))
+            phis.append(f"  %{q}corr = phi {V8} [zeroinitializer, %entry], [%{q}corr1, %loop]")
+            total = accs[0]
+            for a in range(1, n_acc):
+                exits.append(f"  %{q}accsum{a} = fadd {V} {total}, {accs[a]}")
+                total = f"%{q}accsum{a}"
+            exits.append(_reduce(L, total, f"%{q}main.r"))
+            exits.append(_reduce(8, f"%{q}corr1", f"%{q}main.c"))
+            results.append(f"%{q}main.r")
+            corrs.append(f"%{q}main.c")
+        xs8 = ("""  %xsp = getelementptr inbounds i32, ptr %xs, i64 %g
   %xs8 = load <8 x i32>, ptr %xsp, align 4
-  %xs8f = sitofp <8 x i32> %xs8 to <8 x float>
-  %corr1 = call <8 x float> @llvm.fma.v8f32(<8 x float> %d8, <8 x float> %xs8f, <8 x float> %corr)"""
-                if fmt == "int4" else "  %corr1 = fadd <8 x float> %corr, zeroinitializer")
-        phis = "\n".join(f"  %acc{a} = phi {V} [zeroinitializer, %entry], [{accs[a]}, %loop]" for a in range(n_acc))
-        total = accs[0]
-        sums = []
-        for a in range(1, n_acc):
-            sums.append(f"  %accsum{a} = fadd {V} {total}, {accs[a]}")
-            total = f"%accsum{a}"
+  %xs8f = sitofp <8 x i32> %xs8 to <8 x float>""" if fmt == "int4" else "")
         parts.append(f"""
 entry:
   br label %loop
 loop:
   %g = phi i64 [0, %entry], [%g1, %loop]
-{phis}
-  %corr = phi {V8} [zeroinitializer, %entry], [%corr1, %loop]
-  %sp8 = getelementptr inbounds half, ptr %s, i64 %g
-  %sh8 = load <8 x half>, ptr %sp8, align 2
-  %dw8 = fpext <8 x half> %sh8 to {V8}
+{chr(10).join(phis)}
   %dp8 = getelementptr inbounds float, ptr %xd, i64 %g
   %dx8 = load {V8}, ptr %dp8, align 4
-  %d8 = fmul {V8} %dw8, %dx8
-{corr}
-{chr(10).join(body)}
+{xs8}
+{chr(10).join(bodies)}
   %g1 = add nuw nsw i64 %g, {BATCH}
   %done = icmp eq i64 %g1, {main}
   br i1 %done, label %main.exit, label %loop
 main.exit:
-{chr(10).join(sums)}
-{_reduce(L, total, '%main.r')}
-{_reduce(8, '%corr1', '%main.c')}
+{chr(10).join(exits)}
   br label %tail0""")
-        r, c = "%main.r", "%main.c"
-        prev = "main.exit"
     else:
         parts.append("\nentry:\n  br label %tail0")
-        r, c = "0.0", "0.0"
-        prev = "entry"
+        results, corrs = ["0.0"] * R, ["0.0"] * R
     for i, g in enumerate(range(main, NG)):   # leftover groups, one at a time (256-bit ops)
-        t = f"t{i}"
-        parts.append(f"""
-tail{i}:
-  %{t}g = add i64 0, {g}
+        lines = [f"\ntail{i}:"]
+        for r in range(R):
+            t = f"t{i}r{r}"
+            w, sp = (f"%w{r}", f"%s{r}") if R > 1 else ("%w", "%s")
+            lines.append(f"""  %{t}g = add i64 0, {g}
   %{t}g.w = mul nuw nsw i64 %{t}g, 16
   %{t}g.x = mul nuw nsw i64 %{t}g, 32
-{_q8_operands(fmt, 1, f'{t}g', t)}
+{_q8_operands(fmt, 1, f'{t}g', t, w)}
 {_idot(target, 32, f'%{t}.u', f'%{t}.s', f'%{t}.i')}
   %{t}.f = sitofp <8 x i32> %{t}.i to <8 x float>
-{_q8_scale(f'{t}g', t, 0)}
+{_q8_scale(f'{t}g', t, 0, sp)}
   %{t}.r0 = call reassoc float @llvm.vector.reduce.fadd.v8f32(float 0.0, <8 x float> %{t}.f)
-  %{t}.r = call float @llvm.fma.f32(float %{t}.r0, float %{t}.d0, float {r})
-  %{t}.c = call float @llvm.fma.f32(float %{t}.d0, float %{t}.bf0, float {c})
-  br label %tail{i + 1}""")
-        r, c = f"%{t}.r", f"%{t}.c"
-    del prev
-    n_tail = NG - main
-    if fmt == "int4":   # the nibbles carry +8: sum (q - 8) x = sum q x - 8 sum x
-        fin = f"  %out = call float @llvm.fma.f32(float {c}, float -8.0, float {r})\n  ret float %out"
+  %{t}.r = call float @llvm.fma.f32(float %{t}.r0, float %{t}.d0, float {results[r]})
+  %{t}.c = call float @llvm.fma.f32(float %{t}.d0, float %{t}.bf0, float {corrs[r]})""")
+            results[r], corrs[r] = f"%{t}.r", f"%{t}.c"
+        lines.append(f"  br label %tail{i + 1}")
+        parts.append("\n".join(lines))
+    fin = [f"\ntail{NG - main}:"]
+    for r in range(R):
+        if fmt == "int4":   # the nibbles carry +8: sum (q - 8) x = sum q x - 8 sum x
+            fin.append(f"  %out{r} = call float @llvm.fma.f32(float {corrs[r]}, float -8.0, float {results[r]})")
+        else:
+            fin.append(f"  %out{r} = fadd float {results[r]}, 0.0")
+    if R == 1:
+        fin.append("  ret float %out0")
     else:
-        fin = f"  %out = fadd float {r}, 0.0\n  ret float %out"
-    parts.append(f"\ntail{n_tail}:\n{fin}\n}}")
+        agg = "undef"
+        for r in range(R):
+            fin.append(f"  %agg{r} = insertvalue [{R} x float] {agg}, float %out{r}, {r}")
+            agg = f"%agg{r}"
+        fin.append(f"  ret [{R} x float] {agg}")
+    parts.append("\n".join(fin) + "\n}")
     return "".join(parts)
 
 
@@ -325,6 +341,15 @@ def dot_function(target: Target, fmt: str, K: int, group_size: int, q8: bool, na
     else:
         body = _grouped_f32act_dot(fmt, NG, group_size)
     return head + body + "\n"
+
+
+def dot2_function(target: Target, fmt: str, K: int, group_size: int) -> str:
+    """[2 x float] @dot2(w0, s0, w1, s1, x, xd, xs): two weight rows against one q8 activation
+    row in one pass (the merged gate/up weight: gate row n and up row n + I share x)."""
+    NG = -(-K // group_size)
+    head = ("define internal [2 x float] @dot2(ptr noalias %w0, ptr noalias %s0, ptr noalias %w1, "
+            "ptr noalias %s1, ptr noalias %x, ptr noalias %xd, ptr noalias %xs) alwaysinline {")
+    return head + _q8_dot(target, fmt, NG, R=2) + "\n"
 
 
 def intrinsic_decls(ir: str) -> str:

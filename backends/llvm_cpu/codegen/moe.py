@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..target import Target
 from .common import KernelSource, fn_attrs, load_args
-from .dot import DECLS, dot_function, intrinsic_decls
+from .dot import DECLS, dot2_function, dot_function, intrinsic_decls
 from .linear import LinearSpec
 
 GATE_UP_PARAMS = ("h", "x", "xd", "xs", "w", "s", "pair_tok", "first", "active", "ldx")
@@ -74,6 +74,14 @@ def gate_up(spec: MoESpec, target: Target) -> KernelSource:
     I = spec.I
     name = f"moe_gate_up_{spec.tag}"
     dot = dot_function(target, spec.fmt, spec.D, spec.group_size, spec.q8)
+    if spec.q8:   # gate row n and up row n + I in one pass over x
+        dot += dot2_function(target, spec.fmt, spec.D, spec.group_size)
+        gate_and_up = """  %gu2 = call [2 x float] @dot2(ptr %gw, ptr %gs, ptr %uw, ptr %us, ptr %xr, ptr %xrd, ptr %xrs)
+  %g = extractvalue [2 x float] %gu2, 0
+  %u = extractvalue [2 x float] %gu2, 1"""
+    else:
+        gate_and_up = """  %g = call float @dot(ptr %gw, ptr %gs, ptr %xr, ptr %xrd, ptr %xrs)
+  %u = call float @dot(ptr %uw, ptr %us, ptr %xr, ptr %xrd, ptr %xrs)"""
     ir = f"""{dot}
 define void @{name}(ptr noalias %args, i64 %begin, i64 %end) #0 {{
 entry:
@@ -108,8 +116,7 @@ pair:
   %tp = getelementptr inbounds i64, ptr %pair_tok, i64 %p
   %tok = load i64, ptr %tp, align 8
 {_xrow(spec.q8, spec.D, spec.group_size, 'x', '%tok', '%ldx', 'xr')}
-  %g = call float @dot(ptr %gw, ptr %gs, ptr %xr, ptr %xrd, ptr %xrs)
-  %u = call float @dot(ptr %uw, ptr %us, ptr %xr, ptr %xrd, ptr %xrs)
+{gate_and_up}
   %ng = fneg float %g
   %ex = call float @llvm.exp.f32(float %ng)
   %den = fadd float %ex, 1.0
