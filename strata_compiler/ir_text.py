@@ -43,10 +43,6 @@ def _fmt_attrs(attrs: tuple[tuple[str, Attr], ...]) -> str:
     return ", ".join(f"{k}={_fmt_value(v)}" for k, v in attrs)
 
 
-def _fmt_type(t: TensorType) -> str:
-    return str(t)
-
-
 def print_graph(g: Graph) -> str:
     lines = [f"strata.ir level={g.level.value}"]
     if g.meta:
@@ -61,7 +57,7 @@ def print_graph(g: Graph) -> str:
         s = f"%{n.id} = {n.op.value}({', '.join(args)})"
         if n.attrs:
             s += f" {{{_fmt_attrs(n.attrs)}}}"
-        s += f" : {_fmt_type(n.type)}"
+        s += f" : {n.type}"
         if n.device:
             s += f" @{n.device}"
         if n.backend:

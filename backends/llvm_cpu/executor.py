@@ -140,7 +140,7 @@ class Q8:
 
         def run(rows: int = M) -> None:
             a.go(pool, rows, min_chunk=4)
-        return (xq, xd, xs), run, a
+        return (xq, xd, xs), run
 
 
 class LLVMExecutor:
@@ -314,7 +314,7 @@ def _bind_linear(exe: LLVMExecutor, n: Node):
             x = xp
         xd = xs = None
         if quant is not None:
-            (x, xd, xs), qrun, _ = quant.prepare(frame, x[:, :K] if x.shape[1] != K else x, "x")
+            (x, xd, xs), qrun = quant.prepare(frame, x[:, :K] if x.shape[1] != K else x, "x")
             before.append(qrun)
         r = _src(frame, n, 1) if len(n.args) == 2 else None
         a = k.args(y=frame.out(n), x=x, xd=xd, xs=xs, w=w, s=s, b=b, r=r, xidx=None, M=M,
@@ -393,8 +393,8 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
         qxrun = qhrun = None
         hin = h
         if qx is not None:
-            (xin, xd, xs), qxrun, _ = qx.prepare(frame, x, "moe.x")
-            (hin, hd, hs), qhrun, qha = qh.prepare(frame, h[:, :I] if ip != I else h, "moe.h")
+            (xin, xd, xs), qxrun = qx.prepare(frame, x, "moe.x")
+            (hin, hd, hs), qhrun = qh.prepare(frame, h[:, :I] if ip != I else h, "moe.h")
         r = _src(frame, n, 2) if len(n.args) == 3 else None
         au = ku.args(h=h, x=xin, xd=xd, xs=xs, w=wu, s=su, pair_tok=tok, first=first, active=active,
                      ldx=_ld(xin))

@@ -17,7 +17,7 @@ Formats and layouts are defined in strata_compiler/formats.py.
 from __future__ import annotations
 
 from ..target import Target
-from .common import lanes, splat, vec
+from .common import fn_attrs, lanes, splat, vec
 
 Q8_BLOCK = 32
 
@@ -350,6 +350,19 @@ def dot2_function(target: Target, fmt: str, K: int, group_size: int) -> str:
     head = ("define internal [2 x float] @dot2(ptr noalias %w0, ptr noalias %s0, ptr noalias %w1, "
             "ptr noalias %s1, ptr noalias %x, ptr noalias %xd, ptr noalias %xs) alwaysinline {")
     return head + _q8_dot(target, fmt, NG, R=2) + "\n"
+
+
+def weight_row(row: str, out: str, rb: int, sb: int) -> str:
+    """IR for %{out}.w / %{out}.s: row `row` of the weight data %w and of its scales %s."""
+    return f"""  %{out}.wo = mul nuw nsw i64 {row}, {rb}
+  %{out}.w = getelementptr inbounds i8, ptr %w, i64 %{out}.wo
+  %{out}.so = mul nuw nsw i64 {row}, {sb}
+  %{out}.s = getelementptr inbounds i8, ptr %s, i64 %{out}.so"""
+
+
+def finish_module(ir: str, target: Target) -> str:
+    """Kernel IR plus the declarations it calls and the #0 function attributes."""
+    return ir + DECLS + intrinsic_decls(ir) + f"\nattributes #0 = {{ {fn_attrs(target)} }}\n"
 
 
 def intrinsic_decls(ir: str) -> str:

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..target import Target
-from .common import KernelSource, fn_attrs, load_args
-from .dot import DECLS, dot_function, intrinsic_decls
+from .common import KernelSource, load_args
+from .dot import dot_function, finish_module, weight_row
 
 PARAMS = ("y", "x", "xd", "xs", "w", "s", "b", "r", "xidx", "M", "ldx", "ldy", "ldr")
 POINTERS = {"y", "x", "xd", "xs", "w", "s", "b", "r", "xidx"}
@@ -61,11 +61,8 @@ def generate(spec: LinearSpec, target: Target) -> KernelSource:
     xrow_bytes = (ng * spec.group_size) if spec.q8 else 0
 
     def dot_at(n: str, out: str) -> str:
-        return f"""  {out}.wo = mul nuw nsw i64 {n}, {rb}
-  {out}.wp = getelementptr inbounds i8, ptr %w, i64 {out}.wo
-  {out}.so = mul nuw nsw i64 {n}, {sb}
-  {out}.sp = getelementptr inbounds i8, ptr %s, i64 {out}.so
-  {out} = call float @dot(ptr {out}.wp, ptr {out}.sp, ptr %xrow, ptr %xdrow, ptr %xsrow)"""
+        return (weight_row(n, out[1:], rb, sb)
+                + f"\n  {out} = call float @dot(ptr {out}.w, ptr {out}.s, ptr %xrow, ptr %xdrow, ptr %xsrow)")
 
     x_row = (f"""  %xro = mul nuw nsw i64 %xm, {xrow_bytes}
   %xrow = getelementptr inbounds i8, ptr %x, i64 %xro
@@ -154,5 +151,5 @@ exit:
 """
     dot = dot_function(target, spec.fmt, spec.K, spec.group_size, spec.q8)
     ir = dot + kernel
-    ir = ir + DECLS + intrinsic_decls(ir) + f"\nattributes #0 = {{ {fn_attrs(target)} }}\n"
+    ir = finish_module(ir, target)
     return KernelSource(spec.name, ir, PARAMS, "rows")

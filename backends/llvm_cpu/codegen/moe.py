@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..target import Target
-from .common import KernelSource, fn_attrs, load_args
-from .dot import DECLS, dot2_function, dot_function, intrinsic_decls
+from .common import KernelSource, load_args
+from .dot import dot2_function, dot_function, finish_module, weight_row
 from .linear import LinearSpec
 
 GATE_UP_PARAMS = ("h", "x", "xd", "xs", "w", "s", "pair_tok", "first", "active", "ldx")
@@ -76,12 +76,12 @@ def gate_up(spec: MoESpec, target: Target) -> KernelSource:
     dot = dot_function(target, spec.fmt, spec.D, spec.group_size, spec.q8)
     if spec.q8:   # gate row n and up row n + I in one pass over x
         dot += dot2_function(target, spec.fmt, spec.D, spec.group_size)
-        gate_and_up = """  %gu2 = call [2 x float] @dot2(ptr %gw, ptr %gs, ptr %uw, ptr %us, ptr %xr, ptr %xrd, ptr %xrs)
+        gate_and_up = """  %gu2 = call [2 x float] @dot2(ptr %gate.w, ptr %gate.s, ptr %up.w, ptr %up.s, ptr %xr, ptr %xrd, ptr %xrs)
   %g = extractvalue [2 x float] %gu2, 0
   %u = extractvalue [2 x float] %gu2, 1"""
     else:
-        gate_and_up = """  %g = call float @dot(ptr %gw, ptr %gs, ptr %xr, ptr %xrd, ptr %xrs)
-  %u = call float @dot(ptr %uw, ptr %us, ptr %xr, ptr %xrd, ptr %xrs)"""
+        gate_and_up = """  %g = call float @dot(ptr %gate.w, ptr %gate.s, ptr %xr, ptr %xrd, ptr %xrs)
+  %u = call float @dot(ptr %up.w, ptr %up.s, ptr %xr, ptr %xrd, ptr %xrs)"""
     ir = f"""{dot}
 define void @{name}(ptr noalias %args, i64 %begin, i64 %end) #0 {{
 entry:
@@ -101,14 +101,8 @@ row:
   %er = mul nuw nsw i64 %e, {2 * I}
   %gr = add nuw nsw i64 %er, %n
   %ur = add nuw nsw i64 %gr, {I}
-  %gwo = mul nuw nsw i64 %gr, {rb}
-  %gw = getelementptr inbounds i8, ptr %w, i64 %gwo
-  %gso = mul nuw nsw i64 %gr, {sb}
-  %gs = getelementptr inbounds i8, ptr %s, i64 %gso
-  %uwo = mul nuw nsw i64 %ur, {rb}
-  %uw = getelementptr inbounds i8, ptr %w, i64 %uwo
-  %uso = mul nuw nsw i64 %ur, {sb}
-  %us = getelementptr inbounds i8, ptr %s, i64 %uso
+{weight_row('%gr', 'gate', rb, sb)}
+{weight_row('%ur', 'up', rb, sb)}
   %none = icmp sge i64 %p0, %p1
   br i1 %none, label %row.next, label %pair
 pair:
@@ -137,7 +131,7 @@ exit:
   ret void
 }}
 """
-    ir = ir + DECLS + intrinsic_decls(ir) + f"\nattributes #0 = {{ {fn_attrs(target)} }}\n"
+    ir = finish_module(ir, target)
     return KernelSource(name, ir, GATE_UP_PARAMS, "active expert rows (nA * I)")
 
 
@@ -180,12 +174,9 @@ pair:
   %e = load i64, ptr %epp, align 8
   %er = mul nuw nsw i64 %e, {D}
   %wr = add nuw nsw i64 %er, %n
-  %wo = mul nuw nsw i64 %wr, {rb}
-  %wp = getelementptr inbounds i8, ptr %w, i64 %wo
-  %so = mul nuw nsw i64 %wr, {sb}
-  %sp = getelementptr inbounds i8, ptr %s, i64 %so
+{weight_row('%wr', 'dn', rb, sb)}
 {_xrow(spec.q8, spec.I, spec.group_size, 'h', '%p', h_stride(spec), 'hr')}
-  %v = call float @dot(ptr %wp, ptr %sp, ptr %hr, ptr %hrd, ptr %hrs)
+  %v = call float @dot(ptr %dn.w, ptr %dn.s, ptr %hr, ptr %hrd, ptr %hrs)
   %pwp = getelementptr inbounds float, ptr %pair_w, i64 %p
   %pw = load float, ptr %pwp, align 4
   %tp = getelementptr inbounds i64, ptr %pair_tok, i64 %p
@@ -207,5 +198,5 @@ exit:
   ret void
 }}
 """
-    ir = ir + DECLS + intrinsic_decls(ir) + f"\nattributes #0 = {{ {fn_attrs(target)} }}\n"
+    ir = finish_module(ir, target)
     return KernelSource(name, ir, DOWN_PARAMS, "output rows (D)")
