@@ -108,12 +108,79 @@ def bench_gemv(pool, lib, target, fmt: str, N: int, K: int, q8: bool, reps: int)
     return nbytes / statistics.median(times[2:]) / 1e9, nbytes
 
 
+def bench_moe(pool, lib, target, fmt: str, E: int, D: int, I: int, top_k: int, reps: int) -> dict:
+    """One decode token through a MoE FFN (q8 activations): gate_up then down over top_k of E
+    experts, chosen at random per call. Returns GB/s of the weight bytes each kernel reads."""
+    from strata_compiler.backends.llvm_cpu.codegen.elementwise import quantize_q8
+    from strata_compiler.backends.llvm_cpu.codegen.moe import (DOWN_PARAMS, GATE_UP_PARAMS, MoESpec, down,
+                                                              gate_up, h_stride)
+    from strata_compiler.formats import get_format
+
+    F = get_format(fmt)
+    rng = np.random.default_rng(0)
+
+    def stacked(rows: int, K: int):
+        parts = [F.quantize(rng.standard_normal((rows, K), dtype=np.float32), 32) for _ in range(E)]
+        return np.stack([p["qs"] for p in parts]), np.stack([p["scales"] for p in parts])
+
+    wu, su = stacked(2 * I, D)
+    wd, sd = stacked(D, I)
+    spec = MoESpec(fmt, D, I, 32, q8=True)
+    ku, kd = gate_up(spec, target), down(spec, target)
+    au_addr, ad_addr = lib.address(ku.ir, ku.name), lib.address(kd.ir, kd.name)
+    x = rng.standard_normal((1, D), dtype=np.float32)
+    xq, xd, xs = np.zeros((1, D), np.int8), np.zeros((1, D // 32), np.float32), np.zeros((1, D // 32), np.int32)
+    q = quantize_q8(D, target)
+    qa = (ctypes.c_int64 * len(q.params))(*[dict(x=x.ctypes.data, xq=xq.ctypes.data, xd=xd.ctypes.data,
+                                                 xs=xs.ctypes.data, ldx=D)[p] for p in q.params])
+    pool.run(lib.address(q.ir, q.name), ctypes.addressof(qa), 0, 1)
+    hs_ = h_stride(spec)
+    h = np.zeros((top_k, hs_), np.float32)
+    hq, hd, hsum = np.zeros((top_k, hs_), np.int8), np.zeros((top_k, hs_ // 32), np.float32), np.zeros((top_k, hs_ // 32), np.int32)
+    qh = quantize_q8(I, target)
+    qha = (ctypes.c_int64 * len(qh.params))(*[dict(x=h.ctypes.data, xq=hq.ctypes.data, xd=hd.ctypes.data,
+                                                   xs=hsum.ctypes.data, ldx=hs_)[p] for p in qh.params])
+    qh_addr = lib.address(qh.ir, qh.name)
+    tok = np.zeros(top_k, np.int64)
+    exp = np.zeros(top_k, np.int64)
+    pw = np.full(top_k, 1.0 / top_k, np.float32)
+    first = np.arange(top_k + 1, dtype=np.int64)
+    y = np.zeros((1, D), np.float32)
+    va = dict(h=h.ctypes.data, x=xq.ctypes.data, xd=xd.ctypes.data, xs=xs.ctypes.data, w=wu.ctypes.data,
+              s=su.ctypes.data, pair_tok=tok.ctypes.data, first=first.ctypes.data, active=exp.ctypes.data, ldx=D)
+    vd = dict(y=y.ctypes.data, r=0, h=hq.ctypes.data, hd=hd.ctypes.data, hs=hsum.ctypes.data, w=wd.ctypes.data,
+              s=sd.ctypes.data, pair_tok=tok.ctypes.data, pair_exp=exp.ctypes.data, pair_w=pw.ctypes.data,
+              P=top_k, M=1, ldy=D, ldr=D)
+    au = (ctypes.c_int64 * len(GATE_UP_PARAMS))(*[va[p] for p in GATE_UP_PARAMS])
+    ad = (ctypes.c_int64 * len(DOWN_PARAMS))(*[vd[p] for p in DOWN_PARAMS])
+    tu, td = [], []
+    for _ in range(reps + 2):
+        exp[:] = np.sort(rng.choice(E, top_k, replace=False))
+        t0 = time.perf_counter()
+        pool.parallel_for(au_addr, ctypes.addressof(au), top_k * I, min_chunk=8)
+        t1 = time.perf_counter()
+        pool.parallel_for(qh_addr, ctypes.addressof(qha), top_k, min_chunk=4)
+        t2 = time.perf_counter()
+        pool.parallel_for(ad_addr, ctypes.addressof(ad), D, min_chunk=16)
+        t3 = time.perf_counter()
+        tu.append(t1 - t0)
+        td.append(t3 - t2)
+    bu = top_k * (wu[0].nbytes + su[0].nbytes)
+    bd = top_k * (wd[0].nbytes + sd[0].nbytes)
+    mu, md = statistics.median(tu[2:]), statistics.median(td[2:])
+    return dict(gate_up_gbps=bu / mu / 1e9, down_gbps=bd / md / 1e9, total_gbps=(bu + bd) / (mu + md) / 1e9,
+                bytes=bu + bd)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--formats", default="f32,bf16,int8,int4")
     ap.add_argument("--shapes", default="2048x1024,4096x14336,14336x4096")
+    ap.add_argument("--moe", default="int4:8x2048x5632:2",
+                    help="MoE decode rows FMT:ExDxI:TOPK[,...] (empty: none); the default is the Mixtral-shaped "
+                         "model of decode_vs_llamacpp.py")
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     a = ap.parse_args()
     os.environ["STRATA_NUM_THREADS"] = str(a.threads)
@@ -141,6 +208,15 @@ def main() -> int:
                 act = "q8" if q8 else "f32"
                 print(f"{fmt:6} {act:4} {shape:>12} {nbytes / 2**20:8.1f} {gbs:7.2f} {bw:10.2f} {gbs / bw:10.0%}")
                 rows.append(dict(format=fmt, act=act, N=N, K=K, bytes=nbytes, gbps=gbs, read_gbps=bw, ratio=gbs / bw))
+    for item in filter(None, a.moe.split(",")):
+        fmt, shape, k = item.split(":")
+        E, D, I = (int(v) for v in shape.lower().split("x"))
+        m = bench_moe(pool, lib, target, fmt, E, D, I, int(k), a.reps)
+        bws.append(read_bandwidth(pool, lib, target, 1 << 30, max(5, a.reps // 2)))
+        bw = statistics.median(bws[-2:])
+        print(f"moe {fmt} E{E} D{D} I{I} top{k}: gate_up {m['gate_up_gbps']:.2f} GB/s, down {m['down_gbps']:.2f} GB/s, "
+              f"together {m['total_gbps']:.2f} GB/s = {m['total_gbps'] / bw:.0%} of read bw {bw:.2f}")
+        rows.append(dict(format=fmt, kind="moe", E=E, D=D, I=I, top_k=int(k), read_gbps=bw, **m))
     print(f"read bandwidth over the run: median {statistics.median(bws):.2f} GB/s, "
           f"min {min(bws):.2f}, max {max(bws):.2f} ({len(bws)} measurements)")
     if a.json:

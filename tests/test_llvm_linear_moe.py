@@ -14,7 +14,7 @@ import pytest
 
 from strata_compiler.backends.llvm_cpu.codegen.elementwise import quantize_q8
 from strata_compiler.backends.llvm_cpu.codegen.linear import PARAMS, LinearSpec, generate
-from strata_compiler.backends.llvm_cpu.codegen.moe import MoESpec, down, gate_up, h_stride
+from strata_compiler.backends.llvm_cpu.codegen.moe import MoESpec, down, gate_up, h_stride, pairs
 from strata_compiler.backends.llvm_cpu.jit import KernelLibrary, emit_artifacts
 from strata_compiler.backends.llvm_cpu.target import Target
 from strata_compiler.backends.reference.executor import moe_ffn, silu
@@ -149,6 +149,31 @@ def test_moe_kernels_match_reference(tname, fmt, q8):
     else:
         ref = moe_ffn(x[None], comb[None], lambda e: (gud[e, :I], gud[e, I:]), lambda e: dnd[e])[0] + r
     np.testing.assert_allclose(y, ref, atol=2e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("M,E,k,ldc", [(1, 8, 2, 8), (7, 6, 2, 9), (40, 64, 8, 64), (3, 4, 4, 4), (0, 8, 2, 8)])
+def test_moe_pairs_kernel_groups_pairs_by_expert(M, E, k, ldc):
+    rng = np.random.default_rng(M + E)
+    comb = np.zeros((max(M, 1), ldc), np.float32)
+    for m in range(M):
+        comb[m, rng.choice(E, k, replace=False)] = rng.random(k, dtype=np.float32) + 0.01
+    comb[:, E:] = 5.0                                           # beyond E: must not be read
+    tok, exp = np.zeros(M * E, np.int64), np.zeros(M * E, np.int64)
+    pw, first = np.zeros(M * E, np.float32), np.full(E + 1, -1, np.int64)
+    active, count = np.full(E, -1, np.int64), np.full(2, -1, np.int64)
+    call(LIBS["native"], pairs(E, TARGETS["native"]),
+         dict(comb=ptr(comb), ldc=ldc, M=M, tok=ptr(tok), exp=ptr(exp), pw=ptr(pw), first=ptr(first),
+              active=ptr(active), count=ptr(count)), 1)
+    t, e = np.nonzero(comb[:M, :E])
+    order = np.argsort(e, kind="stable")
+    acts, counts = np.unique(e, return_counts=True)
+    P, nA = len(t), len(acts)
+    assert list(count) == [P, nA]
+    np.testing.assert_array_equal(tok[:P], t[order])
+    np.testing.assert_array_equal(exp[:P], e[order])
+    np.testing.assert_array_equal(pw[:P], comb[t[order], e[order]])
+    np.testing.assert_array_equal(active[:nA], acts)
+    np.testing.assert_array_equal(first[:nA + 1], np.concatenate([[0], np.cumsum(counts)]))
 
 
 @pytest.mark.parametrize("cpu", ["sapphirerapids", "skylake-avx512"])

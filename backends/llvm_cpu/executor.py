@@ -29,7 +29,7 @@ from .codegen import elementwise as ew
 from .codegen.common import KernelSource, float_slot
 from .codegen.dot import Q8_BLOCK, needs_q8
 from .codegen.linear import LinearSpec, generate as linear_gen
-from .codegen.moe import MoESpec, down as moe_down_gen, gate_up as moe_gate_up_gen, h_stride
+from .codegen.moe import MoESpec, down as moe_down_gen, gate_up as moe_gate_up_gen, h_stride, pairs as moe_pairs_gen
 from .jit import KernelLibrary, library
 from .pool import get_pool
 from .target import Target
@@ -369,6 +369,7 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
     spec = MoESpec(fmt, D, I, G, q8, residual=len(n.args) == 3)
     ku = Kernel(exe.lib, moe_gate_up_gen(spec, exe.target))
     kd = Kernel(exe.lib, moe_down_gen(spec, exe.target))
+    kp = Kernel(exe.lib, moe_pairs_gen(E, exe.target))
     wu, su = exe.weight(n.weight("gate_up"))
     wd, sd = exe.weight(n.weight("down"))
     qx = exe.q8(D) if q8 else None
@@ -385,6 +386,7 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
         pw = frame.temp("moe.w", (Pmax,), np.float32)
         first = frame.temp("moe.first", (E + 1,), np.int64)
         active = frame.temp("moe.active", (E,), np.int64)
+        count = frame.temp("moe.count", (2,), np.int64)
         h = frame.temp("moe.h", (Pmax, ip))
         xin = x
         if dp != D:
@@ -400,20 +402,12 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
                      ldx=_ld(xin))
         ad = kd.args(y=frame.out(n), r=r, h=hin, hd=hd, hs=hs, w=wd, s=sd, pair_tok=tok, pair_exp=exp, pair_w=pw,
                      M=M, ldy=D, ldr=D)
+        ap = kp.args(comb=comb, ldc=_ld(comb), M=M, tok=tok, exp=exp, pw=pw, first=first, active=active, count=count)
         pool = exe.pool
 
         def run(step: Step) -> None:
-            t, e = np.nonzero(comb)                              # routing pairs, by token
-            order = np.argsort(e, kind="stable")                 # ... grouped by expert
-            P = len(order)
-            tok[:P] = t[order]
-            exp[:P] = e[order]
-            pw[:P] = comb[tok[:P], exp[:P]]
-            act, counts = np.unique(exp[:P], return_counts=True)
-            nA = len(act)
-            active[:nA] = act
-            first[0] = 0
-            np.cumsum(counts, out=first[1:nA + 1])
+            pool.run(kp.addr, ap.addr, 0, 1)                    # routing pairs, grouped by expert
+            P, nA = int(count[0]), int(count[1])
             if xin is not x and qxrun is None:
                 xin[:, :D] = x
             if qxrun is not None:

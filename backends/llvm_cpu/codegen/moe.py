@@ -68,6 +68,56 @@ def _xrow(q8: bool, K: int, group_size: int, base: str, idx: str, ld: str, out: 
   %{out}s = getelementptr inbounds i8, ptr %{base}, i64 0"""
 
 
+PAIRS_PARAMS = ("comb", "ldc", "M", "tok", "exp", "pw", "first", "active", "count")
+
+
+def pairs(E: int, target: Target) -> KernelSource:
+    """Routing pairs from the dense routing weights comb[M, ldc] (0 = not routed), by a counting
+    pass over experts: pairs sorted by expert, then token (the order the other kernels expect).
+    Writes tok/exp/pw[P], active[nA], first[nA + 1] and count = (P, nA). Serial: one call with
+    [begin, end) = [0, 1); O(M * E), a few microseconds at decode."""
+    from .elementwise import loop, module
+
+    body = loop("ex", "e", E, loop("tk", "m", "%M", f"""  %co = mul nsw i64 %m, %ldc
+  %ci = add nsw i64 %co, %e
+  %cp = getelementptr inbounds float, ptr %comb, i64 %ci
+  %cv = load float, ptr %cp, align 4
+  %routed = fcmp une float %cv, 0.0
+  br i1 %routed, label %put, label %tk.latch
+put:
+  %pc = load i64, ptr %count, align 8
+  %tp = getelementptr inbounds i64, ptr %tok, i64 %pc
+  store i64 %m, ptr %tp, align 8
+  %xp = getelementptr inbounds i64, ptr %exp, i64 %pc
+  store i64 %e, ptr %xp, align 8
+  %wp = getelementptr inbounds float, ptr %pw, i64 %pc
+  store float %cv, ptr %wp, align 4
+  %pc1 = add nsw i64 %pc, 1
+  store i64 %pc1, ptr %count, align 8""", guard=True) + f"""  %P = load i64, ptr %count, align 8
+  %grew = icmp ne i64 %P, %P0
+  br i1 %grew, label %add, label %ex.latch
+add:
+  %na = load i64, ptr %nap, align 8
+  %ap = getelementptr inbounds i64, ptr %active, i64 %na
+  store i64 %e, ptr %ap, align 8
+  %na1 = add nsw i64 %na, 1
+  store i64 %na1, ptr %nap, align 8
+  %fp = getelementptr inbounds i64, ptr %first, i64 %na1
+  store i64 %P, ptr %fp, align 8""", accs=[("P0", "i64", "0", "%P")])
+    fn = f"""
+define void @moe_pairs_e{E}(ptr noalias %args, i64 %begin, i64 %end) #0 {{
+entry:
+{load_args(PAIRS_PARAMS, set(PAIRS_PARAMS) - {"M", "ldc"})}
+  store i64 0, ptr %count, align 8
+  %nap = getelementptr inbounds i64, ptr %count, i64 1
+  store i64 0, ptr %nap, align 8
+  store i64 0, ptr %first, align 8
+{body}  ret void
+}}
+"""
+    return KernelSource(f"moe_pairs_e{E}", module(fn, target), PAIRS_PARAMS, "one call")
+
+
 def gate_up(spec: MoESpec, target: Target) -> KernelSource:
     lin = spec.gate_up()
     rb, sb = lin.row_bytes()
@@ -154,7 +204,7 @@ entry:
 row:
   %n = phi i64 [%begin, %entry], [%n1, %row.next]
   %mempty = icmp sle i64 %M, 0
-  br i1 %mempty, label %pairs, label %init
+  br i1 %mempty, label %row.next, label %init
 init:
   %m = phi i64 [0, %row], [%m1, %init]
 {init}
@@ -164,36 +214,43 @@ init:
   store float %rv, ptr %yp, align 4
   %m1 = add nuw nsw i64 %m, 1
   %mdone = icmp eq i64 %m1, %M
-  br i1 %mdone, label %pairs, label %init
+  br i1 %mdone, label %row.next, label %init
+row.next:
+  %n1 = add nuw nsw i64 %n, 1
+  %done = icmp eq i64 %n1, %end
+  br i1 %done, label %pairs, label %row
 pairs:
   %pnone = icmp sle i64 %P, 0
-  br i1 %pnone, label %row.next, label %pair
+  br i1 %pnone, label %exit, label %pair
 pair:
-  %p = phi i64 [0, %pairs], [%p.1, %pair]
+  %p = phi i64 [0, %pairs], [%p.1, %pair.next]
   %epp = getelementptr inbounds i64, ptr %pair_exp, i64 %p
   %e = load i64, ptr %epp, align 8
   %er = mul nuw nsw i64 %e, {D}
-  %wr = add nuw nsw i64 %er, %n
-{weight_row('%wr', 'dn', rb, sb)}
 {_xrow(spec.q8, spec.I, spec.group_size, 'h', '%p', h_stride(spec), 'hr')}
-  %v = call float @dot(ptr %dn.w, ptr %dn.s, ptr %hr, ptr %hrd, ptr %hrs)
   %pwp = getelementptr inbounds float, ptr %pair_w, i64 %p
   %pw = load float, ptr %pwp, align 4
   %tp = getelementptr inbounds i64, ptr %pair_tok, i64 %p
   %tok = load i64, ptr %tp, align 8
   %to = mul nuw nsw i64 %tok, %ldy
-  %to2 = add nuw nsw i64 %to, %n
+  br label %col
+col:
+  %c = phi i64 [%begin, %pair], [%c1, %col]
+  %wr = add nuw nsw i64 %er, %c
+{weight_row('%wr', 'dn', rb, sb)}
+  %v = call float @dot(ptr %dn.w, ptr %dn.s, ptr %hr, ptr %hrd, ptr %hrs)
+  %to2 = add nuw nsw i64 %to, %c
   %ypp = getelementptr inbounds float, ptr %y, i64 %to2
   %yv = load float, ptr %ypp, align 4
   %yv1 = call float @llvm.fma.f32(float %pw, float %v, float %yv)
   store float %yv1, ptr %ypp, align 4
+  %c1 = add nuw nsw i64 %c, 1
+  %cdone = icmp eq i64 %c1, %end
+  br i1 %cdone, label %pair.next, label %col
+pair.next:
   %p.1 = add nuw nsw i64 %p, 1
   %pdone = icmp eq i64 %p.1, %P
-  br i1 %pdone, label %row.next, label %pair
-row.next:
-  %n1 = add nuw nsw i64 %n, 1
-  %done = icmp eq i64 %n1, %end
-  br i1 %done, label %exit, label %row
+  br i1 %pdone, label %exit, label %pair
 exit:
   ret void
 }}
