@@ -1,0 +1,127 @@
+"""Where a decode step's time goes on the GPU: the kernels of one step, from XLA's optimized HLO.
+
+    python benchmarks/gpu_profile.py [--work-dir /tmp/gpu_prof] [--format int4] [--layers 2]
+        [--steps 8] [--hlo OUT.txt]
+
+Builds the OLMoE-shaped benchmark model of gpu_decode.py with fewer layers (--layers), compiles it
+at --format, and:
+  * prints the operations of the decode loop's body that launch kernels (fusions, custom calls,
+    copies, ...) by kind, per layer — each costs a launch and a tail, which bounds decode speed
+    at batch 1 when there are many of them;
+  * times --steps decode steps for 1 and for --layers layers' worth of work (the difference per
+    layer is the per-layer cost; the rest is the embedding, lm_head and loop overhead).
+Run it under Nsight Compute for per-kernel device times, e.g.
+    ncu --metrics gpu__time_duration.sum --csv python benchmarks/gpu_profile.py --steps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+import numpy as np  # noqa: E402
+
+from gpu_decode import FULL, TINY, build, log  # noqa: E402
+
+KERNEL_OPS = ("fusion", "custom-call", "copy", "dynamic-update-slice", "sort", "reduce", "scatter", "gather",
+              "dot", "convolution", "all-reduce", "transpose")
+
+
+def body_ops(hlo: str) -> collections.Counter:
+    """Kernel-launching instructions of the while loop's body computation(s), by kind."""
+    comps = re.split(r"\n(?=\S)", hlo)
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+    count: collections.Counter = collections.Counter()
+    for c in comps:
+        m = re.match(r"%?([\w.\-]+)\s", c)
+        if not m or m.group(1) not in bodies:
+            continue
+        for line in c.splitlines()[1:]:
+            m = re.search(r"=\s*\S+\s+([\w\-]+)\(", line)
+            if not m:
+                continue
+            op = m.group(1)
+            if op in KERNEL_OPS:
+                kind = op
+                if op == "fusion":
+                    k = re.search(r"kind=(\w+)", line)
+                    kind = f"fusion:{k.group(1) if k else '?'}"
+                if op == "custom-call":
+                    k = re.search(r'custom_call_target="([^"]+)"', line)
+                    kind = f"custom-call:{k.group(1) if k else '?'}"
+                count[kind] += 1
+    return count
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work-dir", type=Path, default=Path("/tmp/gpu_prof"))
+    ap.add_argument("--format", default="int4")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--tiny", action="store_true", help="the small model of gpu_decode.py --tiny (smoke test)")
+    ap.add_argument("--hlo", type=Path, help="write the optimized HLO of the decode loop here")
+    a = ap.parse_args()
+    rates = {}
+    for layers in (1, a.layers):
+        dims = dict(TINY if a.tiny else FULL, layers=layers)
+        plans = build(a.work_dir / f"l{layers}", dims, [a.format])
+        import jax
+        import jax.numpy as jnp
+
+        from strata_compiler.backends.xla.executor import XLAExecutor
+        from strata_compiler.runtime.kv_cache import KVCache
+        from strata_compiler.runtime.plan import load_plan
+
+        plan = load_plan(plans[a.format], verify_weights="none")
+        exe = XLAExecutor(plan.graph, plan.weights)
+        m = plan.meta["model"]
+        cap = 256
+        c = KVCache(m["n_layers"], 1, m["n_kv_heads"], m["head_dim"], cap)
+        exe.new_cache(c)
+        first = exe.run(np.arange(1, 33)[None], c)[plan.graph.outputs[0]][:, -1].argmax(-1)
+        if layers == a.layers:
+            ks = {l: c.k[l] for l in exe.layers}
+            vs = {l: c.v[l] for l in exe.layers}
+            lowered = jax.jit(exe._decode_loop, static_argnums=(5,)).lower(
+                exe.params, ks, vs, jnp.asarray(first, jnp.int32), jnp.asarray(c.length, jnp.int32), a.steps)
+            hlo = lowered.compile().as_text()
+            if a.hlo:
+                a.hlo.write_text(hlo)
+            ops = body_ops(hlo)
+            total = sum(ops.values())
+            print(f"decode loop body, {layers} layers: {total} kernel-launching ops "
+                  f"(about {total / layers:.1f} per layer, embedding and lm_head included)")
+            for k, v in ops.most_common():
+                print(f"  {k:40s} {v:5d}")
+        exe.greedy_decode(first, c, 4)
+        c2 = KVCache(m["n_layers"], 1, m["n_kv_heads"], m["head_dim"], cap)
+        exe.new_cache(c2)
+        exe.run(np.arange(1, 33)[None], c2)
+        t0 = time.perf_counter()
+        exe.greedy_decode(first, c2, a.steps)
+        rates[layers] = (time.perf_counter() - t0) / a.steps
+        # greedy_decode compiles for a new n on its first call: time a second run of the same n
+        c3 = KVCache(m["n_layers"], 1, m["n_kv_heads"], m["head_dim"], cap)
+        exe.new_cache(c3)
+        exe.run(np.arange(1, 33)[None], c3)
+        t0 = time.perf_counter()
+        exe.greedy_decode(first, c3, a.steps)
+        rates[layers] = (time.perf_counter() - t0) / a.steps
+        log(f"{layers} layer(s): {1e6 * rates[layers]:.1f} us per decode step")
+        del exe
+    per_layer = (rates[a.layers] - rates[1]) / (a.layers - 1)
+    print(f"per layer: {1e6 * per_layer:.1f} us; the rest (embedding, lm_head, loop): "
+          f"{1e6 * (rates[1] - per_layer):.1f} us per step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
