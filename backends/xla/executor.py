@@ -78,16 +78,17 @@ def matvec(jnp, spec, arrays: dict, x):
     ng = d.shape[-1]
     if ng * G != K:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, ng * G - K)])
+    d = d[..., None]               # the scale inside the sum: one reduction over (groups, group)
     if fmt == "int8":
         q = qs.reshape(*qs.shape[:-1], ng, G).astype(f32)
-        t = (q * x.reshape(*x.shape[:-1], 1, ng, G)).sum(-1)
+        t = q * d * x.reshape(*x.shape[:-1], 1, ng, G)
     else:
         p = qs.reshape(*qs.shape[:-1], ng, G // 2)
         xg = x.reshape(*x.shape[:-1], 1, ng, 2, G // 2)
         lo = (p & 0x0F).astype(f32) - 8
         hi = (p >> 4).astype(f32) - 8
-        t = (lo * xg[..., 0, :] + hi * xg[..., 1, :]).sum(-1)
-    return (t * d).sum(-1)
+        t = (lo * xg[..., 0, :] + hi * xg[..., 1, :]) * d
+    return t.sum((-2, -1))
 
 
 def _use_matvec(rows: int) -> bool:
@@ -135,12 +136,18 @@ def _silu(jnp, x):
 def _linear(c: _Ctx, n: Node, a: list):
     jnp = c.jnp
     x = a[0]
-    if n.attr("prologue", "none") == "rms_norm":
-        x = _rms(jnp, x, c.w(n, "norm", jnp.float32), n.attr("eps"))
+    rms = n.attr("prologue", "none") == "rms_norm"
     if _use_matvec(x.shape[0]):
+        # the norm's 1/rms scales the product instead of x: x * w fuses into the reduction
         name = n.weight("w")
+        if rms:
+            x = x * c.w(n, "norm", jnp.float32)
         y = matvec(jnp, c.exe.g.weight(name), c.params[name], x)
+        if rms:
+            y = y * (1.0 / jnp.sqrt(jnp.mean(a[0] * a[0], axis=-1, keepdims=True) + n.attr("eps")))
     else:
+        if rms:
+            x = _rms(jnp, x, c.w(n, "norm", jnp.float32), n.attr("eps"))
         y = c.matmul(x, c.w(n, "w"))
     b = c.w(n, "b", jnp.float32)
     if b is not None:
