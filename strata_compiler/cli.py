@@ -150,6 +150,11 @@ def inspect_cmd(plan_path: Path, as_json: bool, weights: bool, debug: bool) -> N
             click.echo(f"  {w['name']:40s} {w['format']:5s} {str(w['shape']):>18s} {w['bytes'] / 1024:10.1f} KiB")
 
 
+from .evaluate import eval_cmd  # noqa: E402  (stratac eval)
+
+stratac.add_command(eval_cmd)
+
+
 def main() -> None:
     sys.exit(run_cli(stratac))
 

@@ -1,0 +1,347 @@
+"""`stratac eval`: how far a plan's next-token distributions are from a reference's.
+
+The conventions are llama.cpp's `perplexity --kl-divergence`: the text is tokenized once, cut
+into consecutive chunks of `ctx` tokens (the incomplete tail is dropped), every chunk runs from
+an empty KV cache, and only the second half of each chunk is scored: for i in [ctx/2, ctx-1)
+the distribution at position i predicts token i+1. When the tokenizer adds a BOS token, each
+chunk's first token is replaced by it (as llama.cpp does). Per scored position:
+
+    KL(ref || plan) = sum_v p_ref(v) * (log p_ref(v) - log p_plan(v))     (float64 log-softmax)
+    top-1 agreement = argmax p_ref == argmax p_plan
+    NLL             = -log p(actual next token), for both models; perplexity = exp(mean NLL)
+
+`evaluate` is the testable core (plans and token ids in, a dict of numbers out);
+`eval_cmd` is the click command registered as `stratac eval`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+import click
+import numpy as np
+
+from .cli_common import debug_option
+from .errors import UsageError
+from .formats import get_format
+
+MIN_CTX = 4
+# Logits of one batch (f32 [B, ctx, V]) per model stay under this many bytes (B >= 1).
+_BATCH_LOGIT_BYTES = 256 << 20
+_MAX_BATCH = 8
+# float64 rows of [V] scored at a time (bounds the log-softmax temporaries).
+_SCORE_ELEMS = 1 << 22
+
+REQUIRED_KEYS = ("mean_kl", "p99_kl", "top1", "ppl", "ref_ppl", "tokens", "bits_per_weight", "weight_bytes")
+
+
+# ------------------------------------------------------------------------------------------------
+# the core
+
+
+def weight_stats(plan) -> tuple[int, int]:
+    """(bytes of every stored weight array, weight parameters = sum of logical shape products)."""
+    nbytes = params = 0
+    for w in plan.graph.weights:
+        nbytes += get_format(w.fmt).nbytes(w.shape, w.group_size or 32)
+        params += int(np.prod(w.shape, dtype=np.int64))
+    return nbytes, params
+
+
+def make_chunks(token_ids: np.ndarray, ctx: int, chunks: int | None = None,
+                bos_id: int | None = None) -> np.ndarray:
+    """Consecutive chunks i64[N, ctx] of `token_ids` (tail dropped, at most `chunks` of them);
+    with `bos_id`, each chunk's first token becomes BOS."""
+    ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    n = len(ids) // ctx
+    if chunks is not None:
+        n = min(n, chunks)
+    out = ids[: n * ctx].reshape(n, ctx).copy()
+    if bos_id is not None and n:
+        out[:, 0] = bos_id
+    return out
+
+
+def scored_range(ctx: int) -> tuple[int, int]:
+    """Positions [first, last) whose distributions are scored (position i predicts token i+1)."""
+    return ctx // 2, ctx - 1
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    x -= np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    return x
+
+
+def score_rows(logits: np.ndarray, ref_logits: np.ndarray, targets: np.ndarray) -> dict[str, np.ndarray]:
+    """Per row of f[N, V] logits (plan, reference) and i64[N] next tokens: KL(ref || plan),
+    whether the argmaxes agree, and both negative log-likelihoods (all float64 / bool [N])."""
+    n, vocab = logits.shape
+    step = max(1, _SCORE_ELEMS // max(vocab, 1))
+    kl, same, nll, ref_nll = (np.empty(n, np.float64), np.empty(n, bool), np.empty(n, np.float64),
+                              np.empty(n, np.float64))
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        lq, lp = _log_softmax(logits[s:e]), _log_softmax(ref_logits[s:e])
+        kl[s:e] = (np.exp(lp) * (lp - lq)).sum(axis=-1)
+        same[s:e] = logits[s:e].argmax(axis=-1) == ref_logits[s:e].argmax(axis=-1)
+        rows, t = np.arange(e - s), targets[s:e]
+        nll[s:e] = -lq[rows, t]
+        ref_nll[s:e] = -lp[rows, t]
+    return {"kl": kl, "same": same, "nll": nll, "ref_nll": ref_nll}
+
+
+def default_batch(ctx: int, vocab: int, n_chunks: int) -> int:
+    return max(1, min(n_chunks, _MAX_BATCH, _BATCH_LOGIT_BYTES // max(ctx * vocab * 4, 1)))
+
+
+def cache_capacity(ctx: int) -> int:
+    """KV capacity for one prefill of ctx tokens, with room for the xla backend's power-of-two
+    prefill bucket (the same rounding as Session.generate)."""
+    bucket = 1 << max(4, (ctx - 1).bit_length())
+    return -(-max(ctx, bucket) // 64) * 64
+
+
+def run_logits(session, ids: np.ndarray) -> np.ndarray:
+    """Logits f32[B, T, V] of ids i64[B, T] from an empty KV cache."""
+    session.reset(ids.shape[0], cache_capacity(ids.shape[1]))
+    return np.asarray(session.step(ids))
+
+
+def evaluate(plan, reference_plan, token_ids: np.ndarray, ctx: int, chunks: int | None = None,
+             backend: str = "auto", *, device: str = "auto", batch: int | None = None,
+             bos_id: int | None = None, progress: Callable[[int], None] | None = None) -> dict:
+    """Compare `plan` with `reference_plan` (runtime Plans of one vocabulary) on `token_ids`.
+
+    Returns a dict: mean_kl, p99_kl, top1, ppl, ref_ppl, tokens, bits_per_weight, weight_bytes
+    (of `plan`), then kl_stderr, median_kl, max_kl, top1_stderr, ppl_ratio, ref_bits_per_weight,
+    ref_weight_bytes, ctx, chunks, backend. `progress(n)` is called after each batch of n chunks.
+    """
+    from strata_compiler.runtime.session import Session
+
+    if ctx < MIN_CTX:
+        raise UsageError(f"--ctx {ctx}: use at least {MIN_CTX} tokens per chunk (default 512)")
+    vocab, ref_vocab = plan.meta["model"]["vocab_size"], reference_plan.meta["model"]["vocab_size"]
+    if vocab != ref_vocab:
+        raise UsageError(f"{reference_plan.path}: vocabulary of {ref_vocab} tokens, but {plan.path} has "
+                         f"{vocab}; compare plans of the same model")
+    data = make_chunks(token_ids, ctx, chunks, bos_id)
+    if len(data) == 0:
+        raise UsageError(f"{len(np.asarray(token_ids).reshape(-1))} tokens are fewer than one chunk of "
+                         f"--ctx {ctx}; give a longer text or a smaller --ctx")
+    batch = batch or default_batch(ctx, vocab, len(data))
+    first, last = scored_range(ctx)
+    sess = Session(plan, backend, device=device)
+    ref_sess = Session(reference_plan, backend, device=device)
+    parts: dict[str, list[np.ndarray]] = {"kl": [], "same": [], "nll": [], "ref_nll": []}
+    for s in range(0, len(data), batch):
+        ids = data[s: s + batch]
+        logits = run_logits(sess, ids)
+        ref_logits = run_logits(ref_sess, ids)
+        for b in range(ids.shape[0]):
+            r = score_rows(logits[b, first:last], ref_logits[b, first:last], ids[b, first + 1: last + 1])
+            for k, v in r.items():
+                parts[k].append(v)
+        if progress is not None:
+            progress(ids.shape[0])
+    kl, same, nll, ref_nll = (np.concatenate(parts[k]) for k in ("kl", "same", "nll", "ref_nll"))
+    n = len(kl)
+    wbytes, params = weight_stats(plan)
+    ref_bytes, ref_params = weight_stats(reference_plan)
+    top1 = float(same.mean())
+    return {
+        "mean_kl": float(kl.mean()),
+        "p99_kl": float(np.percentile(kl, 99)),
+        "top1": top1,
+        "ppl": float(math.exp(nll.mean())),
+        "ref_ppl": float(math.exp(ref_nll.mean())),
+        "tokens": int(n),
+        "bits_per_weight": 8.0 * wbytes / params if params else 0.0,
+        "weight_bytes": int(wbytes),
+        "kl_stderr": float(kl.std(ddof=1) / math.sqrt(n)) if n > 1 else 0.0,
+        "median_kl": float(np.median(kl)),
+        "max_kl": float(kl.max()),
+        "top1_stderr": float(math.sqrt(top1 * (1.0 - top1) / (n - 1))) if n > 1 else 0.0,
+        "ppl_ratio": float(math.exp(nll.mean() - ref_nll.mean())),
+        "ref_bits_per_weight": 8.0 * ref_bytes / ref_params if ref_params else 0.0,
+        "ref_weight_bytes": int(ref_bytes),
+        "ctx": int(ctx),
+        "chunks": int(len(data)),
+        "backend": sess.backend,
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# inputs: the text, the tokenizer, the reference
+
+
+def read_text(path: Path) -> str:
+    if not path.exists():
+        raise UsageError(f"--text {path}: no such file; give a UTF-8 text file")
+    if not path.is_file():
+        raise UsageError(f"--text {path}: not a file; give a UTF-8 text file")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--text {path}: not UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8") from None
+    except OSError as e:
+        raise UsageError(f"--text {path}: cannot read it ({e.strerror or e})") from None
+    if not text.strip():
+        raise UsageError(f"--text {path}: the file is empty; give a UTF-8 text file of at least one --ctx chunk")
+    return text
+
+
+def plan_tokenizer(plan):
+    if plan.tokenizer_json is None:
+        raise UsageError(f"{plan.path}: the plan has no tokenizer (the model folder had no tokenizer.json); "
+                         f"recompile it from a folder with tokenizer.json")
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(plan.tokenizer_json.decode())
+
+
+def tokenizer_bos(tok, plan) -> int | None:
+    """The BOS id when the tokenizer prepends one (llama.cpp's add_bos), else None."""
+    bos = plan.meta["model"].get("bos_token_id")
+    if not isinstance(bos, int) or bos < 0:
+        return None
+    with_special = tok.encode("a", add_special_tokens=True).ids
+    plain = tok.encode("a", add_special_tokens=False).ids
+    return bos if len(with_special) > len(plain) and with_special[0] == bos else None
+
+
+def _check_ctx(ctx: int, max_position, source) -> None:
+    if isinstance(max_position, int) and 0 < max_position < ctx:
+        raise UsageError(f"--ctx {ctx}: larger than the {max_position} positions of {source} "
+                         f"(max_position_embeddings); use --ctx {max_position} or less")
+
+
+def reference_kind(ref: Path) -> str:
+    """'hf' (a model folder), 'plan' (a plan directory or plan.bin), else a UsageError."""
+    if not ref.exists():
+        raise UsageError(f"--reference {ref}: no such file or directory; pass a Hugging Face model folder or a plan")
+    if ref.is_dir():
+        if (ref / "config.json").is_file():
+            return "hf"
+        if (ref / "plan.bin").is_file():
+            return "plan"
+        raise UsageError(f"--reference {ref}: neither a Hugging Face model folder (no config.json) nor a plan "
+                         f"directory (no plan.bin); pass one of those")
+    return "plan"
+
+
+def check_reference(ref: Path, kind: str, vocab: int, ctx: int, plan_path: Path) -> None:
+    """Cheap checks of an HF reference before it is compiled."""
+    if kind != "hf":
+        return
+    from .frontend.hf import read_config
+
+    cfg = read_config(ref)
+    if cfg.vocab_size != vocab:
+        raise UsageError(f"--reference {ref}: vocabulary of {cfg.vocab_size} tokens, but {plan_path} has {vocab}; "
+                         f"compare against the model the plan was compiled from")
+    _check_ctx(ctx, cfg.max_position, ref / "config.json")
+
+
+@contextlib.contextmanager
+def open_reference(ref: Path, kind: str, backend: str, *, say: Callable[[str], None] | None = None) -> Iterator:
+    """The reference as a loaded Plan; a model folder is compiled at f32 into a temporary
+    directory that is deleted afterwards."""
+    from strata_compiler.runtime.plan import load_plan
+
+    if kind == "plan":
+        yield load_plan(ref)
+        return
+    from .compiler import compile_model
+    from .pass_manager import CompileOptions
+
+    with tempfile.TemporaryDirectory(prefix="strata-eval-ref-") as tmp:
+        if say:
+            say(f"compiling reference {ref} at f32")
+        compile_model(ref, Path(tmp), CompileOptions(quant="f32", backend=backend))
+        yield load_plan(tmp)
+
+
+# ------------------------------------------------------------------------------------------------
+# the command
+
+
+def _table(plan, ref: Path, kind: str, r: dict) -> str:
+    quant = plan.meta.get("options", {}).get("quant", "?")
+    first, last = scored_range(r["ctx"])
+    rows = [
+        ("plan", f"{plan.path} ({quant}, {r['bits_per_weight']:.3f} bits/weight, "
+                 f"{r['weight_bytes'] / 2**20:.2f} MiB of weights)"),
+        ("reference", f"{ref}" + (" (compiled at f32)" if kind == "hf" else "")
+                      + f" ({r['ref_bits_per_weight']:.3f} bits/weight)"),
+        ("scored", f"{r['tokens']} tokens: {r['chunks']} chunks of {r['ctx']}, positions {first}..{last - 1}"),
+        ("mean KL", f"{r['mean_kl']:.6f} ± {r['kl_stderr']:.6f}"),
+        ("99% KL", f"{r['p99_kl']:.6f}"),
+        ("max KL", f"{r['max_kl']:.6f}"),
+        ("top-1", f"{100 * r['top1']:.3f} ± {100 * r['top1_stderr']:.3f} %"),
+        ("PPL", f"{r['ppl']:.4f} (reference {r['ref_ppl']:.4f}, ratio {r['ppl_ratio']:.4f})"),
+        ("backend", r["backend"]),
+    ]
+    return "\n".join(f"{k:10s} {v}" for k, v in rows)
+
+
+@click.command("eval")
+@click.argument("plan_path", type=click.Path(path_type=Path))
+@click.option("--reference", "ref", type=click.Path(path_type=Path), required=True,
+              help="Reference: a Hugging Face model folder (compiled at f32 into a temporary directory) or a plan.")
+@click.option("--text", "text_path", type=click.Path(path_type=Path), required=True,
+              help="UTF-8 text file, tokenized with the plan's tokenizer.")
+@click.option("--ctx", type=int, default=512, show_default=True,
+              help="Tokens per chunk; the second half of each chunk is scored.")
+@click.option("--chunks", type=click.IntRange(1), default=None, help="Evaluate at most this many chunks (default all).")
+@click.option("--backend", type=click.Choice(["auto", "reference", "llvm", "xla"]), default="auto", show_default=True,
+              help="Where both models run.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@debug_option
+def eval_cmd(plan_path: Path, ref: Path, text_path: Path, ctx: int, chunks: int | None, backend: str,
+             as_json: bool, debug: bool) -> None:
+    """KL divergence, top-1 agreement and perplexity of PLAN_PATH against a reference (llama.cpp's
+    --kl-divergence conventions: chunks of --ctx tokens from an empty cache, second half scored)."""
+    from strata_compiler.runtime.plan import load_plan
+
+    if ctx < MIN_CTX:
+        raise UsageError(f"--ctx {ctx}: use at least {MIN_CTX} tokens per chunk (default 512)")
+    text = read_text(text_path)
+    plan = load_plan(plan_path)
+    tok = plan_tokenizer(plan)
+    _check_ctx(ctx, plan.meta["model"].get("max_position"), plan.path)
+    vocab = plan.meta["model"]["vocab_size"]
+    kind = reference_kind(ref)
+    check_reference(ref, kind, vocab, ctx, plan.path)
+    ids = np.asarray(tok.encode(text, add_special_tokens=False).ids, np.int64)
+    if len(ids) < ctx:
+        raise UsageError(f"--text {text_path}: {len(ids)} tokens, fewer than one chunk of --ctx {ctx}; "
+                         f"give a longer text or a smaller --ctx")
+    if ids.max() >= vocab:
+        raise UsageError(f"{plan.path}: its tokenizer produced id {int(ids.max())}, outside the model's vocabulary "
+                         f"of {vocab}; the plan's tokenizer does not belong to its model")
+    n_chunks = min(len(ids) // ctx, chunks or len(ids))
+    show = sys.stderr.isatty()
+    say = (lambda m: click.echo(m, err=True)) if show else None
+    with open_reference(ref, kind, backend, say=say) as ref_plan:
+        if kind == "plan":
+            ref_vocab = ref_plan.meta["model"]["vocab_size"]
+            if ref_vocab != vocab:
+                raise UsageError(f"--reference {ref}: vocabulary of {ref_vocab} tokens, but {plan.path} has "
+                                 f"{vocab}; compare plans of the same model")
+            _check_ctx(ctx, ref_plan.meta["model"].get("max_position"), ref_plan.path)
+        bar = click.progressbar(length=n_chunks, label="evaluating chunks", file=sys.stderr, width=30)
+        with bar if show else contextlib.nullcontext():
+            r = evaluate(plan, ref_plan, ids, ctx, chunks, backend, bos_id=tokenizer_bos(tok, plan),
+                         progress=bar.update if show else None)
+    if as_json:
+        click.echo(json.dumps(r))
+    else:
+        click.echo(_table(plan, ref, kind, r))
