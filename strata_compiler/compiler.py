@@ -42,13 +42,20 @@ def compile_model(model_dir: Path, out_dir: Path | None, opts: CompileOptions, *
         from .passes.placement_rules import parse_rules
 
         parse_rules(opts.place)   # a bad rule fails before any work
-    if not model_dir.is_dir():
-        raise ModelError(f"{model_dir}: not a directory; pass a Hugging Face model folder")
-    store = TensorStore.open(model_dir)
-    graph, _ = build_graph(model_dir, store)
-    tok = model_dir / "tokenizer.json"
+    if model_dir.suffix.lower() == ".gguf" and model_dir.is_file():
+        from .frontend.gguf_reader import open_gguf
+
+        store, cfg, tokenizer_json = open_gguf(model_dir)
+        graph, _ = build_graph(model_dir, store, cfg)
+    else:
+        if not model_dir.is_dir():
+            raise ModelError(f"{model_dir}: not a directory; pass a Hugging Face model folder or a .gguf file")
+        store = TensorStore.open(model_dir)
+        graph, _ = build_graph(model_dir, store)
+        tok = model_dir / "tokenizer.json"
+        tokenizer_json = tok.read_bytes() if tok.exists() else None
     ctx = PassContext(opts, model_dir=model_dir, output_dir=out_dir, store=store,
-                      tokenizer_json=tok.read_bytes() if tok.exists() else None,
+                      tokenizer_json=tokenizer_json,
                       progress=progress, progress_bytes=progress_bytes,
                       dump_dir=dump.directory if dump else None)
     return run_pipeline(graph, list(pipeline or DEFAULT), ctx, dump=dump, stop_after=stop_after)

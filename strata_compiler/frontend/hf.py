@@ -197,9 +197,10 @@ class _Weights:
         return shape[0]
 
 
-def build_graph(model_dir: Path, store: TensorStore | None = None) -> tuple[Graph, ModelConfig]:
-    """The graph-level IR of a Hugging Face model folder."""
-    cfg = read_config(model_dir)
+def build_graph(model_dir: Path, store: TensorStore | None = None,
+                cfg: ModelConfig | None = None) -> tuple[Graph, ModelConfig]:
+    """The graph-level IR of a Hugging Face model folder (or of `cfg` and `store` from another frontend)."""
+    cfg = cfg or read_config(model_dir)
     store = store or TensorStore.open(model_dir)
     W = _Weights(store, model_dir, cfg)
     D, V, H, KV, hd = cfg.hidden_size, cfg.vocab_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim

@@ -1,0 +1,358 @@
+"""GGUF files (llama.cpp's format) of architecture `llama` -> the same config and tensors as an HF folder.
+
+`open_gguf(path)` reads the metadata and tensor directory (the `gguf` package maps the file; no
+tensor data is read up front) and returns
+
+- a `GGUFTensorStore`: a TensorStore look-alike keyed by the Hugging Face names the graph builder
+  declares (`model.layers.0.self_attn.q_proj.weight`, ...). Each tensor is dequantized to f32 with
+  `gguf.quants.dequantize` one row block at a time when the emit pass streams it, so every GGUF
+  type the package can dequantize (F32, F16, BF16, Q4_0, Q4_1, Q8_0, K-quants, ...) is accepted and
+  `--quant` then re-packs the f32 rows into Strata's own formats.
+- a `ModelConfig` built from `llama.*` metadata, for `hf.build_graph`;
+- the JSON of a `tokenizers` Tokenizer rebuilt from `tokenizer.ggml.*` (byte-level BPE, model
+  `gpt2`), or None when the file's tokenizer is of a kind not rebuilt here.
+
+Layout: GGUF dims are listed innermost first, so a GGUF [in, out] matrix is numpy's [out, in], the
+HF layout. llama.cpp's convert_hf_to_gguf.py permutes the rows of q_proj and k_proj (and their
+biases) within each head from HF's rotate-half order [2, hd/2] to interleaved pairs [hd/2, 2]
+(`LlamaModel.permute`); `_unpermute` undoes it, so the rest of the compiler sees HF tensors.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from ..errors import ModelError
+from ..ir import make_attrs
+from .hf import ModelConfig
+
+GGUF_MAGIC = b"GGUF"
+ARCHITECTURES = ("llama",)
+
+# GGUF tensor name (with N for the block index) -> Hugging Face key.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensorInfo:
+    key: str                  # the Hugging Face key
+    file: Path
+    dtype: str                # the GGML type name: F32 | F16 | Q4_1 | Q8_0 | ...
+    shape: tuple[int, ...]    # numpy / HF order ([out, in] for matrices)
+    offset: int
+    nbytes: int               # bytes the tensor occupies in the file
+    gguf_name: str
+    permute_heads: int        # > 0: rows are llama.cpp-permuted q/k rows of this many heads
+
+
+def _unpermute(rows: np.ndarray, head_dim: int) -> np.ndarray:
+    """Whole heads of llama.cpp-permuted q/k rows (pairs [hd/2, 2]) -> HF rotate-half rows ([2, hd/2])."""
+    shape = rows.shape
+    return np.ascontiguousarray(
+        rows.reshape((-1, head_dim // 2, 2) + shape[1:]).swapaxes(1, 2).reshape(shape))
+
+
+class GGUFTensorStore:
+    """The tensors of one GGUF file under Hugging Face keys, dequantized to f32 on read."""
+
+    def __init__(self, path: Path, reader: Any, infos: dict[str, GGUFTensorInfo]) -> None:
+        self.path, self.reader, self.infos = path, reader, infos
+        self._tensors = {t.name: t for t in reader.tensors}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.infos
+
+    def info(self, key: str) -> GGUFTensorInfo:
+        return self.infos[key]
+
+    def _head_dim(self, t: GGUFTensorInfo) -> int:
+        return t.shape[0] // t.permute_heads
+
+    def read_rows(self, key: str, r0: int, r1: int) -> np.ndarray:
+        """Rows [r0, r1) of the tensor (along axis 0) as f32; 1-D tensors read whole.
+
+        For permuted q/k tensors r0 and r1 must fall on head boundaries (iter_row_blocks does so)."""
+        from gguf.quants import dequantize
+
+        t = self.infos[key]
+        raw = self._tensors[t.gguf_name]
+        data = raw.data if len(t.shape) <= 1 else raw.data[r0:r1]
+        out = np.array(dequantize(np.asarray(data), raw.tensor_type), dtype=np.float32)   # a copy, never the mmap
+        out = out.reshape(t.shape if len(t.shape) <= 1 else (-1,) + t.shape[1:])
+        if t.permute_heads:
+            hd = self._head_dim(t)
+            if len(t.shape) > 1 and (r0 % hd or (r1 - r0) % hd):
+                raise ValueError(f"{key}: rows [{r0}, {r1}) split a head of {hd} rows")
+            out = _unpermute(out, hd)
+        return out
+
+    def iter_row_blocks(self, key: str, block_bytes: int = 16 << 20) -> Iterator[np.ndarray]:
+        """The tensor as f32 row blocks of about `block_bytes` (of f32) each (whole heads for q/k)."""
+        t = self.infos[key]
+        if len(t.shape) <= 1:
+            yield self.read_rows(key, 0, 1)
+            return
+        row_f32 = 4 * int(np.prod(t.shape[1:], dtype=np.int64))
+        step = max(1, block_bytes // max(row_f32, 1))
+        if t.permute_heads:
+            hd = self._head_dim(t)
+            step = max(hd, step - step % hd)
+        for r0 in range(0, t.shape[0], step):
+            yield self.read_rows(key, r0, min(t.shape[0], r0 + step))
+
+
+# ------------------------------------------------------------------------------------------------
+# metadata
+
+
+class _Meta:
+    def __init__(self, path: Path, reader: Any) -> None:
+        self.path, self.fields = path, reader.fields
+
+    def has(self, key: str) -> bool:
+        return key in self.fields
+
+    def get(self, key: str, kind: type, default: Any = None, required: bool = False) -> Any:
+        f = self.fields.get(key)
+        if f is None:
+            if required:
+                raise ModelError(f"{self.path}: GGUF metadata {key!r} is missing")
+            return default
+        try:
+            v = f.contents()
+        except Exception:
+            raise ModelError(f"{self.path}: GGUF metadata {key!r} cannot be read; the file is corrupt") from None
+        ok = (isinstance(v, bool) if kind is bool else isinstance(v, str) if kind is str
+              else isinstance(v, list) if kind is list
+              else isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or float(v).is_integer()))
+        if not ok:
+            raise ModelError(f"{self.path}: GGUF metadata {key!r} should be {kind.__name__}, got {v!r}"[:300])
+        if kind is float:   # GGUF stores f32: 1e-5 reads back as 9.99999974e-06; take the shortest f32 decimal
+            return float(str(np.float32(v)))
+        return int(v) if kind is int else v
+
+
+def _open_reader(path: Path) -> Any:
+    from gguf import GGUFReader
+
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelError(f"{path}: cannot read ({e.strerror})") from None
+    if magic != GGUF_MAGIC:
+        raise ModelError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    try:
+        reader = GGUFReader(path, "r")
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError, OSError) as e:
+        why = str(e).splitlines()[0][:160] if str(e) else e.__class__.__name__
+        raise ModelError(f"{path}: not a readable GGUF file ({why}); the file is truncated or corrupt") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise ModelError(f"{path}: tensor {t.name} data lies outside the file; the file is truncated or corrupt")
+    return reader
+
+
+def _store(path: Path, reader: Any, n_heads: int, n_kv: int) -> GGUFTensorStore:
+    infos: dict[str, GGUFTensorInfo] = {}
+    for t in reader.tensors:
+        name = t.name
+        if name in _GLOBAL_NAMES:
+            key = _GLOBAL_NAMES[name]
+        elif (m := _BLOCK_RE.fullmatch(name)) and m.group(2) in _BLOCK_NAMES:
+            key = f"model.layers.{int(m.group(1))}.{_BLOCK_NAMES[m.group(2)]}"
+        elif name == "rope_freqs.weight":
+            raise ModelError(f"{path}: tensor rope_freqs.weight (per-frequency RoPE factors, as in Llama 3.1+) "
+                             "is not supported")
+        else:
+            raise ModelError(f"{path}: tensor {name} is not part of a llama model Strata compiles")
+        heads = 0
+        if name.startswith("blk.") and name.split(".")[2] in ("attn_q", "attn_k"):
+            heads = n_heads if ".attn_q." in name else n_kv
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        infos[key] = GGUFTensorInfo(key, path, t.tensor_type.name, shape, int(t.data_offset), int(t.n_bytes),
+                                    name, heads)
+    return GGUFTensorStore(path, reader, infos)
+
+
+def _config(meta: _Meta, store: GGUFTensorStore) -> ModelConfig:
+    path, a = meta.path, "llama."
+    hidden = meta.get(a + "embedding_length", int, required=True)
+    n_layers = meta.get(a + "block_count", int, required=True)
+    n_heads = meta.get(a + "attention.head_count", int, required=True)
+    n_kv = meta.get(a + "attention.head_count_kv", int, default=n_heads)
+    head_dim = meta.get(a + "attention.key_length", int, default=hidden // max(n_heads, 1))
+    if meta.get(a + "attention.value_length", int, default=head_dim) != head_dim:
+        raise ModelError(f"{path}: llama.attention.value_length differs from key_length; not supported")
+    if min(hidden, n_layers, n_heads, n_kv, head_dim) <= 0 or n_heads % n_kv or head_dim % 2:
+        raise ModelError(f"{path}: inconsistent attention sizes (embedding_length={hidden}, "
+                         f"head_count={n_heads}, head_count_kv={n_kv}, head_dim={head_dim})")
+    if meta.get(a + "expert_count", int, default=0) > 0:
+        raise ModelError(f"{path}: llama GGUF with experts (llama.expert_count > 0, e.g. Mixtral) is not "
+                         "supported yet; compile the Hugging Face folder instead")
+    rot = meta.get(a + "rope.dimension_count", int, default=head_dim)
+    if rot != head_dim:
+        raise ModelError(f"{path}: llama.rope.dimension_count {rot} != head dim {head_dim} (partial RoPE is not supported)")
+    rope: dict = {"rope_theta": meta.get(a + "rope.freq_base", float, default=10000.0), "rope_type": "default"}
+    scaling = meta.get(a + "rope.scaling.type", str, default="none")
+    if scaling == "linear":
+        rope.update(rope_type="linear", rope_factor=meta.get(a + "rope.scaling.factor", float, required=True))
+    elif scaling != "none":
+        raise ModelError(f"{path}: llama.rope.scaling.type {scaling!r} is not supported (supported: none, linear)")
+    tokens = meta.fields.get("tokenizer.ggml.tokens")
+    vocab = meta.get(a + "vocab_size", int, default=len(tokens.data) if tokens is not None else 0)
+    if not vocab and "model.embed_tokens.weight" in store:
+        vocab = store.info("model.embed_tokens.weight").shape[0]
+    ff = meta.get(a + "feed_forward_length", int, required=True)
+    gate = "model.layers.0.mlp.gate_proj.weight"
+    if gate in store and store.info(gate).shape[0] != ff:
+        raise ModelError(f"{path}: tensor blk.0.ffn_gate.weight has {store.info(gate).shape[0]} rows, "
+                         f"llama.feed_forward_length says {ff}")
+    eos = [meta.get(f"tokenizer.ggml.{k}_token_id", int, default=-1) for k in ("eos", "eot", "eom")]
+    eos_ids = tuple(dict.fromkeys(e for e in eos if e >= 0))
+    qkv_bias = "model.layers.0.self_attn.q_proj.bias" in store
+    return ModelConfig(
+        arch="llama", architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=hidden,
+        n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+        rms_eps=meta.get(a + "attention.layer_norm_rms_epsilon", float, required=True),
+        rope=make_attrs(**rope),
+        tie_word_embeddings="lm_head.weight" not in store,
+        moe_layers=(False,) * n_layers, n_experts=0, top_k=0, norm_topk_prob=False, qk_norm="none",
+        qkv_bias=qkv_bias, o_bias="model.layers.0.self_attn.o_proj.bias" in store, shared_expert=False,
+        clip_qkv=None,
+        max_position=meta.get(a + "context_length", int, default=4096),
+        eos_token_ids=eos_ids,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id", int, default=-1),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# tokenizer
+
+# tokenizer.ggml.pre -> how llama.cpp splits text before BPE (llama-vocab.cpp), as `tokenizers` parts.
+# Only the families whose llama.cpp regexes map exactly onto HF pre-tokenizers are rebuilt.
+_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
+_GPT2 = ("gpt-2", "phi-2", "jina-es", "jina-de", "mpt", "olmo", "jais", "trillion")
+_LLAMA3 = ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def _warn(msg: str) -> None:
+    sys.stderr.write(f"warning: {msg}\n")
+
+
+def build_tokenizer_json(meta: _Meta) -> bytes | None:
+    """A `tokenizers` Tokenizer (JSON) equivalent to llama.cpp's for a byte-level BPE GGUF, else None."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    path = meta.path
+    kind = meta.get("tokenizer.ggml.model", str, default=None)
+    if kind is None:
+        return None
+    if kind != "gpt2":
+        _warn(f"{path}: tokenizer.ggml.model {kind!r} is not rebuilt (only byte-level BPE, 'gpt2'); "
+              "the plan has no tokenizer, use strata-run --input-ids")
+        return None
+    pre = meta.get("tokenizer.ggml.pre", str, default="default")   # llama.cpp's default regexes differ
+    if pre in _DIGITS_THEN_GPT2:
+        pre_tok = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                           pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    elif pre in _GPT2:
+        pre_tok = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif pre in _LLAMA3:
+        pre_tok = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"),
+                                           pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        _warn(f"{path}: tokenizer.ggml.pre {pre!r} is not known here; the plan has no tokenizer, "
+              "use strata-run --input-ids")
+        return None
+    tokens = meta.get("tokenizer.ggml.tokens", list, required=True)
+    merges = meta.get("tokenizer.ggml.merges", list, required=True)
+    types = meta.get("tokenizer.ggml.token_type", list, default=[1] * len(tokens))
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    try:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
+                         ignore_merges=pre in _LLAMA3)
+    except Exception as e:
+        raise ModelError(f"{path}: tokenizer.ggml.tokens/merges do not form a BPE vocabulary ({e})"[:300]) from None
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tok
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == _CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", bool, default=pre in _LLAMA3)
+    add_eos = meta.get("tokenizer.ggml.add_eos_token", bool, default=False)
+    bos = meta.get("tokenizer.ggml.bos_token_id", int, default=-1)
+    eos = meta.get("tokenizer.ggml.eos_token_id", int, default=-1)
+    single, specials = ["$A"], []
+    if add_bos and 0 <= bos < len(tokens):
+        single.insert(0, tokens[bos])
+        specials.append((tokens[bos], bos))
+    if add_eos and 0 <= eos < len(tokens):
+        single.append(tokens[eos])
+        specials.append((tokens[eos], eos))
+    if specials:
+        tok.post_processor = processors.TemplateProcessing(single=" ".join(single), special_tokens=specials)
+    return tok.to_str().encode()
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix.lower() == ".gguf" and path.is_file()
+
+
+def open_gguf(path: Path) -> tuple[GGUFTensorStore, ModelConfig, bytes | None]:
+    """The tensor store, model config and tokenizer JSON (or None) of a llama GGUF file."""
+    reader = _open_reader(path)
+    meta = _Meta(path, reader)
+    arch = meta.get("general.architecture", str, required=True)
+    if arch not in ARCHITECTURES:
+        raise ModelError(f"{path}: GGUF architecture {arch!r} is not supported; Strata reads GGUF files of "
+                         f"architecture {', '.join(map(repr, ARCHITECTURES))}")
+    n_heads = meta.get("llama.attention.head_count", int, required=True)
+    n_kv = meta.get("llama.attention.head_count_kv", int, default=n_heads)
+    if n_heads <= 0 or n_kv <= 0:
+        raise ModelError(f"{path}: llama.attention.head_count {n_heads} / head_count_kv {n_kv} must be positive")
+    store = _store(path, reader, n_heads, n_kv)
+    for t in store.infos.values():
+        if t.permute_heads and len(t.shape) and t.shape[0] % (2 * t.permute_heads):
+            raise ModelError(f"{path}: tensor {t.gguf_name} has {t.shape[0]} rows, not whole heads of "
+                             f"{t.permute_heads} heads")
+    cfg = _config(meta, store)
+    return store, cfg, build_tokenizer_json(meta)
