@@ -74,8 +74,8 @@ def bench_gemv(pool, lib, target, fmt: str, N: int, K: int, q8: bool, reps: int)
     from strata_compiler.backends.llvm_cpu.codegen.elementwise import quantize_q8
     from strata_compiler.formats import get_format
 
-    G = 32 if fmt in ("int8", "int4") else 0
     F = get_format(fmt)
+    G = 32 if F.grouped else 0
     rng = np.random.default_rng(0)
     arrays = F.quantize(rng.standard_normal((N, K), dtype=np.float32), G or 32)
     w = arrays.get("qs", arrays.get("w"))
@@ -176,7 +176,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--formats", default="f32,bf16,int8,int4")
+    ap.add_argument("--formats", default="f32,bf16,fp8,int8,int4a,int4,int3,int2")
     ap.add_argument("--shapes", default="2048x1024,4096x14336,14336x4096")
     ap.add_argument("--moe", default="int4:8x2048x5632:2",
                     help="MoE decode rows FMT:ExDxI:TOPK[,...] (empty: none); the default is the Mixtral-shaped "

@@ -34,16 +34,19 @@ def section_name(weight: str, array: str) -> str:
     return f"{weight}:{array}"
 
 
-def _write_weight(w: ContainerWriter, spec: WeightSpec, store, progress) -> int:
+def _write_weight(w: ContainerWriter, spec: WeightSpec, store, progress, importance=None) -> int:
     fmt = get_format(spec.fmt)
     gs = spec.group_size or 32
     names = list(fmt.array_shapes(spec.shape, gs))
     rest: dict[str, list[np.ndarray]] = defaultdict(list)
+    if not fmt.grouped:
+        importance = None
 
     def first_array() -> Iterator[np.ndarray]:
         # The first array streams; the others (per-group scales: 1/16 of the size) wait in memory.
-        for block in iter_blocks(spec, store):
-            arrays = fmt.quantize(block, gs)
+        for e, block in iter_blocks(spec, store, with_expert=True):
+            imp = None if importance is None else (importance[e] if importance.ndim == 2 else importance)
+            arrays = fmt.quantize(block, gs, imp)
             for n in names[1:]:
                 rest[n].append(arrays[n])
             if progress:
@@ -65,21 +68,29 @@ def emit(g: Graph, ctx: PassContext) -> Graph:
     out.mkdir(parents=True, exist_ok=True)
     bytes_by_format: dict[str, int] = defaultdict(int)
     with ContainerWriter(out / WEIGHTS_FILE, WEIGHTS_MAGIC) as w:
+        calib = ctx.analyses.get("calibration")
         for spec in g.weights:
-            bytes_by_format[spec.fmt] += _write_weight(w, spec, ctx.store, ctx.progress_bytes)
+            imp = calib.importance(spec.name) if calib is not None else None
+            bytes_by_format[spec.fmt] += _write_weight(w, spec, ctx.store, ctx.progress_bytes, imp)
     with Container.open(out / WEIGHTS_FILE, WEIGHTS_MAGIC, verify="none") as c:
         weights_ref = {"file": WEIGHTS_FILE, "size": c.total_size, "checksum": c.body_checksum}
     meta = {
         "strata_version": __version__,
         "options": {"quant": ctx.options.quant, "group_size": ctx.options.group_size, "backend": ctx.options.backend,
-                    "place": ctx.options.place},
+                    "place": ctx.options.place, "bits": ctx.options.bits, "memory_budget": ctx.options.memory_budget},
         "model": {k: list(v) if isinstance(v, tuple) else v for k, v in g.meta},
         "weights": dict(weights_ref, bytes_by_format=dict(sorted(bytes_by_format.items()))),
         "passes": [r["pass"] for r in ctx.analyses.get("pass_records", []) if r["pass"] != "input"],
     }
+    if calib is not None:
+        meta["calibration"] = dict(calib.summary(), file=Path(ctx.options.calib).name)
     sections = [("meta", json.dumps(meta, sort_keys=True, indent=1).encode()), ("ir", print_graph(g).encode())]
     if ctx.tokenizer_json is not None:
         sections.append(("tokenizer", ctx.tokenizer_json))
+    if calib is not None:
+        from strata_compiler.passes.calibrate import imatrix_section
+
+        sections.append(("imatrix", imatrix_section(calib)))
     with ContainerWriter(out / "plan.bin", PLAN_MAGIC) as p:
         for name, data in sections:
             p.add(name, data)

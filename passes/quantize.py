@@ -1,4 +1,5 @@
-"""`quantize`: choose each weight's storage format from `--quant` and `--group-size`.
+"""`quantize`: choose each weight's storage format from `--quant` and `--group-size`, or per
+tensor under a size budget (`--bits`, `--memory-budget`: layer-adaptive, passes/laq.py).
 
 The format applies to the matrices of linear layers (formats.quantizes); a weight fused from
 several tensors takes it only if all its parts would, so one kernel reads one format.
@@ -16,12 +17,62 @@ from strata_compiler.pass_manager import PassContext, register
 @register("quantize", Level.TENSOR)
 def quantize(g: Graph, ctx: PassContext) -> Graph:
     """Assign the --quant format (group-wise scales of --group-size) to linear-layer weights."""
-    fmt = get_format(ctx.options.quant)
+    opts = ctx.options
+    if opts.bits or opts.memory_budget:
+        return _adaptive(g, ctx)
+    fmt = get_format(opts.quant)
     if fmt.name == "f32":
         return g
     gs = ctx.options.group_size if fmt.grouped else 0
     weights = tuple(
         replace(w, fmt=fmt.name, group_size=gs)
         if len(w.shape) >= 2 and all(quantizes(k) for k in w.sources) else w
+        for w in g.weights)
+    return g.with_(weights=weights)
+
+
+def _quantizable(g: Graph) -> list:
+    return [w for w in g.weights if len(w.shape) >= 2 and all(quantizes(k) for k in w.sources)]
+
+
+def _adaptive(g: Graph, ctx: PassContext) -> Graph:
+    """Layer-adaptive formats (passes/laq.py): measured error per tensor and format, a knapsack."""
+    import json
+
+    import numpy as np
+
+    from strata_compiler.errors import UsageError
+    from strata_compiler.passes.laq import allocate, measure, parse_size
+
+    opts = ctx.options
+    if ctx.store is None:
+        raise UsageError("--bits / --memory-budget need the model's weights")
+    gs = opts.group_size
+    todo = _quantizable(g)
+    calib = ctx.analyses.get("calibration")
+    options = {}
+    for i, w in enumerate(todo):
+        options[w.name] = measure(w, ctx.store, calib, gs)
+        if ctx.progress:
+            ctx.progress(f"quantize: measured {i + 1}/{len(todo)} tensors")
+    params = sum(int(np.prod(w.shape)) for w in todo)
+    if opts.bits:
+        budget = int(opts.bits / 8.0 * params)
+    else:
+        fixed = sum(get_format(w.fmt).nbytes(w.shape, w.group_size or 32) for w in g.weights if w not in todo)
+        budget = parse_size(opts.memory_budget) - fixed
+        if budget <= 0:
+            raise UsageError(f"--memory-budget {opts.memory_budget}: the weights that stay f32 (embeddings, norms, "
+                             f"routers) alone take {fixed} bytes; raise the budget")
+    choice = allocate(options, budget)
+    table = {n: {"fmt": o.fmt, "bytes": o.nbytes, "error": o.error,
+                 "options": {x.fmt: [x.nbytes, x.error] for x in options[n]}} for n, o in choice.items()}
+    ctx.analyses["laq"] = {"budget": budget, "params": params, "tensors": table}
+    if ctx.dump_dir is not None:
+        ctx.dump_dir.mkdir(parents=True, exist_ok=True)
+        (ctx.dump_dir / "laq.json").write_text(json.dumps(ctx.analyses["laq"], indent=1, sort_keys=True))
+    weights = tuple(
+        replace(w, fmt=choice[w.name].fmt, group_size=gs if get_format(choice[w.name].fmt).grouped else 0)
+        if w.name in choice else w
         for w in g.weights)
     return g.with_(weights=weights)

@@ -8,7 +8,7 @@ compiled with (size and body checksum). Weight sections are checksummed on first
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +32,7 @@ class Plan:
     graph: Graph                 # kernel level
     tokenizer_json: bytes | None
     weights: "PlanWeights"
+    imatrix: dict = field(default_factory=dict)   # weight -> mean-square input per column (--calib)
 
     def model(self, key: str):
         return self.meta["model"][key]
@@ -96,4 +97,12 @@ def load_plan(path: str | Path, *, verify_weights: str = "lazy") -> Plan:
     if wc.total_size != wsize or wc.body_checksum != wsum:
         raise PlanError(f"{wpath}: does not match {path.name} (size or checksum differs); "
                         f"it belongs to another compile — recompile or copy both files together")
-    return Plan(path, meta, graph, tok, PlanWeights(wc, graph))
+    imatrix = {}
+    if "imatrix" in c:
+        from strata_compiler.passes.calibrate import parse_imatrix_section
+
+        try:
+            imatrix = parse_imatrix_section(bytes(c.section("imatrix")))
+        except (ValueError, KeyError, TypeError):
+            raise PlanError(f"{path}: imatrix section is malformed; recompile it with `stratac compile`") from None
+    return Plan(path, meta, graph, tok, PlanWeights(wc, graph), imatrix)

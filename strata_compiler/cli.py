@@ -33,7 +33,18 @@ def stratac() -> None:
 @click.option("--quant", type=click.Choice(list(FORMATS)), default="f32", show_default=True,
               help="Storage format of the linear layers' weights (embeddings, norms, biases and routers stay f32).")
 @click.option("--group-size", type=int, default=32, show_default=True,
-              help="Values per quantization scale for int8/int4 (even).")
+              help="Values per quantization scale of grouped formats (even; int3/fp8 need multiples of 8).")
+@click.option("--calib", type=click.Path(path_type=Path), metavar="FILE",
+              help="Calibration text (plain text, or JSONL with a \"text\" field): run the f32 model over it and "
+                   "choose quantization scales weighted by the activations each weight sees (llama.cpp's imatrix).")
+@click.option("--calib-tokens", type=click.IntRange(min=2), default=16384, show_default=True,
+              help="Use at most this many tokens of --calib text.")
+@click.option("--bits", type=click.FloatRange(min=2.0, max=16.0), default=None, metavar="B",
+              help="Layer-adaptive quantization: a format per tensor (int2 ... bf16) minimising the measured "
+                   "error, at B bits per weight on average over the linear layers (scales included). "
+                   "Best with --calib. Replaces --quant.")
+@click.option("--memory-budget", default="", metavar="SIZE",
+              help="Layer-adaptive quantization within SIZE bytes of weights in all (e.g. 800MiB); replaces --quant.")
 @click.option("--dump-dir", type=click.Path(path_type=Path),
               help="Write the IR after each pass as NNN.<level>.<pass>.txt/.dot plus index.json.")
 @click.option("--dump-after", default="all", show_default=True,
@@ -47,8 +58,9 @@ def stratac() -> None:
                    "(categories: embed, attention, router, experts, shared, dense, head, all), "
                    "e.g. 'experts=cpu,all=gpu'. gpu ops run on xla, cpu ops on the CPU backend.")
 @debug_option
-def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, dump_dir: Path | None,
-                dump_after: str, stop_after: str | None, backend: str, place: str, debug: bool) -> None:
+def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, calib: Path | None, calib_tokens: int,
+                bits: float | None, memory_budget: str, dump_dir: Path | None, dump_after: str, stop_after: str | None, backend: str, place: str,
+                debug: bool) -> None:
     """Compile MODEL_DIR (config.json, *.safetensors, tokenizer.json) into a plan.
 
     \b
@@ -69,7 +81,14 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, dum
         dump = DumpConfig(dump_dir, after)
     if stop_after is not None and stop_after not in DEFAULT:
         raise UsageError(f"--stop-after {stop_after}: unknown pass; passes: {', '.join(DEFAULT)}")
-    opts = CompileOptions(quant=quant, group_size=group_size, backend=backend, place=place)
+    if (bits or memory_budget) and quant != "f32":
+        raise UsageError(f"--quant {quant} and {'--bits' if bits else '--memory-budget'} both choose formats; "
+                         f"use one of them")
+    if bits and memory_budget:
+        raise UsageError("--bits and --memory-budget both set the size; use one of them")
+    opts = CompileOptions(quant=quant, group_size=group_size, backend=backend, place=place,
+                          calib=str(calib) if calib else "", calib_tokens=calib_tokens, bits=bits or 0.0,
+                          memory_budget=memory_budget)
     show = sys.stderr.isatty()
     total = weight_source_bytes(model_dir) if show and model_dir.is_dir() else 0
     bar = click.progressbar(length=max(total, 1), label="converting weights", file=sys.stderr, width=30)
@@ -79,7 +98,8 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, dum
     if stop_after in (None, "emit"):
         plan, weights = out_dir / "plan.bin", out_dir / "weights.bin"
         click.echo(f"wrote {plan} ({plan.stat().st_size} B) and {weights} ({weights.stat().st_size / 2**20:.1f} MiB); "
-                   f"{len(g.nodes)} ops, quant {quant}")
+                   f"{len(g.nodes)} ops, " + (f"quant {quant}" if not (bits or memory_budget) else
+                                               f"layer-adaptive formats ({'--bits ' + str(bits) if bits else '--memory-budget ' + memory_budget})"))
     else:
         click.echo(f"stopped after {stop_after}: {len(g.nodes)} {g.level.value}-level nodes")
 
@@ -110,10 +130,15 @@ def summarize(plan) -> dict:
     tiers = Counter()
     for w in weights:
         tiers[w["tier"]] += w["bytes"]
+    layers: dict[str, dict[str, str]] = {}     # layer -> tensor -> format: the layer x tensor table
+    for w in g.weights:
+        head, _, rest = w.name.partition(".")
+        layer, tensor = (head, rest) if head[:1] == "L" and head[1:].isdigit() and rest else ("-", w.name)
+        layers.setdefault(layer, {})[tensor] = w.fmt
     return {
         "plan": str(plan.path), "model": plan.meta["model"], "options": plan.meta["options"],
         "kernels": dict(sorted(kernels.items())), "fused_kernels": dict(sorted(fused.items())),
-        "bytes_per_tier": dict(tiers), "weights": weights,
+        "bytes_per_tier": dict(tiers), "weights": weights, "formats_by_layer": layers,
         "peak_activation_bytes_per_token": plan.meta["model"].get("peak_activation_bytes_per_token"),
     }
 
@@ -144,6 +169,16 @@ def inspect_cmd(plan_path: Path, as_json: bool, weights: bool, debug: bool) -> N
     for k, v in s["bytes_per_tier"].items():
         click.echo(f"  {v / 2**20:10.2f} MiB  {k}")
     click.echo(f"\npeak activations: {s['peak_activation_bytes_per_token']} B per token")
+    table = s["formats_by_layer"]
+    cols = sorted({t for lay, ts in table.items() if lay != "-" for t in ts})
+    if cols:
+        click.echo("\nformat per layer and tensor")
+        width = max(6, *(len(c) for c in cols))
+        click.echo("  layer " + " ".join(f"{c:>{width}s}" for c in cols))
+        for lay in sorted((k for k in table if k != "-"), key=lambda k: int(k[1:])):
+            click.echo(f"  {lay:5s} " + " ".join(f"{table[lay].get(c, '-'):>{width}s}" for c in cols))
+        if "-" in table:
+            click.echo("  other " + ", ".join(f"{t} {f}" for t, f in sorted(table["-"].items())))
     if weights:
         click.echo("\nweights")
         for w in s["weights"]:

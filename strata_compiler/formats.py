@@ -15,6 +15,22 @@ Layouts (all little-endian, C order):
                                    its low nibble and value i + G/2 in its high nibble (llama.cpp
                                    Q4_0 order: one AND and one shift give two contiguous halves)
         scales f16[..., N, Kp/G]   q = clip(round(w / d), -8, 7) + 8, d = absmax(group) / 7
+  int4a qs     u8 [..., N, Kp/2]   int4's nibble order, q in [0, 15], w = q * d + m (asymmetric)
+        scales f16[..., N, 2Kp/G]  (d, m) per group, interleaved; d = (max - min) / 15, m = min
+  int3  qs     u8 [..., N, 3Kp/8]  per group: G/4 bytes of low bits — byte i holds value
+                                   i + j*G/4 in bits 2j..2j+1 — then G/8 bytes of high bits —
+                                   byte i holds the third bit of value i + j*G/8 in bit j;
+                                   q = clip(round(w / d), -4, 3) + 4, d = absmax(group) / 4
+        scales f16[..., N, Kp/G]
+  int2  qs     u8 [..., N, Kp/4]   int3's low-bit plane alone, q in [0, 3], w = q * d + m
+        scales f16[..., N, 2Kp/G]  (d, m) per group; d = (max - min) / 3, m = min
+  fp8   qs     u8 [..., N, Kp]     float8 e4m3fn bits of w / d (round to nearest even)
+        scales f16[..., N, Kp/G]   d = absmax(group) / 448
+
+Grouped formats take an optional importance vector (per input column, e.g. the mean square of
+the activations it multiplies, as llama.cpp's imatrix): scales (and minima) are then chosen
+from a small grid of candidates to minimise the importance-weighted squared error of the
+group, instead of from its extremes. Without one, the extremes decide (deterministic, fast).
 """
 
 from __future__ import annotations
@@ -48,7 +64,7 @@ def _group_scales(groups: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray
     return d, inv
 
 
-def _f32_quantize(w: np.ndarray, group_size: int) -> Arrays:
+def _f32_quantize(w: np.ndarray, group_size: int, importance=None) -> Arrays:
     return {"w": np.ascontiguousarray(w, dtype=np.float32)}
 
 
@@ -71,7 +87,7 @@ def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
     return (b.astype(np.uint32) << 16).view(np.float32)
 
 
-def _bf16_quantize(w: np.ndarray, group_size: int) -> Arrays:
+def _bf16_quantize(w: np.ndarray, group_size: int, importance=None) -> Arrays:
     return {"w": f32_to_bf16_bits(w)}
 
 
@@ -79,10 +95,14 @@ def _bf16_dequantize(a: Arrays, k: int, group_size: int) -> np.ndarray:
     return bf16_bits_to_f32(a["w"])
 
 
-def _int8_quantize(w: np.ndarray, group_size: int) -> Arrays:
+def _int8_quantize(w: np.ndarray, group_size: int, importance=None) -> Arrays:
     g = _pad_groups(np.asarray(w, dtype=np.float32), group_size)
-    d, inv = _group_scales(g, 127)
-    q = np.clip(np.rint(g * inv), -127, 127).astype(np.int8)
+    if importance is None:
+        d, inv = _group_scales(g, 127)
+        q = np.clip(np.rint(g * inv), -127, 127).astype(np.int8)
+    else:
+        d, q = _sym(g, _imp_groups(importance, w.shape[-1], group_size), 127, -127, 127)
+        q = q.astype(np.int8)
     return {"qs": q.reshape(*q.shape[:-2], -1), "scales": d}
 
 
@@ -93,15 +113,17 @@ def _int8_dequantize(a: Arrays, k: int, group_size: int) -> np.ndarray:
     return w.reshape(*w.shape[:-2], -1)[..., :k]
 
 
-def _int4_quantize(w: np.ndarray, group_size: int) -> Arrays:
+def _int4_quantize(w: np.ndarray, group_size: int, importance=None) -> Arrays:
     if group_size % 2:
         raise UsageError(f"--group-size {group_size}: int4 needs an even group size")
     g = _pad_groups(np.asarray(w, dtype=np.float32), group_size)
-    d, inv = _group_scales(g, 7)
-    q = (np.clip(np.rint(g * inv), -8, 7) + 8).astype(np.uint8)
-    half = group_size // 2
-    packed = q[..., :half] | (q[..., half:] << 4)
-    return {"qs": packed.reshape(*packed.shape[:-2], -1), "scales": d}
+    if importance is None:
+        d, inv = _group_scales(g, 7)
+        q = (np.clip(np.rint(g * inv), -8, 7) + 8).astype(np.uint8)
+    else:
+        d, q = _sym(g, _imp_groups(importance, w.shape[-1], group_size), 7, -8, 7)
+        q = (q + 8).astype(np.uint8)
+    return {"qs": _pack_nibbles(q, group_size), "scales": d}
 
 
 def _int4_dequantize(a: Arrays, k: int, group_size: int) -> np.ndarray:
@@ -113,6 +135,199 @@ def _int4_dequantize(a: Arrays, k: int, group_size: int) -> np.ndarray:
     return w.reshape(*w.shape[:-2], -1)[..., :k]
 
 
+# scale multipliers tried by the importance search: the plain rule (1.0) first, then a grid
+_CANDIDATES = np.concatenate([[1.0], np.linspace(0.7, 1.1, 17)]).astype(np.float32)
+
+
+def _search(g: np.ndarray, imp: np.ndarray | None, qmin: int, qmax: int, asym: bool,
+            base: np.ndarray, lo: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per-group scale (and minimum) minimising sum imp * (w - deq(w))^2 over candidates
+    base * f, f in _CANDIDATES (the minimum stays the group's own); returns f16 d (and m).
+    The first candidate wins ties, so the search is never worse than the plain rule."""
+    if imp is None:
+        d = np.minimum(base, np.float32(65504.0)).astype(np.float16)
+        return d, (None if lo is None else lo.astype(np.float16))
+    best_err = best_d = None
+    for f in _CANDIDATES:
+        d = np.minimum(base * f, np.float32(65504.0)).astype(np.float16)
+        d32 = d.astype(np.float32)[..., None]
+        inv = np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 != 0)
+        m32 = 0.0 if lo is None else lo.astype(np.float16).astype(np.float32)[..., None]
+        q = np.clip(np.rint((g - m32) * inv), qmin, qmax)
+        err = (imp * (g - (q * d32 + m32)) ** 2).sum(-1)
+        if best_err is None:
+            best_err, best_d = err, d
+        else:
+            better = err < best_err
+            best_err = np.where(better, err, best_err)
+            best_d = np.where(better, d, best_d)
+    return best_d, (None if lo is None else lo.astype(np.float16))
+
+
+def _imp_groups(importance: np.ndarray | None, k: int, group_size: int) -> np.ndarray | None:
+    if importance is None:
+        return None
+    imp = np.asarray(importance, np.float32).reshape(-1)
+    if imp.shape[0] != k:
+        raise UsageError(f"importance vector of {imp.shape[0]} values for rows of {k}")
+    return _pad_groups(np.maximum(imp, 1e-12)[None], group_size)[0]
+
+
+def _codes(g: np.ndarray, d: np.ndarray, m: np.ndarray | None, qmin: int, qmax: int) -> np.ndarray:
+    d32 = d.astype(np.float32)[..., None]
+    inv = np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 != 0)
+    m32 = 0.0 if m is None else m.astype(np.float32)[..., None]
+    return np.clip(np.rint((g - m32) * inv), qmin, qmax)
+
+
+def _sym(g, imp, qmax_abs: int, qmin: int, qmax: int):
+    """Symmetric: d from absmax / qmax_abs (or the importance search), codes in [qmin, qmax]."""
+    base = np.abs(g).max(axis=-1) / qmax_abs
+    d, _ = _search(g, imp, qmin, qmax, False, base, None)
+    return d, _codes(g, d, None, qmin, qmax)
+
+
+def _asym(g, imp, levels: int):
+    """Asymmetric: m = min, d = (max - min) / levels (or the search), codes in [0, levels]."""
+    lo = g.min(axis=-1).astype(np.float32)
+    hi = g.max(axis=-1).astype(np.float32)
+    d, m = _search(g, imp, 0, levels, True, (hi - lo) / levels, lo)
+    return d, m, _codes(g, d, m, 0, levels)
+
+
+def _interleave(d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    return np.stack([d, m], axis=-1).reshape(*d.shape[:-1], -1)
+
+
+def _pack_nibbles(q: np.ndarray, group_size: int) -> np.ndarray:
+    half = group_size // 2
+    q = q.astype(np.uint8)
+    packed = q[..., :half] | (q[..., half:] << 4)
+    return packed.reshape(*packed.shape[:-2], -1)
+
+
+def _unpack_nibbles(qs: np.ndarray, group_size: int) -> np.ndarray:
+    p = qs.reshape(*qs.shape[:-1], -1, group_size // 2)
+    return np.concatenate([p & 0x0F, p >> 4], axis=-1).astype(np.float32)
+
+
+def _pack_planes(q: np.ndarray, bits: int, group_size: int) -> np.ndarray:
+    """[..., NG, G] codes of `bits` (2 or 3) bits -> [..., NG * G*bits/8] (module docstring)."""
+    q = q.astype(np.uint8)
+    q4 = group_size // 4
+    low = (q & 3).reshape(*q.shape[:-1], 4, q4)
+    plane = (low[..., 0, :] | (low[..., 1, :] << 2) | (low[..., 2, :] << 4) | (low[..., 3, :] << 6))
+    if bits == 3:
+        q8 = group_size // 8
+        high = (q >> 2).reshape(*q.shape[:-1], 8, q8)
+        hb = np.zeros(q.shape[:-1] + (q8,), np.uint8)
+        for j in range(8):
+            hb |= high[..., j, :] << j
+        plane = np.concatenate([plane, hb], axis=-1)
+    return plane.reshape(*plane.shape[:-2], -1)
+
+
+def _unpack_planes(qs: np.ndarray, bits: int, group_size: int) -> np.ndarray:
+    q4 = group_size // 4
+    per = group_size * bits // 8
+    b = qs.reshape(*qs.shape[:-1], -1, per)
+    low = b[..., :q4]
+    q = np.concatenate([(low >> (2 * j)) & 3 for j in range(4)], axis=-1)
+    if bits == 3:
+        hb = b[..., q4:]
+        q = q | (np.concatenate([(hb >> j) & 1 for j in range(8)], axis=-1) << 2)
+    return q.astype(np.float32)
+
+
+def _grid(w: np.ndarray, group_size: int, mult: int, name: str) -> np.ndarray:
+    if group_size % mult:
+        raise UsageError(f"--group-size {group_size}: {name} needs a group size that is a multiple of {mult}")
+    return _pad_groups(np.asarray(w, dtype=np.float32), group_size)
+
+
+def _finish(w: np.ndarray, k: int) -> np.ndarray:
+    return w.reshape(*w.shape[:-2], -1)[..., :k]
+
+
+def _int4a_quantize(w, group_size, importance=None):
+    g = _grid(w, group_size, 2, "int4a")
+    d, m, q = _asym(g, _imp_groups(importance, w.shape[-1], group_size), 15)
+    return {"qs": _pack_nibbles(q, group_size), "scales": _interleave(d, m)}
+
+
+def _int4a_dequantize(a, k, group_size):
+    sc = a["scales"].astype(np.float32)
+    q = _unpack_nibbles(a["qs"], group_size)
+    return _finish(q * sc[..., 0::2, None] + sc[..., 1::2, None], k)
+
+
+def _int3_quantize(w, group_size, importance=None):
+    g = _grid(w, group_size, 8, "int3")
+    d, q = _sym(g, _imp_groups(importance, w.shape[-1], group_size), 4, -4, 3)
+    return {"qs": _pack_planes(q + 4, 3, group_size), "scales": d}
+
+
+def _int3_dequantize(a, k, group_size):
+    q = _unpack_planes(a["qs"], 3, group_size) - 4.0
+    return _finish(q * a["scales"].astype(np.float32)[..., None], k)
+
+
+def _int2_quantize(w, group_size, importance=None):
+    g = _grid(w, group_size, 4, "int2")
+    d, m, q = _asym(g, _imp_groups(importance, w.shape[-1], group_size), 3)
+    return {"qs": _pack_planes(q, 2, group_size), "scales": _interleave(d, m)}
+
+
+def _int2_dequantize(a, k, group_size):
+    sc = a["scales"].astype(np.float32)
+    q = _unpack_planes(a["qs"], 2, group_size)
+    return _finish(q * sc[..., 0::2, None] + sc[..., 1::2, None], k)
+
+
+FP8_MAX = 448.0
+
+
+def _fp8_codes(x: np.ndarray) -> np.ndarray:
+    import ml_dtypes
+
+    return np.clip(x, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+def _fp8_values(b: np.ndarray) -> np.ndarray:
+    import ml_dtypes
+
+    return b.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def _fp8_quantize(w, group_size, importance=None):
+    g = _grid(w, group_size, 1, "fp8")
+    base = np.abs(g).max(axis=-1) / np.float32(FP8_MAX)
+    imp = _imp_groups(importance, w.shape[-1], group_size)
+    d = np.minimum(base, np.float32(65504.0)).astype(np.float16)
+    if imp is not None:
+        best = None
+        for f in _CANDIDATES:
+            dc = np.minimum(base * f, np.float32(65504.0)).astype(np.float16)
+            d32 = dc.astype(np.float32)[..., None]
+            inv = np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 != 0)
+            err = (imp * (g - _fp8_values(_fp8_codes(g * inv)) * d32) ** 2).sum(-1)
+            if best is None:
+                best, d = err, dc
+            else:
+                d = np.where(err < best, dc, d)
+                best = np.minimum(err, best)
+    d32 = d.astype(np.float32)[..., None]
+    inv = np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 != 0)
+    q = _fp8_codes(g * inv)
+    return {"qs": q.reshape(*q.shape[:-2], -1), "scales": d}
+
+
+def _fp8_dequantize(a, k, group_size):
+    qs = a["qs"]
+    v = _fp8_values(qs.reshape(*qs.shape[:-1], -1, group_size))
+    return _finish(v * a["scales"].astype(np.float32)[..., None], k)
+
+
 @dataclass(frozen=True)
 class WeightFormat:
     """One storage format for a weight matrix. `grouped` formats carry per-group scales."""
@@ -122,16 +337,17 @@ class WeightFormat:
     _quantize: Callable[[np.ndarray, int], Arrays]
     _dequantize: Callable[[Arrays, int, int], np.ndarray]
 
-    def quantize(self, w: np.ndarray, group_size: int) -> Arrays:
-        """f32[..., K] -> the format's named arrays (see the module docstring)."""
-        return self._quantize(w, group_size)
+    def quantize(self, w: np.ndarray, group_size: int, importance: np.ndarray | None = None) -> Arrays:
+        """f32[..., K] -> the format's named arrays (see the module docstring); `importance`
+        (f32[K], optional) weights each column's error when scales are chosen."""
+        return self._quantize(w, group_size, importance)
 
     def dequantize(self, arrays: Arrays, k: int, group_size: int) -> np.ndarray:
         """The format's arrays -> f32[..., K]."""
         return self._dequantize(arrays, k, group_size)
 
-    def roundtrip(self, w: np.ndarray, group_size: int) -> np.ndarray:
-        return self.dequantize(self.quantize(w, group_size), w.shape[-1], group_size)
+    def roundtrip(self, w: np.ndarray, group_size: int, importance: np.ndarray | None = None) -> np.ndarray:
+        return self.dequantize(self.quantize(w, group_size, importance), w.shape[-1], group_size)
 
     def array_shapes(self, shape: tuple[int, ...], group_size: int) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
         """dtype and shape of each stored array for a logical f32 `shape` [..., N, K]."""
@@ -143,16 +359,27 @@ class WeightFormat:
             return {"w": (np.dtype(np.float32), shape)}
         if self.name == "bf16":
             return {"w": (np.dtype(np.uint16), shape)}
-        if self.name == "int8":
-            return {"qs": (np.dtype(np.int8), lead + (kp,)), "scales": (np.dtype(np.float16), lead + (ngroups,))}
-        return {"qs": (np.dtype(np.uint8), lead + (kp // 2,)), "scales": (np.dtype(np.float16), lead + (ngroups,))}
+        qbytes, scales = _LAYOUT[self.name]
+        return {"qs": (np.dtype(np.int8 if self.name == "int8" else np.uint8), lead + (kp * qbytes[0] // qbytes[1],)),
+                "scales": (np.dtype(np.float16), lead + (scales * ngroups,))}
 
     def nbytes(self, shape: tuple[int, ...], group_size: int) -> int:
         return sum(dt.itemsize * int(np.prod(s)) for dt, s in self.array_shapes(shape, group_size).values())
 
+    def row_bytes(self, k: int, group_size: int) -> tuple[int, int]:
+        """Bytes of one stored row [K]: its data (w or qs) and its scales (0 if none)."""
+        shapes = self.array_shapes((1, k), group_size)
+        data = shapes["w"] if "w" in shapes else shapes["qs"]
+        sc = shapes.get("scales")
+        return (data[0].itemsize * data[1][-1], 0 if sc is None else sc[0].itemsize * sc[1][-1])
+
     def bits_per_weight(self, shape: tuple[int, ...], group_size: int) -> float:
         return 8.0 * self.nbytes(shape, group_size) / float(np.prod(shape))
 
+
+# grouped formats: (numerator, denominator) of qs bytes per weight, f16 scale values per group
+_LAYOUT = {"int8": ((1, 1), 1), "int4": ((1, 2), 1), "int4a": ((1, 2), 2), "int3": ((3, 8), 1),
+           "int2": ((1, 4), 2), "fp8": ((1, 1), 1)}
 
 FORMATS: dict[str, WeightFormat] = {
     f.name: f
@@ -161,6 +388,10 @@ FORMATS: dict[str, WeightFormat] = {
         WeightFormat("bf16", False, _bf16_quantize, _bf16_dequantize),
         WeightFormat("int8", True, _int8_quantize, _int8_dequantize),
         WeightFormat("int4", True, _int4_quantize, _int4_dequantize),
+        WeightFormat("int4a", True, _int4a_quantize, _int4a_dequantize),
+        WeightFormat("int3", True, _int3_quantize, _int3_dequantize),
+        WeightFormat("int2", True, _int2_quantize, _int2_dequantize),
+        WeightFormat("fp8", True, _fp8_quantize, _fp8_dequantize),
     )
 }
 

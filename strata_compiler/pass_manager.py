@@ -27,6 +27,11 @@ class CompileOptions:
     backend: str = "reference"   # what select-kernels binds: reference | llvm | xla
     place: str = ""              # --place rules (passes/placement_rules.py)
     cpu_backend: str = "reference"  # the CPU backend for cpu-placed ops when --backend is xla
+    calib: str = ""              # --calib: calibration text file (passes/calibrate.py)
+    calib_tokens: int = 16384    # at most this many calibration tokens
+    calib_ctx: int = 512         # tokens per calibration chunk
+    bits: float = 0.0            # --bits: layer-adaptive formats at this average bits per weight
+    memory_budget: str = ""      # --memory-budget: layer-adaptive formats within this many weight bytes
 
 
 @dataclass

@@ -8,8 +8,6 @@ model's size.
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import numpy as np
 
 from .formats import get_format
@@ -17,11 +15,13 @@ from .frontend.safetensors_reader import TensorStore
 from .ir import WeightSpec
 
 
-def iter_blocks(spec: WeightSpec, store: TensorStore, block_bytes: int = 16 << 20) -> Iterator[np.ndarray]:
-    """f32 row blocks of the logical tensor, in storage order (expert-major, then sources)."""
+def iter_blocks(spec: WeightSpec, store: TensorStore, block_bytes: int = 16 << 20, with_expert: bool = False):
+    """f32 row blocks of the logical tensor, in storage order (expert-major, then sources);
+    with_expert: (expert index or None, block) pairs."""
     for e in range(spec.experts) if spec.experts else (None,):
         for key in spec.source_keys(e):
-            yield from store.iter_row_blocks(key, block_bytes)
+            for block in store.iter_row_blocks(key, block_bytes):
+                yield (e, block) if with_expert else block
 
 
 def materialize_f32(spec: WeightSpec, store: TensorStore) -> np.ndarray:

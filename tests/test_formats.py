@@ -93,7 +93,7 @@ def test_array_shapes_documented_layouts():
 
 
 def test_grouped_flags():
-    assert {n for n, f in FORMATS.items() if f.grouped} == {"int8", "int4"}
+    assert {n for n, f in FORMATS.items() if f.grouped} == {"int8", "int4", "int4a", "int3", "int2", "fp8"}
     assert {n for n, f in FORMATS.items() if not f.grouped} == {"f32", "bf16"}
 
 

@@ -23,7 +23,8 @@ from strata_compiler.formats import get_format
 KFN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 TARGETS = {"native": Target.host(), "avx2": Target.host(force="avx2")}
 LIBS = {k: KernelLibrary(t, use_disk_cache=False) for k, t in TARGETS.items()}
-CASES = [("f32", False), ("bf16", False), ("int8", False), ("int8", True), ("int4", False), ("int4", True)]
+CASES = [("f32", False), ("bf16", False), ("int8", False), ("int8", True), ("int4", False), ("int4", True),
+         ("int4a", False), ("int3", False), ("int2", False), ("fp8", False)]
 
 
 def call(lib, src, vals, total, split=None):
@@ -74,7 +75,7 @@ def ptr(a):
 @pytest.mark.parametrize("N,K,M,epi", [(37, 70, 3, "bsr"), (64, 96, 1, ""), (16, 32, 2, "s"), (130, 288, 5, "br")])
 def test_linear_matches_reference(tname, fmt, q8, N, K, M, epi):
     rng = np.random.default_rng(N * K + M)
-    G = 32 if fmt in ("int8", "int4") else 0
+    G = 32 if get_format(fmt).grouped else 0
     silu_mul = "s" in epi
     rows = 2 * N if silu_mul else N
     w, s, wd = quantized(fmt, rng.standard_normal((rows, K), dtype=np.float32), G)
@@ -112,7 +113,7 @@ def test_moe_kernels_match_reference(tname, fmt, q8):
     lib, t = LIBS[tname], TARGETS[tname]
     rng = np.random.default_rng(7)
     E, D, I, M, k = 6, 64, 40, 5, 2
-    G = 32 if fmt in ("int8", "int4") else 0
+    G = 32 if get_format(fmt).grouped else 0
     wu, su, gud = quantized(fmt, rng.standard_normal((E, 2 * I, D), dtype=np.float32), G)
     wdn, sdn, dnd = quantized(fmt, rng.standard_normal((E, D, I), dtype=np.float32), G)
     x = rng.standard_normal((M, D), dtype=np.float32)

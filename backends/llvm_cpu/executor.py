@@ -366,14 +366,17 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
     E, I2, D = gu_spec.shape
     I = I2 // 2
     q8 = exe.act == "q8" and needs_q8(fmt, G)
-    spec = MoESpec(fmt, D, I, G, q8, residual=len(n.args) == 3)
+    dn_spec = exe.g.weight(n.weight("down"))
+    dG = dn_spec.group_size
+    spec = MoESpec(fmt, D, I, G, q8, residual=len(n.args) == 3, down_fmt=dn_spec.fmt,
+                   down_q8=exe.act == "q8" and needs_q8(dn_spec.fmt, dG), down_group_size=dG)
     ku = Kernel(exe.lib, moe_gate_up_gen(spec, exe.target))
     kd = Kernel(exe.lib, moe_down_gen(spec, exe.target))
     kp = Kernel(exe.lib, moe_pairs_gen(E, exe.target))
     wu, su = exe.weight(n.weight("gate_up"))
     wd, sd = exe.weight(n.weight("down"))
     qx = exe.q8(D) if q8 else None
-    qh = exe.q8(I) if q8 else None
+    qh = exe.q8(I) if spec.dq8 else None
     dp = -(-D // G) * G if (G and not q8) else D     # f32 rows padded to whole groups
     ip = h_stride(spec)
 
@@ -396,6 +399,7 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
         hin = h
         if qx is not None:
             (xin, xd, xs), qxrun = qx.prepare(frame, x, "moe.x")
+        if qh is not None:
             (hin, hd, hs), qhrun = qh.prepare(frame, h[:, :I] if ip != I else h, "moe.h")
         r = _src(frame, n, 2) if len(n.args) == 3 else None
         au = ku.args(h=h, x=xin, xd=xd, xs=xs, w=wu, s=su, pair_tok=tok, first=first, active=active,

@@ -80,8 +80,9 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache, layer: int
 
 
 def moe_ffn(x: np.ndarray, combine: np.ndarray, gate_up: Callable[[int], tuple[np.ndarray, np.ndarray]],
-            down: Callable[[int], np.ndarray]) -> np.ndarray:
-    """sum_e combine[..., e] * down_e(silu(gate_e x) * up_e x), over the experts some token chose."""
+            down: Callable[[int], np.ndarray], observe: Callable | None = None) -> np.ndarray:
+    """sum_e combine[..., e] * down_e(silu(gate_e x) * up_e x), over the experts some token chose.
+    `observe(e, x_rows, h_rows, weights)`, when given, sees each expert's inputs (calibration)."""
     B, T, D = x.shape
     xf, cf = x.reshape(B * T, D), combine.reshape(B * T, -1)
     y = np.zeros_like(xf)
@@ -89,16 +90,23 @@ def moe_ffn(x: np.ndarray, combine: np.ndarray, gate_up: Callable[[int], tuple[n
         rows = np.nonzero(cf[:, e])[0]
         g, u = gate_up(int(e))
         h = silu(xf[rows] @ g.T) * (xf[rows] @ u.T)
+        if observe is not None:
+            observe(int(e), xf[rows], h, cf[rows, e])
         y[rows] += cf[rows, e:e + 1] * (h @ down(int(e)).T)
     return y.reshape(B, T, D)
 
 
 class ReferenceExecutor:
-    """Runs one step (prefill chunk or decode) of a tensor- or kernel-level graph."""
+    """Runs one step (prefill chunk or decode) of a tensor- or kernel-level graph.
 
-    def __init__(self, graph: Graph, weights: WeightSource) -> None:
+    An `observer` (the calibration probe's recorder) is shown the input of every matrix
+    product: observer.matmul(node, x) with x the rows the weight multiplies, and
+    observer.expert(node, e, x, h, weights) for each expert of a moe_ffn."""
+
+    def __init__(self, graph: Graph, weights: WeightSource, observer=None) -> None:
         self.g = graph
         self.w = weights
+        self.observer = observer
         last_use: dict[int, int] = {}
         for i, n in enumerate(graph.nodes):
             for a in n.args:
@@ -110,7 +118,7 @@ class ReferenceExecutor:
 
     def run(self, input_ids: np.ndarray, cache: KVCache) -> dict[int, np.ndarray]:
         T = input_ids.shape[1]
-        ctx = _Step(self.w, cache, np.arange(cache.length, cache.length + T), input_ids)
+        ctx = _Step(self.w, cache, np.arange(cache.length, cache.length + T), input_ids, self.observer)
         env: dict[int, np.ndarray] = {}
         outputs = set(self.g.outputs)
         for i, n in enumerate(self.g.nodes):
@@ -124,7 +132,7 @@ class ReferenceExecutor:
     def run_segment(self, env: dict, input_ids: np.ndarray, cache: KVCache, nodes: list[int]) -> None:
         """Run just `nodes` (a partition of a mixed plan), reading and writing the shared env."""
         B, T = input_ids.shape
-        ctx = _Step(self.w, cache, np.arange(cache.length, cache.length + T), input_ids)
+        ctx = _Step(self.w, cache, np.arange(cache.length, cache.length + T), input_ids, self.observer)
         for nid in nodes:
             n = self.g.node(nid)
             args = [np.asarray(env[a]).reshape(B, T, -1) if self.g.node(a).op is not Op.INPUT_IDS else env[a]
@@ -133,8 +141,9 @@ class ReferenceExecutor:
 
 
 class _Step:
-    def __init__(self, w: WeightSource, cache: KVCache, positions: np.ndarray, ids: np.ndarray) -> None:
+    def __init__(self, w: WeightSource, cache: KVCache, positions: np.ndarray, ids: np.ndarray, observer=None) -> None:
         self.w, self.cache, self.positions, self.ids = w, cache, positions, ids
+        self.observer = observer
 
     def weight(self, n: Node, role: str) -> np.ndarray | None:
         name = n.weight(role)
@@ -142,6 +151,8 @@ class _Step:
 
 
 def _matmul(c: _Step, n: Node, a: list) -> np.ndarray:
+    if c.observer is not None:
+        c.observer.matmul(n, a[0])
     y = a[0] @ c.weight(n, "w").T
     b = c.weight(n, "b")
     return (y + b if b is not None else y).astype(np.float32)
@@ -194,7 +205,9 @@ def _moe_ffn(c: _Step, n: Node, a: list) -> np.ndarray:
     else:
         g, u = c.weight(n, "gate"), c.weight(n, "up")
         pair = lambda e: (g[e], u[e])  # noqa: E731
-    y = moe_ffn(a[0], a[1], pair, lambda e: down[e])
+    obs = c.observer
+    y = moe_ffn(a[0], a[1], pair, lambda e: down[e],
+                None if obs is None else (lambda e, x, h, w: obs.expert(n, e, x, h, w)))
     return y + a[2] if len(a) == 3 else y
 
 

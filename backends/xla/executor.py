@@ -47,13 +47,31 @@ def dequantize(jnp, spec, arrays: dict, dtype):
         return jax.lax.bitcast_convert_type(arrays["w"], jnp.bfloat16).astype(dtype)
     qs, d = arrays["qs"], arrays["scales"]
     lead = qs.shape[:-1]
-    ng = d.shape[-1]
+    ng = -(-K // G)
+    m = None
+    if fmt in ("int4a", "int2"):                      # (scale, min) pairs per group
+        d, m = d[..., 0::2], d[..., 1::2]
     if fmt == "int8":
         q = qs.reshape(*lead, ng, G).astype(dtype)
-    else:
+    elif fmt in ("int4", "int4a"):
         p = qs.reshape(*lead, ng, G // 2)
-        q = jnp.concatenate([p & 0x0F, p >> 4], axis=-1).astype(dtype) - 8
+        q = jnp.concatenate([p & 0x0F, p >> 4], axis=-1).astype(dtype) - (8 if fmt == "int4" else 0)
+    elif fmt in ("int3", "int2"):
+        bits = 3 if fmt == "int3" else 2
+        b = qs.reshape(*lead, ng, G * bits // 8)
+        low = b[..., :G // 4]
+        q = jnp.concatenate([(low >> (2 * j)) & 3 for j in range(4)], axis=-1)
+        if bits == 3:
+            hb = b[..., G // 4:]
+            q = q | (jnp.concatenate([(hb >> j) & 1 for j in range(8)], axis=-1) << 2)
+        q = q.astype(dtype) - (4 if bits == 3 else 0)
+    elif fmt == "fp8":
+        q = jax.lax.bitcast_convert_type(qs.reshape(*lead, ng, G), jnp.float8_e4m3fn).astype(dtype)
+    else:
+        raise BackendError(f"the xla backend has no lowering for weight format {fmt!r}")
     w = q * d.astype(dtype)[..., None]
+    if m is not None:
+        w = w + m.astype(dtype)[..., None]
     return w.reshape(*lead, ng * G)[..., :K]
 
 
@@ -71,7 +89,7 @@ def matvec(jnp, spec, arrays: dict, x):
     fmt, G, K = spec.fmt, spec.group_size or 32, spec.shape[-1]
     f32 = jnp.float32
     x = x.astype(f32)
-    if fmt in ("f32", "bf16"):
+    if fmt not in ("int8", "int4"):
         w = dequantize(jnp, spec, arrays, f32)
         return (w * x[..., None, :]).sum(-1)
     qs, d = arrays["qs"], arrays["scales"].astype(f32)

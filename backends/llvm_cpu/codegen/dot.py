@@ -112,6 +112,119 @@ exit:
 }}"""
 
 
+def _f32(v: float) -> str:
+    import struct
+
+    return "0x%016X" % struct.unpack("<Q", struct.pack("<d", float(v)))[0]
+
+
+def _decode_group(fmt: str, G: int) -> str:
+    """IR defining %wv = <G x float>: group %g of weight row %w (scales %s) dequantized, as
+    formats.py defines int4a, int3, int2 and fp8 (%qb = the group's byte offset)."""
+    V, B = vec(G, "float"), vec(G, "i8")
+    pair = fmt in ("int4a", "int2")                  # (scale, min) per group
+    if pair:
+        scale = """  %si = mul nuw nsw i64 %g, 2
+  %sp = getelementptr inbounds half, ptr %s, i64 %si
+  %sh = load half, ptr %sp, align 2
+  %d = fpext half %sh to float
+  %mp = getelementptr inbounds half, ptr %sp, i64 1
+  %mh = load half, ptr %mp, align 2
+  %mn = fpext half %mh to float"""
+    else:
+        scale = """  %sp = getelementptr inbounds half, ptr %s, i64 %g
+  %sh = load half, ptr %sp, align 2
+  %d = fpext half %sh to float"""
+    per = {"int4a": G // 2, "int3": 3 * G // 8, "int2": G // 4, "fp8": G}[fmt]
+    load = f"""  %qb = mul nuw nsw i64 %g, {per}
+  %qp = getelementptr inbounds i8, ptr %w, i64 %qb"""
+    if fmt == "int4a":
+        H = G // 2
+        body = f"""  %q = load {vec(H, 'i8')}, ptr %qp, align 1
+  %lo = and {vec(H, 'i8')} %q, {splat(H, 'i8', '15')}
+  %hi = lshr {vec(H, 'i8')} %q, {splat(H, 'i8', '4')}
+  %qq = shufflevector {vec(H, 'i8')} %lo, {vec(H, 'i8')} %hi, {lanes(G, range(G))}
+  %qf = uitofp {B} %qq to {V}"""
+    elif fmt in ("int3", "int2"):
+        Q4 = G // 4
+        body = f"""  %lowv = load {vec(Q4, 'i8')}, ptr %qp, align 1
+  %lowr = shufflevector {vec(Q4, 'i8')} %lowv, {vec(Q4, 'i8')} poison, {lanes(G, [i % Q4 for i in range(G)])}
+  %lows = lshr {B} %lowr, <{', '.join(f'i8 {2 * (i // Q4)}' for i in range(G))}>
+  %low = and {B} %lows, {splat(G, 'i8', '3')}"""
+        if fmt == "int3":
+            Q8 = G // 8
+            body += f"""
+  %hp = getelementptr inbounds i8, ptr %qp, i64 {Q4}
+  %hiv = load {vec(Q8, 'i8')}, ptr %hp, align 1
+  %hir = shufflevector {vec(Q8, 'i8')} %hiv, {vec(Q8, 'i8')} poison, {lanes(G, [i % Q8 for i in range(G)])}
+  %his = lshr {B} %hir, <{', '.join(f'i8 {i // Q8}' for i in range(G))}>
+  %hib = and {B} %his, {splat(G, 'i8', '1')}
+  %hi2 = shl {B} %hib, {splat(G, 'i8', '2')}
+  %qq = or {B} %low, %hi2
+  %qu = uitofp {B} %qq to {V}
+  %qf = fsub {V} %qu, {splat(G, 'float', '4.0')}"""
+        else:
+            body += f"""
+  %qf = uitofp {B} %low to {V}"""
+    else:   # fp8 e4m3fn: normal = 2^(e-7) * (1 + m/8), subnormal (e = 0) = m * 2^-9
+        I = vec(G, "i32")
+        body = f"""  %q = load {B}, ptr %qp, align 1
+  %b = zext {B} %q to {I}
+  %e0 = lshr {I} %b, {splat(G, 'i32', '3')}
+  %e = and {I} %e0, {splat(G, 'i32', '15')}
+  %mt = and {I} %b, {splat(G, 'i32', '7')}
+  %eb = add {I} %e, {splat(G, 'i32', '120')}
+  %ebs = shl {I} %eb, {splat(G, 'i32', '23')}
+  %mts = shl {I} %mt, {splat(G, 'i32', '20')}
+  %nb = or {I} %ebs, %mts
+  %nf = bitcast {I} %nb to {V}
+  %mf = uitofp {I} %mt to {V}
+  %sf = fmul {V} %mf, {splat(G, 'float', _f32(2.0 ** -9))}
+  %isub = icmp eq {I} %e, zeroinitializer
+  %mag = select {vec(G, 'i1')} %isub, {V} %sf, {V} %nf
+  %neg = fneg {V} %mag
+  %sgn = and {I} %b, {splat(G, 'i32', '128')}
+  %isneg = icmp ne {I} %sgn, zeroinitializer
+  %qf = select {vec(G, 'i1')} %isneg, {V} %neg, {V} %mag"""
+    out = f"""{load}
+{body}
+{scale}
+  %d0 = insertelement {V} poison, float %d, i64 0
+  %dv = shufflevector {V} %d0, {V} poison, {vec(G, 'i32')} zeroinitializer"""
+    if pair:
+        out += f"""
+  %m0 = insertelement {V} poison, float %mn, i64 0
+  %mv = shufflevector {V} %m0, {V} poison, {vec(G, 'i32')} zeroinitializer
+  %wv = call {V} @llvm.fma.v{G}f32({V} %qf, {V} %dv, {V} %mv)"""
+    else:
+        out += f"""
+  %wv = fmul {V} %qf, %dv"""
+    return out
+
+
+def _decoded_f32act_dot(fmt: str, NG: int, G: int) -> str:
+    """Formats decoded group by group to f32 (int4a, int3, int2, fp8) against f32 activations."""
+    V = vec(G, "float")
+    return f"""
+entry:
+  br label %loop
+loop:
+  %g = phi i64 [0, %entry], [%g1, %loop]
+  %acc = phi {V} [zeroinitializer, %entry], [%acc1, %loop]
+{_decode_group(fmt, G)}
+  %xo = mul nuw nsw i64 %g, {G}
+  %xp = getelementptr inbounds float, ptr %x, i64 %xo
+  %xv = load {V}, ptr %xp, align 4
+  %acc1 = call {V} @llvm.fma.v{G}f32({V} %wv, {V} %xv, {V} %acc)
+  %g1 = add nuw nsw i64 %g, 1
+  %done = icmp eq i64 %g1, {NG}
+  br i1 %done, label %exit, label %loop
+exit:
+{_reduce(G, '%acc1', '%r')}
+  ret float %r
+}}"""
+
+
 def _idot(target: Target, width: int, u: str, s: str, out: str) -> str:
     """Integer dot of u8 x s8 bytes summed in groups of 4 into i32 lanes: width = 32 or 64 bytes."""
     if width == 32:
@@ -338,8 +451,10 @@ def dot_function(target: Target, fmt: str, K: int, group_size: int, q8: bool, na
     elif q8:
         assert needs_q8(fmt, group_size)
         body = _q8_dot(target, fmt, NG)
-    else:
+    elif fmt in ("int8", "int4"):
         body = _grouped_f32act_dot(fmt, NG, group_size)
+    else:
+        body = _decoded_f32act_dot(fmt, NG, group_size)
     return head + body + "\n"
 
 

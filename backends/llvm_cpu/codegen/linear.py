@@ -40,13 +40,9 @@ class LinearSpec:
 
     def row_bytes(self) -> tuple[int, int]:
         """Bytes of one weight row and of its scales (grouped formats), in the stored layout."""
-        if self.fmt == "f32":
-            return 4 * self.K, 0
-        if self.fmt == "bf16":
-            return 2 * self.K, 0
-        ng = -(-self.K // self.group_size)
-        kp = ng * self.group_size
-        return (kp if self.fmt == "int8" else kp // 2), 2 * ng
+        from strata_compiler.formats import get_format
+
+        return get_format(self.fmt).row_bytes(self.K, self.group_size or 32)
 
     @property
     def name(self) -> str:

@@ -30,27 +30,45 @@ _PTRS = {"h", "x", "xd", "xs", "w", "s", "pair_tok", "first", "active", "y", "r"
 
 @dataclass(frozen=True)
 class MoESpec:
-    fmt: str
+    fmt: str         # gate_up's format (down's too unless down_fmt says otherwise)
     D: int           # hidden size (gate/up input, down output rows)
     I: int           # expert intermediate size
     group_size: int
-    q8: bool = False
+    q8: bool = False          # gate_up reads q8 activations
     residual: bool = False
+    down_fmt: str = ""        # layer-adaptive plans may store down in another format
+    down_q8: bool | None = None
+    down_group_size: int = -1
+
+    @property
+    def dfmt(self) -> str:
+        return self.down_fmt or self.fmt
+
+    @property
+    def dq8(self) -> bool:
+        return self.q8 if self.down_q8 is None else self.down_q8
+
+    @property
+    def dgs(self) -> int:
+        return self.group_size if self.down_group_size < 0 else self.down_group_size
 
     def gate_up(self) -> LinearSpec:
         return LinearSpec(self.fmt, self.I, self.D, self.group_size, self.q8, silu_mul=True)
 
     def down(self) -> LinearSpec:
-        return LinearSpec(self.fmt, self.D, self.I, self.group_size, self.q8)
+        return LinearSpec(self.dfmt, self.D, self.I, self.dgs, self.dq8)
 
     @property
     def tag(self) -> str:
-        return f"{self.fmt}_{'q8' if self.q8 else 'f32'}_d{self.D}_i{self.I}_g{self.group_size}"
+        t = f"{self.fmt}_{'q8' if self.q8 else 'f32'}_d{self.D}_i{self.I}_g{self.group_size}"
+        if (self.dfmt, self.dq8, self.dgs) != (self.fmt, self.q8, self.group_size):
+            t += f"_dn{self.dfmt}_{'q8' if self.dq8 else 'f32'}_g{self.dgs}"
+        return t
 
 
 def h_stride(spec: MoESpec) -> int:
-    """Row stride of the f32 intermediate h: whole groups for grouped weights (padding stays 0)."""
-    return -(-spec.I // spec.group_size) * spec.group_size if spec.group_size else spec.I
+    """Row stride of the f32 intermediate h: whole groups of down's format (padding stays 0)."""
+    return -(-spec.I // spec.dgs) * spec.dgs if spec.dgs else spec.I
 
 
 def _xrow(q8: bool, K: int, group_size: int, base: str, idx: str, ld: str, out: str) -> str:
@@ -190,7 +208,7 @@ def down(spec: MoESpec, target: Target) -> KernelSource:
     rb, sb = lin.row_bytes()
     D = spec.D
     name = f"moe_down_{spec.tag}{'_r' if spec.residual else ''}"
-    dot = dot_function(target, spec.fmt, spec.I, spec.group_size, spec.q8)
+    dot = dot_function(target, spec.dfmt, spec.I, spec.dgs, spec.dq8)
     init = ("""  %ro = mul nuw nsw i64 %m, %ldr
   %ro2 = add nuw nsw i64 %ro, %n
   %rp = getelementptr inbounds float, ptr %r, i64 %ro2
@@ -227,7 +245,7 @@ pair:
   %epp = getelementptr inbounds i64, ptr %pair_exp, i64 %p
   %e = load i64, ptr %epp, align 8
   %er = mul nuw nsw i64 %e, {D}
-{_xrow(spec.q8, spec.I, spec.group_size, 'h', '%p', h_stride(spec), 'hr')}
+{_xrow(spec.dq8, spec.I, spec.dgs, 'h', '%p', h_stride(spec), 'hr')}
   %pwp = getelementptr inbounds float, ptr %pair_w, i64 %p
   %pw = load float, ptr %pwp, align 4
   %tp = getelementptr inbounds i64, ptr %pair_tok, i64 %p

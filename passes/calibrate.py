@@ -1,0 +1,221 @@
+"""`calibrate`: run the f32 model over calibration text and record what quantization needs.
+
+With `stratac compile --calib FILE` (plain UTF-8 text, or JSONL whose lines carry a "text"
+field), the pass tokenizes the text with the model's tokenizer, runs it through the reference
+backend in chunks of `calib_ctx` tokens (at most `calib_tokens` tokens in all) and records:
+
+  * per weight, the mean square of each input column over every row it multiplied (llama.cpp's
+    imatrix): f32[K], or f32[E, K] for stacked expert weights, each expert over its own tokens;
+  * per MoE layer, each expert's routing frequency (the share of tokens that chose it) and its
+    mean routing weight when chosen.
+
+The result is a `Calibration` in ctx.analyses["calibration"]: the quantize and emit passes read
+it (importance-weighted scales), and emit stores it in the plan (a summary in the metadata,
+the vectors in plan.bin's "imatrix" section). With --dump-dir the summary is also written to
+calibration.json there. Without --calib the pass does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from strata_compiler.errors import UsageError
+from strata_compiler.ir import Graph, Level, Op
+from strata_compiler.pass_manager import PassContext, register
+
+
+@dataclass
+class Calibration:
+    tokens: int = 0
+    sumsq: dict[str, np.ndarray] = field(default_factory=dict)   # weight -> f64 [K] or [E, K]
+    rows: dict[str, np.ndarray] = field(default_factory=dict)    # weight -> rows seen: [] or [E]
+    freq: dict[int, np.ndarray] = field(default_factory=dict)    # moe layer -> tokens per expert
+    wsum: dict[int, np.ndarray] = field(default_factory=dict)    # moe layer -> routing weight sums
+    layer_of: dict[str, int] = field(default_factory=dict)       # expert weight -> its moe layer
+
+    def importance(self, weight: str) -> np.ndarray | None:
+        """Mean square input per column: f32[K] or f32[E, K] (experts never routed get the
+        mean over the others); None if the weight was never seen."""
+        if weight not in self.sumsq:
+            return None
+        s, r = self.sumsq[weight], self.rows[weight]
+        if s.ndim == 1:
+            return (s / max(int(r), 1)).astype(np.float32)
+        seen = r > 0
+        out = np.zeros_like(s)
+        out[seen] = s[seen] / r[seen, None]
+        fill = out[seen].mean(axis=0) if seen.any() else np.ones(s.shape[1])
+        out[~seen] = fill
+        return out.astype(np.float32)
+
+    def expert_weight(self, weight: str) -> np.ndarray | None:
+        """How much each expert of a stacked weight matters to the output: routing frequency x
+        mean squared routing weight (an expert's error reaches the residual scaled by its
+        weight, for the share of tokens that choose it); None for non-expert weights."""
+        layer = self.layer_of.get(weight)
+        if layer is None or layer not in self.freq:
+            return None
+        f, w = self.freq[layer].astype(np.float64), self.wsum[layer]
+        mean_w = np.divide(w, f, out=np.zeros_like(w), where=f > 0)
+        return f / max(self.tokens, 1) * mean_w ** 2
+
+    def expert_stats(self) -> dict[int, dict[str, list[float]]]:
+        """Per MoE layer: routing frequency (share of tokens) and mean routing weight per expert."""
+        out = {}
+        for layer, f in sorted(self.freq.items()):
+            w = self.wsum[layer]
+            out[layer] = {"freq": [float(v) for v in f / max(self.tokens, 1)],
+                          "mean_weight": [float(a / b) if b else 0.0 for a, b in zip(w, f)]}
+        return out
+
+    def summary(self) -> dict:
+        return {"tokens": self.tokens, "weights": sorted(self.sumsq),
+                "experts": {str(k): v for k, v in self.expert_stats().items()}}
+
+
+class Recorder:
+    """The reference executor's observer: accumulates a Calibration."""
+
+    def __init__(self, graph: Graph, calib: Calibration) -> None:
+        self.c = calib
+        self.layer_of = {}
+        for n in graph.nodes:
+            if n.op is Op.MOE_FFN:
+                self.layer_of[n.id] = len(self.layer_of)
+        self.experts = {n.id: graph.weight(n.weight("down")).shape[0] for n in graph.nodes if n.op is Op.MOE_FFN}
+
+    def _add(self, name: str, x: np.ndarray, e: int | None = None, E: int = 0) -> None:
+        x = x.reshape(-1, x.shape[-1]).astype(np.float64)
+        s = (x * x).sum(axis=0)
+        c = self.c
+        if e is None:
+            c.sumsq[name] = c.sumsq.get(name, 0) + s
+            c.rows[name] = c.rows.get(name, np.zeros((), np.int64)) + x.shape[0]
+        else:
+            if name not in c.sumsq:
+                c.sumsq[name] = np.zeros((E, x.shape[1]))
+                c.rows[name] = np.zeros(E, np.int64)
+            c.sumsq[name][e] += s
+            c.rows[name][e] += x.shape[0]
+
+    def matmul(self, n, x: np.ndarray) -> None:
+        self._add(n.weight("w"), x)
+
+    def expert(self, n, e: int, x: np.ndarray, h: np.ndarray, w: np.ndarray) -> None:
+        E = self.experts[n.id]
+        layer = self.layer_of[n.id]
+        c = self.c
+        for role in ("gate_up", "gate", "up", "down"):
+            if n.weight(role) is not None:
+                self._add(n.weight(role), h if role == "down" else x, e, E)
+                c.layer_of[n.weight(role)] = layer
+        if layer not in c.freq:
+            c.freq[layer] = np.zeros(E, np.int64)
+            c.wsum[layer] = np.zeros(E)
+        c.freq[layer][e] += x.shape[0]
+        c.wsum[layer][e] += float(np.sum(w))
+
+
+def read_calibration_text(path: Path) -> str:
+    """Plain text, or JSONL with a "text" field per line."""
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"--calib {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--calib {path}: cannot read it as UTF-8 text ({e})") from None
+    if path.suffix == ".jsonl":
+        parts = []
+        for i, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"--calib {path}:{i}: not a JSON object ({e.msg})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise UsageError(f"--calib {path}:{i}: each line needs a string \"text\" field")
+            parts.append(obj["text"])
+        raw = "\n\n".join(parts)
+    if not raw.strip():
+        raise UsageError(f"--calib {path}: the file holds no text")
+    return raw
+
+
+class _F32Weights:
+    """Weights straight from the checkpoint, f32, materialised on first use."""
+
+    def __init__(self, graph: Graph, store) -> None:
+        self.g, self.store, self.cache = graph, store, {}
+
+    def get(self, name: str) -> np.ndarray:
+        from strata_compiler.weights import materialize_f32
+
+        if name not in self.cache:
+            self.cache[name] = materialize_f32(self.g.weight(name), self.store)
+        return self.cache[name]
+
+
+@register("calibrate", Level.TENSOR)
+def calibrate(g: Graph, ctx: PassContext) -> Graph:
+    """Run calibration text through the f32 model (--calib): input statistics per weight, routing per expert."""
+    opts = ctx.options
+    if not opts.calib:
+        return g
+    if ctx.tokenizer_json is None:
+        raise UsageError("--calib needs the model's tokenizer.json next to config.json; the folder has none")
+    if ctx.store is None:
+        raise UsageError("--calib needs the model's weights")
+    from tokenizers import Tokenizer
+
+    from strata_compiler.backends.reference.executor import ReferenceExecutor
+    from strata_compiler.runtime.kv_cache import KVCache
+
+    text = read_calibration_text(Path(opts.calib))
+    ids = np.asarray(Tokenizer.from_str(ctx.tokenizer_json.decode()).encode(text).ids, np.int64)
+    ids = ids[:opts.calib_tokens]
+    if ids.size < 2:
+        raise UsageError(f"--calib {opts.calib}: the text gives fewer than 2 tokens")
+    meta = dict(g.meta)
+    calib = Calibration()
+    exe = ReferenceExecutor(g, _F32Weights(g, ctx.store), observer=Recorder(g, calib))
+    ctxlen = max(2, min(opts.calib_ctx, int(meta.get("max_position") or opts.calib_ctx)))
+    for start in range(0, ids.size, ctxlen):
+        chunk = ids[start:start + ctxlen][None]
+        cache = KVCache(meta["n_layers"], 1, meta["n_kv_heads"], meta["head_dim"], chunk.shape[1])
+        exe.run(chunk, cache)
+        calib.tokens += chunk.shape[1]
+    ctx.analyses["calibration"] = calib
+    if ctx.dump_dir is not None:
+        ctx.dump_dir.mkdir(parents=True, exist_ok=True)
+        (ctx.dump_dir / "calibration.json").write_text(json.dumps(calib.summary(), indent=1, sort_keys=True))
+    return g
+
+
+def imatrix_section(calib: Calibration) -> bytes:
+    """The "imatrix" section of plan.bin: a JSON index line, then the f32 arrays back to back."""
+    index, blobs, offset = {}, [], 0
+    for name in sorted(calib.sumsq):
+        a = np.ascontiguousarray(calib.importance(name), dtype="<f4")
+        index[name] = {"offset": offset, "shape": list(a.shape)}
+        blobs.append(a.tobytes())
+        offset += a.nbytes
+    head = json.dumps(index, sort_keys=True).encode() + b"\n"
+    return head + b"".join(blobs)
+
+
+def parse_imatrix_section(data: bytes) -> dict[str, np.ndarray]:
+    """Inverse of imatrix_section (no pickle: JSON index and raw little-endian f32)."""
+    nl = data.index(b"\n")
+    index = json.loads(data[:nl])
+    body = data[nl + 1:]
+    out = {}
+    for name, ent in index.items():
+        n = int(np.prod(ent["shape"]))
+        off = int(ent["offset"])
+        out[name] = np.frombuffer(body, "<f4", n, off).reshape(ent["shape"])
+    return out
