@@ -77,7 +77,8 @@ def emit(g: Graph, ctx: PassContext) -> Graph:
     meta = {
         "strata_version": __version__,
         "options": {"quant": ctx.options.quant, "group_size": ctx.options.group_size, "backend": ctx.options.backend,
-                    "place": ctx.options.place, "bits": ctx.options.bits, "memory_budget": ctx.options.memory_budget},
+                    "place": ctx.options.place, "bits": ctx.options.bits, "memory_budget": ctx.options.memory_budget,
+                    "tensor_format": ctx.options.tensor_format},
         "model": {k: list(v) if isinstance(v, tuple) else v for k, v in g.meta},
         "weights": dict(weights_ref, bytes_by_format=dict(sorted(bytes_by_format.items()))),
         "passes": [r["pass"] for r in ctx.analyses.get("pass_records", []) if r["pass"] != "input"],

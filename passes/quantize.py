@@ -19,16 +19,51 @@ def quantize(g: Graph, ctx: PassContext) -> Graph:
     """Assign the --quant format (group-wise scales of --group-size) to linear-layer weights."""
     opts = ctx.options
     if opts.bits or opts.memory_budget:
-        return _adaptive(g, ctx)
-    fmt = get_format(opts.quant)
-    if fmt.name == "f32":
+        g = _adaptive(g, ctx)
+    else:
+        fmt = get_format(opts.quant)
+        if fmt.name != "f32":
+            gs = ctx.options.group_size if fmt.grouped else 0
+            g = g.with_(weights=tuple(
+                replace(w, fmt=fmt.name, group_size=gs)
+                if len(w.shape) >= 2 and all(quantizes(k) for k in w.sources) else w
+                for w in g.weights))
+    return _overrides(g, opts.tensor_format, opts.group_size)
+
+
+def parse_tensor_formats(rules: str) -> list[tuple[object, str]]:
+    """'REGEX=FMT,...' -> [(compiled regex, format)]; one clear error per bad rule."""
+    import re
+
+    from strata_compiler.errors import UsageError
+
+    out = []
+    for rule in filter(None, (r.strip() for r in rules.split(","))):
+        pat, sep, fmt = rule.rpartition("=")
+        if not sep or not pat:
+            raise UsageError(f"--tensor-format {rule!r}: use REGEX=FORMAT, e.g. 'L0\\..*=int8'")
+        get_format(fmt)
+        try:
+            out.append((re.compile(pat), fmt))
+        except re.error as e:
+            raise UsageError(f"--tensor-format {rule!r}: bad regular expression ({e})") from None
+    return out
+
+
+def _overrides(g: Graph, rules: str, group_size: int) -> Graph:
+    """--tensor-format: the first rule whose regex matches (re.search) a weight's name sets its
+    format (matrices of linear layers only, as --quant)."""
+    if not rules:
         return g
-    gs = ctx.options.group_size if fmt.grouped else 0
-    weights = tuple(
-        replace(w, fmt=fmt.name, group_size=gs)
-        if len(w.shape) >= 2 and all(quantizes(k) for k in w.sources) else w
-        for w in g.weights)
-    return g.with_(weights=weights)
+    parsed = parse_tensor_formats(rules)
+    out = []
+    for w in g.weights:
+        for pat, fmt in parsed:
+            if pat.search(w.name) and len(w.shape) >= 2 and all(quantizes(k) for k in w.sources):
+                w = replace(w, fmt=fmt, group_size=group_size if get_format(fmt).grouped else 0)
+                break
+        out.append(w)
+    return g.with_(weights=tuple(out))
 
 
 def _quantizable(g: Graph) -> list:

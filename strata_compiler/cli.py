@@ -45,6 +45,9 @@ def stratac() -> None:
                    "Best with --calib. Replaces --quant.")
 @click.option("--memory-budget", default="", metavar="SIZE",
               help="Layer-adaptive quantization within SIZE bytes of weights in all (e.g. 800MiB); replaces --quant.")
+@click.option("--tensor-format", default="", metavar="RULES",
+              help="Per-weight format overrides, applied last: REGEX=FORMAT,... on weight names as `stratac "
+                   "inspect` shows them, first match wins (e.g. 'L0\\.=int8,moe.down=int4').")
 @click.option("--dump-dir", type=click.Path(path_type=Path),
               help="Write the IR after each pass as NNN.<level>.<pass>.txt/.dot plus index.json.")
 @click.option("--dump-after", default="all", show_default=True,
@@ -59,7 +62,7 @@ def stratac() -> None:
                    "e.g. 'experts=cpu,all=gpu'. gpu ops run on xla, cpu ops on the CPU backend.")
 @debug_option
 def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, calib: Path | None, calib_tokens: int,
-                bits: float | None, memory_budget: str, dump_dir: Path | None, dump_after: str, stop_after: str | None, backend: str, place: str,
+                bits: float | None, memory_budget: str, tensor_format: str, dump_dir: Path | None, dump_after: str, stop_after: str | None, backend: str, place: str,
                 debug: bool) -> None:
     """Compile MODEL_DIR (config.json, *.safetensors, tokenizer.json) into a plan.
 
@@ -88,7 +91,11 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
         raise UsageError("--bits and --memory-budget both set the size; use one of them")
     opts = CompileOptions(quant=quant, group_size=group_size, backend=backend, place=place,
                           calib=str(calib) if calib else "", calib_tokens=calib_tokens, bits=bits or 0.0,
-                          memory_budget=memory_budget)
+                          memory_budget=memory_budget, tensor_format=tensor_format)
+    if tensor_format:
+        from .passes.quantize import parse_tensor_formats
+
+        parse_tensor_formats(tensor_format)   # a bad rule fails before any work
     show = sys.stderr.isatty()
     total = weight_source_bytes(model_dir) if show and model_dir.is_dir() else 0
     bar = click.progressbar(length=max(total, 1), label="converting weights", file=sys.stderr, width=30)

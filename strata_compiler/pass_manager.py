@@ -32,6 +32,7 @@ class CompileOptions:
     calib_ctx: int = 512         # tokens per calibration chunk
     bits: float = 0.0            # --bits: layer-adaptive formats at this average bits per weight
     memory_budget: str = ""      # --memory-budget: layer-adaptive formats within this many weight bytes
+    tensor_format: str = ""      # --tensor-format REGEX=FMT,...: per-weight overrides, applied last
 
 
 @dataclass

@@ -123,3 +123,23 @@ def test_bad_budget_flags(demo, tmp_path, capsys, args, msg):  # noqa: F811
     rc = run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "p"), *args])
     err = capsys.readouterr().err
     assert rc != 0 and msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_tensor_format_overrides(demo, tmp_path):  # noqa: F811
+    d, _ = demo
+    out = tmp_path / "p"
+    assert run_cli(stratac, ["compile", str(d), "-o", str(out), "--quant", "int4",
+                             "--tensor-format", r"L0\.attn=int8,moe\.down=int3"]) == 0
+    ws = {w.name: w for w in load_plan(out).graph.weights}
+    assert ws["L0.attn.q_k_v"].fmt == "int8" and ws["L1.attn.q_k_v"].fmt == "int4"
+    assert all(w.fmt == "int3" for n, w in ws.items() if n.endswith("moe.down"))
+    assert ws["embed"].fmt == "f32"      # only linear-layer matrices take formats
+
+
+@pytest.mark.parametrize("rule,msg", [("L0=int9", "unknown weight format 'int9'"), ("nofmt", "use REGEX=FORMAT"),
+                                      ("(=int4", "bad regular expression")])
+def test_bad_tensor_format_rules(demo, tmp_path, capsys, rule, msg):  # noqa: F811
+    d, _ = demo
+    rc = run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "p"), "--tensor-format", rule])
+    err = capsys.readouterr().err
+    assert rc != 0 and msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,124 @@
+"""Quality of layer-adaptive quantization against uniform formats at equal weight bytes.
+
+    python benchmarks/laq_quality.py MODEL --calib CALIB.txt --text HELDOUT.txt
+        [--work-dir /tmp/laq_bench] [--ctx 512] [--chunks 8] [--calib-tokens 4096]
+        [--variants int4,laq:4.5,int3,laq:3.5] [--extra NAME=PLAN_OR_GGUF ...] [--json OUT]
+
+MODEL is a Hugging Face folder or a .gguf file. The f32 compile of MODEL is the reference;
+every variant is compiled from MODEL (uniform: `--quant FMT`; `laq:B`: `--bits B --calib CALIB`)
+and measured with `stratac eval` on the held-out text (llama.cpp's --kl-divergence conventions:
+mean and 99th-percentile KL against the reference, top-1 agreement, perplexity). `--extra`
+adds other plans or GGUF files (e.g. llama.cpp's own Q4_K_M mix, compiled at f32 so its
+dequantized weights are measured). The table gives the bytes of the linear layers' weights
+(what --bits budgets; embeddings, norms and routers stay as they are) and of the whole plan.
+Calibration and held-out text must not overlap: pass different documents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def stratac(*args: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "strata_compiler.cli", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"stratac {' '.join(args)} failed:\n{r.stderr}")
+    return r.stdout
+
+
+def linear_bytes(plan_dir: Path) -> tuple[int, int]:
+    """(bytes, parameters) of the weights `formats.quantizes` selects (what --bits budgets)."""
+    import numpy as np
+
+    from strata_compiler.formats import get_format, quantizes
+    from strata_compiler.runtime.plan import load_plan
+
+    plan = load_plan(plan_dir, verify_weights="none")
+    ws = [w for w in plan.graph.weights if len(w.shape) >= 2 and all(quantizes(k) for k in w.sources)]
+    return (sum(get_format(w.fmt).nbytes(w.shape, w.group_size or 32) for w in ws),
+            sum(int(np.prod(w.shape)) for w in ws))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--calib", type=Path, required=True)
+    ap.add_argument("--text", type=Path, required=True)
+    ap.add_argument("--work-dir", type=Path, default=Path("/tmp/laq_bench"))
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--calib-tokens", type=int, default=4096)
+    ap.add_argument("--variants", default="int4,laq:4.5,int3,laq:3.5")
+    ap.add_argument("--extra", action="append", default=[], metavar="NAME=PATH")
+    ap.add_argument("--backend", default="llvm")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    a.work_dir.mkdir(parents=True, exist_ok=True)
+    ref = a.work_dir / "ref-f32"
+    if not (ref / "plan.bin").exists():
+        log("compiling the f32 reference")
+        stratac("compile", str(a.model), "-o", str(ref), "--quant", "f32")
+    plans: dict[str, Path] = {}
+    for v in a.variants.split(","):
+        out = a.work_dir / v.replace(":", "-")
+        if not (out / "plan.bin").exists():
+            t0 = time.time()
+            if v.startswith("laq:"):
+                stratac("compile", str(a.model), "-o", str(out), "--bits", v[4:], "--calib", str(a.calib),
+                        "--calib-tokens", str(a.calib_tokens), "--dump-dir", str(out / "dump"),
+                        "--dump-after", "quantize")
+            else:
+                stratac("compile", str(a.model), "-o", str(out), "--quant", v)
+            log(f"compiled {v} in {time.time() - t0:.0f} s")
+        plans[v] = out
+    for item in a.extra:
+        name, _, path = item.partition("=")
+        p = Path(path)
+        if p.suffix == ".gguf":
+            out = a.work_dir / f"extra-{name}"
+            if not (out / "plan.bin").exists():
+                stratac("compile", str(p), "-o", str(out), "--quant", "f32")
+            p = out
+        plans[name] = p
+    rows = []
+    for name, p in plans.items():
+        t0 = time.time()
+        r = json.loads(stratac("eval", str(p), "--reference", str(ref), "--text", str(a.text), "--ctx", str(a.ctx),
+                               "--chunks", str(a.chunks), "--backend", a.backend, "--json"))
+        lb, params = linear_bytes(p)
+        r.update(variant=name, linear_bytes=lb, linear_bpw=8.0 * lb / params)
+        rows.append(r)
+        log(f"{name}: mean KL {r['mean_kl']:.5f} ({time.time() - t0:.0f} s)")
+    base = {r["variant"]: r for r in rows}
+    print(f"\nmodel {a.model}; reference: its f32 compile; held-out {a.text.name}, ctx {a.ctx}, "
+          f"{rows[0]['tokens']} scored tokens; calibration {a.calib.name} ({a.calib_tokens} tokens)")
+    print(f"{'variant':12} {'linear MiB':>10} {'linear bpw':>10} {'plan MiB':>9} {'mean KL':>9} {'p99 KL':>8} "
+          f"{'top-1':>7} {'ppl':>8} {'ref ppl':>8}")
+    for r in rows:
+        print(f"{r['variant']:12} {r['linear_bytes'] / 2**20:10.2f} {r['linear_bpw']:10.3f} "
+              f"{r['weight_bytes'] / 2**20:9.2f} {r['mean_kl']:9.5f} {r['p99_kl']:8.4f} {r['top1']:7.4f} "
+              f"{r['ppl']:8.3f} {r['ref_ppl']:8.3f}")
+    for laq, uni in (("laq:4.5", "int4"), ("laq:3.5", "int3")):
+        if laq in base and uni in base:
+            x, y = base[laq], base[uni]
+            print(f"{laq} / {uni}: mean KL x{x['mean_kl'] / y['mean_kl']:.3f}, p99 KL x{x['p99_kl'] / y['p99_kl']:.3f}, "
+                  f"linear bytes x{x['linear_bytes'] / y['linear_bytes']:.4f}")
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
