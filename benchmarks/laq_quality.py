@@ -63,6 +63,10 @@ def main() -> int:
     ap.add_argument("--variants", default="int4,laq:4.5,int3,laq:3.5")
     ap.add_argument("--extra", action="append", default=[], metavar="NAME=PATH")
     ap.add_argument("--backend", default="llvm")
+    ap.add_argument("--sensitivity", type=int, default=0, metavar="N",
+                    help="also check the allocator's error proxy against measured KL: N tensors, each alone at "
+                         "--sensitivity-format (the rest f32); prints both and their rank correlation")
+    ap.add_argument("--sensitivity-format", default="int2")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     a.work_dir.mkdir(parents=True, exist_ok=True)
@@ -115,9 +119,43 @@ def main() -> int:
             x, y = base[laq], base[uni]
             print(f"{laq} / {uni}: mean KL x{x['mean_kl'] / y['mean_kl']:.3f}, p99 KL x{x['p99_kl'] / y['p99_kl']:.3f}, "
                   f"linear bytes x{x['linear_bytes'] / y['linear_bytes']:.4f}")
+    sens = sensitivity(a, ref) if a.sensitivity else None
     if a.json:
-        a.json.write_text(json.dumps(rows, indent=1))
+        a.json.write_text(json.dumps({"rows": rows, "sensitivity": sens}, indent=1))
     return 0
+
+
+def sensitivity(a, ref: Path) -> list[dict]:
+    """The proxy (laq.json's predicted error of one tensor at a format) against the KL measured
+    with only that tensor quantized: does the proxy rank tensors the way KL does?"""
+    import numpy as np
+
+    dumps = sorted(a.work_dir.glob("laq-*/dump/laq.json"))
+    if not dumps:
+        raise SystemExit("--sensitivity needs a laq:B variant (its dump holds the proxy errors)")
+    table = json.loads(dumps[0].read_text())["tensors"]
+    names = sorted(table)
+    pick = [names[i] for i in np.linspace(0, len(names) - 1, a.sensitivity).round().astype(int)]
+    out = []
+    for name in dict.fromkeys(pick):
+        d = a.work_dir / f"sens-{name}"
+        if not (d / "plan.bin").exists():
+            stratac("compile", str(a.model), "-o", str(d), "--quant", "f32", "--tensor-format",
+                    f"^{name.replace('.', chr(92) + '.')}$={a.sensitivity_format}")
+        r = json.loads(stratac("eval", str(d), "--reference", str(ref), "--text", str(a.text), "--ctx", str(a.ctx),
+                               "--chunks", str(max(1, a.chunks // 2)), "--backend", a.backend, "--json"))
+        proxy = table[name]["proxy"][a.sensitivity_format]
+        out.append({"tensor": name, "proxy": proxy, "mean_kl": r["mean_kl"]})
+        log(f"sensitivity {name}: proxy {proxy:.4g}, KL {r['mean_kl']:.5f}")
+    px = np.argsort(np.argsort([o["proxy"] for o in out]))
+    kl = np.argsort(np.argsort([o["mean_kl"] for o in out]))
+    rho = float(np.corrcoef(px, kl)[0, 1]) if len(out) > 2 else float("nan")
+    print(f"\nproxy vs measured KL, one tensor at {a.sensitivity_format} (the rest f32):")
+    print(f"{'tensor':24} {'proxy':>12} {'mean KL':>10}")
+    for o in out:
+        print(f"{o['tensor']:24} {o['proxy']:12.4g} {o['mean_kl']:10.5f}")
+    print(f"Spearman rank correlation: {rho:.3f} over {len(out)} tensors")
+    return out
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ class Calibration:
     freq: dict[int, np.ndarray] = field(default_factory=dict)    # moe layer -> tokens per expert
     wsum: dict[int, np.ndarray] = field(default_factory=dict)    # moe layer -> routing weight sums
     layer_of: dict[str, int] = field(default_factory=dict)       # expert weight -> its moe layer
+    probe_ids: np.ndarray | None = None                          # i64[1, T]: tokens for sensitivity probes
 
     def importance(self, weight: str) -> np.ndarray | None:
         """Mean square input per column: f32[K] or f32[E, K] (experts never routed get the
@@ -147,17 +148,30 @@ def read_calibration_text(path: Path) -> str:
 
 
 class _F32Weights:
-    """Weights straight from the checkpoint, f32, materialised on first use."""
+    """Weights straight from the checkpoint as f32, materialised on use; the most recently used
+    stay cached up to `budget` bytes, so calibrating a model larger than RAM re-reads instead of
+    running out of memory."""
 
-    def __init__(self, graph: Graph, store) -> None:
-        self.g, self.store, self.cache = graph, store, {}
+    def __init__(self, graph: Graph, store, budget: int = 4 << 30) -> None:
+        from collections import OrderedDict
+
+        self.g, self.store, self.budget = graph, store, budget
+        self.cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self.bytes = 0
 
     def get(self, name: str) -> np.ndarray:
         from strata_compiler.weights import materialize_f32
 
-        if name not in self.cache:
-            self.cache[name] = materialize_f32(self.g.weight(name), self.store)
-        return self.cache[name]
+        if name in self.cache:
+            self.cache.move_to_end(name)
+            return self.cache[name]
+        w = materialize_f32(self.g.weight(name), self.store)
+        self.cache[name] = w
+        self.bytes += w.nbytes
+        while self.bytes > self.budget and len(self.cache) > 1:
+            _, old = self.cache.popitem(last=False)
+            self.bytes -= old.nbytes
+        return w
 
 
 @register("calibrate", Level.TENSOR)
@@ -189,7 +203,9 @@ def calibrate(g: Graph, ctx: PassContext) -> Graph:
         cache = KVCache(meta["n_layers"], 1, meta["n_kv_heads"], meta["head_dim"], chunk.shape[1])
         exe.run(chunk, cache)
         calib.tokens += chunk.shape[1]
+    calib.probe_ids = ids[:min(ids.size, opts.calib_probe_tokens)][None]
     ctx.analyses["calibration"] = calib
+    ctx.analyses["calibration_weights"] = exe.w      # the f32 weights, reused by the sensitivity probe
     if ctx.dump_dir is not None:
         ctx.dump_dir.mkdir(parents=True, exist_ok=True)
         (ctx.dump_dir / "calibration.json").write_text(json.dumps(calib.summary(), indent=1, sort_keys=True))

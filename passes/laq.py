@@ -74,6 +74,68 @@ def measure(spec, store, calib, group_size: int, candidates=CANDIDATES, max_rows
     return opts
 
 
+PROBE_FORMAT = "int3"
+
+
+def sensitivity(graph, weights, calib, group_size: int, names: list[str], probe: str = PROBE_FORMAT,
+                progress=None) -> dict[str, float]:
+    """Measured sensitivity: the mean KL(f32 || perturbed) of the next-token distributions over
+    the calibration probe tokens when only tensor t is stored at `probe` (the rest f32)."""
+    from strata_compiler.backends.reference.executor import ReferenceExecutor
+    from strata_compiler.runtime.kv_cache import KVCache
+
+    meta = dict(graph.meta)
+    ids = calib.probe_ids
+    f = get_format(probe)
+
+    class Perturbed:
+        target: str | None = None
+        value: np.ndarray | None = None
+
+        def get(self, name: str) -> np.ndarray:
+            return self.value if name == self.target else weights.get(name)
+
+    src = Perturbed()
+    exe = ReferenceExecutor(graph, src)
+
+    def log_probs() -> np.ndarray:
+        cache = KVCache(meta["n_layers"], 1, meta["n_kv_heads"], meta["head_dim"], ids.shape[1])
+        z = exe.run(ids, cache)[graph.outputs[0]].reshape(-1, meta["vocab_size"]).astype(np.float64)
+        z -= z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    ref = log_probs()
+    p_ref = np.exp(ref)
+    out = {}
+    for i, name in enumerate(names):
+        w = weights.get(name)
+        imp = calib.importance(name)
+        if imp is not None and imp.ndim == 2:
+            r = np.stack([f.roundtrip(w[e], group_size, imp[e]) for e in range(w.shape[0])])
+        else:
+            r = f.roundtrip(w, group_size, imp)
+        src.target, src.value = name, r
+        out[name] = float((p_ref * (ref - log_probs())).sum(-1).mean())
+        if progress:
+            progress(f"quantize: probed {i + 1}/{len(names)} tensors")
+    src.target = src.value = None
+    return out
+
+
+def calibrate_errors(options: dict[str, list[Option]], sens: dict[str, float],
+                     probe: str = PROBE_FORMAT) -> dict[str, list[Option]]:
+    """Scale each tensor's proxy errors so that its error at the probe format equals the KL
+    measured there: the proxy orders formats within a tensor, the probe says how much the
+    tensor matters to the output."""
+    out = {}
+    for name, opts in options.items():
+        at = next((o.error for o in opts if o.fmt == probe), 0.0)
+        s = sens.get(name)
+        k = s / at if (s is not None and at > 0) else 1.0
+        out[name] = [Option(o.fmt, o.nbytes, o.error * k) for o in opts]
+    return out
+
+
 def allocate(options: dict[str, list[Option]], budget: int, resolution: int = 20000) -> dict[str, Option]:
     """Pick one option per tensor: minimal total error with total bytes <= budget.
 

@@ -77,7 +77,7 @@ def _adaptive(g: Graph, ctx: PassContext) -> Graph:
     import numpy as np
 
     from strata_compiler.errors import UsageError
-    from strata_compiler.passes.laq import allocate, measure, parse_size
+    from strata_compiler.passes.laq import PROBE_FORMAT, allocate, calibrate_errors, measure, parse_size, sensitivity
 
     opts = ctx.options
     if ctx.store is None:
@@ -90,6 +90,12 @@ def _adaptive(g: Graph, ctx: PassContext) -> Graph:
         options[w.name] = measure(w, ctx.store, calib, gs)
         if ctx.progress:
             ctx.progress(f"quantize: measured {i + 1}/{len(todo)} tensors")
+    raw = options
+    sens = None
+    if calib is not None and calib.probe_ids is not None and opts.calib_probe_tokens > 0:
+        sens = sensitivity(g, ctx.analyses["calibration_weights"], calib, gs, [w.name for w in todo],
+                           progress=ctx.progress)
+        options = calibrate_errors(options, sens)
     params = sum(int(np.prod(w.shape)) for w in todo)
     if opts.bits:
         budget = int(opts.bits / 8.0 * params)
@@ -101,8 +107,11 @@ def _adaptive(g: Graph, ctx: PassContext) -> Graph:
                              f"routers) alone take {fixed} bytes; raise the budget")
     choice = allocate(options, budget)
     table = {n: {"fmt": o.fmt, "bytes": o.nbytes, "error": o.error,
-                 "options": {x.fmt: [x.nbytes, x.error] for x in options[n]}} for n, o in choice.items()}
-    ctx.analyses["laq"] = {"budget": budget, "params": params, "tensors": table}
+                 "options": {x.fmt: [x.nbytes, x.error] for x in options[n]},
+                 "proxy": {x.fmt: x.error for x in raw[n]}} for n, o in choice.items()}
+    ctx.analyses["laq"] = {"budget": budget, "params": params, "tensors": table,
+                           "error_units": f"KL at {PROBE_FORMAT} (measured)" if sens else "activation-weighted MSE",
+                           "sensitivity": sens}
     if ctx.dump_dir is not None:
         ctx.dump_dir.mkdir(parents=True, exist_ok=True)
         (ctx.dump_dir / "laq.json").write_text(json.dumps(ctx.analyses["laq"], indent=1, sort_keys=True))

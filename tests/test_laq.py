@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -86,7 +87,12 @@ def test_bits_budget_end_to_end(demo, tmp_path, monkeypatch):  # noqa: F811
     assert nbytes <= 4.0 / 8 * params
     assert nbytes >= 0.97 * 4.0 / 8 * params          # the budget is spent
     assert len({w.fmt for w in ws}) >= 2              # adaptive: not one format everywhere
-    assert (tmp_path / "dump" / "laq.json").exists()
+    laq = json.loads((tmp_path / "dump" / "laq.json").read_text())
+    # with --calib, each tensor's error is its measured KL at the probe format, scaled per format
+    assert laq["sensitivity"] and set(laq["sensitivity"]) == set(laq["tensors"])
+    for name, t in laq["tensors"].items():
+        assert t["options"]["int3"][1] == pytest.approx(laq["sensitivity"][name], rel=1e-9, abs=1e-15)
+        assert all(v >= 0 for v in t["proxy"].values())
     # the mixed plan runs, and the llvm kernels agree with the reference backend (exact f32
     # activations: the default q8 activations of int8/int4 round x)
     from strata_compiler.runtime.session import Session
