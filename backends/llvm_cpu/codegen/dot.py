@@ -87,6 +87,19 @@ def _grouped_f32act_dot(fmt: str, NG: int, G: int) -> str:
   %t0 = fmul {vec(H, 'float')} %lof, %xl
   %t = call {vec(H, 'float')} @llvm.fma.v{H}f32({vec(H, 'float')} %hif, {vec(H, 'float')} %xh, {vec(H, 'float')} %t0)"""
         n = H
+    return _group_loop(n, NG, f"""  %g{G} = mul nuw nsw i64 %g, {G}
+  %g{H} = mul nuw nsw i64 %g, {H}
+{body}
+  %sp = getelementptr inbounds half, ptr %s, i64 %g
+  %sh = load half, ptr %sp, align 2
+  %d = fpext half %sh to float
+  %d0 = insertelement {vec(n, 'float')} poison, float %d, i64 0
+  %dv = shufflevector {vec(n, 'float')} %d0, {vec(n, 'float')} poison, {vec(n, 'i32')} zeroinitializer""", "%t", "%dv")
+
+
+def _group_loop(n: int, NG: int, body: str, a: str, b: str) -> str:
+    """A loop over the NG groups of a row: `body` (which may use %g) defines the <n x float>
+    values a and b, accumulated as acc += a * b; the function returns the sum of acc."""
     V = vec(n, "float")
     return f"""
 entry:
@@ -94,15 +107,8 @@ entry:
 loop:
   %g = phi i64 [0, %entry], [%g1, %loop]
   %acc = phi {V} [zeroinitializer, %entry], [%acc1, %loop]
-  %g{G} = mul nuw nsw i64 %g, {G}
-  %g{H} = mul nuw nsw i64 %g, {H}
 {body}
-  %sp = getelementptr inbounds half, ptr %s, i64 %g
-  %sh = load half, ptr %sp, align 2
-  %d = fpext half %sh to float
-  %d0 = insertelement {V} poison, float %d, i64 0
-  %dv = shufflevector {V} %d0, {V} poison, {vec(n, 'i32')} zeroinitializer
-  %acc1 = call {V} @llvm.fma.v{n}f32({V} %t, {V} %dv, {V} %acc)
+  %acc1 = call {V} @llvm.fma.v{n}f32({V} {a}, {V} {b}, {V} %acc)
   %g1 = add nuw nsw i64 %g, 1
   %done = icmp eq i64 %g1, {NG}
   br i1 %done, label %exit, label %loop
@@ -204,25 +210,10 @@ def _decode_group(fmt: str, G: int) -> str:
 
 def _decoded_f32act_dot(fmt: str, NG: int, G: int) -> str:
     """Formats decoded group by group to f32 (int4a, int3, int2, fp8) against f32 activations."""
-    V = vec(G, "float")
-    return f"""
-entry:
-  br label %loop
-loop:
-  %g = phi i64 [0, %entry], [%g1, %loop]
-  %acc = phi {V} [zeroinitializer, %entry], [%acc1, %loop]
-{_decode_group(fmt, G)}
+    return _group_loop(G, NG, f"""{_decode_group(fmt, G)}
   %xo = mul nuw nsw i64 %g, {G}
   %xp = getelementptr inbounds float, ptr %x, i64 %xo
-  %xv = load {V}, ptr %xp, align 4
-  %acc1 = call {V} @llvm.fma.v{G}f32({V} %wv, {V} %xv, {V} %acc)
-  %g1 = add nuw nsw i64 %g, 1
-  %done = icmp eq i64 %g1, {NG}
-  br i1 %done, label %exit, label %loop
-exit:
-{_reduce(G, '%acc1', '%r')}
-  ret float %r
-}}"""
+  %xv = load {vec(G, 'float')}, ptr %xp, align 4""", "%wv", "%xv")
 
 
 def _idot(target: Target, width: int, u: str, s: str, out: str) -> str:
