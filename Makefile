@@ -1,12 +1,13 @@
 # Two commands do everything on a fresh machine:
-#   make run    venv + install, build the demo model, compile it, generate text
+#   make run    venv + install, compile the bundled tiny MoE (examples/models/tiny-moe), generate text
 #   make test   venv + install with the test extras (torch CPU, transformers), run the tests
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 DEMO   ?= demo
 QUANT  ?= int8
-PROMPT ?= The old lighthouse keeper
+MODEL  ?= examples/models/tiny-moe
+PROMPT ?= The Python interpreter
 
 .PHONY: run test install clean
 
@@ -22,8 +23,7 @@ $(VENV)/.test-installed: $(VENV)/.installed
 install: $(VENV)/.installed
 
 run: $(VENV)/.installed
-	$(BIN)/python examples/make_demo_model.py $(DEMO)/model
-	$(BIN)/stratac compile $(DEMO)/model -o $(DEMO)/plan --quant $(QUANT)
+	$(BIN)/stratac compile $(MODEL) -o $(DEMO)/plan --quant $(QUANT)
 	$(BIN)/strata-run $(DEMO)/plan/plan.bin --prompt "$(PROMPT)" --max-new-tokens 32
 
 test: $(VENV)/.test-installed
