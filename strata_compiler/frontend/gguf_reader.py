@@ -114,17 +114,10 @@ class GGUFTensorStore:
 
     def iter_row_blocks(self, key: str, block_bytes: int = 16 << 20) -> Iterator[np.ndarray]:
         """The tensor as f32 row blocks of about `block_bytes` (of f32) each (whole heads for q/k)."""
+        from .safetensors_reader import row_blocks
+
         t = self.infos[key]
-        if len(t.shape) <= 1:
-            yield self.read_rows(key, 0, 1)
-            return
-        row_f32 = 4 * int(np.prod(t.shape[1:], dtype=np.int64))
-        step = max(1, block_bytes // max(row_f32, 1))
-        if t.permute_heads:
-            hd = self._head_dim(t)
-            step = max(hd, step - step % hd)
-        for r0 in range(0, t.shape[0], step):
-            yield self.read_rows(key, r0, min(t.shape[0], r0 + step))
+        yield from row_blocks(self, key, t.shape, block_bytes, self._head_dim(t) if t.permute_heads else 1)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -130,11 +130,18 @@ class TensorStore:
 
     def iter_row_blocks(self, key: str, block_bytes: int = 16 << 20) -> Iterator[np.ndarray]:
         """The tensor as f32 row blocks of about `block_bytes` (of f32) each."""
-        t = self.infos[key]
-        if len(t.shape) <= 1:
-            yield self.read_rows(key, 0, 1)
-            return
-        row_f32 = 4 * int(np.prod(t.shape[1:], dtype=np.int64))
-        step = max(1, block_bytes // max(row_f32, 1))
-        for r0 in range(0, t.shape[0], step):
-            yield self.read_rows(key, r0, min(t.shape[0], r0 + step))
+        yield from row_blocks(self, key, self.infos[key].shape, block_bytes)
+
+
+def row_blocks(store, key: str, shape, block_bytes: int, align: int = 1) -> Iterator[np.ndarray]:
+    """store.read_rows(key, r0, r1) over consecutive row ranges of about `block_bytes` of f32
+    each, a multiple of `align` rows (a 1-D tensor is one block)."""
+    if len(shape) <= 1:
+        yield store.read_rows(key, 0, 1)
+        return
+    row_f32 = 4 * int(np.prod(shape[1:], dtype=np.int64))
+    step = max(1, block_bytes // max(row_f32, 1))
+    if align > 1:
+        step = max(align, step - step % align)
+    for r0 in range(0, shape[0], step):
+        yield store.read_rows(key, r0, min(shape[0], r0 + step))
