@@ -62,8 +62,8 @@ def stratac() -> None:
                    "e.g. 'experts=cpu,all=gpu'. gpu ops run on xla, cpu ops on the CPU backend.")
 @debug_option
 def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, calib: Path | None, calib_tokens: int,
-                bits: float | None, memory_budget: str, tensor_format: str, dump_dir: Path | None, dump_after: str, stop_after: str | None, backend: str, place: str,
-                debug: bool) -> None:
+                bits: float | None, memory_budget: str, tensor_format: str, dump_dir: Path | None,
+                dump_after: str, stop_after: str | None, backend: str, place: str, debug: bool) -> None:
     """Compile MODEL_DIR (config.json, *.safetensors, tokenizer.json) into a plan.
 
     \b
