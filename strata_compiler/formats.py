@@ -139,29 +139,33 @@ def _int4_dequantize(a: Arrays, k: int, group_size: int) -> np.ndarray:
 _CANDIDATES = np.concatenate([[1.0], np.linspace(0.7, 1.1, 17)]).astype(np.float32)
 
 
-def _search(g: np.ndarray, imp: np.ndarray | None, qmin: int, qmax: int, asym: bool,
-            base: np.ndarray, lo: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
-    """Per-group scale (and minimum) minimising sum imp * (w - deq(w))^2 over candidates
-    base * f, f in _CANDIDATES (the minimum stays the group's own); returns f16 d (and m).
-    The first candidate wins ties, so the search is never worse than the plain rule."""
+def _f16_scale(x: np.ndarray) -> np.ndarray:
+    return np.minimum(x, np.float32(65504.0)).astype(np.float16)
+
+
+def _inverse(d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(d as f32 [..., 1], 1/d with 0 where d == 0)."""
+    d32 = d.astype(np.float32)[..., None]
+    return d32, np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 != 0)
+
+
+def _search(g: np.ndarray, imp: np.ndarray | None, base: np.ndarray, roundtrip) -> np.ndarray:
+    """Per-group f16 scale minimising sum imp * (w - roundtrip(d))^2 over candidates base * f,
+    f in _CANDIDATES (`roundtrip(d)` gives the group's values as stored with scales d). The
+    first candidate (the plain rule) wins ties, so the search is never worse than it."""
     if imp is None:
-        d = np.minimum(base, np.float32(65504.0)).astype(np.float16)
-        return d, (None if lo is None else lo.astype(np.float16))
+        return _f16_scale(base)
     best_err = best_d = None
     for f in _CANDIDATES:
-        d = np.minimum(base * f, np.float32(65504.0)).astype(np.float16)
-        d32 = d.astype(np.float32)[..., None]
-        inv = np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 != 0)
-        m32 = 0.0 if lo is None else lo.astype(np.float16).astype(np.float32)[..., None]
-        q = np.clip(np.rint((g - m32) * inv), qmin, qmax)
-        err = (imp * (g - (q * d32 + m32)) ** 2).sum(-1)
+        d = _f16_scale(base * f)
+        err = (imp * (g - roundtrip(d)) ** 2).sum(-1)
         if best_err is None:
             best_err, best_d = err, d
         else:
             better = err < best_err
             best_err = np.where(better, err, best_err)
             best_d = np.where(better, d, best_d)
-    return best_d, (None if lo is None else lo.astype(np.float16))
+    return best_d
 
 
 def _imp_groups(importance: np.ndarray | None, k: int, group_size: int) -> np.ndarray | None:
@@ -174,16 +178,20 @@ def _imp_groups(importance: np.ndarray | None, k: int, group_size: int) -> np.nd
 
 
 def _codes(g: np.ndarray, d: np.ndarray, m: np.ndarray | None, qmin: int, qmax: int) -> np.ndarray:
-    d32 = d.astype(np.float32)[..., None]
-    inv = np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 != 0)
+    _, inv = _inverse(d)
     m32 = 0.0 if m is None else m.astype(np.float32)[..., None]
     return np.clip(np.rint((g - m32) * inv), qmin, qmax)
 
 
+def _int_roundtrip(g: np.ndarray, m: np.ndarray | None, qmin: int, qmax: int):
+    """d -> the group's values stored as integer codes with scales d (and minima m)."""
+    m32 = 0.0 if m is None else m.astype(np.float32)[..., None]
+    return lambda d: _codes(g, d, m, qmin, qmax) * _inverse(d)[0] + m32
+
+
 def _sym(g, imp, qmax_abs: int, qmin: int, qmax: int):
     """Symmetric: d from absmax / qmax_abs (or the importance search), codes in [qmin, qmax]."""
-    base = np.abs(g).max(axis=-1) / qmax_abs
-    d, _ = _search(g, imp, qmin, qmax, False, base, None)
+    d = _search(g, imp, np.abs(g).max(axis=-1) / qmax_abs, _int_roundtrip(g, None, qmin, qmax))
     return d, _codes(g, d, None, qmin, qmax)
 
 
@@ -191,7 +199,8 @@ def _asym(g, imp, levels: int):
     """Asymmetric: m = min, d = (max - min) / levels (or the search), codes in [0, levels]."""
     lo = g.min(axis=-1).astype(np.float32)
     hi = g.max(axis=-1).astype(np.float32)
-    d, m = _search(g, imp, 0, levels, True, (hi - lo) / levels, lo)
+    m = lo.astype(np.float16)
+    d = _search(g, imp, (hi - lo) / levels, _int_roundtrip(g, m, 0, levels))
     return d, m, _codes(g, d, m, 0, levels)
 
 
@@ -301,24 +310,14 @@ def _fp8_values(b: np.ndarray) -> np.ndarray:
 
 def _fp8_quantize(w, group_size, importance=None):
     g = _grid(w, group_size, 1, "fp8")
-    base = np.abs(g).max(axis=-1) / np.float32(FP8_MAX)
-    imp = _imp_groups(importance, w.shape[-1], group_size)
-    d = np.minimum(base, np.float32(65504.0)).astype(np.float16)
-    if imp is not None:
-        best = None
-        for f in _CANDIDATES:
-            dc = np.minimum(base * f, np.float32(65504.0)).astype(np.float16)
-            d32 = dc.astype(np.float32)[..., None]
-            inv = np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 != 0)
-            err = (imp * (g - _fp8_values(_fp8_codes(g * inv)) * d32) ** 2).sum(-1)
-            if best is None:
-                best, d = err, dc
-            else:
-                d = np.where(err < best, dc, d)
-                best = np.minimum(err, best)
-    d32 = d.astype(np.float32)[..., None]
-    inv = np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 != 0)
-    q = _fp8_codes(g * inv)
+
+    def roundtrip(d):
+        d32, inv = _inverse(d)
+        return _fp8_values(_fp8_codes(g * inv)) * d32
+
+    d = _search(g, _imp_groups(importance, w.shape[-1], group_size),
+                np.abs(g).max(axis=-1) / np.float32(FP8_MAX), roundtrip)
+    q = _fp8_codes(g * _inverse(d)[1])
     return {"qs": q.reshape(*q.shape[:-2], -1), "scales": d}
 
 
