@@ -4,13 +4,17 @@
         [--work-dir /tmp/laq_bench] [--ctx 512] [--chunks 8] [--calib-tokens 4096]
         [--variants int4,laq:4.5,int3,laq:3.5] [--extra NAME=PLAN_OR_GGUF ...] [--json OUT]
 
+Variants: `FMT` (uniform `--quant FMT`; `FMT/embed=FMT2` also stores the embedding table as FMT2),
+`laq:B` (`--bits B --calib CALIB`), `laq@NAME` (`--memory-budget` = the tensor bytes of the
+--extra GGUF called NAME: LAQ at exactly the size of, e.g., llama.cpp's own Q4_K_M file).
+
 MODEL is a Hugging Face folder or a .gguf file. The f32 compile of MODEL is the reference;
 every variant is compiled from MODEL (uniform: `--quant FMT`; `laq:B`: `--bits B --calib CALIB`)
 and measured with `stratac eval` on the held-out text (llama.cpp's --kl-divergence conventions:
 mean and 99th-percentile KL against the reference, top-1 agreement, perplexity). `--extra`
 adds other plans or GGUF files (e.g. llama.cpp's own Q4_K_M mix, compiled at f32 so its
-dequantized weights are measured). The table gives the bytes of the linear layers' weights
-(what --bits budgets; embeddings, norms and routers stay as they are) and of the whole plan.
+dequantized weights are measured). The table gives the bytes of the weights whose format LAQ
+decides (linear layers and the embedding table: what --bits budgets) and of the whole plan.
 Calibration and held-out text must not overlap: pass different documents.
 """
 
@@ -38,15 +42,22 @@ def stratac(*args: str) -> str:
     return r.stdout
 
 
+def gguf_tensor_bytes(path: Path) -> int:
+    """The bytes of a GGUF file's tensor data (its size less metadata and tokenizer)."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+
+
 def linear_bytes(plan_dir: Path) -> tuple[int, int]:
-    """(bytes, parameters) of the weights `formats.quantizes` selects (what --bits budgets)."""
+    """(bytes, parameters) of the weights whose format LAQ decides (`formats.adaptive`)."""
     import numpy as np
 
-    from strata_compiler.formats import get_format, quantizes
+    from strata_compiler.formats import adaptive, get_format
     from strata_compiler.runtime.plan import load_plan
 
     plan = load_plan(plan_dir, verify_weights="none")
-    ws = [w for w in plan.graph.weights if len(w.shape) >= 2 and all(quantizes(k) for k in w.sources)]
+    ws = [w for w in plan.graph.weights if adaptive(w)]
     return (sum(get_format(w.fmt).nbytes(w.shape, w.group_size or 32) for w in ws),
             sum(int(np.prod(w.shape)) for w in ws))
 
@@ -75,16 +86,25 @@ def main() -> int:
         log("compiling the f32 reference")
         stratac("compile", str(a.model), "-o", str(ref), "--quant", "f32")
     plans: dict[str, Path] = {}
+    extras = dict(item.partition("=")[::2] for item in a.extra)
     for v in a.variants.split(","):
-        out = a.work_dir / v.replace(":", "-")
+        out = a.work_dir / v.replace(":", "-").replace("/", "-").replace("=", "-").replace("@", "-at-")
         if not (out / "plan.bin").exists():
             t0 = time.time()
+            laq = ["--calib", str(a.calib), "--calib-tokens", str(a.calib_tokens), "--dump-dir", str(out / "dump"),
+                   "--dump-after", "quantize"]
             if v.startswith("laq:"):
-                stratac("compile", str(a.model), "-o", str(out), "--bits", v[4:], "--calib", str(a.calib),
-                        "--calib-tokens", str(a.calib_tokens), "--dump-dir", str(out / "dump"),
-                        "--dump-after", "quantize")
+                stratac("compile", str(a.model), "-o", str(out), "--bits", v[4:], *laq)
+            elif v.startswith("laq@"):
+                if v[4:] not in extras or not extras[v[4:]].endswith(".gguf"):
+                    raise SystemExit(f"variant {v}: pass the GGUF as --extra {v[4:]}=FILE.gguf")
+                budget = gguf_tensor_bytes(Path(extras[v[4:]]))
+                log(f"{v}: memory budget {budget} B (tensor bytes of {extras[v[4:]]})")
+                stratac("compile", str(a.model), "-o", str(out), "--memory-budget", str(budget), *laq)
             else:
-                stratac("compile", str(a.model), "-o", str(out), "--quant", v)
+                fmt, _, emb = v.partition("/embed=")
+                stratac("compile", str(a.model), "-o", str(out), "--quant", fmt,
+                        *(["--tensor-format", f"^embed$={emb}"] if emb else []))
             log(f"compiled {v} in {time.time() - t0:.0f} s")
         plans[v] = out
     for item in a.extra:
@@ -103,22 +123,33 @@ def main() -> int:
                                "--chunks", str(a.chunks), "--backend", a.backend, "--json"))
         lb, params = linear_bytes(p)
         r.update(variant=name, linear_bytes=lb, linear_bpw=8.0 * lb / params)
+        if name in extras and extras[name].endswith(".gguf"):
+            r["gguf_tensor_bytes"] = gguf_tensor_bytes(Path(extras[name]))
         rows.append(r)
         log(f"{name}: mean KL {r['mean_kl']:.5f} ({time.time() - t0:.0f} s)")
     base = {r["variant"]: r for r in rows}
     print(f"\nmodel {a.model}; reference: its f32 compile; held-out {a.text.name}, ctx {a.ctx}, "
           f"{rows[0]['tokens']} scored tokens; calibration {a.calib.name} ({a.calib_tokens} tokens)")
-    print(f"{'variant':12} {'linear MiB':>10} {'linear bpw':>10} {'plan MiB':>9} {'mean KL':>9} {'p99 KL':>8} "
+    print("(decided = the weights LAQ chooses formats for: linear layers + embedding table; for a GGUF extra, "
+          "'size MiB' is its own tensor bytes, else the plan's weight bytes)")
+    print(f"{'variant':16} {'decided MiB':>11} {'decided bpw':>11} {'size MiB':>9} {'mean KL':>9} {'p99 KL':>8} "
           f"{'top-1':>7} {'ppl':>8} {'ref ppl':>8}")
     for r in rows:
-        print(f"{r['variant']:12} {r['linear_bytes'] / 2**20:10.2f} {r['linear_bpw']:10.3f} "
-              f"{r['weight_bytes'] / 2**20:9.2f} {r['mean_kl']:9.5f} {r['p99_kl']:8.4f} {r['top1']:7.4f} "
+        size = r.get("gguf_tensor_bytes", r["weight_bytes"])
+        print(f"{r['variant']:16} {r['linear_bytes'] / 2**20:11.2f} {r['linear_bpw']:11.3f} "
+              f"{size / 2**20:9.2f} {r['mean_kl']:9.5f} {r['p99_kl']:8.4f} {r['top1']:7.4f} "
               f"{r['ppl']:8.3f} {r['ref_ppl']:8.3f}")
-    for laq, uni in (("laq:4.5", "int4"), ("laq:3.5", "int3")):
+    for laq, uni in (("laq:4.5", "int4"), ("laq:3.5", "int3"), ("laq:4.5", "int4/embed=int4"),
+                     ("laq:3.5", "int3/embed=int3")):
         if laq in base and uni in base:
             x, y = base[laq], base[uni]
             print(f"{laq} / {uni}: mean KL x{x['mean_kl'] / y['mean_kl']:.3f}, p99 KL x{x['p99_kl'] / y['p99_kl']:.3f}, "
                   f"linear bytes x{x['linear_bytes'] / y['linear_bytes']:.4f}")
+    for v in base:
+        if v.startswith("laq@") and v[4:] in base:
+            x, y = base[v], base[v[4:]]
+            print(f"{v} / {v[4:]}: mean KL x{x['mean_kl'] / y['mean_kl']:.3f}, p99 KL x{x['p99_kl'] / y['p99_kl']:.3f}, "
+                  f"size x{x['weight_bytes'] / y.get('gguf_tensor_bytes', y['weight_bytes']):.4f}")
     sens = sensitivity(a, ref) if a.sensitivity else None
     if a.json:
         a.json.write_text(json.dumps({"rows": rows, "sensitivity": sens}, indent=1))

@@ -1,8 +1,9 @@
 """Layer-adaptive quantization: a storage format per weight tensor, from measured error, under a
 size budget (`stratac compile --bits B` or `--memory-budget SIZE`).
 
-For every quantizable weight t (the matrices `formats.quantizes` selects; fused weights such as
-q_k_v or gate_up are one tensor, so their parts share a format) and every candidate format f,
+For every weight t whose format it decides (`formats.adaptive`: the linear layers' matrices —
+fused weights such as q_k_v or gate_up are one tensor, so their parts share a format — and the
+token embedding table, which is the lm_head too in tied models) and every candidate format f,
 the pass measures
 
     err(t, f) = sum_e  a_e  sum_{n,k}  imp[e, k] * (W[e, n, k] - Q_f(W)[e, n, k])^2
@@ -29,6 +30,12 @@ from strata_compiler.errors import UsageError
 from strata_compiler.formats import get_format
 
 CANDIDATES = ("int2", "int3", "int4", "int4a", "fp8", "int8", "bf16")
+
+
+def candidates(spec) -> tuple[str, ...]:
+    """The formats the allocator may give a weight: every candidate, and for the embedding
+    table also f32 (it starts there; a generous budget may keep it)."""
+    return CANDIDATES + ("f32",) if spec.name == "embed" else CANDIDATES
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from strata_compiler.formats import get_format, quantizes
+from strata_compiler.formats import adaptive, get_format, quantizes
 from strata_compiler.ir import Graph, Level
 from strata_compiler.pass_manager import PassContext, register
 
@@ -52,14 +52,14 @@ def parse_tensor_formats(rules: str) -> list[tuple[object, str]]:
 
 def _overrides(g: Graph, rules: str, group_size: int) -> Graph:
     """--tensor-format: the first rule whose regex matches (re.search) a weight's name sets its
-    format (matrices of linear layers only, as --quant)."""
+    format (matrices of linear layers and the embedding table: formats.adaptive)."""
     if not rules:
         return g
     parsed = parse_tensor_formats(rules)
     out = []
     for w in g.weights:
         for pat, fmt in parsed:
-            if pat.search(w.name) and len(w.shape) >= 2 and all(quantizes(k) for k in w.sources):
+            if pat.search(w.name) and adaptive(w):
                 w = replace(w, fmt=fmt, group_size=group_size if get_format(fmt).grouped else 0)
                 break
         out.append(w)
@@ -67,7 +67,7 @@ def _overrides(g: Graph, rules: str, group_size: int) -> Graph:
 
 
 def _quantizable(g: Graph) -> list:
-    return [w for w in g.weights if len(w.shape) >= 2 and all(quantizes(k) for k in w.sources)]
+    return [w for w in g.weights if adaptive(w)]
 
 
 def _adaptive(g: Graph, ctx: PassContext) -> Graph:
@@ -77,7 +77,8 @@ def _adaptive(g: Graph, ctx: PassContext) -> Graph:
     import numpy as np
 
     from strata_compiler.errors import UsageError
-    from strata_compiler.passes.laq import PROBE_FORMAT, allocate, calibrate_errors, measure, parse_size, sensitivity
+    from strata_compiler.passes.laq import (PROBE_FORMAT, allocate, calibrate_errors, candidates, measure, parse_size,
+                                           sensitivity)
 
     opts = ctx.options
     if ctx.store is None:
@@ -87,7 +88,7 @@ def _adaptive(g: Graph, ctx: PassContext) -> Graph:
     calib = ctx.analyses.get("calibration")
     options = {}
     for i, w in enumerate(todo):
-        options[w.name] = measure(w, ctx.store, calib, gs)
+        options[w.name] = measure(w, ctx.store, calib, gs, candidates=candidates(w))
         if ctx.progress:
             ctx.progress(f"quantize: measured {i + 1}/{len(todo)} tensors")
     raw = options

@@ -41,7 +41,8 @@ def stratac() -> None:
               help="Use at most this many tokens of --calib text.")
 @click.option("--bits", type=click.FloatRange(min=2.0, max=16.0), default=None, metavar="B",
               help="Layer-adaptive quantization: a format per tensor (int2 ... bf16) minimising the measured "
-                   "error, at B bits per weight on average over the linear layers (scales included). "
+                   "error, at B bits per weight on average over the linear layers and the embedding table (scales "
+                   "included). "
                    "Best with --calib. Replaces --quant.")
 @click.option("--memory-budget", default="", metavar="SIZE",
               help="Layer-adaptive quantization within SIZE bytes of weights in all (e.g. 800MiB); replaces --quant.")

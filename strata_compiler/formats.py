@@ -415,3 +415,10 @@ _QUANTIZED_SUFFIXES = (
 def quantizes(hf_key: str) -> bool:
     """True when `--quant` applies to this Hugging Face weight (lm_head only when untied)."""
     return hf_key == "lm_head.weight" or hf_key.endswith(_QUANTIZED_SUFFIXES)
+
+
+def adaptive(spec) -> bool:
+    """True when layer-adaptive quantization (`--bits`, `--memory-budget`) and `--tensor-format`
+    choose this weight's format: the linear layers' matrices `quantizes` selects, and the token
+    embedding table (a row gather, and the lm_head as well when the model ties them)."""
+    return len(spec.shape) >= 2 and (spec.name == "embed" or all(quantizes(k) for k in spec.sources))

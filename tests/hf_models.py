@@ -301,14 +301,18 @@ def checkpoint_tensors(model) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def quantize_dequantize_model(model, fmt: str, group_size: int = 32) -> None:
+def quantize_dequantize_model(model, fmt: str, group_size: int = 32, *, embed_fmt: str | None = None) -> None:
     """In place: every weight `strata_compiler.formats.quantizes(key)` selects becomes
-    get_format(fmt).roundtrip(w[out, in] as f32, group_size), cast back to the model's dtype."""
+    get_format(fmt).roundtrip(w[out, in] as f32, group_size), cast back to the model's dtype;
+    with `embed_fmt` the token embedding table too (and so a tied lm_head), in that format."""
     from strata_compiler.formats import get_format, quantizes
 
-    f = get_format(fmt)
     for key, t in checkpoint_tensors(model).items():
-        if not quantizes(key):
+        if key == "model.embed_tokens.weight" and embed_fmt:
+            f = get_format(embed_fmt)
+        elif quantizes(key):
+            f = get_format(fmt)
+        else:
             continue
         if t.ndim != 2:
             raise AssertionError(f"{key}: expected a matrix, got shape {tuple(t.shape)}")

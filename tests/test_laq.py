@@ -70,9 +70,9 @@ def test_parse_size_rejects(text):
 
 
 def _quantized_bytes(plan):
-    from strata_compiler.formats import quantizes
+    from strata_compiler.formats import adaptive
 
-    ws = [w for w in plan.graph.weights if len(w.shape) >= 2 and all(quantizes(k) for k in w.sources)]
+    ws = [w for w in plan.graph.weights if adaptive(w)]
     nbytes = sum(get_format(w.fmt).nbytes(w.shape, w.group_size or 32) for w in ws)
     return nbytes, sum(int(np.prod(w.shape)) for w in ws), ws
 
@@ -87,6 +87,7 @@ def test_bits_budget_end_to_end(demo, tmp_path, monkeypatch):  # noqa: F811
     assert nbytes <= 4.0 / 8 * params
     assert nbytes >= 0.97 * 4.0 / 8 * params          # the budget is spent
     assert len({w.fmt for w in ws}) >= 2              # adaptive: not one format everywhere
+    assert "embed" in {w.name for w in ws}            # the embedding table is decided too
     laq = json.loads((tmp_path / "dump" / "laq.json").read_text())
     # with --calib, each tensor's error is its measured KL at the probe format, scaled per format
     assert laq["sensitivity"] and set(laq["sensitivity"]) == set(laq["tensors"])

@@ -35,3 +35,25 @@ def test_lowbit_plan_matches_transformers_on_dequantized_weights(quantized, back
     err = np.abs(logits - ref).max() / ref.std()
     assert err <= 1e-4, f"{fmt} on {backend}: {err:.2e} x std"
     np.testing.assert_array_equal(tokens, ref_tokens)
+
+
+@pytest.fixture(scope="module")
+def quantized_embedding(tmp_path_factory):
+    """A tied Llama with its embedding table (and so its lm_head) at int4a, the rest int3
+    (formats whose llvm kernels take f32 activations, so 1e-4 holds)."""
+    model_dir = build_model("llama", tmp_path_factory.mktemp("tied") / "model", tie_word_embeddings=True)
+    model = load_model(model_dir)
+    quantize_dequantize_model(model, "int3", 32, embed_fmt="int4a")
+    ids = clear_prompts(model, model.config.vocab_size, n_prompts=1, length=6, n_new=8, seed=3)[0]
+    plan = tmp_path_factory.mktemp("tied_plan") / "plan"
+    compile_plan(model_dir, plan, "--quant", "int3", "--tensor-format", "^embed$=int4a")
+    return plan, ids, hf_logits(model, ids), hf_greedy(model, ids, 8)[0]
+
+
+@pytest.mark.parametrize("backend", ["reference", "llvm", "xla"])
+def test_quantized_embedding_table_matches_transformers(quantized_embedding, backend, tmp_path):
+    plan, ids, ref, ref_tokens = quantized_embedding
+    logits, tokens = run_plan(plan, ids, tmp_path, n_new=8, backend=backend)
+    err = np.abs(logits - ref).max() / ref.std()
+    assert err <= 1e-4, f"int4a embedding on {backend}: {err:.2e} x std"
+    np.testing.assert_array_equal(tokens, ref_tokens)

@@ -256,6 +256,16 @@ def _bind_input(exe: LLVMExecutor, n: Node):
 
 
 def _bind_embed(exe: LLVMExecutor, n: Node):
+    spec = exe.g.weight(n.weight("table"))
+    if spec.fmt != "f32":   # a quantized table: gather the stored rows, decode them with formats.py
+        from strata_compiler.formats import get_format
+        f, arrays = get_format(spec.fmt), exe.w.arrays(spec.name)
+
+        def prepare_q(frame: Frame):
+            out = frame.out(n)
+            return lambda step: out.__setitem__(slice(None), f.dequantize(
+                {k: v[frame.ids] for k, v in arrays.items()}, spec.shape[-1], spec.group_size or 32))
+        return prepare_q
     table, _ = exe.weight(n.weight("table"))
     D = table.shape[1]
     k = Kernel(exe.lib, ew.embed(D, exe.target))

@@ -139,6 +139,13 @@ class _Ctx:
         return jnp.einsum("...k,nk->...n", x.astype(w.dtype), w, precision=prec, preferred_element_type=jnp.float32)
 
 
+def _embed(c, n: Node, a):
+    """Gather the stored rows first, then decode only those (the table may be quantized)."""
+    spec = c.exe.g.weight(n.weight("table"))
+    rows = {k: v[a[0]] for k, v in c.params[spec.name].items()}
+    return dequantize(c.jnp, spec, rows, c.jnp.float32)
+
+
 def _rms(jnp, x, w, eps, group=0):
     shape = x.shape
     if group:
@@ -297,7 +304,7 @@ def _moe(c: _Ctx, n: Node, a: list):
 
 
 _OPS: dict[Op, Callable[[_Ctx, Node, list], object]] = {
-    Op.EMBED: lambda c, n, a: c.w(n, "table", c.jnp.float32)[a[0]],
+    Op.EMBED: _embed,
     Op.RMS_NORM: lambda c, n, a: _rms(c.jnp, a[0], c.w(n, "w", c.jnp.float32), n.attr("eps"), n.attr("group", 0)),
     Op.LINEAR: _linear,
     Op.FUSED_ATTENTION: _attention,
