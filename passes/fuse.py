@@ -30,7 +30,8 @@ def _merged_weight(rw: Rewriter, names: list[str]) -> str:
     ax = 1 if specs[0].experts else 0   # the output-row axis; stacked weights lead with E
     rows = sum(s.shape[ax] for s in specs)
     shape = specs[0].shape[:ax] + (rows,) + specs[0].shape[ax + 1:]
-    spec = WeightSpec(name, shape, tuple(k for s in specs for k in s.sources), specs[0].experts)
+    spec = WeightSpec(name, shape, tuple(k for s in specs for k in s.sources), specs[0].experts,
+                      expert_ids=specs[0].expert_ids)
     rw.weights[name] = spec
     return name
 

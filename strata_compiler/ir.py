@@ -98,7 +98,9 @@ class WeightSpec:
 
     `sources` are key templates concatenated along axis 0 (output rows); with `experts` > 0
     the result is stacked over a new leading axis E, `{e}` in each template standing for the
-    expert index. `fmt`/`group_size` say how it is stored in the plan (see formats.py).
+    expert index. `expert_ids`, when set, names the model's experts the stack holds, in order
+    (a subset: one moe_ffn node's share of a layer); otherwise they are 0..E-1.
+    `fmt`/`group_size` say how it is stored in the plan (see formats.py).
     """
 
     name: str
@@ -107,11 +109,17 @@ class WeightSpec:
     experts: int = 0
     fmt: str = "f32"
     group_size: int = 0
+    expert_ids: tuple[int, ...] = ()
+
+    def model_expert(self, index: int) -> int:
+        """The model's expert id at position `index` of the stack."""
+        return self.expert_ids[index] if self.expert_ids else index
 
     def source_keys(self, expert: int | None = None) -> tuple[str, ...]:
+        """The source keys of the stack's expert at position `expert` (None for plain weights)."""
         if self.experts:
             assert expert is not None
-            return tuple(s.replace("{e}", str(expert)) for s in self.sources)
+            return tuple(s.replace("{e}", str(self.model_expert(expert))) for s in self.sources)
         return self.sources
 
     def all_source_keys(self) -> Iterator[str]:

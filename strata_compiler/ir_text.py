@@ -4,6 +4,7 @@
     meta {arch="MixtralForCausalLM", n_layers=2}
     weight @L0.attn.qkv f32[128,64] fmt=int4 g=32 = ("model.layers.0.self_attn.q_proj.weight", ...)
     weight @L0.moe.gate_up f32[4,32,64] fmt=f32 g=0 = experts[4]("model.layers.0....{e}.w1.weight", ...)
+    weight @L0.moe.down.g1 f32[2,64,32] fmt=int4 g=32 = experts[2]{5,7}("model.layers.0....{e}.w2.weight")
     %0 = input_ids() : i64[B,T]
     %5 = linear(%4, w=@L0.attn.qkv, norm=@L0.ln1) {eps=1e-05, prologue="rms_norm"} : f32[B,T,128] @cpu reference -> %b2
     return %42
@@ -23,7 +24,7 @@ _NAME = r"[A-Za-z0-9_.\-]+"
 _TYPE = r"(?P<dtype>[a-z0-9]+)\[(?P<shape>[^\]]*)\]"
 _WEIGHT_RE = re.compile(
     rf"^weight @(?P<name>{_NAME}) {_TYPE} fmt=(?P<fmt>\w+) g=(?P<g>\d+) = "
-    rf"(?:experts\[(?P<experts>\d+)\])?\((?P<sources>.*)\)$")
+    rf"(?:experts\[(?P<experts>\d+)\](?:\{{(?P<ids>[\d,]+)\}})?)?\((?P<sources>.*)\)$")
 _NODE_RE = re.compile(
     rf"^%(?P<id>\d+) = (?P<op>\w+)\((?P<args>[^)]*)\)(?: \{{(?P<attrs>.*)\}})? : {_TYPE}"
     rf"(?: @(?P<device>\w+))?(?: (?P<backend>[a-z_]+))?(?: -> %b(?P<buffer>\d+))?$")
@@ -50,6 +51,8 @@ def print_graph(g: Graph) -> str:
     for w in g.weights:
         src = ", ".join(json.dumps(s) for s in w.sources)
         ex = f"experts[{w.experts}]" if w.experts else ""
+        if w.expert_ids:
+            ex += "{" + ",".join(str(i) for i in w.expert_ids) + "}"
         shape = ",".join(str(d) for d in w.shape)
         lines.append(f"weight @{w.name} f32[{shape}] fmt={w.fmt} g={w.group_size} = {ex}({src})")
     for n in g.nodes:
@@ -157,7 +160,11 @@ def parse_graph(text: str, source: str = "<ir>") -> Graph:
                 raise IRError(f"{where}: malformed weight sources") from None
             if not all(isinstance(s, str) for s in sources) or any(isinstance(d, str) for d in t.shape):
                 raise IRError(f"{where}: weight sources must be strings and shapes concrete")
-            weights.append(WeightSpec(m["name"], t.shape, sources, int(m["experts"] or 0), m["fmt"], int(m["g"])))
+            ids = tuple(int(i) for i in m["ids"].split(",")) if m["ids"] else ()
+            if ids and len(ids) != int(m["experts"]):
+                raise IRError(f"{where}: weight @{m['name']}: {len(ids)} expert ids for experts[{m['experts']}]")
+            weights.append(WeightSpec(m["name"], t.shape, sources, int(m["experts"] or 0), m["fmt"], int(m["g"]),
+                                      ids))
         elif line.startswith("%"):
             m = _NODE_RE.match(line)
             if not m:

@@ -130,6 +130,18 @@ def _check_shapes(g: Graph, n: Node) -> None:
         # MUL broadcasts a [..., 1] gate (Qwen2-MoE's shared-expert gate) over the last axis.
         if a != b and not (n.op is Op.MUL and a[:-1] == b[:-1] and 1 in (a[-1], b[-1])):
             raise _Fail(n.id, f"operand shapes differ: {a} vs {b}")
+    if n.op is Op.MOE_FFN:
+        E = _last(g, n.args[1])
+        ids = tuple(n.attr("experts", ()))
+        for role, name in n.weights:
+            w = g.weight(name)
+            if tuple(w.expert_ids) != ids:
+                raise _Fail(n.id, f"@{name} holds experts {list(w.expert_ids) or 'all'}, the node computes "
+                                  f"{list(ids) or 'all'}")
+            if w.shape[0] != (len(ids) if ids else E):
+                raise _Fail(n.id, f"@{name} stacks {w.shape[0]} experts; the router gives {E}")
+        if ids and (len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= E):
+            raise _Fail(n.id, f"experts {list(ids)}: expected distinct ids below {E}")
     if n.op is Op.EMBED:
         w = g.weight(n.weight("table"))
         if n.type.shape[-1] != w.shape[1]:

@@ -389,10 +389,19 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
     qh = exe.q8(I) if spec.dq8 else None
     dp = -(-D // G) * G if (G and not q8) else D     # f32 rows padded to whole groups
     ip = h_stride(spec)
+    ids = tuple(n.attr("experts", ()))
+    idx = np.array(ids, np.int64)
 
     def prepare(frame: Frame):
         M = frame.M
         x, comb = _src(frame, n, 0), _src(frame, n, 1)
+        gather = None
+        if ids:   # this node computes a share of the layer's experts: their routing columns
+            if ids == tuple(range(ids[0], ids[0] + E)):
+                comb = comb[:, ids[0]:ids[0] + E]          # a strided view: the kernel takes ldc
+            else:
+                full, comb = comb, frame.temp(f"moe.comb{n.id}", (M, E))
+                gather = lambda: np.take(full, idx, axis=1, out=comb)  # noqa: E731
         Pmax = M * E
         tok = frame.temp("moe.tok", (Pmax,), np.int64)
         exp = frame.temp("moe.exp", (Pmax,), np.int64)
@@ -420,6 +429,8 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
         pool = exe.pool
 
         def run(step: Step) -> None:
+            if gather is not None:
+                gather()
             pool.run(kp.addr, ap.addr, 0, 1)                    # routing pairs, grouped by expert
             P, nA = int(count[0]), int(count[1])
             if xin is not x and qxrun is None:

@@ -101,7 +101,9 @@ class ReferenceExecutor:
 
     An `observer` (the calibration probe's recorder) is shown the input of every matrix
     product: observer.matmul(node, x) with x the rows the weight multiplies, and
-    observer.expert(node, e, x, h, weights) for each expert of a moe_ffn."""
+    observer.expert(node, e, x, h, weights) for each expert of a moe_ffn; an observer with a
+    `route` method also gets observer.route(node, combine) with each moe_ffn's routing weights
+    [B, T, E] (zero for the experts a token did not choose)."""
 
     def __init__(self, graph: Graph, weights: WeightSource, observer=None) -> None:
         self.g = graph
@@ -206,7 +208,11 @@ def _moe_ffn(c: _Step, n: Node, a: list) -> np.ndarray:
         g, u = c.weight(n, "gate"), c.weight(n, "up")
         pair = lambda e: (g[e], u[e])  # noqa: E731
     obs = c.observer
-    y = moe_ffn(a[0], a[1], pair, lambda e: down[e],
+    if obs is not None and hasattr(obs, "route"):
+        obs.route(n, a[1])
+    ids = n.attr("experts", ())
+    route = a[1][..., list(ids)] if ids else a[1]   # a share of the layer's experts: their columns
+    y = moe_ffn(a[0], route, pair, lambda e: down[e],
                 None if obs is None else (lambda e, x, h, w: obs.expert(n, e, x, h, w)))
     return y + a[2] if len(a) == 3 else y
 

@@ -252,8 +252,13 @@ def _moe(c: _Ctx, n: Node, a: list):
     E, I2, _ = gu_spec.shape
     I = I2 // 2
     dt = c.exe.compute_dtype(gu_spec)
-    # [M, k], in top_k(comb)'s order: the route's own, when it ran in this computation
-    topw, topi = c.topk.get(n.args[1]) or jax.lax.top_k(comb, k)
+    ids = n.attr("experts", ())
+    if ids:   # a share of the layer's experts: their routing columns, their own top-k
+        comb = comb[:, jnp.asarray(ids)]
+        k = min(k, len(ids))
+        topw, topi = jax.lax.top_k(comb, k)
+    else:     # [M, k], in top_k(comb)'s order: the route's own, when it ran in this computation
+        topw, topi = c.topk.get(n.args[1]) or jax.lax.top_k(comb, k)
     gu_p, dn_p = c.params[n.weight("gate_up")], c.params[n.weight("down")]
     prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
     if _use_matvec(M):

@@ -1,0 +1,80 @@
+"""Splitting a layer's experts over several moe_ffn nodes, each holding its own share.
+
+A moe_ffn node computes  y = residual + sum_e route[:, e] * expert_e(x)  over its experts. The
+sum splits: node 1 takes experts S1 and the residual, node 2 takes S2 and node 1's result as its
+residual, and so on — the chain gives the same y. Each share's weights are their own
+WeightSpecs (`expert_ids` names the model's experts they stack), so each share can have its own
+storage format (per-expert formats from LAQ) and its own device (placement). The node's
+`experts` attribute tells the executors which routing columns are its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from strata_compiler.ir import Graph, Node, Op, make_attrs
+from strata_compiler.passes.rewrite import Rewriter
+
+
+@dataclass(frozen=True)
+class Share:
+    """One moe_ffn node's experts; formats maps a weight role (gate_up, down, ...) to (fmt,
+    group size) for that share, unset roles keep the layer's format; device '' keeps the node's."""
+
+    experts: tuple[int, ...]
+    formats: tuple[tuple[str, tuple[str, int]], ...] = ()
+    device: str = ""
+
+
+def moe_key(n: Node) -> str:
+    """A stable name for a moe_ffn node across passes: its down weight's name."""
+    return n.weight("down")
+
+
+def split_experts(g: Graph, shares: dict[str, list[Share]], calib=None) -> Graph:
+    """Replace each moe_ffn named in `shares` (by moe_key) with a chain of nodes, one per share.
+
+    The shares of a node must partition its experts. With `calib` (passes/calibrate.Calibration),
+    each new weight gets its experts' rows of the importance statistics, for the quantizer."""
+    rw = Rewriter(g)
+    for n in g.nodes:
+        if n.op is not Op.MOE_FFN or moe_key(n) not in shares:
+            continue
+        parts = shares[moe_key(n)]
+        mine = tuple(n.attr("experts", ())) or tuple(range(g.weight(n.weight("down")).shape[0]))
+        flat = sorted(e for s in parts for e in s.experts)
+        if flat != sorted(mine):
+            raise ValueError(f"shares of {moe_key(n)} do not partition its experts {list(mine)}: {flat}")
+        if len(parts) == 1 and not parts[0].formats and not parts[0].device:
+            continue
+        pos = {e: i for i, e in enumerate(mine)}      # model expert id -> position in n's stacks
+        x, route = n.args[0], n.args[1]
+        prev = n.args[2] if len(n.args) == 3 else None
+        anchor = n.id
+        for si, share in enumerate(parts):
+            fm = dict(share.formats)
+            ws = {}
+            for role, name in n.weights:
+                spec = rw.weights[name]
+                sub = f"{name}.s{si}"
+                fmt, gs = fm.get(role, (spec.fmt, spec.group_size))
+                rw.weights[sub] = replace(spec, name=sub, shape=(len(share.experts),) + spec.shape[1:],
+                                          experts=len(share.experts), expert_ids=tuple(share.experts),
+                                          fmt=fmt, group_size=gs)
+                ws[role] = sub
+                if calib is not None:
+                    _slice_statistics(calib, name, sub, [pos[e] for e in share.experts])
+            attrs = dict(n.attrs)
+            attrs["experts"] = tuple(share.experts)
+            node = Node(rw.fresh(), Op.MOE_FFN, (x, route) + ((prev,) if prev is not None else ()), n.type,
+                        tuple(ws.items()), make_attrs(**attrs), share.device or n.device, n.backend)
+            rw.insert_after(anchor, node)
+            anchor = prev = node.id
+        rw.redirect(n.id, prev)
+    return rw.finish()
+
+
+def _slice_statistics(calib, name: str, sub: str, rows: list[int]) -> None:
+    if name in calib.sumsq and getattr(calib.sumsq[name], "ndim", 0) == 2:
+        calib.sumsq[sub] = calib.sumsq[name][rows]
+        calib.rows[sub] = calib.rows[name][rows]
