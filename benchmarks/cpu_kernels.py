@@ -23,89 +23,12 @@ import time
 
 import numpy as np
 
-
-def read_bandwidth(pool, lib, target, nbytes: int, reps: int) -> float:
-    """GB/s of a parallel f32 sum over `nbytes` (STREAM-style 'sum': reads only)."""
-    from strata_compiler.backends.llvm_cpu.codegen.common import KernelSource, fn_attrs, load_args
-
-    params = ("x", "out", "chunk")
-    ir = f"""
-define void @stream_sum(ptr noalias %args, i64 %begin, i64 %end) #0 {{
-entry:
-{load_args(params, {"x", "out"})}
-  %lo = mul i64 %begin, %chunk
-  %hi = mul i64 %end, %chunk
-  br label %loop
-loop:
-  %i = phi i64 [%lo, %entry], [%i1, %loop]
-  %acc = phi float [0.0, %entry], [%acc1, %loop]
-  %p = getelementptr inbounds float, ptr %x, i64 %i
-  %v = load float, ptr %p, align 4
-  %acc1 = fadd reassoc contract float %acc, %v
-  %i1 = add nuw nsw i64 %i, 1
-  %d = icmp eq i64 %i1, %hi
-  br i1 %d, label %exit, label %loop
-exit:
-  %op = getelementptr inbounds float, ptr %out, i64 %begin
-  store float %acc1, ptr %op, align 4
-  ret void
-}}
-attributes #0 = {{ {fn_attrs(target)} }}
-"""
-    src = KernelSource("stream_sum", ir, params, "chunks")
-    addr = lib.address(src.ir, src.name)
-    n = nbytes // 4
-    chunks = 256
-    n -= n % chunks
-    x = np.ones(n, np.float32)
-    out = np.zeros(chunks, np.float32)
-    args = (ctypes.c_int64 * 3)(x.ctypes.data, out.ctypes.data, n // chunks)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        pool.parallel_for(addr, ctypes.addressof(args), chunks, n_chunks=pool.n_threads)
-        times.append(time.perf_counter() - t0)
-    assert abs(out.sum() - n) < n * 1e-3
-    return x.nbytes / statistics.median(times) / 1e9
+from strata_compiler.hwprofile import read_bandwidth, time_linear
 
 
 def bench_gemv(pool, lib, target, fmt: str, N: int, K: int, q8: bool, reps: int) -> tuple[float, int]:
-    from strata_compiler.backends.llvm_cpu.codegen.linear import PARAMS, LinearSpec, generate
-    from strata_compiler.backends.llvm_cpu.codegen.elementwise import quantize_q8
-    from strata_compiler.formats import get_format
-
-    F = get_format(fmt)
-    G = 32 if F.grouped else 0
-    rng = np.random.default_rng(0)
-    arrays = F.quantize(rng.standard_normal((N, K), dtype=np.float32), G or 32)
-    w = arrays.get("qs", arrays.get("w"))
-    s = arrays.get("scales")
-    x = rng.standard_normal((1, K), dtype=np.float32)
-    ng = -(-K // 32)
-    xq, xd, xs = np.zeros((1, ng * 32), np.int8), np.zeros((1, ng), np.float32), np.zeros((1, ng), np.int32)
-    if q8:
-        qsrc = quantize_q8(K, target)
-        qa = (ctypes.c_int64 * len(qsrc.params))(*[{"x": x.ctypes.data, "xq": xq.ctypes.data, "xd": xd.ctypes.data,
-                                                    "xs": xs.ctypes.data, "ldx": K}[p] for p in qsrc.params])
-        pool.run(lib.address(qsrc.ir, qsrc.name), ctypes.addressof(qa), 0, 1)
-    elif G and K % G:
-        xp = np.zeros((1, ng * 32), np.float32)
-        xp[:, :K] = x
-        x = xp
-    spec = LinearSpec(fmt, N, K, G, q8)
-    src = generate(spec, target)
-    addr = lib.address(src.ir, src.name)
-    y = np.zeros((1, N), np.float32)
-    vals = dict(y=y.ctypes.data, x=(xq if q8 else x).ctypes.data, xd=xd.ctypes.data, xs=xs.ctypes.data,
-                w=w.ctypes.data, s=0 if s is None else s.ctypes.data, b=0, r=0, xidx=0, M=1, ldx=x.shape[1], ldy=N, ldr=N)
-    args = (ctypes.c_int64 * len(PARAMS))(*[vals[p] for p in PARAMS])
-    nbytes = w.nbytes + (0 if s is None else s.nbytes)
-    times = []
-    for _ in range(reps + 2):
-        t0 = time.perf_counter()
-        pool.parallel_for(addr, ctypes.addressof(args), N, min_chunk=16)
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times[2:]) / 1e9, nbytes
+    t, nbytes = time_linear(pool, lib, target, fmt, N, K, reps, q8=q8)
+    return nbytes / t / 1e9, nbytes
 
 
 def bench_moe(pool, lib, target, fmt: str, E: int, D: int, I: int, top_k: int, reps: int) -> dict:
@@ -193,7 +116,7 @@ def main() -> int:
     pool = ThreadPool(a.threads)
     # The machine is shared and noisy: the read bandwidth is measured again beside every kernel,
     # and each ratio uses the median of the two measurements that bracket it.
-    bws = [read_bandwidth(pool, lib, target, 1 << 30, max(5, a.reps // 2))]
+    bws = [read_bandwidth(pool, lib, target, 1 << 30, max(5, a.reps // 2)) / 1e9]
     print(f"host {target.cpu} ({target.vector_bits}-bit vectors{', VNNI' if target.vnni else ''}), "
           f"{a.threads} threads, Python {platform.python_version()}")
     print(f"{'format':6} {'act':4} {'N x K':>12} {'MiB':>8} {'GB/s':>7} {'read GB/s':>10} {'of read bw':>10}")
@@ -203,7 +126,7 @@ def main() -> int:
             N, K = (int(v) for v in shape.lower().split("x"))
             for q8 in ([True, False] if fmt in ("int8", "int4") else [False]):
                 gbs, nbytes = bench_gemv(pool, lib, target, fmt, N, K, q8, a.reps)
-                bws.append(read_bandwidth(pool, lib, target, 1 << 30, max(5, a.reps // 2)))
+                bws.append(read_bandwidth(pool, lib, target, 1 << 30, max(5, a.reps // 2)) / 1e9)
                 bw = statistics.median(bws[-2:])
                 act = "q8" if q8 else "f32"
                 print(f"{fmt:6} {act:4} {shape:>12} {nbytes / 2**20:8.1f} {gbs:7.2f} {bw:10.2f} {gbs / bw:10.0%}")
@@ -212,7 +135,7 @@ def main() -> int:
         fmt, shape, k = item.split(":")
         E, D, I = (int(v) for v in shape.lower().split("x"))
         m = bench_moe(pool, lib, target, fmt, E, D, I, int(k), a.reps)
-        bws.append(read_bandwidth(pool, lib, target, 1 << 30, max(5, a.reps // 2)))
+        bws.append(read_bandwidth(pool, lib, target, 1 << 30, max(5, a.reps // 2)) / 1e9)
         bw = statistics.median(bws[-2:])
         print(f"moe {fmt} E{E} D{D} I{I} top{k}: gate_up {m['gate_up_gbps']:.2f} GB/s, down {m['down_gbps']:.2f} GB/s, "
               f"together {m['total_gbps']:.2f} GB/s = {m['total_gbps'] / bw:.0%} of read bw {bw:.2f}")

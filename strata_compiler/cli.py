@@ -198,6 +198,56 @@ from .evaluate import eval_cmd  # noqa: E402  (stratac eval)
 stratac.add_command(eval_cmd)
 
 
+@stratac.command("probe-hw")
+@click.option("-o", "--output", type=click.Path(path_type=Path), metavar="FILE",
+              help="Where to write the hardware profile (JSON; written atomically).")
+@click.option("--quick", is_flag=True, help="Small sizes and few repetitions: seconds, rough figures.")
+@click.option("--disk-dir", type=click.Path(path_type=Path), metavar="DIR",
+              help="Measure the read bandwidth of the filesystem holding DIR (default: the output file's directory).")
+@click.option("--disk-size", default="", metavar="SIZE",
+              help="Size of the disk test file (default 256MiB, 16MiB with --quick).")
+@click.option("--show", type=click.Path(path_type=Path), metavar="FILE",
+              help="Check and print an existing profile instead of measuring.")
+@debug_option
+def probe_hw_cmd(output: Path | None, quick: bool, disk_dir: Path | None, disk_size: str, show: Path | None,
+                 debug: bool) -> None:
+    """Measure this machine for placement: RAM, memory and disk bandwidth, CPU (and GPU) GEMV speed per format.
+
+    \b
+      stratac probe-hw -o hw.json
+    """
+    import os
+
+    from . import hwprofile
+    from .errors import UsageError
+
+    if show is not None:
+        if output is not None:
+            raise UsageError("--show reads a profile and -o writes one; use one of them")
+        click.echo(hwprofile.describe(hwprofile.HardwareProfile.from_json(show)))
+        return
+    if output is None:
+        raise UsageError("probe-hw: give -o FILE (where the profile goes), or --show FILE")
+    if output.is_dir():
+        raise UsageError(f"-o {output}: is a directory; give a file name, e.g. {output / 'hw.json'}")
+    parent = output.parent
+    if not parent.is_dir():
+        raise UsageError(f"-o {output}: directory {parent} does not exist")
+    disk_dir = disk_dir if disk_dir is not None else parent
+    if not disk_dir.is_dir():
+        raise UsageError(f"--disk-dir {disk_dir}: not a directory")
+    if not os.access(disk_dir, os.W_OK):
+        raise UsageError(f"--disk-dir {disk_dir}: not writable (the disk test writes a temporary file there)")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"-o {output}: directory {parent} is not writable")
+    disk_bytes = hwprofile.size_bytes(disk_size, "--disk-size") if disk_size else None
+    profile = hwprofile.probe(quick=quick, disk_dir=disk_dir, disk_bytes=disk_bytes,
+                              progress=lambda msg: click.echo(f"probe-hw: {msg}", err=True))
+    profile.save(output)
+    click.echo(hwprofile.describe(profile))
+    click.echo(f"wrote {output}")
+
+
 def main() -> None:
     sys.exit(run_cli(stratac))
 
