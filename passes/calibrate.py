@@ -7,12 +7,15 @@ backend in chunks of `calib_ctx` tokens (at most `calib_tokens` tokens in all) a
   * per weight, the mean square of each input column over every row it multiplied (llama.cpp's
     imatrix): f32[K], or f32[E, K] for stacked expert weights, each expert over its own tokens;
   * per MoE layer, each expert's routing frequency (the share of tokens that chose it) and its
-    mean routing weight when chosen.
+    mean routing weight when chosen;
+  * per MoE layer, the routing trace: the experts each token chose, i16[tokens, k] (what the
+    cluster-experts pass groups experts by).
 
 The result is a `Calibration` in ctx.analyses["calibration"]: the quantize and emit passes read
 it (importance-weighted scales), and emit stores it in the plan (a summary in the metadata,
 the vectors in plan.bin's "imatrix" section). With --dump-dir the summary is also written to
-calibration.json there. Without --calib the pass does nothing.
+calibration.json there, with counts from the routing trace (the trace itself stays in memory).
+Without --calib the pass does nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +40,29 @@ class Calibration:
     wsum: dict[int, np.ndarray] = field(default_factory=dict)    # moe layer -> routing weight sums
     layer_of: dict[str, int] = field(default_factory=dict)       # expert weight -> its moe layer
     probe_ids: np.ndarray | None = None                          # i64[1, T]: tokens for sensitivity probes
+    routes: dict[int, list[np.ndarray]] = field(default_factory=dict)  # moe layer -> i16[T, k] chunks
+
+    def trace(self, layer: int) -> np.ndarray:
+        """i16[tokens, k]: the experts each calibration token chose at MoE layer `layer`, by
+        decreasing routing weight (-1 where a token got fewer than k nonzero weights)."""
+        parts = self.routes.get(layer)
+        if not parts:
+            return np.zeros((0, 0), np.int16)
+        if len(parts) > 1:
+            parts[:] = [np.concatenate(parts)]
+        return parts[0]
+
+    def route_summary(self, top: int = 8) -> dict[str, dict]:
+        """Per MoE layer, counts from the routing trace: tokens, k, how many distinct expert sets
+        tokens chose, and the most frequent sets with their token counts."""
+        out = {}
+        for layer in sorted(self.routes):
+            t = self.trace(layer)
+            sets, counts = np.unique(np.sort(t, axis=1), axis=0, return_counts=True)
+            order = np.argsort(-counts, kind="stable")[:top]
+            out[str(layer)] = {"tokens": int(t.shape[0]), "k": int(t.shape[1]), "distinct_sets": int(len(sets)),
+                               "top_sets": [[[int(e) for e in sets[i] if e >= 0], int(counts[i])] for i in order]}
+        return out
 
     def importance(self, weight: str) -> np.ndarray | None:
         """Mean square input per column: f32[K] or f32[E, K] (experts never routed get the
@@ -88,6 +114,7 @@ class Recorder:
             if n.op is Op.MOE_FFN:
                 self.layer_of[n.id] = len(self.layer_of)
         self.experts = {n.id: graph.weight(n.weight("down")).shape[0] for n in graph.nodes if n.op is Op.MOE_FFN}
+        self.k = {nid: _top_k(graph, graph.node(nid)) for nid in self.layer_of}
 
     def _add(self, name: str, x: np.ndarray, e: int | None = None, E: int = 0) -> None:
         x = x.reshape(-1, x.shape[-1]).astype(np.float64)
@@ -119,6 +146,22 @@ class Recorder:
             c.wsum[layer] = np.zeros(E)
         c.freq[layer][e] += x.shape[0]
         c.wsum[layer][e] += float(np.sum(w))
+
+    def route(self, n, combine: np.ndarray) -> None:
+        """Append the experts each token chose (the nonzero routing weights, largest first)."""
+        cf = combine.reshape(-1, combine.shape[-1])
+        k = self.k[n.id] or int((cf != 0).sum(axis=-1).max(initial=1))
+        idx = np.argsort(-cf, axis=-1, kind="stable")[:, :k]
+        chosen = np.take_along_axis(cf, idx, axis=-1) != 0
+        self.c.routes.setdefault(self.layer_of[n.id], []).append(np.where(chosen, idx, -1).astype(np.int16))
+
+
+def _top_k(graph: Graph, moe) -> int | None:
+    """The k of the top-k routing that feeds a moe_ffn (through route, or topk_mask [-> renorm])."""
+    n = graph.node(moe.args[1])
+    if n.op is Op.RENORM:
+        n = graph.node(n.args[0])
+    return int(n.attr("k")) if n.op in (Op.ROUTE, Op.TOPK_MASK) else None
 
 
 def read_calibration_text(path: Path) -> str:
@@ -208,7 +251,8 @@ def calibrate(g: Graph, ctx: PassContext) -> Graph:
     ctx.analyses["calibration_weights"] = exe.w      # the f32 weights, reused by the sensitivity probe
     if ctx.dump_dir is not None:
         ctx.dump_dir.mkdir(parents=True, exist_ok=True)
-        (ctx.dump_dir / "calibration.json").write_text(json.dumps(calib.summary(), indent=1, sort_keys=True))
+        summary = dict(calib.summary(), routes=calib.route_summary())
+        (ctx.dump_dir / "calibration.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     return g
 
 
