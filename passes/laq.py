@@ -61,8 +61,11 @@ def _sample_rows(spec, store, max_rows: int):
     return [(e, np.concatenate(b, 0), per / sum(len(x) for x in b)) for e, b in out.items()]
 
 
-def measure(spec, store, calib, group_size: int, candidates=CANDIDATES, max_rows: int = 256) -> list[Option]:
-    """err(t, f) and bytes(t, f) for each candidate format (module docstring)."""
+def measure(spec, store, calib, group_size: int, candidates=CANDIDATES, max_rows: int = 256,
+            per_expert: dict | None = None) -> list[Option]:
+    """err(t, f) and bytes(t, f) for each candidate format (module docstring). With `per_expert`
+    (a dict, filled in) and a stacked weight, also each expert's share: per_expert[f] = its
+    errors f64[E] (summing to err(t, f))."""
     imp = calib.importance(spec.name) if calib is not None else None
     a = calib.expert_weight(spec.name) if calib is not None else None
     rows = _sample_rows(spec, store, max_rows)
@@ -70,15 +73,32 @@ def measure(spec, store, calib, group_size: int, candidates=CANDIDATES, max_rows
     for name in candidates:
         f = get_format(name)
         gs = group_size if f.grouped else 32
-        err = 0.0
+        errs = np.zeros(max(spec.experts, 1))
         for e, w, scale in rows:
             ie = None if imp is None else (imp[e] if imp.ndim == 2 else imp)
             r = f.roundtrip(w, gs, ie)
             d2 = (w.astype(np.float64) - r) ** 2
             s = float((d2 * (1.0 if ie is None else ie[None, :])).sum()) * scale
-            err += s * (1.0 if a is None or e is None else float(a[e]))
-        opts.append(Option(name, f.nbytes(spec.shape, gs), err))
+            errs[e or 0] += s * (1.0 if a is None or e is None else float(a[e]))
+        if per_expert is not None:
+            per_expert[name] = errs
+        opts.append(Option(name, f.nbytes(spec.shape, gs), float(errs.sum())))
     return opts
+
+
+def expert_options(name: str, options: list[Option], per_expert: dict, experts: int) -> dict[str, list[Option]]:
+    """The allocator's items for a stacked weight decided per expert: 'NAME#e' -> that expert's
+    options (bytes a 1/E share, error its own, scaled as the tensor's options were)."""
+    out = {}
+    for e in range(experts):
+        item = []
+        for o in options:
+            raw = per_expert[o.fmt]
+            total = float(raw.sum())
+            share = raw[e] / total if total > 0 else 1.0 / experts
+            item.append(Option(o.fmt, o.nbytes // experts, o.error * share))
+        out[f"{name}#{e}"] = item
+    return out
 
 
 PROBE_FORMAT = "int3"

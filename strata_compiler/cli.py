@@ -46,6 +46,9 @@ def stratac() -> None:
                    "Best with --calib. Replaces --quant.")
 @click.option("--memory-budget", default="", metavar="SIZE",
               help="Layer-adaptive quantization within SIZE bytes of weights in all (e.g. 800MiB); replaces --quant.")
+@click.option("--laq-granularity", type=click.Choice(["expert", "tensor"]), default="expert", show_default=True,
+              help="With --bits/--memory-budget: give each routed expert its own format (a layer's experts are "
+                   "then split into one kernel per format combination), or one format per expert tensor.")
 @click.option("--tensor-format", default="", metavar="RULES",
               help="Per-weight format overrides, applied last: REGEX=FORMAT,... on weight names as `stratac "
                    "inspect` shows them, first match wins (e.g. 'L0\\.=int8,moe.down=int4').")
@@ -63,7 +66,7 @@ def stratac() -> None:
                    "e.g. 'experts=cpu,all=gpu'. gpu ops run on xla, cpu ops on the CPU backend.")
 @debug_option
 def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, calib: Path | None, calib_tokens: int,
-                bits: float | None, memory_budget: str, tensor_format: str, dump_dir: Path | None,
+                bits: float | None, memory_budget: str, laq_granularity: str, tensor_format: str, dump_dir: Path | None,
                 dump_after: str, stop_after: str | None, backend: str, place: str, debug: bool) -> None:
     """Compile MODEL_DIR (config.json, *.safetensors, tokenizer.json) into a plan.
 
@@ -92,7 +95,7 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
         raise UsageError("--bits and --memory-budget both set the size; use one of them")
     opts = CompileOptions(quant=quant, group_size=group_size, backend=backend, place=place,
                           calib=str(calib) if calib else "", calib_tokens=calib_tokens, bits=bits or 0.0,
-                          memory_budget=memory_budget, tensor_format=tensor_format)
+                          memory_budget=memory_budget, tensor_format=tensor_format, laq_granularity=laq_granularity)
     if tensor_format:
         from .passes.quantize import parse_tensor_formats
 
@@ -139,10 +142,16 @@ def summarize(plan) -> dict:
     for w in weights:
         tiers[w["tier"]] += w["bytes"]
     layers: dict[str, dict[str, str]] = {}     # layer -> tensor -> format: the layer x tensor table
+    shares: dict[tuple[str, str], Counter] = {}  # experts split into shares: formats counted per expert
     for w in g.weights:
         head, _, rest = w.name.partition(".")
         layer, tensor = (head, rest) if head[:1] == "L" and head[1:].isdigit() and rest else ("-", w.name)
-        layers.setdefault(layer, {})[tensor] = w.fmt
+        if w.expert_ids and tensor.rpartition(".")[2][:1] == "s":
+            shares.setdefault((layer, tensor.rpartition(".")[0]), Counter())[w.fmt] += len(w.expert_ids)
+        else:
+            layers.setdefault(layer, {})[tensor] = w.fmt
+    for (layer, tensor), c in shares.items():   # e.g. int4*6+int2+int4a: formats of the layer's experts
+        layers.setdefault(layer, {})[tensor] = "+".join(f + (f"*{k}" if k > 1 else "") for f, k in c.most_common())
     return {
         "plan": str(plan.path), "model": plan.meta["model"], "options": plan.meta["options"],
         "kernels": dict(sorted(kernels.items())), "fused_kernels": dict(sorted(fused.items())),
@@ -181,7 +190,7 @@ def inspect_cmd(plan_path: Path, as_json: bool, weights: bool, debug: bool) -> N
     cols = sorted({t for lay, ts in table.items() if lay != "-" for t in ts})
     if cols:
         click.echo("\nformat per layer and tensor")
-        width = max(6, *(len(c) for c in cols))
+        width = max(6, *(len(c) for c in cols), *(len(f) for lay, ts in table.items() if lay != "-" for f in ts.values()))
         click.echo("  layer " + " ".join(f"{c:>{width}s}" for c in cols))
         for lay in sorted((k for k in table if k != "-"), key=lambda k: int(k[1:])):
             click.echo(f"  {lay:5s} " + " ".join(f"{table[lay].get(c, '-'):>{width}s}" for c in cols))

@@ -34,6 +34,7 @@ class CompileOptions:
     bits: float = 0.0            # --bits: layer-adaptive formats at this average bits per weight
     memory_budget: str = ""      # --memory-budget: layer-adaptive formats within this many weight bytes
     tensor_format: str = ""      # --tensor-format REGEX=FMT,...: per-weight overrides, applied last
+    laq_granularity: str = "expert"  # --laq-granularity: routed experts get formats one by one, or per tensor
 
 
 @dataclass
