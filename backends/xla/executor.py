@@ -261,7 +261,14 @@ def _moe(c: _Ctx, n: Node, a: list):
         topw, topi = c.topk.get(n.args[1]) or jax.lax.top_k(comb, k)
     gu_p, dn_p = c.params[n.weight("gate_up")], c.params[n.weight("down")]
     prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
-    if _use_matvec(M):
+    from . import pallas_moe
+
+    pallas, interpret = pallas_moe.use(c.exe.on_gpu, gu_spec, dn_spec, M)
+    if pallas:
+        # decode, int4/int8 experts on a GPU: two Pallas kernels (gate/up + silu*mul; down +
+        # weighted combine) over the stored packed weights (STRATA_XLA_PALLAS=0: the XLA path)
+        out = pallas_moe.moe_decode(x, topi, topw, gu_spec, gu_p, dn_spec, dn_p, interpret=interpret)
+    elif _use_matvec(M):
         # decode: one fused multiply-reduce per projection over all chosen experts (the gather of
         # their packed weights happens inside the reduction, so nothing is copied)
         gu = matvec(jnp, gu_spec, {r: v[topi] for r, v in gu_p.items()}, x[:, None, :])           # [M, k, 2I]
