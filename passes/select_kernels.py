@@ -1,8 +1,8 @@
 """`select-kernels`: tensor -> kernel. Bind every op to a device and a backend; insert transfers.
 
-Without placement rules every op runs where `--backend` says (llvm or reference on the CPU, xla
-on the GPU). With `--place RULES` (placement_rules.py) each op goes to the device its rule names:
-gpu ops bind to xla, cpu ops to the CPU backend. Where an operand lives on another device, an
+Without placement every op runs where `--backend` says (llvm or reference on the CPU, xla on the
+GPU). Ops the `place` pass gave a device (--target) go there, and `--place RULES`
+(placement_rules.py) override both: gpu ops bind to xla, cpu ops to the CPU backend. Where an operand lives on another device, an
 explicit `transfer` node moves it. Each node starts with a buffer of its own; plan-memory then
 shares buffers between values whose lifetimes do not overlap.
 """
@@ -30,7 +30,7 @@ def select_kernels(g: Graph, ctx: PassContext) -> Graph:
     moved: dict[tuple[int, str], int] = {}
     next_id = max((n.id for n in g.nodes), default=-1) + 1
     for n in g.nodes:
-        dev = placed.get(n.id, DEVICE_OF[default])
+        dev = placed.get(n.id, n.device or DEVICE_OF[default])   # rules, then the place pass, then --backend
         backend = "xla" if dev == "gpu" else cpu_backend
         args = []
         for a in n.args:

@@ -64,10 +64,17 @@ def stratac() -> None:
               help="Manual placement, first match wins: CATEGORY=gpu|cpu or re:REGEX=gpu|cpu, comma-separated "
                    "(categories: embed, attention, router, experts, shared, dense, head, all), "
                    "e.g. 'experts=cpu,all=gpu'. gpu ops run on xla, cpu ops on the CPU backend.")
+@click.option("--target", default="", metavar="auto|HW.json",
+              help="Place ops and experts on the GPU or the CPU with the cost model, for this machine (auto: "
+                   "measured quickly, cached) or the one a `stratac probe-hw` profile describes.")
+@click.option("--gpu-mem", default="", metavar="SIZE", help="With --target: plan for this much GPU memory (e.g. 16GiB).")
+@click.option("--host-mem", default="", metavar="SIZE",
+              help="With --target: plan for this much host RAM; experts beyond it go to the disk tier.")
 @debug_option
 def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, calib: Path | None, calib_tokens: int,
                 bits: float | None, memory_budget: str, laq_granularity: str, tensor_format: str, dump_dir: Path | None,
-                dump_after: str, stop_after: str | None, backend: str, place: str, debug: bool) -> None:
+                dump_after: str, stop_after: str | None, backend: str, place: str, target: str, gpu_mem: str,
+                host_mem: str, debug: bool) -> None:
     """Compile MODEL_DIR (config.json, *.safetensors, tokenizer.json) into a plan.
 
     \b
@@ -95,7 +102,11 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
         raise UsageError("--bits and --memory-budget both set the size; use one of them")
     opts = CompileOptions(quant=quant, group_size=group_size, backend=backend, place=place,
                           calib=str(calib) if calib else "", calib_tokens=calib_tokens, bits=bits or 0.0,
-                          memory_budget=memory_budget, tensor_format=tensor_format, laq_granularity=laq_granularity)
+                          memory_budget=memory_budget, tensor_format=tensor_format, laq_granularity=laq_granularity,
+                          target=target, gpu_mem=gpu_mem, host_mem=host_mem)
+    if (gpu_mem or host_mem) and not target:
+        raise UsageError(f"{'--gpu-mem' if gpu_mem else '--host-mem'}: plans for a machine's memory; it needs --target "
+                         f"auto or --target HW.json")
     if tensor_format:
         from .passes.quantize import parse_tensor_formats
 
@@ -157,6 +168,7 @@ def summarize(plan) -> dict:
         "kernels": dict(sorted(kernels.items())), "fused_kernels": dict(sorted(fused.items())),
         "bytes_per_tier": dict(tiers), "weights": weights, "formats_by_layer": layers,
         "peak_activation_bytes_per_token": plan.meta["model"].get("peak_activation_bytes_per_token"),
+        "placement": json.loads(plan.meta["model"]["placement"]) if "placement" in plan.meta["model"] else None,
     }
 
 
@@ -186,6 +198,20 @@ def inspect_cmd(plan_path: Path, as_json: bool, weights: bool, debug: bool) -> N
     for k, v in s["bytes_per_tier"].items():
         click.echo(f"  {v / 2**20:10.2f} MiB  {k}")
     click.echo(f"\npeak activations: {s['peak_activation_bytes_per_token']} B per token")
+    pl = s["placement"]
+    if pl:
+        prof = pl["profile"]
+        click.echo(f"\nplacement (--target: {prof['gpu'] or 'no gpu'}, {prof['gpu_mem'] / 2**30:.2f} GiB gpu, "
+                   f"{prof['host_mem'] / 2**30:.1f} GiB host): {pl['choice']}")
+        click.echo(f"  predicted decode: {pl['predicted_tok_s']:.1f} tok/s at batch 1; gpu {pl['gpu_bytes'] / 2**20:.1f} "
+                   f"MiB of {pl['gpu_budget_bytes'] / 2**20:.1f} MiB budget (KV reserve {pl['kv_bytes'] / 2**20:.1f} MiB), "
+                   f"host {pl['host_bytes'] / 2**20:.1f} MiB, disk {pl['disk_bytes'] / 2**20:.1f} MiB")
+        click.echo("  candidates (predicted tok/s): " + ", ".join(f"{k} {v:.1f}" for k, v in pl["candidates"].items()))
+        click.echo(f"  {'layer':>6} {'core':>5} {'experts on gpu':>15} {'predicted us':>13}")
+        for k, v in pl["per_layer"].items():
+            name = {"-1": "embed"}.get(k, "head" if v["experts"] == 0 and int(k) == len(pl["per_layer"]) - 2 else k)
+            ex = f"{v['gpu_experts']}/{v['experts']}" if v["experts"] else "-"
+            click.echo(f"  {name:>6} {v['core']:>5} {ex:>15} {v['seconds'] * 1e6:13.1f}")
     table = s["formats_by_layer"]
     cols = sorted({t for lay, ts in table.items() if lay != "-" for t in ts})
     if cols:

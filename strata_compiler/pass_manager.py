@@ -35,6 +35,10 @@ class CompileOptions:
     memory_budget: str = ""      # --memory-budget: layer-adaptive formats within this many weight bytes
     tensor_format: str = ""      # --tensor-format REGEX=FMT,...: per-weight overrides, applied last
     laq_granularity: str = "expert"  # --laq-granularity: routed experts get formats one by one, or per tensor
+    target: str = ""             # --target auto|hw.json: the place pass's hardware profile ("" = no placement)
+    gpu_mem: str = ""            # --gpu-mem SIZE: plan for this much GPU memory
+    host_mem: str = ""           # --host-mem SIZE: plan for this much host RAM
+    plan_ctx: int = 4096         # tokens of KV cache the placement reserves GPU memory for
 
 
 @dataclass

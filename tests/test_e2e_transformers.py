@@ -121,7 +121,7 @@ def test_dumps_parse_back_to_identical_ir(tmp_path):
     compile_plan(d, tmp_path / "plan", "--quant", "int8", "--dump-dir", str(tmp_path / "dump"))
     index = json.loads((tmp_path / "dump" / "index.json").read_text())
     names = [r["pass"] for r in index["passes"]]
-    assert names == ["input", "lower", "fuse", "calibrate", "cluster-experts", "quantize", "select-kernels", "plan-memory", "cpu-codegen", "emit"]
+    assert names == ["input", "lower", "fuse", "calibrate", "cluster-experts", "quantize", "place", "select-kernels", "plan-memory", "cpu-codegen", "emit"]
     for rec in index["passes"]:
         text = (tmp_path / "dump" / rec["text"]).read_text()
         assert (tmp_path / "dump" / rec["dot"]).read_text().startswith("digraph")

@@ -1,0 +1,435 @@
+"""`place`: a cost model decides which ops and which experts run on the GPU (with `--target`).
+
+Inputs: the tensor-level graph with its weight formats, a hardware profile (`stratac probe-hw`,
+or measured now with `--target auto`; `--gpu-mem` / `--host-mem` resize it to plan for another
+machine) and, with `--calib`, each expert's routing frequency (else every expert is equally
+likely: k/E).
+
+Cost model, per decode token at batch 1 (the roofline in the spirit of Fiddler and
+MoE-Lightning, with the per-kernel latencies that dominate small decode steps):
+
+    t(op on cpu) = weight bytes / CPU GEMV rate of its format (profile) + CPU_OP_S
+    t(op on gpu) = weight bytes / GPU GEMV rate of its format (profile) + kernels(op) * GPU_KERNEL_S
+    an expert's weight bytes count with its probability of being chosen, p_e (sum_e p_e = k)
+    each switch between devices along the op order: PARTITION_S + activation bytes / link rate
+
+Placement units: the embedding, the head (final norm + lm_head), each layer's core (attention,
+norms, router, shared experts or dense MLP) and each routed expert. Solved by a bounded greedy
+over the multiple-choice knapsack (GPU bytes): units by time saved per GPU byte, hot experts
+before cold ones, under the GPU budget (its memory less the KV cache and a reserve); the result
+is compared with the structured candidates (all on the CPU; cores on the GPU and experts on the
+CPU — KTransformers' default; whole layers from the first — llama.cpp's -ngl) and the fastest
+predicted one wins. A layer whose experts end up on both devices becomes two expert shares
+(passes/expert_split.py), one per device; nodes get `device`, which select-kernels honours
+(`--place` rules still override). Weights left on the host beyond `--host-mem` are marked for
+the disk tier, coldest experts first.
+
+The prediction goes into the graph meta `placement` (JSON: predicted tokens/s, bytes per tier,
+per-layer device and time) for `stratac inspect`, and into placement.json with --dump-dir.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from strata_compiler.errors import UsageError
+from strata_compiler.formats import get_format
+from strata_compiler.ir import Graph, Level, Node, Op, make_attrs
+from strata_compiler.pass_manager import PassContext, register
+
+# Latencies the byte rates do not capture (seconds). GPU: one kernel launch at decode (an H200
+# profile of this backend: 58.8 us for 17.7 kernels per layer). CPU: the llvm executor's
+# dispatch of one op. PARTITION_S: entering another device's partition (a jitted call, the
+# activation's trip through host memory).
+GPU_KERNEL_S = 3.3e-6
+CPU_OP_S = 12e-6
+PARTITION_S = 60e-6
+GPU_RESERVE = 0.10              # of the GPU budget: XLA's workspace, fragmentation
+KERNELS = {Op.LINEAR: 1, Op.FUSED_ATTENTION: 8, Op.ROUTE: 2, Op.MOE_FFN: 5, Op.EMBED: 1, Op.RMS_NORM: 1}
+
+
+@dataclass
+class Unit:
+    """What moves to the GPU as one: nodes (a core, embed, head) or one expert of a layer."""
+
+    name: str
+    nodes: tuple[int, ...] = ()
+    expert: tuple[int, int] | None = None     # (moe node id, expert)
+    gpu_bytes: int = 0
+    cpu_s: float = 0.0
+    gpu_s: float = 0.0
+    layer: int = -1
+    prob: float = 1.0
+
+    @property
+    def gain(self) -> float:
+        return self.cpu_s - self.gpu_s
+
+
+@dataclass
+class Placement:
+    gpu_units: set[str] = field(default_factory=set)
+    label: str = ""
+
+
+def _bytes(g: Graph, name: str, experts: int | None = None) -> tuple[str, int]:
+    w = g.weight(name)
+    n = get_format(w.fmt).nbytes(w.shape, w.group_size or 32)
+    return w.fmt, (n // w.shape[0] if experts is not None else n)
+
+
+def _layer_of(g: Graph) -> dict[int, int]:
+    """Node id -> transformer layer: -1 before the first (embedding), n_layers for the graph's
+    outputs (final norm + lm_head, fused into one linear), else the layer of the attention it
+    follows — or feeds, for a layer's qkv projection."""
+    users = g.users()
+    attn_layer = {n.id: int(n.attr("layer")) for n in g.nodes if n.op is Op.FUSED_ATTENTION}
+    n_layers = max(attn_layer.values(), default=-1) + 1
+    out, layer = {}, -1
+    for n in g.nodes:
+        feeds = [attn_layer[u] for u in users.get(n.id, []) if u in attn_layer]
+        if n.id in attn_layer:
+            layer = attn_layer[n.id]
+        elif feeds:
+            layer = feeds[0]
+        out[n.id] = n_layers if n.id in g.outputs else layer
+    return out
+
+
+def expert_probabilities(g: Graph, calib) -> dict[int, np.ndarray]:
+    """moe_ffn node id -> p_e, the chance each expert is chosen for a token (sum = k)."""
+    stats = calib.expert_stats() if calib is not None else {}
+    out, i = {}, 0
+    for n in g.nodes:
+        if n.op is not Op.MOE_FFN:
+            continue
+        E = g.weight(n.weight("down")).shape[0]
+        route = g.node(n.args[1])
+        k = int(route.attr("k", 0)) if route.has_attr("k") else max(1, E // 4)
+        if i in stats:
+            p = np.asarray(stats[i]["freq"], np.float64)
+            p = p if p.sum() > 0 else np.full(E, k / E)
+        else:
+            p = np.full(E, k / E)
+        out[n.id] = p
+        i += 1
+    return out
+
+
+def build_units(g: Graph, hw, probs: dict[int, np.ndarray]) -> tuple[list[Unit], dict[int, str]]:
+    """The placement units with their per-token times on each device; node id -> unit name
+    (expert nodes map to '' : their experts are units of their own)."""
+    layers = _layer_of(g)
+    n_layers = max(layers.values(), default=0)
+    unit_of: dict[int, str] = {}
+    units: dict[str, Unit] = {}
+    for n in g.nodes:
+        lay = layers[n.id]
+        if n.op is Op.MOE_FFN:
+            unit_of[n.id] = ""
+            p = probs[n.id]
+            roles = [w for _, w in n.weights]
+            for e in range(len(p)):
+                cpu = gpu = 0.0
+                nb = 0
+                for w in roles:
+                    fmt, b = _bytes(g, w, experts=e)
+                    cpu += hw.cpu_gemv_seconds(fmt, b)
+                    gpu += hw.gpu_gemv_seconds(fmt, b) if hw.gpu is not None else 0.0
+                    nb += b
+                units[f"L{lay}.e{e}"] = Unit(f"L{lay}.e{e}", expert=(n.id, e), gpu_bytes=nb, cpu_s=p[e] * cpu,
+                                             gpu_s=p[e] * gpu, layer=lay, prob=float(p[e]))
+            continue
+        name = "embed" if lay < 0 else ("head" if lay >= n_layers else f"L{lay}.core")
+        u = units.setdefault(name, Unit(name, layer=lay))
+        u.nodes += (n.id,)
+        unit_of[n.id] = name
+        for _, w in n.weights:
+            fmt, b = _bytes(g, w)
+            u.gpu_bytes += b
+            read = b // g.weight(w).shape[0] if n.op is Op.EMBED else b   # a gather reads one row
+            u.cpu_s += hw.cpu_gemv_seconds(fmt, read)
+            if hw.gpu is not None:
+                u.gpu_s += hw.gpu_gemv_seconds(fmt, read)
+        if n.weights or n.op in KERNELS:
+            u.cpu_s += CPU_OP_S
+            u.gpu_s += KERNELS.get(n.op, 1) * GPU_KERNEL_S
+    return list(units.values()), unit_of
+
+
+def predict(g: Graph, units: list[Unit], unit_of: dict[int, str], gpu: set[str], hw) -> dict:
+    """Per-token decode time of a placement: op times on their devices, plus a partition switch
+    (and the activation's copy) wherever consecutive ops run on different devices."""
+    return _Timeline(g, units, unit_of, hw).predict(gpu)
+
+
+class _Timeline:
+    """The op order with each op's times precomputed, so a placement is priced in one pass."""
+
+    def __init__(self, g: Graph, units: list[Unit], unit_of: dict[int, str], hw) -> None:
+        by_name = {u.name: u for u in units}
+        experts: dict[int, list[Unit]] = {}
+        for u in units:
+            if u.expert:
+                experts.setdefault(u.expert[0], []).append(u)
+        self.steps = []
+        for n in g.nodes:
+            if n.op is Op.INPUT_IDS:
+                continue
+            switch = _switch_s(hw, g, n)
+            if n.op is Op.MOE_FFN:
+                exp = experts[n.id]
+                self.steps.append((None, [(u.name, u.cpu_s, u.gpu_s) for u in exp], switch, exp[0].layer))
+            else:
+                u = by_name[unit_of[n.id]]
+                share = 1.0 / max(1, len(u.nodes))
+                self.steps.append((u.name, (u.cpu_s * share, u.gpu_s * share), switch, u.layer))
+
+    def predict(self, gpu: set[str]) -> dict:
+        t, per_layer, prev, switches = 0.0, {}, None, 0
+        for name, times, switch, lay in self.steps:
+            if name is None:                        # a MoE layer: its GPU share, then its CPU share
+                g_s = [gs for nm, _, gs in times if nm in gpu]
+                c_s = [cs for nm, cs, _ in times if nm not in gpu]
+                dt = (sum(g_s) + KERNELS[Op.MOE_FFN] * GPU_KERNEL_S if g_s else 0.0) + \
+                     (sum(c_s) + CPU_OP_S if c_s else 0.0)
+                devs = (["gpu"] if g_s else []) + (["cpu"] if c_s else [])
+            else:
+                d = "gpu" if name in gpu else "cpu"
+                dt = times[1] if d == "gpu" else times[0]
+                devs = [d]
+            for d in devs:
+                if prev is not None and d != prev:
+                    switches += 1
+                    dt += switch
+                prev = d
+            t += dt
+            per_layer[lay] = per_layer.get(lay, 0.0) + dt
+        return {"seconds": t, "tok_s": 1.0 / t if t > 0 else 0.0, "switches": switches, "per_layer": per_layer}
+
+
+def _switch_s(hw, g: Graph, n: Node) -> float:
+    nbytes = g.node(n.args[0]).type.bytes_per_token() if n.args else 0
+    link = hw.h2d_seconds(nbytes) + hw.d2h_seconds(nbytes) if hw.gpu is not None else 0.0
+    return PARTITION_S + link / 2
+
+
+def kv_bytes(g: Graph, ctx_tokens: int) -> int:
+    """f32 K and V for every attention layer at `ctx_tokens` tokens (batch 1)."""
+    n = 0
+    for node in g.nodes:
+        if node.op is Op.FUSED_ATTENTION:
+            n += 2 * ctx_tokens * int(node.attr("n_kv_heads")) * int(node.attr("head_dim")) * 4
+    return n
+
+
+def solve(g: Graph, units: list[Unit], unit_of: dict[int, str], hw, budget: int) -> tuple[Placement, dict, list]:
+    """The bounded greedy and the structured candidates; the fastest predicted that fits."""
+    candidates: list[Placement] = [Placement(set(), "all on cpu")]
+    if hw.gpu is not None and budget > 0:
+        order = sorted((u for u in units if u.gain > 0), key=lambda u: u.gain / max(u.gpu_bytes, 1), reverse=True)
+        used, pick = 0, set()
+        for u in order:
+            if used + u.gpu_bytes <= budget:
+                pick.add(u.name)
+                used += u.gpu_bytes
+        candidates.append(Placement(pick, "cost model (greedy by time saved per byte)"))
+        cores = [u for u in units if not u.expert]
+        cb = sum(u.gpu_bytes for u in cores)
+        if cb <= budget:
+            candidates.append(Placement({u.name for u in cores}, "dense on gpu, experts on cpu"))
+            # greedy over experts only, on top of the cores
+            used, pick = cb, {u.name for u in cores}
+            for u in sorted((u for u in units if u.expert and u.gain > 0), key=lambda u: u.gain / max(u.gpu_bytes, 1),
+                            reverse=True):
+                if used + u.gpu_bytes <= budget:
+                    pick.add(u.name)
+                    used += u.gpu_bytes
+            candidates.append(Placement(pick, "dense on gpu, hottest experts on gpu"))
+        # whole layers from the first (llama.cpp's -ngl), embedding on the cpu, head on the gpu if it fits
+        by_layer: dict[int, list[Unit]] = {}
+        for u in units:
+            by_layer.setdefault(u.layer, []).append(u)
+        used, pick = 0, set()
+        head = [u for u in units if u.name == "head"]
+        if head and head[0].gpu_bytes <= budget:
+            pick.add("head")
+            used += head[0].gpu_bytes
+        for lay in sorted(k for k in by_layer if 0 <= k and k < 10**9):
+            us = [u for u in by_layer[lay] if u.name not in ("embed", "head")]
+            b = sum(u.gpu_bytes for u in us)
+            if used + b > budget:
+                break
+            pick.update(u.name for u in us)
+            used += b
+        candidates.append(Placement(pick, "first layers on gpu (-ngl)"))
+    tl = _Timeline(g, units, unit_of, hw)
+    size = {u.name: u.gpu_bytes for u in units}
+    scored = []
+    for c in candidates:
+        if sum(size[n] for n in c.gpu_units) > budget and c.gpu_units:
+            continue
+        scored.append((tl.predict(c.gpu_units), c))
+    best = min(scored, key=lambda x: x[0]["seconds"])
+    if hw.gpu is not None and budget > 0:
+        ref = improve(tl, units, size, best[1].gpu_units, budget)
+        p = tl.predict(ref)
+        scored.append((p, Placement(ref, f"local search from '{best[1].label}'")))
+        best = min(scored, key=lambda x: x[0]["seconds"])
+    return best[1], best[0], [(c.label, p["tok_s"]) for p, c in scored]
+
+
+def improve(tl: "_Timeline", units: list[Unit], size: dict[str, int], start: set[str], budget: int,
+            rounds: int = 64) -> set[str]:
+    """Hill climbing over coarse moves — a layer's core, all its experts, its hottest / coldest
+    half of experts, the embedding, the head — each taken on or off the GPU; the best improving
+    move that fits is applied until none improves (device switches make the greedy's per-unit
+    view miss whole-layer effects)."""
+    groups: dict[str, list[str]] = {}
+    for u in units:
+        if u.expert:
+            groups.setdefault(f"L{u.layer}.experts", []).append(u.name)
+        else:
+            groups[u.name] = [u.name]
+    for key in [k for k in groups if k.endswith(".experts")]:
+        hot = sorted(groups[key], key=lambda n: -next(u.prob for u in units if u.name == n))
+        half = max(1, len(hot) // 2)
+        groups[key + ".hot"], groups[key + ".cold"] = hot[:half], hot[half:]
+        lay = key.split(".")[0]
+        if lay + ".core" in groups:
+            groups[lay + ".all"] = groups[lay + ".core"] + groups[key]
+    cur = set(start)
+    cur_t = tl.predict(cur)["seconds"]
+    used = sum(size[n] for n in cur)
+    for _ in range(rounds):
+        best = None
+        for members in groups.values():
+            for on in (True, False):
+                new = cur | set(members) if on else cur - set(members)
+                if new == cur:
+                    continue
+                b = used + sum(size[n] for n in set(members) - cur) if on else used - sum(size[n] for n in cur & set(members))
+                if b > budget:
+                    continue
+                t = tl.predict(new)["seconds"]
+                if t < cur_t * (1 - 1e-9) and (best is None or t < best[0]):
+                    best = (t, new, b)
+        if best is None:
+            break
+        cur_t, cur, used = best
+    return cur
+
+
+def apply(g: Graph, units: list[Unit], unit_of: dict[int, str], gpu: set[str], calib=None) -> Graph:
+    """Set each node's device; split layers whose experts are on both devices into two shares."""
+    from strata_compiler.passes.expert_split import Share, moe_key, split_experts
+
+    shares = {}
+    experts_of: dict[int, list[Unit]] = {}
+    for u in units:
+        if u.expert:
+            experts_of.setdefault(u.expert[0], []).append(u)
+    dev_of: dict[int, str] = {}
+    for n in g.nodes:
+        if n.op is Op.MOE_FFN:
+            exp = experts_of[n.id]
+            ids = tuple(n.attr("experts", ())) or tuple(range(len(exp)))
+            on = [ids[u.expert[1]] for u in exp if u.name in gpu]
+            off = [ids[u.expert[1]] for u in exp if u.name not in gpu]
+            if on and off:
+                shares[moe_key(n)] = [Share(tuple(on), device="gpu"), Share(tuple(off), device="cpu")]
+            dev_of[n.id] = "gpu" if on and not off else "cpu"
+        elif n.op is Op.INPUT_IDS:
+            continue
+        else:
+            dev_of[n.id] = "gpu" if unit_of[n.id] in gpu else "cpu"
+    first = next((n for n in g.nodes if n.op is Op.EMBED), None)
+    nodes = tuple(replace(n, device=dev_of.get(n.id, dev_of.get(first.id, "cpu") if first else "cpu"))
+                  for n in g.nodes)
+    g = g.with_(nodes=nodes)
+    return split_experts(g, shares, calib) if shares else g
+
+
+@register("place", Level.TENSOR)
+def place_pass(g: Graph, ctx: PassContext) -> Graph:
+    """With --target: a device per op and per expert from the cost model (GPU budget, profile)."""
+    opts = ctx.options
+    if not opts.target:
+        return g
+    hw = load_target(opts.target, opts.gpu_mem or None, opts.host_mem or None, progress=ctx.progress)
+    calib = ctx.analyses.get("calibration")
+    probs = expert_probabilities(g, calib)
+    units, unit_of = build_units(g, hw, probs)
+    kv = kv_bytes(g, min(opts.plan_ctx, int(g.meta_value("max_position", opts.plan_ctx))))
+    gpu_mem = hw.gpu.memory_bytes if hw.gpu is not None else 0
+    budget = max(0, int(gpu_mem * (1 - GPU_RESERVE)) - kv) if hw.gpu is not None else 0
+    choice, pred, tried = solve(g, units, unit_of, hw, budget)
+    n_layers = max((u.layer for u in units), default=0)
+    out = apply(g, units, unit_of, choice.gpu_units, calib)
+    gpu_bytes = sum(u.gpu_bytes for u in units if u.name in choice.gpu_units)
+    host_bytes = sum(u.gpu_bytes for u in units if u.name not in choice.gpu_units)
+    host_cap = hw.host.ram_available_bytes
+    disk = []
+    if host_bytes > host_cap:   # coldest CPU experts go to the disk tier until the rest fits
+        over = host_bytes - host_cap
+        for u in sorted((u for u in units if u.expert and u.name not in choice.gpu_units), key=lambda u: u.prob):
+            if over <= 0:
+                break
+            disk.append(u.name)
+            over -= u.gpu_bytes
+    summary = {
+        "predicted_tok_s": round(pred["tok_s"], 2), "choice": choice.label,
+        "candidates": {label: round(t, 2) for label, t in tried},
+        "gpu_budget_bytes": budget, "kv_bytes": kv, "gpu_bytes": gpu_bytes,
+        "host_bytes": host_bytes - sum(u.gpu_bytes for u in units if u.name in disk),
+        "disk_bytes": sum(u.gpu_bytes for u in units if u.name in disk), "disk_units": disk,
+        "per_layer": {str(k): {"seconds": v,
+                               "gpu_experts": sum(1 for u in units if u.expert and u.layer == k and u.name in choice.gpu_units),
+                               "experts": sum(1 for u in units if u.expert and u.layer == k),
+                               "core": "gpu" if ({-1: "embed", n_layers: "head"}.get(k, f"L{k}.core")
+                                                  in choice.gpu_units) else "cpu"}
+                      for k, v in sorted(pred["per_layer"].items())},
+        "profile": {"cpu": hw.host.cpu, "gpu": hw.gpu.name if hw.gpu else None,
+                    "gpu_mem": gpu_mem, "host_mem": host_cap},
+    }
+    ctx.analyses["placement"] = summary
+    if ctx.dump_dir is not None:
+        ctx.dump_dir.mkdir(parents=True, exist_ok=True)
+        (ctx.dump_dir / "placement.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
+    meta = dict(out.meta, placement=json.dumps(summary, sort_keys=True, separators=(",", ":")))
+    return out.with_(meta=make_attrs(**meta))
+
+
+def load_target(target: str, gpu_mem: str | None, host_mem: str | None, progress=None):
+    """`--target auto` (measure this machine quickly, cached per host in Strata's cache dir) or
+    a hw.json from `stratac probe-hw`; then the --gpu-mem / --host-mem overrides."""
+    from pathlib import Path
+
+    from strata_compiler import hwprofile
+
+    if target == "auto":
+        import os
+        import socket
+
+        from strata_compiler.backends.llvm_cpu.jit import cache_dir
+
+        path = Path(cache_dir()) / f"hw-{socket.gethostname()}.json"
+        if path.exists():
+            try:
+                hw = hwprofile.HardwareProfile.from_json(path)
+            except UsageError:
+                hw = None
+        else:
+            hw = None
+        if hw is None:
+            if progress:
+                progress("place: measuring this machine (stratac probe-hw --quick)")
+            hw = hwprofile.probe(quick=True, disk_dir=os.environ.get("TMPDIR", "/tmp"))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            hw.save(path)
+    else:
+        hw = hwprofile.HardwareProfile.from_json(Path(target))
+    return hwprofile.override(hw, gpu_mem=gpu_mem, host_mem=host_mem)

@@ -1,0 +1,124 @@
+"""passes/place.py: the cost model's placements, and that every placement gives the single-device
+plan's results (JAX on the CPU stands in for the GPU partitions)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hf_models import build_model, clear_prompts, hf_greedy, hf_logits, load_model
+from strata_compiler import hwprofile as hwp
+from strata_compiler.cli import stratac
+from strata_compiler.cli_common import run_cli
+from strata_compiler.passes import place
+from strata_compiler.runtime.plan import load_plan
+from test_e2e_transformers import run_plan
+
+N_NEW = 6
+
+
+def fake_profile(path, gpu_mem: int = 1 << 30):
+    """A host like this one beside an H200-like GPU (rates from BENCHMARKS.md's probe-hw run)."""
+    fmts = ("f32", "bf16", "int8", "int4", "int4a", "int3", "int2", "fp8")
+    isa = hwp.CpuIsa(avx2=True, fma=True, avx512f=False, avx512bw=False, avx512_vnni=False, avx512_bf16=False,
+                     amx=False)
+    host = hwp.HostProfile(cpu="test cpu", llvm_cpu="znver3", cores=2, threads=2, isa=isa,
+                           ram_bytes=24 << 30, ram_available_bytes=20 << 30, read_bandwidth=20e9,
+                           gemv={f: 15e9 for f in fmts}, matmul_flops={f: 50e9 for f in fmts}, matmul_tokens=64)
+    gpu = hwp.GpuProfile(name="test gpu", memory_bytes=gpu_mem, copy_bandwidth=4e12,
+                         gemv={f: 2e12 for f in fmts}, matmul_flops=8e14, h2d_pageable=6e9, h2d_pinned=50e9,
+                         d2h=1.5e9)
+    disk = hwp.DiskProfile(path="/tmp", filesystem="ext4", read_bandwidth=1.5e9, test_bytes=1 << 20,
+                           cache_dropped=True)
+    hw = hwp.HardwareProfile(version=hwp.PROFILE_VERSION, measured_at="2026-11-29T00:00:00+00:00", quick=True,
+                             software={}, host=host, gpu=gpu, disk=disk, notes=())
+    hw.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = build_model("qwen3_moe", tmp_path_factory.mktemp("place") / "model")
+    m = load_model(d)
+    ids = clear_prompts(m, m.config.vocab_size, n_prompts=1, length=6, n_new=N_NEW, seed=5)[0]
+    return d, m, ids, hf_logits(m, ids), hf_greedy(m, ids, N_NEW)[0]
+
+
+def _compile(d, out, hw, gpu_mem, *extra):
+    assert run_cli(stratac, ["compile", str(d), "-o", str(out), "--target", str(hw), "--gpu-mem", str(gpu_mem),
+                             "--dump-dir", str(out / "dump"), "--dump-after", "place", *extra]) == 0
+    return json.loads((out / "dump" / "placement.json").read_text())
+
+
+def test_placements_from_nothing_to_everything_give_identical_results(model, tmp_path, monkeypatch):
+    d, _, ids, ref, ref_tokens = model
+    # free device switches and GPU launches: the GPU always wins and the greedy's per-expert
+    # choices survive, so the budget alone decides and layers get split shares
+    monkeypatch.setattr(place, "PARTITION_S", 0.0)
+    monkeypatch.setattr(place, "GPU_KERNEL_S", 0.0)
+    hw = fake_profile(tmp_path / "hw.json")
+    probe = _compile(d, tmp_path / "probe", hw, "1GiB")
+    total = probe["gpu_bytes"] + probe["host_bytes"]
+    seen = []
+    for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
+        # the budget covers the KV reserve and GPU_RESERVE too
+        mem = int((total * frac + probe["kv_bytes"]) / (1 - place.GPU_RESERVE)) + 4096
+        out = tmp_path / f"p{int(frac * 100)}"
+        s = _compile(d, out, hw, mem)
+        seen.append(s["gpu_bytes"])
+        g = load_plan(out).graph
+        devices = {n.device for n in g.nodes}
+        assert devices == ({"cpu"} if frac == 0 else ({"gpu"} if frac == 1 else {"cpu", "gpu"}))
+        logits, tokens = run_plan(out, ids, tmp_path, n_new=N_NEW, backend="auto")
+        assert np.abs(logits - ref).max() / ref.std() <= 1e-4, f"{frac:.0%} of the weights on the gpu"
+        np.testing.assert_array_equal(tokens, ref_tokens)
+    assert seen == sorted(seen) and len(set(seen)) == 5
+    assert seen[0] == 0 and seen[-1] == total
+
+
+def test_split_layers_put_hot_experts_on_the_gpu(model, tmp_path, monkeypatch):
+    d, _, _, _, _ = model
+    monkeypatch.setattr(place, "PARTITION_S", 0.0)
+    monkeypatch.setattr(place, "GPU_KERNEL_S", 0.0)
+    hw = fake_profile(tmp_path / "hw.json")
+    probe = _compile(d, tmp_path / "probe", hw, "1GiB")
+    mem = int((probe["gpu_bytes"] * 0.5 + probe["kv_bytes"]) / (1 - place.GPU_RESERVE))
+    out = tmp_path / "half"
+    s = _compile(d, out, hw, mem)
+    g = load_plan(out).graph
+    shares = [n for n in g.nodes if n.op.value == "moe_ffn" and n.attr("experts", ())]
+    assert {n.device for n in shares} == {"gpu", "cpu"}
+    assert s["gpu_bytes"] <= s["gpu_budget_bytes"]
+    assert s["predicted_tok_s"] >= max(v for k, v in s["candidates"].items()) - 1e-6
+
+
+def test_predicted_time_prefers_fewer_device_switches():
+    """With a switch cost, an alternating placement costs more than a contiguous one of equal bytes."""
+    from strata_compiler.passes.place import _Timeline
+
+    class T(_Timeline):
+        def __init__(self):
+            self.steps = [(f"u{i}", (10e-6, 1e-6), 50e-6, i) for i in range(4)]
+
+    t = T()
+    assert t.predict({"u0", "u1"})["seconds"] < t.predict({"u0", "u2"})["seconds"]
+    assert t.predict({"u0", "u2"})["switches"] == 3
+
+
+def test_gpu_mem_needs_a_target(model, tmp_path, capsys):
+    d = model[0]
+    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "x"), "--gpu-mem", "1GiB"]) != 0
+    assert "--target" in capsys.readouterr().err
+
+
+def test_target_profile_without_gpu_places_everything_on_the_cpu(model, tmp_path):
+    d = model[0]
+    hw = fake_profile(tmp_path / "hw.json")
+    data = json.loads(hw.read_text())
+    data["gpu"] = None
+    hw.write_text(json.dumps(data))
+    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "p"), "--target", str(hw),
+                             "--dump-dir", str(tmp_path / "dump"), "--dump-after", "place"]) == 0
+    assert {n.device for n in load_plan(tmp_path / "p").graph.nodes} == {"cpu"}
