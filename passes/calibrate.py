@@ -223,6 +223,13 @@ def calibrate(g: Graph, ctx: PassContext) -> Graph:
     opts = ctx.options
     if not opts.calib:
         return g
+    if _is_plan(Path(opts.calib)):
+        calib = calibration_from_plan(Path(opts.calib), g)
+        ctx.analyses["calibration"] = calib
+        if ctx.dump_dir is not None:
+            ctx.dump_dir.mkdir(parents=True, exist_ok=True)
+            (ctx.dump_dir / "calibration.json").write_text(json.dumps(calib.summary(), indent=1, sort_keys=True))
+        return g
     if ctx.tokenizer_json is None:
         raise UsageError("--calib needs the model's tokenizer.json next to config.json; the folder has none")
     if ctx.store is None:
@@ -279,3 +286,45 @@ def parse_imatrix_section(data: bytes) -> dict[str, np.ndarray]:
         off = int(ent["offset"])
         out[name] = np.frombuffer(body, "<f4", n, off).reshape(ent["shape"])
     return out
+
+
+def _is_plan(path: Path) -> bool:
+    from strata_compiler.runtime.plan import PLAN_MAGIC
+
+    p = path / "plan.bin" if path.is_dir() else path
+    try:
+        with open(p, "rb") as f:
+            return f.read(len(PLAN_MAGIC)) == PLAN_MAGIC
+    except OSError:
+        return False
+
+
+def calibration_from_plan(path: Path, g: Graph) -> Calibration:
+    """A plan compiled with --calib, reused: its imatrix (per-column importance) and per-expert
+    routing statistics, without running the model again (no routing trace, no sensitivity probe
+    tokens: the allocator then uses its error proxy alone)."""
+    from strata_compiler.runtime.plan import load_plan
+
+    plan = load_plan(path, verify_weights="none")
+    summary = plan.meta.get("calibration")
+    if not summary:
+        raise UsageError(f"--calib {path}: this plan was compiled without --calib; it holds no calibration to reuse")
+    c = Calibration(tokens=int(summary["tokens"]))
+    for name, imp in plan.imatrix.items():
+        if not g.has_weight(name):
+            continue
+        c.sumsq[name] = np.asarray(imp, np.float64)
+        c.rows[name] = np.ones(imp.shape[0], np.int64) if imp.ndim == 2 else np.int64(1)
+    layer = 0
+    for n in g.nodes:
+        if n.op is not Op.MOE_FFN:
+            continue
+        for _, w in n.weights:
+            c.layer_of[w] = layer
+        st = summary.get("experts", {}).get(str(layer))
+        if st:
+            f = np.rint(np.asarray(st["freq"]) * c.tokens).astype(np.int64)
+            c.freq[layer] = f
+            c.wsum[layer] = np.asarray(st["mean_weight"]) * f
+        layer += 1
+    return c

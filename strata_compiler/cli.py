@@ -36,7 +36,8 @@ def stratac() -> None:
               help="Values per quantization scale of grouped formats (even; int3/fp8 need multiples of 8).")
 @click.option("--calib", type=click.Path(path_type=Path), metavar="FILE",
               help="Calibration text (plain text, or JSONL with a \"text\" field): run the f32 model over it and "
-                   "choose quantization scales weighted by the activations each weight sees (llama.cpp's imatrix).")
+                   "choose quantization scales weighted by the activations each weight sees (llama.cpp's imatrix). "
+                   "A plan.bin compiled with --calib reuses its calibration without running the model.")
 @click.option("--calib-tokens", type=click.IntRange(min=2), default=16384, show_default=True,
               help="Use at most this many tokens of --calib text.")
 @click.option("--bits", type=click.FloatRange(min=2.0, max=16.0), default=None, metavar="B",

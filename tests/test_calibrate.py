@@ -110,3 +110,22 @@ def test_bad_calibration_files(demo, tmp_path, capsys, content, name, msg):
     assert rc != 0 and msg in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "p" / "plan.bin").exists()
+
+
+def test_calibration_reused_from_a_plan(demo, tmp_path, capsys):
+    """--calib PLAN.bin: the same importance and routing statistics, the same weights, no model run."""
+    d, calib = demo
+    first = _compile(d, tmp_path / "a", "--quant", "int4", "--calib", str(calib), "--calib-tokens", "200")
+    again = _compile(d, tmp_path / "b", "--quant", "int4", "--calib", str(tmp_path / "a" / "plan.bin"))
+    assert again.meta["calibration"]["tokens"] == 200
+    for layer, st in first.meta["calibration"]["experts"].items():
+        np.testing.assert_allclose(again.meta["calibration"]["experts"][layer]["freq"], st["freq"])
+        np.testing.assert_allclose(again.meta["calibration"]["experts"][layer]["mean_weight"], st["mean_weight"])
+    assert set(again.imatrix) == set(first.imatrix)
+    for name, imp in first.imatrix.items():
+        np.testing.assert_allclose(again.imatrix[name], imp, rtol=1e-6)
+    assert (tmp_path / "a" / "weights.bin").read_bytes() == (tmp_path / "b" / "weights.bin").read_bytes()
+    _compile(d, tmp_path / "plain", "--quant", "int4")
+    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "c"), "--calib",
+                             str(tmp_path / "plain" / "plan.bin")]) != 0
+    assert "without --calib" in capsys.readouterr().err
