@@ -3,7 +3,7 @@
     python benchmarks/make_synthetic_model.py OUT_DIR --arch qwen3_moe|mixtral|olmoe \\
         [--size-gb 2.2] [--dtype bf16|f16|f32] [--layers N] [--hidden D] [--experts E] \\
         [--moe-intermediate I] [--vocab V] [--heads H] [--kv-heads KV] [--head-dim HD] \\
-        [--top-k K] [--shard-gb 1.0] [--seed 0]
+        [--top-k K] [--shard-gb 1.0] [--seed 0] [--router-skew S]
 
 Output: config.json, model-0000i-of-0000n.safetensors shards (each <= --shard-gb unless a single
 tensor is larger) and model.safetensors.index.json, with the checkpoint key names transformers
@@ -286,9 +286,21 @@ def plan_shards(tensors, itemsize: int, shard_bytes: int) -> list[list]:
     return shards
 
 
+def _skewed_router(bits: np.ndarray, shape: tuple[int, int], skew: float, dtype: str, seed: int) -> np.ndarray:
+    """Router rows scaled by exp(skew * z_e), z_e ~ N(0, 1) per expert (a new draw per layer): an
+    expert with a larger row gets larger logits, so it wins the top-k more often — a popularity
+    skew like trained routers show. The measured skew is what calibration reports."""
+    w = (bits.astype(np.uint32) << 16).view(np.float32).reshape(shape).copy()
+    z = np.random.default_rng(seed).standard_normal(shape[0]).astype(np.float32)
+    w *= np.exp(skew * z)[:, None]
+    if dtype == "bf16":
+        return (w.reshape(-1).view(np.uint32) >> 16).astype(np.uint16)
+    return w.reshape(-1) if dtype == "f32" else w.reshape(-1).astype(np.float16)
+
+
 def make_synthetic_model(out_dir: Path, arch: str = "qwen3_moe", size_gb: float = 2.2,
                          dtype: str = "bf16", shard_gb: float = 1.0, seed: int = 0,
-                         **overrides) -> dict:
+                         router_skew: float = 0.0, **overrides) -> dict:
     """Write the folder; returns a summary dict (dims, total_bytes, largest tensor, files)."""
     if arch not in ARCHS:
         raise SystemExit(f"unknown --arch {arch!r}; choose from {', '.join(ARCHS)}")
@@ -316,6 +328,10 @@ def make_synthetic_model(out_dir: Path, arch: str = "qwen3_moe", size_gb: float 
                 numel = _numel(shape)
                 fan_in = shape[-1]
                 done = 0
+                if router_skew and name.endswith("gate.weight") and len(shape) == 2 and numel <= CHUNK_ELEMS:
+                    f.write(_skewed_router(filler.chunk(numel, kind, fan_in), shape, router_skew, dtype,
+                                           seed + len(weight_map)).tobytes())
+                    done = numel
                 while done < numel:
                     m = min(CHUNK_ELEMS, numel - done)
                     f.write(_encode(filler.chunk(m, kind, fan_in), dtype).tobytes())
@@ -354,6 +370,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--shard-gb", type=float, default=1.0, help="max shard size (GB)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--router-skew", type=float, default=0.0,
+                    help="scale router rows by exp(S * N(0,1)) per expert: skewed expert popularity (0: none)")
     for flag in ("layers", "hidden", "experts", "moe-intermediate", "vocab", "heads",
                  "kv-heads", "head-dim", "top-k"):
         ap.add_argument(f"--{flag}", type=int, default=None)
@@ -361,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     s = make_synthetic_model(
         a.out_dir, arch=a.arch, size_gb=a.size_gb, dtype=a.dtype, shard_gb=a.shard_gb,
-        seed=a.seed, layers=a.layers, hidden=a.hidden, experts=a.experts,
+        seed=a.seed, router_skew=a.router_skew, layers=a.layers, hidden=a.hidden, experts=a.experts,
         moe_intermediate=a.moe_intermediate, vocab=a.vocab, heads=a.heads,
         kv_heads=a.kv_heads, head_dim=a.head_dim, top_k=a.top_k)
     dt = time.perf_counter() - t0

@@ -355,6 +355,8 @@ class XLAExecutor:
         for n in self.nodes:
             if n.op is Op.MOE_FFN:
                 r = graph.node(n.args[1])
+                while r.op is Op.TRANSFER:      # routing computed on the other device
+                    r = graph.node(r.args[0])
                 if r.op is not Op.ROUTE:
                     raise BackendError(f"moe_ffn %{n.id}: the xla backend needs its routing from a route op")
                 self.route_k[n.id] = r.attr("k")

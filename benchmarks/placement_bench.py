@@ -1,0 +1,216 @@
+"""Placement side by side (issue 6): Strata's cost-model plan against the usual hand placements,
+at GPU budgets that hold a given share of the expert weights, decode tokens/s measured in one run.
+
+    python benchmarks/placement_bench.py [--work-dir /tmp/place_bench] [--layers 16]
+        [--router-skew 0.7] [--budgets 25,50] [--quant int4] [--n-new 64] [--hw hw.json] [--tiny]
+
+Model: the OLMoE-shaped synthetic checkpoint of benchmarks/gpu_decode.py (hidden 2048, 64
+experts top-8, expert FFN 1024; --layers to shorten it) with a skewed router
+(make_synthetic_model.py --router-skew: router rows scaled by exp(S * N(0,1)), so some experts
+win the top-k far more often; the realised skew is measured by calibration and printed). The
+tiny-moe tokenizer stands in (ids < 4096 index the synthetic embedding).
+
+Variants, each compiled from the same folder at --quant with the same calibration:
+  ktransformers  --place experts=cpu,all=gpu (every expert on the CPU, the rest on the GPU)
+  ngl-B          --place 're:^L(0|..|N-1)\\.=gpu,all=cpu': the first N layers whole on the GPU,
+                 N the most that fits the budget B (llama.cpp's -ngl)
+  strata-B       --target HW --gpu-mem (the dense weights + B% of the expert bytes + the KV reserve)
+Decode: a 32-token prompt, then --n-new greedy tokens, batch 1, the mixed runtime (xla on the
+GPU, llvm on the CPU); median of --repeats. Prints predicted vs measured tokens/s and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+FULL = dict(hidden=2048, layers=16, heads=16, kv_heads=16, head_dim=128, experts=64, top_k=8, moe_intermediate=1024,
+            vocab=50304)
+TINY = dict(hidden=256, layers=4, heads=4, kv_heads=4, head_dim=64, experts=16, top_k=4, moe_intermediate=128,
+            vocab=4096)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def stratac(*args: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "strata_compiler.cli", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"stratac {' '.join(args)} failed:\n{r.stderr[-3000:]}")
+    return r.stdout
+
+
+def build_model(work: Path, dims: dict, skew: float) -> Path:
+    from benchmarks.make_synthetic_model import make_synthetic_model
+
+    model = work / "model"
+    if not (model / "config.json").exists():
+        t0 = time.time()
+        make_synthetic_model(model, arch="olmoe", router_skew=skew, **dims)
+        shutil.copy(HERE.parent / "examples" / "models" / "tiny-moe" / "tokenizer.json", model / "tokenizer.json")
+        log(f"model written in {time.time() - t0:.0f} s")
+    return model
+
+
+def weight_split(plan) -> tuple[int, int]:
+    """(bytes of the routed experts, bytes of everything else) of a plan."""
+    from strata_compiler.formats import get_format
+
+    ex = rest = 0
+    for w in plan.graph.weights:
+        n = get_format(w.fmt).nbytes(w.shape, w.group_size or 32)
+        if w.experts:
+            ex += n
+        else:
+            rest += n
+    return ex, rest
+
+
+def layer_bytes(plan) -> dict[int, int]:
+    from strata_compiler.formats import get_format
+
+    out: dict[int, int] = {}
+    for w in plan.graph.weights:
+        head = w.name.split(".")[0]
+        if head[:1] == "L" and head[1:].isdigit():
+            out[int(head[1:])] = out.get(int(head[1:]), 0) + get_format(w.fmt).nbytes(w.shape, w.group_size or 32)
+    return out
+
+
+def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int) -> tuple[float, list[int]]:
+    from strata_compiler.runtime.plan import load_plan
+    from strata_compiler.runtime.session import Session
+
+    s = Session(load_plan(plan_dir, verify_weights="none"), "auto")
+    out_id = s.plan.graph.outputs[0]
+    del out_id
+    times, tokens = [], []
+    for r in range(repeats + 1):
+        s.reset(1, prompt.shape[1] + n_new + 8)
+        tok = int(s.step(prompt)[0, -1].argmax())
+        seq = [tok]
+        t0 = time.perf_counter()
+        for _ in range(n_new - 1):
+            tok = int(s.step(np.array([[tok]], np.int64))[0, -1].argmax())
+            seq.append(tok)
+        dt = time.perf_counter() - t0
+        if r:                       # the first pass compiles (xla) and warms the caches
+            times.append(dt)
+        tokens = seq
+    return (n_new - 1) / statistics.median(times), tokens
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work-dir", type=Path, default=Path("/tmp/place_bench"))
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--router-skew", type=float, default=0.7)
+    ap.add_argument("--budgets", default="25,50", help="GPU budgets, as %% of the expert bytes on top of the rest")
+    ap.add_argument("--quant", default="int4")
+    ap.add_argument("--n-new", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--calib-tokens", type=int, default=256)
+    ap.add_argument("--hw", type=Path, help="a stratac probe-hw profile (default: measured now, --quick)")
+    ap.add_argument("--tiny", action="store_true", help="a small model (smoke test on any machine)")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    dims = dict(TINY if a.tiny else FULL)
+    if a.layers:
+        dims["layers"] = a.layers
+    a.work_dir.mkdir(parents=True, exist_ok=True)
+    model = build_model(a.work_dir, dims, a.router_skew)
+    calib_text = HERE.parent / "examples" / "models" / "tiny-moe" / "calib.txt"
+    base = a.work_dir / "base"
+    if not (base / "plan.bin").exists():
+        t0 = time.time()
+        stratac("compile", str(model), "-o", str(base), "--quant", a.quant, "--calib", str(calib_text),
+                "--calib-tokens", str(a.calib_tokens))
+        log(f"calibrated and compiled the all-CPU plan in {time.time() - t0:.0f} s")
+    hw = a.hw
+    if hw is None:
+        hw = a.work_dir / "hw.json"
+        if not hw.exists():
+            stratac("probe-hw", "-o", str(hw), "--quick", "--disk-dir", str(a.work_dir))
+    from strata_compiler.passes.place import GPU_RESERVE
+    from strata_compiler.runtime.plan import load_plan
+
+    bp = load_plan(base, verify_weights="none")
+    experts_b, rest_b = weight_split(bp)
+    per_layer = layer_bytes(bp)
+    freqs = [np.sort(np.asarray(v["freq"]))[::-1] for v in bp.meta["calibration"]["experts"].values()]
+    top = np.mean([f[: max(1, len(f) // 4)].sum() / f.sum() for f in freqs])
+    log(f"experts {experts_b / 2**30:.2f} GiB, rest {rest_b / 2**30:.2f} GiB; routing skew: the top 25% of "
+        f"experts take {top:.0%} of the routings (uniform: 25%)")
+    variants: dict[str, dict] = {"cpu-only": {"dir": base, "gpu_bytes": 0}}
+    common = ["--quant", a.quant, "--calib", str(base / "plan.bin")]
+    out = a.work_dir / "ktransformers"
+    if not (out / "plan.bin").exists():
+        stratac("compile", str(model), "-o", str(out), *common, "--place", "experts=cpu,all=gpu")
+    variants["ktransformers"] = {"dir": out, "gpu_bytes": rest_b}
+    kv_guess = 2 * dims["layers"] * dims["kv_heads"] * dims["head_dim"] * 4 * min(4096, 4096)
+    for b in (int(x) for x in a.budgets.split(",")):
+        gpu_bytes = rest_b + experts_b * b // 100
+        mem = int((gpu_bytes + kv_guess) / (1 - GPU_RESERVE)) + (1 << 20)
+        out = a.work_dir / f"strata-{b}"
+        if not (out / "plan.bin").exists():
+            stratac("compile", str(model), "-o", str(out), *common, "--target", str(hw), "--gpu-mem", str(mem),
+                    "--dump-dir", str(out / "dump"), "--dump-after", "place")
+        pl = json.loads((out / "dump" / "placement.json").read_text())
+        variants[f"strata-{b}"] = {"dir": out, "gpu_bytes": pl["gpu_bytes"], "predicted": pl["predicted_tok_s"],
+                                   "candidates": pl["candidates"], "choice": pl["choice"]}
+        n, used = 0, 0
+        while n in per_layer and used + per_layer[n] <= gpu_bytes:
+            used += per_layer[n]
+            n += 1
+        out = a.work_dir / f"ngl-{b}"
+        if n and not (out / "plan.bin").exists():
+            rule = "re:^L(" + "|".join(str(i) for i in range(n)) + r")\.=gpu,all=cpu"
+            stratac("compile", str(model), "-o", str(out), *common, "--place", rule)
+        if n:
+            variants[f"ngl-{b}"] = {"dir": out, "gpu_bytes": used, "layers": n}
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 4096, (1, 32)).astype(np.int64)
+    ref_tokens = None
+    for name, v in variants.items():
+        t0 = time.time()
+        v["tok_s"], toks = decode_rate(v["dir"], prompt, a.n_new, a.repeats)
+        ref_tokens = ref_tokens or toks
+        v["same_tokens"] = toks == ref_tokens
+        log(f"{name}: {v['tok_s']:.1f} tok/s ({time.time() - t0:.0f} s)")
+    print(f"\nmodel {dims}, {a.quant}; experts {experts_b / 2**30:.2f} GiB, rest {rest_b / 2**30:.2f} GiB; "
+          f"router skew {a.router_skew}: top 25% of experts take {top:.0%} of routings")
+    print(f"{'variant':14} {'GPU GiB':>8} {'measured tok/s':>15} {'predicted':>10} {'pred/meas':>9} {'tokens = cpu':>12}")
+    for name, v in variants.items():
+        pred = v.get("predicted")
+        print(f"{name:14} {v['gpu_bytes'] / 2**30:8.2f} {v['tok_s']:15.1f} {pred or float('nan'):10.1f} "
+              f"{(pred / v['tok_s']) if pred else float('nan'):9.2f} {str(v['same_tokens']):>12}")
+    for b in (int(x) for x in a.budgets.split(",")):
+        s = variants.get(f"strata-{b}")
+        if not s:
+            continue
+        k = variants["ktransformers"]["tok_s"]
+        g = variants.get(f"ngl-{b}", {}).get("tok_s")
+        print(f"budget {b}%: strata / ktransformers x{s['tok_s'] / k:.2f}" +
+              (f", strata / ngl x{s['tok_s'] / g:.2f}" if g else "") + f"  (choice: {s['choice']})")
+        print("   predicted candidates: " + ", ".join(f"{c} {t:.0f}" for c, t in s["candidates"].items()))
+    if a.json:
+        a.json.write_text(json.dumps({"dims": dims, "skew_top25": top, "variants": {
+            k: {kk: (str(vv) if isinstance(vv, Path) else vv) for kk, vv in v.items()} for k, v in variants.items()}},
+            indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
