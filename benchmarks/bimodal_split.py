@@ -1,7 +1,7 @@
 """Issue 5: does the "bimodal split" (int4 centre, fp8 transition band, int2 tails) beat uniform
 formats at equal bytes, and how does it compare with the inverse, outlier-preserving split?
 
-    python benchmarks/bimodal_split.py [--work-dir /tmp/bimodal_bench] [--max-rows 64]
+    python benchmarks/bimodal_split.py [--work-dir /tmp/bimodal_bench] [--max-rows 128]
         [--calib-tokens 4096] [--no-calib] [--models tiny-moe,smollm2] [--gguf FILE]
 
 Models: examples/models/tiny-moe (a trained bf16 Qwen3-MoE) and SmolLM2-135M-Instruct from
@@ -425,6 +425,7 @@ def run_model(label: str, plan_dir: Path, max_rows: int, use_imp: bool, note: st
     t0 = time.time()
     names = set()
     kurt = []
+    per_tensor: dict[tuple[str, str], float] = {}
     GMM_STATS.clear()
     for name, w, imp, n in matrices(plan_dir, max_rows, use_imp):
         names.add(name)
@@ -435,7 +436,9 @@ def run_model(label: str, plan_dir: Path, max_rows: int, use_imp: bool, note: st
         wt = 1.0 if imp is None else imp[None, :].astype(np.float64)
         for m, fn in ms.items():
             q, b, fr = fn(w, imp)
-            err[m] += float((wt * (w.astype(np.float64) - q) ** 2).sum()) * scale
+            e = float((wt * (w.astype(np.float64) - q) ** 2).sum()) * scale
+            err[m] += e
+            per_tensor[m, name] = per_tensor.get((m, name), 0.0) + e
             byt[m] += b * scale
             if fr is not None:
                 frac[m] += fr
@@ -455,6 +458,11 @@ def run_model(label: str, plan_dir: Path, max_rows: int, use_imp: bool, note: st
     print(f"   rows: excess kurtosis median {np.median(k):.2f} (p10 {np.percentile(k, 10):.2f}, p90 "
           f"{np.percentile(k, 90):.2f}); 2-component GMM per row: wide share median {np.median(gs[:, 0]):.2f}, "
           f"sigma wide/narrow median {np.median(gs[:, 1]):.2f}")
+    top = []
+    for m in ("uniform int3", "uniform int4"):
+        t = max((v, n) for (mm, n), v in per_tensor.items() if mm == m)
+        top.append(f"{m.split()[1]} {100 * t[0] / err[m]:.0f}% ({t[1]})")
+    print(f"   largest single-tensor share of the model's error: {', '.join(top)}")
     print(f"{'method':34} {'bits/w':>7} {'err/int4':>9} {'err/int3':>9} {'vs uniform@bytes':>17} "
           f"{'(+int5*/6*)':>12}  {'centre/band/tail %':>18}")
     rows = {}
@@ -527,7 +535,7 @@ def conclude(results: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/bimodal_bench"))
-    ap.add_argument("--max-rows", type=int, default=64)
+    ap.add_argument("--max-rows", type=int, default=128)
     ap.add_argument("--calib", type=Path, default=TINY / "calib.txt")
     ap.add_argument("--calib-tokens", type=int, default=4096)
     ap.add_argument("--no-calib", action="store_true", help="unweighted error (no calibration run)")
