@@ -20,7 +20,8 @@ Layouts (all little-endian, C order):
   int3  qs     u8 [..., N, 3Kp/8]  per group: G/4 bytes of low bits — byte i holds value
                                    i + j*G/4 in bits 2j..2j+1 — then G/8 bytes of high bits —
                                    byte i holds the third bit of value i + j*G/8 in bit j;
-                                   q = clip(round(w / d), -4, 3) + 4, d = absmax(group) / 4
+                                   q = clip(round(w / d), -4, 3) + 4,
+                                   d = max(max(group) / 3, min(group) / -4): no value clips
         scales f16[..., N, Kp/G]
   int2  qs     u8 [..., N, Kp/4]   int3's low-bit plane alone, q in [0, 3], w = q * d + m
         scales f16[..., N, 2Kp/G]  (d, m) per group; d = (max - min) / 3, m = min
@@ -189,9 +190,16 @@ def _int_roundtrip(g: np.ndarray, m: np.ndarray | None, qmin: int, qmax: int):
     return lambda d: _codes(g, d, m, qmin, qmax) * _inverse(d)[0] + m32
 
 
-def _sym(g, imp, qmax_abs: int, qmin: int, qmax: int):
-    """Symmetric: d from absmax / qmax_abs (or the importance search), codes in [qmin, qmax]."""
-    d = _search(g, imp, np.abs(g).max(axis=-1) / qmax_abs, _int_roundtrip(g, None, qmin, qmax))
+def _sym(g, imp, qmax_abs: int, qmin: int, qmax: int, signed_range: bool = False):
+    """Symmetric: d from absmax / qmax_abs (or the importance search), codes in [qmin, qmax].
+    signed_range: d = max(max / qmax, min / qmin), the smallest scale at which both extremes
+    fit the uneven code range (for int3's [-4, 3], absmax / 4 would clip a positive maximum
+    to 3/4 of itself)."""
+    if signed_range:
+        base = np.maximum(g.max(axis=-1) / qmax, g.min(axis=-1) / qmin).astype(np.float32)
+    else:
+        base = np.abs(g).max(axis=-1) / qmax_abs
+    d = _search(g, imp, base, _int_roundtrip(g, None, qmin, qmax))
     return d, _codes(g, d, None, qmin, qmax)
 
 
@@ -272,7 +280,7 @@ def _int4a_dequantize(a, k, group_size):
 
 def _int3_quantize(w, group_size, importance=None):
     g = _grid(w, group_size, 8, "int3")
-    d, q = _sym(g, _imp_groups(importance, w.shape[-1], group_size), 4, -4, 3)
+    d, q = _sym(g, _imp_groups(importance, w.shape[-1], group_size), 4, -4, 3, signed_range=True)
     return {"qs": _pack_planes(q + 4, 3, group_size), "scales": d}
 
 

@@ -30,7 +30,7 @@ def _expected(fmt, w, g):
     """Dequantized values straight from the docstring's rules."""
     G = _groups(w, g)
     if fmt == "int3":
-        d = (np.abs(G).max(-1) / 4).astype(np.float16).astype(np.float32)[..., None]
+        d = np.maximum(G.max(-1) / 3, G.min(-1) / -4).astype(np.float16).astype(np.float32)[..., None]
         inv = np.where(d > 0, 1 / np.where(d > 0, d, 1), 0)
         out = np.clip(np.rint(G * inv), -4, 3) * d
     elif fmt in ("int2", "int4a"):
@@ -74,6 +74,15 @@ def test_int3_bit_planes_by_hand():
     assert list(a["qs"][0]) == low + [high]
     assert a["scales"][0, 0] == np.float16(1.0)
     np.testing.assert_array_equal(FORMATS["int3"].dequantize(a, 8, 8), w)
+
+
+def test_int3_keeps_a_positive_maximum():
+    """The code range is [-4, 3]: a group led by a positive value takes d = max / 3, so the
+    maximum is stored exactly instead of clipped to 3/4 of itself (absmax / 4)."""
+    w = np.array([[6.0, -1.0, 0.5, 2.0, -2.0, 4.0, 0.0, 1.0]], np.float32)
+    r = FORMATS["int3"].roundtrip(w, 8)
+    assert r[0, 0] == 6.0
+    assert np.abs(r - w).max() <= 1.0 + 1e-6    # d = 2: half a step at most
 
 
 def test_int2_plane_by_hand():
