@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -51,10 +52,15 @@ def _save(path: Path, arr: np.ndarray) -> None:
               help="Where kernels run: auto picks the best available on this host.")
 @click.option("--device", type=click.Choice(["auto", "gpu", "cpu"]), default="auto", show_default=True,
               help="Where xla partitions run: auto = a CUDA GPU when JAX sees one, else JAX's CPU platform.")
+@click.option("--trace", "trace_out", type=click.Path(path_type=Path),
+              help="Write a Chrome/Perfetto trace (JSON trace events) of every kernel, partition and copy: one "
+                   "track per device and per copy direction. Open it at ui.perfetto.dev.")
+@click.option("--stats", is_flag=True, help="Print busy time per device and bytes moved per link after the run.")
 @debug_option
 def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_new_tokens: int, greedy: bool,
                temperature: float, top_p: float, seed: int, ignore_eos: bool, logits_out: Path | None,
-               tokens_out: Path | None, backend: str, device: str, debug: bool) -> None:
+               tokens_out: Path | None, backend: str, device: str, trace_out: Path | None, stats: bool,
+               debug: bool) -> None:
     """Run PLAN_PATH (a plan.bin, or the directory holding it): prefill the prompt, then decode."""
     from .plan import load_plan
     from .sampler import Sampler
@@ -79,7 +85,18 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
         ids = _load_ids(input_ids)
     session = Session(plan, backend, device=device)
     stop = () if ignore_eos else tuple(plan.meta["model"].get("eos_token_ids") or ())
-    logits, new = session.generate(ids, max_new_tokens, Sampler(temperature, top_p, seed), stop)
+    from . import trace
+
+    tracer = trace.Tracer() if (trace_out or stats) else None
+    trace.ACTIVE = tracer
+    t_run = time.perf_counter()
+    try:
+        logits, new = session.generate(ids, max_new_tokens, Sampler(temperature, top_p, seed), stop)
+    finally:
+        trace.ACTIVE = None
+    t_run = time.perf_counter() - t_run
+    if trace_out:
+        tracer.write(trace_out)
     if logits_out:
         _save(logits_out, logits.astype(np.float32))
     if tokens_out:
@@ -100,6 +117,9 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
         extra = f"; kernels: {st.compiled} compiled, {st.cached} from cache"
     click.echo(f"[{session.backend}] prefill {ids.size} tokens at {pre:.1f} tok/s, "
                f"decode {session.timings.decode_tokens} tokens at {dec:.1f} tok/s{extra}", err=True)
+    if stats:
+        for line in tracer.stats_lines(t_run):
+            click.echo(line, err=True)
 
 
 def main() -> None:

@@ -42,9 +42,15 @@ class MixedExecutor:
         B, T = input_ids.shape
         ids_node = next(n.id for n in self.g.nodes if n.op is Op.INPUT_IDS)
         env: dict = {ids_node: input_ids}
+        from . import trace
+
         for kind, exe, ids in self.parts:
             if kind == "reference":
-                exe.run_segment(env, input_ids, cache, ids)
+                if trace.ACTIVE is None:
+                    exe.run_segment(env, input_ids, cache, ids)
+                else:
+                    with trace.ACTIVE.span(f"reference partition ({len(ids)} ops)", "cpu"):
+                        exe.run_segment(env, input_ids, cache, ids)
             else:
                 exe.run_segment(env, input_ids, cache)
         cache.advance(T)

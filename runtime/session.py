@@ -57,7 +57,14 @@ class Session:
         vocab = self.plan.meta["model"]["vocab_size"]
         if ids.size and (ids.min() < 0 or ids.max() >= vocab):
             raise UsageError(f"token id {int(ids.max() if ids.max() >= vocab else ids.min())} is outside the vocabulary [0, {vocab})")
-        out = self.executor.run(ids, self.cache)
+        from . import trace
+
+        if trace.ACTIVE is None:
+            out = self.executor.run(ids, self.cache)
+        else:
+            with trace.ACTIVE.span("prefill" if ids.shape[1] > 1 else "decode", "step", cat="step",
+                                   batch=int(ids.shape[0]), tokens=int(ids.shape[1])):
+                out = self.executor.run(ids, self.cache)
         return out[self.plan.graph.outputs[0]]
 
     def generate(self, prompt: np.ndarray, max_new_tokens: int, sampler: Sampler,

@@ -196,8 +196,15 @@ class LLVMExecutor:
             if node.op is not Op.INPUT_IDS:
                 np.copyto(frame.out(node), np.asarray(env[i]).reshape(M, -1))
         step = Step(B, T, cache)
-        for op in ops:
-            op(step)
+        from strata_compiler.runtime import trace
+
+        if trace.ACTIVE is None:
+            for op in ops:
+                op(step)
+        else:
+            for n, op in zip(self.nodes, ops):
+                with trace.ACTIVE.span(n.op.value, "cpu", node=n.id, tokens=M):
+                    op(step)
         for o in self.outputs:
             env[o] = frame.out(self.g.node(o)).copy()
 

@@ -458,9 +458,29 @@ class XLAExecutor:
         """Run this partition at the exact length (no padding: other devices share the step)."""
         if self.layers and not hasattr(cache.k[self.layers[0]], "device"):
             self.new_cache(cache)
-        outs = self.run_partition({i: env[i] for i in self.inputs if self.g.node(i).op is not Op.INPUT_IDS},
-                                  input_ids, cache, input_ids.shape[1])
-        env.update({o: np.asarray(v) for o, v in outs.items()})
+        ext = {i: env[i] for i in self.inputs if self.g.node(i).op is not Op.INPUT_IDS}
+        from strata_compiler.runtime import trace
+
+        tr = trace.ACTIVE
+        if tr is None:
+            outs = self.run_partition(ext, input_ids, cache, input_ids.shape[1])
+            env.update({o: np.asarray(v) for o, v in outs.items()})
+            return
+        # traced: copies and compute separated by waits, so each lands on its own track
+        import time
+
+        jax = _jax()
+        t0 = time.perf_counter()
+        ext = {i: jax.device_put(np.asarray(v), self.device) for i, v in ext.items()}
+        jax.block_until_ready(ext)
+        tr.transfer("h2d", sum(int(v.nbytes) for v in ext.values()), time.perf_counter() - t0)
+        with tr.span(f"xla partition ({len(self.nodes)} ops)", "gpu", tokens=int(input_ids.size)):
+            outs = self.run_partition(ext, input_ids, cache, input_ids.shape[1])
+            jax.block_until_ready(outs)
+        t0 = time.perf_counter()
+        host = {o: np.asarray(v) for o, v in outs.items()}
+        tr.transfer("d2h", sum(int(v.nbytes) for v in host.values()), time.perf_counter() - t0)
+        env.update(host)
 
     def run(self, input_ids: np.ndarray, cache) -> dict[int, np.ndarray]:
         """Whole-plan execution (every node on this executor)."""

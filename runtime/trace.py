@@ -1,0 +1,106 @@
+"""Timeline of a run: Chrome / Perfetto trace events (`strata-run --trace trace.json`) and the
+per-device busy time and bytes moved behind `--stats`.
+
+Events are the trace-event format's complete events (ph "X": name, cat, ts and dur in µs, pid,
+tid) plus metadata events naming each track (ph "M", thread_name). One track per device and
+per copy direction: the CPU kernels, the GPU partitions, host->device and device->host copies,
+and the step driver. Times are host wall clock around each unit of work; a GPU partition's span
+ends when its results are on the host (the runtime waits for them there), so it is the GPU's
+busy time as the host sees it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+TRACKS = {"step": 0, "cpu": 1, "gpu": 2, "h2d": 3, "d2h": 4}
+TRACK_NAMES = {"step": "steps (host)", "cpu": "cpu kernels (llvm / reference)", "gpu": "gpu partitions (xla)",
+               "h2d": "copy host->device", "d2h": "copy device->host"}
+PID = 1
+
+ACTIVE: "Tracer | None" = None     # set by strata-run --trace/--stats; executors check it
+
+
+class Tracer:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter_ns()
+        self.events: list[dict] = []
+        self.busy: dict[str, float] = defaultdict(float)     # track -> seconds
+        self.bytes: dict[str, int] = defaultdict(int)        # link -> bytes moved
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def _us(self, ns: int) -> float:
+        return (ns - self.t0) / 1000.0
+
+    @contextmanager
+    def span(self, name: str, track: str, cat: str = "kernel", **args):
+        start = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            end = time.perf_counter_ns()
+            ev = {"name": name, "cat": cat, "ph": "X", "ts": self._us(start), "dur": (end - start) / 1000.0,
+                  "pid": PID, "tid": TRACKS[track]}
+            if args:
+                ev["args"] = args
+            self.events.append(ev)
+            self.busy[track] += (end - start) / 1e9
+            self.counts[track] += 1
+
+    def transfer(self, direction: str, nbytes: int, seconds: float, name: str = "activation") -> None:
+        """A copy that already happened (ended now, lasted `seconds`) on track h2d or d2h."""
+        end = time.perf_counter_ns()
+        start = end - int(seconds * 1e9)
+        self.events.append({"name": name, "cat": "transfer", "ph": "X", "ts": self._us(start),
+                            "dur": seconds * 1e6, "pid": PID, "tid": TRACKS[direction], "args": {"bytes": nbytes}})
+        self.bytes[direction] += nbytes
+        self.busy[direction] += seconds
+        self.counts[direction] += 1
+
+    def document(self) -> dict:
+        meta = [{"name": "process_name", "ph": "M", "pid": PID, "tid": 0, "args": {"name": "strata-run"}}]
+        meta += [{"name": "thread_name", "ph": "M", "pid": PID, "tid": tid, "args": {"name": TRACK_NAMES[t]}}
+                 for t, tid in TRACKS.items()]
+        return {"traceEvents": meta + self.events, "displayTimeUnit": "ms"}
+
+    def write(self, path: Path) -> None:
+        """Atomically (temp file, then rename)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self.document()))
+        os.replace(tmp, path)
+
+    def stats_lines(self, wall_seconds: float) -> list[str]:
+        lines = [f"busy time per track over {wall_seconds:.3f} s of run:"]
+        for t in TRACKS:
+            if self.counts.get(t):
+                lines.append(f"  {TRACK_NAMES[t]:32s} {self.busy[t]:9.4f} s  {self.counts[t]:7d} spans  "
+                             f"({100 * self.busy[t] / max(wall_seconds, 1e-12):5.1f} %)")
+        for link in ("h2d", "d2h"):
+            if self.counts.get(link):
+                lines.append(f"  bytes moved {link}: {self.bytes[link]} B in {self.counts[link]} copies")
+        lines.append("  expert cache: none (static placement: experts stay where the plan put them)")
+        return lines
+
+
+def validate(doc: dict) -> None:
+    """Raise ValueError unless doc follows the trace-event format (the JSON-object form)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        raise ValueError("a trace is an object with a traceEvents list")
+    for i, ev in enumerate(doc["traceEvents"]):
+        if not isinstance(ev, dict) or ev.get("ph") not in ("X", "M", "i", "B", "E", "C"):
+            raise ValueError(f"event {i}: missing or unknown ph")
+        for key, kind in (("name", str), ("pid", int), ("tid", int)):
+            if not isinstance(ev.get(key), kind):
+                raise ValueError(f"event {i}: {key} must be {kind.__name__}")
+        if ev["ph"] == "X":
+            for key in ("ts", "dur"):
+                if not isinstance(ev.get(key), (int, float)) or ev[key] < 0:
+                    raise ValueError(f"event {i}: {key} must be a non-negative number (µs)")
+        if ev["ph"] == "M" and not isinstance(ev.get("args", {}).get("name"), str):
+            raise ValueError(f"event {i}: metadata events carry args.name")

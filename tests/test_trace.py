@@ -1,0 +1,65 @@
+"""strata-run --trace / --stats (runtime/trace.py): valid trace-event JSON with a track per device
+and per copy direction, spans for every kernel and partition, and the stats lines."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hf_models import build_model
+from strata_compiler.cli import stratac
+from strata_compiler.cli_common import run_cli
+from strata_compiler.runtime.cli import strata_run
+from strata_compiler.runtime.trace import TRACKS, Tracer, validate
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_model("qwen3_moe", tmp_path_factory.mktemp("trace") / "model")
+
+
+def _run(plan, tmp_path, *extra):
+    np.save(tmp_path / "ids.npy", np.array([[1, 2, 3, 4]], np.int64))
+    return run_cli(strata_run, [str(plan / "plan.bin"), "--input-ids", str(tmp_path / "ids.npy"), "-n", "4",
+                                "--ignore-eos", *extra])
+
+
+def test_mixed_plan_trace_has_every_track_and_validates(model, tmp_path, capsys):
+    plan = tmp_path / "plan"
+    assert run_cli(stratac, ["compile", str(model), "-o", str(plan), "--place", "experts=cpu,all=gpu"]) == 0
+    assert _run(plan, tmp_path, "--trace", str(tmp_path / "t.json"), "--stats") == 0
+    doc = json.loads((tmp_path / "t.json").read_text())
+    validate(doc)
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    tracks = {e["tid"] for e in spans}
+    assert tracks == {TRACKS["step"], TRACKS["cpu"], TRACKS["gpu"], TRACKS["h2d"], TRACKS["d2h"]}
+    steps = [e for e in spans if e["tid"] == TRACKS["step"]]
+    assert [e["name"] for e in steps] == ["prefill", "decode", "decode", "decode"]
+    # every kernel and partition lies inside its step
+    for e in spans:
+        if e["tid"] != TRACKS["step"]:
+            assert any(s["ts"] <= e["ts"] + 1e-3 and e["ts"] + e["dur"] <= s["ts"] + s["dur"] + 1e-3 for s in steps)
+    moe = [e for e in spans if e["tid"] == TRACKS["cpu"] and e["name"] == "moe_ffn"]
+    assert len(moe) == 4 * 2          # two MoE layers on the CPU, four steps
+    err = capsys.readouterr().err
+    assert "busy time per track" in err and "bytes moved h2d" in err
+
+
+def test_validate_rejects_malformed_events():
+    t = Tracer()
+    with t.span("k", "cpu"):
+        pass
+    doc = t.document()
+    validate(doc)
+    bad = json.loads(json.dumps(doc))
+    bad["traceEvents"][-1]["dur"] = -1
+    with pytest.raises(ValueError, match="dur"):
+        validate(bad)
+    with pytest.raises(ValueError, match="traceEvents"):
+        validate({"events": []})
+    bad = json.loads(json.dumps(doc))
+    del bad["traceEvents"][-1]["tid"]
+    with pytest.raises(ValueError, match="tid"):
+        validate(bad)
