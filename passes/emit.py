@@ -34,6 +34,41 @@ def section_name(weight: str, array: str) -> str:
     return f"{weight}:{array}"
 
 
+_POOL = None
+
+
+def compile_threads() -> int:
+    """Threads that quantize weight blocks: STRATA_COMPILE_THREADS, else the usable CPUs."""
+    import os
+
+    env = os.environ.get("STRATA_COMPILE_THREADS")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _ordered_map(fn, items):
+    """fn over items on a thread pool, results in order, at most threads + 1 in flight (bounded
+    memory: each holds one row block and its quantized arrays)."""
+    global _POOL
+    n = compile_threads()
+    if n <= 1:
+        yield from map(fn, items)
+        return
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    if _POOL is None or _POOL._max_workers != n:
+        _POOL = ThreadPoolExecutor(n, thread_name_prefix="strata-emit")
+    pending: deque = deque()
+    for it in items:
+        pending.append(_POOL.submit(fn, it))
+        if len(pending) > n:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
 def _write_weight(w: ContainerWriter, spec: WeightSpec, store, progress, importance=None) -> int:
     fmt = get_format(spec.fmt)
     gs = spec.group_size or 32
@@ -42,15 +77,19 @@ def _write_weight(w: ContainerWriter, spec: WeightSpec, store, progress, importa
     if not fmt.grouped:
         importance = None
 
+    def quantize(item):
+        e, block = item
+        imp = None if importance is None else (importance[e] if importance.ndim == 2 else importance)
+        return block.nbytes, fmt.quantize(block, gs, imp)
+
     def first_array() -> Iterator[np.ndarray]:
         # The first array streams; the others (per-group scales: 1/16 of the size) wait in memory.
-        for e, block in iter_blocks(spec, store, with_expert=True):
-            imp = None if importance is None else (importance[e] if importance.ndim == 2 else importance)
-            arrays = fmt.quantize(block, gs, imp)
+        # Blocks are quantized on worker threads (NumPy releases the GIL), written in order.
+        for nbytes, arrays in _ordered_map(quantize, iter_blocks(spec, store, with_expert=True)):
             for n in names[1:]:
                 rest[n].append(arrays[n])
             if progress:
-                progress(block.nbytes // 2)
+                progress(nbytes // 2)
             yield arrays[names[0]]
 
     total = w.add_stream(section_name(spec.name, names[0]), first_array(), align=WEIGHTS_ALIGN).length
