@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -37,6 +38,16 @@ class Session:
     def __post_init__(self) -> None:
         bound = {n.backend for n in self.plan.graph.nodes}
         mixed = self.backend == "auto" and len(bound) > 1
+        if mixed and "xla" in bound and self.device == "auto":
+            from strata_compiler.backends.xla.device import gpu_available
+
+            if not gpu_available():   # the CPU fallback: every op on the CPU backend, one warning
+                n_gpu = sum(1 for n in self.plan.graph.nodes if n.backend == "xla" and n.op.value != "transfer")
+                cpu = resolve_backend("auto")
+                print(f"strata-run: warning: the plan puts {n_gpu} ops on a GPU and this host has none; running "
+                      f"everything on the CPU ({cpu}); --device cpu runs those ops on JAX's CPU platform instead",
+                      file=sys.stderr)
+                mixed, self.backend = False, cpu
         if mixed:   # a mixed plan runs as placed (xla parts on JAX, CPU parts on llvm or reference)
             if "llvm" in bound:
                 resolve_backend("llvm")

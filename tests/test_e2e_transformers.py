@@ -24,10 +24,11 @@ def compile_plan(model_dir, out_dir, *extra) -> None:
     assert run_cli(stratac, ["compile", str(model_dir), "-o", str(out_dir), *extra]) == 0
 
 
-def run_plan(plan_dir, ids: np.ndarray, tmp, n_new: int = N_NEW, backend: str = "reference") -> tuple[np.ndarray, np.ndarray]:
+def run_plan(plan_dir, ids: np.ndarray, tmp, n_new: int = N_NEW, backend: str = "reference",
+             device: str = "auto") -> tuple[np.ndarray, np.ndarray]:
     np.save(tmp / "ids.npy", ids)
     rc = run_cli(strata_run, [str(plan_dir / "plan.bin"), "--input-ids", str(tmp / "ids.npy"), "-n", str(n_new),
-                              "--greedy", "--ignore-eos", "--backend", backend,
+                              "--greedy", "--ignore-eos", "--backend", backend, "--device", device,
                               "--logits-out", str(tmp / "logits.npy"), "--tokens-out", str(tmp / "tokens.npy")])
     assert rc == 0
     return np.load(tmp / "logits.npy"), np.load(tmp / "tokens.npy")
@@ -154,7 +155,7 @@ def test_mixed_plan_matches_transformers(f32_model, tmp_path, rules):
                  "--dump-after", "select-kernels")
     ir = next((tmp_path / "dump").glob("*select-kernels.txt")).read_text()
     assert "transfer(" in ir and " xla" in ir
-    logits, tokens = run_plan(tmp_path / "plan", ids, tmp_path, backend="auto")
+    logits, tokens = run_plan(tmp_path / "plan", ids, tmp_path, backend="auto", device="cpu")
     ref = hf_logits(model, ids)
     assert np.abs(logits - ref).max() / ref.std() <= 1e-4
     np.testing.assert_array_equal(tokens, hf_greedy(model, ids, N_NEW)[0])

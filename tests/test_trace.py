@@ -23,7 +23,7 @@ def model(tmp_path_factory):
 def _run(plan, tmp_path, *extra):
     np.save(tmp_path / "ids.npy", np.array([[1, 2, 3, 4]], np.int64))
     return run_cli(strata_run, [str(plan / "plan.bin"), "--input-ids", str(tmp_path / "ids.npy"), "-n", "4",
-                                "--ignore-eos", *extra])
+                                "--ignore-eos", "--device", "cpu", *extra])
 
 
 def test_mixed_plan_trace_has_every_track_and_validates(model, tmp_path, capsys):
@@ -63,3 +63,21 @@ def test_validate_rejects_malformed_events():
     del bad["traceEvents"][-1]["tid"]
     with pytest.raises(ValueError, match="tid"):
         validate(bad)
+
+
+def test_gpu_plan_without_a_gpu_falls_back_to_the_cpu_with_one_warning(model, tmp_path, capsys):
+    from strata_compiler.backends.xla.device import gpu_available
+
+    if gpu_available():
+        pytest.skip("this host has a GPU: no fallback")
+    plan = tmp_path / "plan"
+    assert run_cli(stratac, ["compile", str(model), "-o", str(plan), "--place", "experts=cpu,all=gpu"]) == 0
+    np.save(tmp_path / "ids.npy", np.array([[1, 2, 3, 4]], np.int64))
+    args = [str(plan / "plan.bin"), "--input-ids", str(tmp_path / "ids.npy"), "-n", "6", "--ignore-eos", "--greedy",
+            "--tokens-out"]
+    assert run_cli(strata_run, [*args, str(tmp_path / "a.npy")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1 and "has none" in err and "[llvm]" in err
+    assert run_cli(strata_run, [*args, str(tmp_path / "b.npy"), "--device", "cpu", "--backend", "auto"]) == 0
+    assert "[llvm+xla]" in capsys.readouterr().err
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
