@@ -226,6 +226,9 @@ def calibrate(g: Graph, ctx: PassContext) -> Graph:
     if _is_plan(Path(opts.calib)):
         calib = calibration_from_plan(Path(opts.calib), g)
         ctx.analyses["calibration"] = calib
+        donor = _donor(Path(opts.calib), g, ctx.store)
+        if donor is not None:
+            ctx.analyses["donor_plan"] = donor       # emit copies its weights where the formats match
         if ctx.dump_dir is not None:
             ctx.dump_dir.mkdir(parents=True, exist_ok=True)
             (ctx.dump_dir / "calibration.json").write_text(json.dumps(calib.summary(), indent=1, sort_keys=True))
@@ -328,3 +331,20 @@ def calibration_from_plan(path: Path, g: Graph) -> Calibration:
             c.wsum[layer] = np.asarray(st["mean_weight"]) * f
         layer += 1
     return c
+
+
+def _donor(path: Path, g: Graph, store):
+    """The plan behind --calib PLAN.bin, when it was built from these very weights (its source
+    fingerprint matches): emit then copies its quantized arrays instead of quantizing again."""
+    from strata_compiler.runtime.plan import load_plan
+    from strata_compiler.weights import source_fingerprint
+
+    plan = load_plan(path, verify_weights="lazy")
+    theirs = plan.meta.get("source_fingerprint")
+    if not theirs or store is None:
+        return None
+    ours = source_fingerprint(store, (k for w in g.weights for k in w.all_source_keys()))
+    if ours != theirs:
+        raise UsageError(f"--calib {path}: that plan was compiled from other weights than this model's; "
+                         f"calibrate this model (--calib TEXT) or pass a plan of the same checkpoint")
+    return plan

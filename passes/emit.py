@@ -23,7 +23,7 @@ from strata_compiler.ir import Graph, Level, WeightSpec
 from strata_compiler.ir_text import print_graph
 from strata_compiler.pass_manager import PassContext, register
 from strata_compiler.plan_format import WEIGHTS_ALIGN, Container, ContainerWriter
-from strata_compiler.weights import iter_blocks
+from strata_compiler.weights import iter_blocks, source_fingerprint
 
 PLAN_MAGIC = b"STRATAPL"
 WEIGHTS_MAGIC = b"STRATAWT"
@@ -98,6 +98,26 @@ def _write_weight(w: ContainerWriter, spec: WeightSpec, store, progress, importa
     return total
 
 
+def _from_donor(donor, spec: WeightSpec) -> dict[str, np.ndarray] | None:
+    """The stored arrays of `spec` from an earlier plan of the same weights and calibration: the
+    same weight, or (for one share of a layer's experts) those experts' rows of the whole layer's
+    weight. None when the donor has no such weight in the same format."""
+    from dataclasses import replace as dc_replace
+
+    dg = donor.graph
+    if dg.has_weight(spec.name) and dg.weight(spec.name) == spec:
+        return {a: np.asarray(v) for a, v in donor.weights.arrays(spec.name).items()}
+    base, _, tail = spec.name.rpartition(".s")
+    if spec.expert_ids and tail.isdigit() and dg.has_weight(base):
+        whole = dg.weight(base)
+        if not whole.expert_ids and max(spec.expert_ids) < whole.experts and \
+                dc_replace(whole, name=spec.name, shape=spec.shape, experts=spec.experts,
+                           expert_ids=spec.expert_ids) == spec:
+            idx = list(spec.expert_ids)
+            return {a: np.ascontiguousarray(v[idx]) for a, v in donor.weights.arrays(base).items()}
+    return None
+
+
 @register("emit", Level.KERNEL)
 def emit(g: Graph, ctx: PassContext) -> Graph:
     """Write plan.bin (metadata, kernel IR, tokenizer) and weights.bin (packed weights)."""
@@ -106,11 +126,22 @@ def emit(g: Graph, ctx: PassContext) -> Graph:
     out = ctx.output_dir
     out.mkdir(parents=True, exist_ok=True)
     bytes_by_format: dict[str, int] = defaultdict(int)
+    donor = ctx.analyses.get("donor_plan")       # --calib PLAN.bin: its quantized weights, reused
+    reused = 0
     with ContainerWriter(out / WEIGHTS_FILE, WEIGHTS_MAGIC) as w:
         calib = ctx.analyses.get("calibration")
         for spec in g.weights:
+            arrays = _from_donor(donor, spec) if donor is not None else None
+            if arrays is not None:
+                n = sum(w.add(section_name(spec.name, a), v, align=WEIGHTS_ALIGN).length for a, v in arrays.items())
+                bytes_by_format[spec.fmt] += n
+                reused += 1
+                if ctx.progress_bytes:
+                    ctx.progress_bytes(sum(ctx.store.info(k).nbytes for k in spec.all_source_keys()))
+                continue
             imp = calib.importance(spec.name) if calib is not None else None
             bytes_by_format[spec.fmt] += _write_weight(w, spec, ctx.store, ctx.progress_bytes, imp)
+    ctx.analyses["reused_weights"] = reused
     with Container.open(out / WEIGHTS_FILE, WEIGHTS_MAGIC, verify="none") as c:
         weights_ref = {"file": WEIGHTS_FILE, "size": c.total_size, "checksum": c.body_checksum}
     meta = {
@@ -121,6 +152,7 @@ def emit(g: Graph, ctx: PassContext) -> Graph:
         "model": {k: list(v) if isinstance(v, tuple) else v for k, v in g.meta},
         "weights": dict(weights_ref, bytes_by_format=dict(sorted(bytes_by_format.items()))),
         "passes": [r["pass"] for r in ctx.analyses.get("pass_records", []) if r["pass"] != "input"],
+        "source_fingerprint": source_fingerprint(ctx.store, (k for s in g.weights for k in s.all_source_keys())),
     }
     if calib is not None:
         meta["calibration"] = dict(calib.summary(), file=Path(ctx.options.calib).name)

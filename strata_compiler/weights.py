@@ -30,3 +30,20 @@ def materialize_f32(spec: WeightSpec, store: TensorStore) -> np.ndarray:
     if spec.fmt != "f32":
         w = get_format(spec.fmt).roundtrip(w, spec.group_size or 32)
     return w.astype(np.float32, copy=False)
+
+
+def source_fingerprint(store, keys) -> str:
+    """A cheap identity of the checkpoint tensors a plan was built from: each key's shape and
+    three of its rows (first, middle, last), hashed. Plans store it, so reusing one plan's work
+    for another compile (`--calib PLAN.bin`) can check that the weights are the same."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for key in sorted(set(keys)):
+        info = store.info(key)
+        shape = tuple(info.shape)
+        h.update(f"{key}:{shape};".encode())
+        n = shape[0] if shape else 1
+        for r in sorted({0, n // 2, max(n - 1, 0)}):
+            h.update(np.ascontiguousarray(store.read_rows(key, r, r + 1), np.float32).tobytes())
+    return h.hexdigest()[:32]

@@ -129,3 +129,42 @@ def test_calibration_reused_from_a_plan(demo, tmp_path, capsys):
     assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "c"), "--calib",
                              str(tmp_path / "plain" / "plan.bin")]) != 0
     assert "without --calib" in capsys.readouterr().err
+
+
+def test_reused_plan_donates_its_quantized_weights(demo, tmp_path, capsys, monkeypatch):
+    """--calib PLAN.bin of the same checkpoint: emit copies the plan's arrays (whole weights, and
+    a share's experts out of a whole layer) and the result is the bytes a fresh compile writes."""
+    from strata_compiler.passes import place as place_pass
+    from test_place import fake_profile
+
+    monkeypatch.setattr(place_pass, "PARTITION_S", 0.0)      # so the budget alone decides: split layers
+    monkeypatch.setattr(place_pass, "GPU_KERNEL_S", 0.0)
+    d, calib = demo
+    hw = fake_profile(tmp_path / "hw.json")
+    src = _compile(d, tmp_path / "a", "--quant", "int4", "--calib", str(calib), "--calib-tokens", "200")
+    assert src.meta["source_fingerprint"]
+    _compile(d, tmp_path / "probe", "--quant", "int4", "--target", str(hw), "--gpu-mem", "1GiB",
+             "--dump-dir", str(tmp_path / "pd"), "--dump-after", "place")
+    p = json.loads((tmp_path / "pd" / "placement.json").read_text())
+    size = int((p["gpu_bytes"] * 0.5 + p["kv_bytes"]) / (1 - place_pass.GPU_RESERVE))
+    place = ["--target", str(hw), "--gpu-mem", str(size)]
+    fresh = _compile(d, tmp_path / "fresh", "--quant", "int4", "--calib", str(calib), "--calib-tokens", "200", *place)
+    assert any(w.expert_ids for w in fresh.graph.weights)          # the placement split a layer
+    reuse = _compile(d, tmp_path / "reuse", "--quant", "int4", "--calib", str(tmp_path / "a" / "plan.bin"), *place)
+    # the same placement and formats (the meta differs: no routing trace, so no expert clusters)
+    assert reuse.graph.nodes == fresh.graph.nodes and reuse.graph.weights == fresh.graph.weights
+    assert (tmp_path / "reuse" / "weights.bin").read_bytes() == (tmp_path / "fresh" / "weights.bin").read_bytes()
+    # a plan of other weights is refused in one line
+    other = tmp_path / "other"
+    import shutil
+
+    shutil.copytree(d, other)
+    from safetensors.numpy import load_file, save_file
+
+    t = load_file(str(other / "model.safetensors"))
+    k = next(k for k in sorted(t) if k.endswith("down_proj.weight"))
+    t[k] = t[k] * 2
+    save_file(t, str(other / "model.safetensors"))
+    assert run_cli(stratac, ["compile", str(other), "-o", str(tmp_path / "x"), "--calib",
+                             str(tmp_path / "a" / "plan.bin")]) != 0
+    assert "other weights" in capsys.readouterr().err
