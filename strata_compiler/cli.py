@@ -47,9 +47,10 @@ def stratac() -> None:
                    "Best with --calib. Replaces --quant.")
 @click.option("--memory-budget", default="", metavar="SIZE",
               help="Layer-adaptive quantization within SIZE bytes of weights in all (e.g. 800MiB); replaces --quant.")
-@click.option("--laq-granularity", type=click.Choice(["expert", "tensor"]), default="expert", show_default=True,
-              help="With --bits/--memory-budget: give each routed expert its own format (a layer's experts are "
-                   "then split into one kernel per format combination), or one format per expert tensor.")
+@click.option("--laq-granularity", type=click.Choice(["tensor", "expert"]), default="tensor", show_default=True,
+              help="With --bits/--memory-budget: one format per expert tensor, or each routed expert its own "
+                   "format (a layer's experts are then split into one kernel per format combination; measured no "
+                   "better on the tiny MoE, see BENCHMARKS.md).")
 @click.option("--tensor-format", default="", metavar="RULES",
               help="Per-weight format overrides, applied last: REGEX=FORMAT,... on weight names as `stratac "
                    "inspect` shows them, first match wins (e.g. 'L0\\.=int8,moe.down=int4').")

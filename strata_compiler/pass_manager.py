@@ -34,7 +34,7 @@ class CompileOptions:
     bits: float = 0.0            # --bits: layer-adaptive formats at this average bits per weight
     memory_budget: str = ""      # --memory-budget: layer-adaptive formats within this many weight bytes
     tensor_format: str = ""      # --tensor-format REGEX=FMT,...: per-weight overrides, applied last
-    laq_granularity: str = "expert"  # --laq-granularity: routed experts get formats one by one, or per tensor
+    laq_granularity: str = "tensor"  # --laq-granularity: one format per expert tensor, or per routed expert
     target: str = ""             # --target auto|hw.json: the place pass's hardware profile ("" = no placement)
     gpu_mem: str = ""            # --gpu-mem SIZE: plan for this much GPU memory
     host_mem: str = ""           # --host-mem SIZE: plan for this much host RAM

@@ -81,7 +81,8 @@ def test_bits_budget_end_to_end(demo, tmp_path, monkeypatch):  # noqa: F811
     d, calib = demo
     out = tmp_path / "p"
     assert run_cli(stratac, ["compile", str(d), "-o", str(out), "--bits", "4.0", "--calib", str(calib),
-                             "--calib-tokens", "256", "--dump-dir", str(tmp_path / "dump")]) == 0
+                             "--calib-tokens", "256", "--laq-granularity", "expert",
+                             "--dump-dir", str(tmp_path / "dump")]) == 0
     plan = load_plan(out)
     nbytes, params, ws = _quantized_bytes(plan)
     assert nbytes <= 4.0 / 8 * params
