@@ -121,7 +121,8 @@ def main() -> int:
     ap.add_argument("--quant", default="int4")
     ap.add_argument("--n-new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--calib-tokens", type=int, default=256)
+    ap.add_argument("--calib-tokens", type=int, default=256,
+                    help="calibration tokens (routing frequencies for the cost model); 0: none, experts equally likely")
     ap.add_argument("--hw", type=Path, help="a stratac probe-hw profile (default: measured now, --quick)")
     ap.add_argument("--tiny", action="store_true", help="a small model (smoke test on any machine)")
     ap.add_argument("--json", type=Path)
@@ -135,8 +136,8 @@ def main() -> int:
     base = a.work_dir / "base"
     if not (base / "plan.bin").exists():
         t0 = time.time()
-        stratac("compile", str(model), "-o", str(base), "--quant", a.quant, "--calib", str(calib_text),
-                "--calib-tokens", str(a.calib_tokens))
+        stratac("compile", str(model), "-o", str(base), "--quant", a.quant,
+                *(["--calib", str(calib_text), "--calib-tokens", str(a.calib_tokens)] if a.calib_tokens else []))
         log(f"calibrated and compiled the all-CPU plan in {time.time() - t0:.0f} s")
     hw = a.hw
     if hw is None:
@@ -149,12 +150,13 @@ def main() -> int:
     bp = load_plan(base, verify_weights="none")
     experts_b, rest_b = weight_split(bp)
     per_layer = layer_bytes(bp)
-    freqs = [np.sort(np.asarray(v["freq"]))[::-1] for v in bp.meta["calibration"]["experts"].values()]
-    top = np.mean([f[: max(1, len(f) // 4)].sum() / f.sum() for f in freqs])
+    cal = bp.meta.get("calibration") or {"experts": {}}
+    freqs = [np.sort(np.asarray(v["freq"]))[::-1] for v in cal["experts"].values()]
+    top = float(np.mean([f[: max(1, len(f) // 4)].sum() / f.sum() for f in freqs])) if freqs else float("nan")
     log(f"experts {experts_b / 2**30:.2f} GiB, rest {rest_b / 2**30:.2f} GiB; routing skew: the top 25% of "
         f"experts take {top:.0%} of the routings (uniform: 25%)")
     variants: dict[str, dict] = {"cpu-only": {"dir": base, "gpu_bytes": 0}}
-    common = ["--quant", a.quant, "--calib", str(base / "plan.bin")]
+    common = ["--quant", a.quant] + (["--calib", str(base / "plan.bin")] if a.calib_tokens else [])
     out = a.work_dir / "ktransformers"
     if not (out / "plan.bin").exists():
         stratac("compile", str(model), "-o", str(out), *common, "--place", "experts=cpu,all=gpu")
