@@ -8,10 +8,12 @@ likely: k/E).
 Cost model, per decode token at batch 1 (the roofline in the spirit of Fiddler and
 MoE-Lightning, with the per-kernel latencies that dominate small decode steps):
 
-    t(op on cpu) = weight bytes / CPU GEMV rate of its format (profile) + CPU_OP_S
+    t(op on cpu) = weight bytes / CPU GEMV rate of its format (profile) + the op dispatch cost
+                   (the profile's host.op_seconds, else CPU_OP_S)
     t(op on gpu) = weight bytes / GPU GEMV rate of its format (profile) + kernels(op) * GPU_KERNEL_S
     an expert's weight bytes count with its probability of being chosen, p_e (sum_e p_e = k)
-    each switch between devices along the op order: PARTITION_S + activation bytes / link rate
+    each switch between devices along the op order: a partition's round trip (the profile's
+                   gpu.partition_seconds, at least PARTITION_S) + activation bytes / link rate
 
 Placement units: the embedding, the head (final norm + lm_head), each layer's core (attention,
 norms, router, shared experts or dense MLP) and each routed expert. Solved by a bounded greedy
@@ -48,6 +50,19 @@ GPU_KERNEL_S = 3.3e-6
 CPU_OP_S = 12e-6
 PARTITION_S = 60e-6
 GPU_RESERVE = 0.10              # of the GPU budget: XLA's workspace, fragmentation
+
+
+def cpu_op_s(hw) -> float:
+    """Per-op CPU dispatch: the profile's measured figure when it has one, else CPU_OP_S."""
+    return getattr(hw.host, "op_seconds", None) or CPU_OP_S
+
+
+def partition_s(hw) -> float:
+    """Entering a GPU partition (jitted call, activations in and out through the host): the
+    profile's measured round trip when it has one, else PARTITION_S."""
+    gpu = hw.gpu
+    measured = getattr(gpu, "partition_seconds", None) if gpu is not None else None
+    return max(measured, PARTITION_S) if measured else PARTITION_S
 KERNELS = {Op.LINEAR: 1, Op.FUSED_ATTENTION: 8, Op.ROUTE: 2, Op.MOE_FFN: 5, Op.EMBED: 1, Op.RMS_NORM: 1}
 
 
@@ -155,7 +170,7 @@ def build_units(g: Graph, hw, probs: dict[int, np.ndarray]) -> tuple[list[Unit],
             if hw.gpu is not None:
                 u.gpu_s += hw.gpu_gemv_seconds(fmt, read)
         if n.weights or n.op in KERNELS:
-            u.cpu_s += CPU_OP_S
+            u.cpu_s += cpu_op_s(hw)
             u.gpu_s += KERNELS.get(n.op, 1) * GPU_KERNEL_S
     return list(units.values()), unit_of
 
@@ -171,6 +186,7 @@ class _Timeline:
 
     def __init__(self, g: Graph, units: list[Unit], unit_of: dict[int, str], hw) -> None:
         by_name = {u.name: u for u in units}
+        self.cpu_op = cpu_op_s(hw)
         experts: dict[int, list[Unit]] = {}
         for u in units:
             if u.expert:
@@ -195,7 +211,7 @@ class _Timeline:
                 g_s = [gs for nm, _, gs in times if nm in gpu]
                 c_s = [cs for nm, cs, _ in times if nm not in gpu]
                 dt = (sum(g_s) + KERNELS[Op.MOE_FFN] * GPU_KERNEL_S if g_s else 0.0) + \
-                     (sum(c_s) + CPU_OP_S if c_s else 0.0)
+                     (sum(c_s) + self.cpu_op if c_s else 0.0)
                 devs = (["gpu"] if g_s else []) + (["cpu"] if c_s else [])
             else:
                 d = "gpu" if name in gpu else "cpu"
@@ -214,7 +230,7 @@ class _Timeline:
 def _switch_s(hw, g: Graph, n: Node) -> float:
     nbytes = g.node(n.args[0]).type.bytes_per_token() if n.args else 0
     link = hw.h2d_seconds(nbytes) + hw.d2h_seconds(nbytes) if hw.gpu is not None else 0.0
-    return PARTITION_S + link / 2
+    return partition_s(hw) + link / 2
 
 
 def kv_bytes(g: Graph, ctx_tokens: int) -> int:

@@ -82,6 +82,7 @@ class HostProfile:
     gemv: dict[str, float] = _unhashed()     # format -> weight B/s at batch 1 ({}: the llvm backend cannot run)
     matmul_flops: dict[str, float] = _unhashed()   # format -> flop/s with `matmul_tokens` tokens
     matmul_tokens: int
+    op_seconds: float | None = None   # one tiny llvm kernel call from Python: the per-op dispatch cost
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class GpuProfile:
     h2d_pageable: float        # B/s from ordinary NumPy memory
     h2d_pinned: float | None   # B/s from pinned host memory; None: not measurable (see notes)
     d2h: float                 # B/s
+    partition_seconds: float | None = None   # a tiny jitted call, NumPy in and out: one partition's overhead
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,9 @@ def _decode(tp, v, where: str):
         for f in dataclasses.fields(tp):
             key = f"{where}.{f.name}" if where else f.name
             if f.name not in v:
+                if f.default is None:      # an optional figure newer than the file: unknown
+                    kw[f.name] = None
+                    continue
                 raise _FieldError(f"field {key} is missing")
             kw[f.name] = _decode(hints[f.name], v[f.name], key)
         return tp(**kw)
@@ -397,6 +402,7 @@ def measure_host(sizes: ProbeSizes, say: Callable[[str], None], notes: list[str]
                  avx512_bf16="+avx512bf16" in feats,
                  amx="+amx-tile" in feats and ("+amx-int8" in feats or "+amx-bf16" in feats))
     total, available = _meminfo()
+    op_s = None
     gemv: dict[str, float] = {}
     flops: dict[str, float] = {}
     M, N, K = sizes.matmul
@@ -415,10 +421,13 @@ def measure_host(sizes: ProbeSizes, say: Callable[[str], None], notes: list[str]
             gemv[fmt] = nbytes / t
             t, _ = time_linear(pool, lib, target, fmt, N, K, max(2, sizes.reps // 2), M=M)
             flops[fmt] = 2.0 * M * N * K / t
+        say("host: kernel dispatch (a 16 x 64 f32 GEMV)")
+        op_s, _ = time_linear(pool, lib, target, "f32", 16, 64, max(20, sizes.reps))
     return HostProfile(cpu=_cpu_model() or (target.cpu if target else platform.machine()),
                        llvm_cpu=llvm.get_host_cpu_name(), cores=_physical_cores(), threads=threads, isa=isa,
                        ram_bytes=total, ram_available_bytes=min(available, total), read_bandwidth=read_bw,
-                       gemv=gemv, matmul_flops=flops, matmul_tokens=M)
+                       gemv=gemv, matmul_flops=flops, matmul_tokens=M,
+                       op_seconds=op_s)
 
 
 def read_bandwidth(pool, lib, target, nbytes: int, reps: int) -> float:
@@ -621,8 +630,12 @@ def measure_gpu(dev, sizes: ProbeSizes, say: Callable[[str], None], notes: list[
         times.append(time.perf_counter() - t0)
         del y
     d2h = host.nbytes / statistics.median(times[1:])
+    say("gpu: partition round trip (a tiny jitted call, NumPy in and out)")
+    tiny = jax.jit(lambda x, pos: (x * 2.0 + 1.0, pos + 1))
+    xin = np.ones((1, 2048), np.float32)
+    part_s = _median_seconds(lambda: np.asarray(tiny(xin, np.int32(3))[0]), max(20, reps), warmup=3)
     return GpuProfile(name=name, memory_bytes=memory, copy_bandwidth=copy_bw, gemv=gemv, matmul_flops=mm_flops,
-                      h2d_pageable=h2d, h2d_pinned=h2d_pinned, d2h=d2h)
+                      h2d_pageable=h2d, h2d_pinned=h2d_pinned, d2h=d2h, partition_seconds=part_s)
 
 
 # -- disk ----------------------------------------------------------------------------------------
