@@ -116,7 +116,7 @@ def masked_grouped(w: np.ndarray, imp: np.ndarray | None, keep: np.ndarray, base
         d, q = F._sym(g, iv, 7, -8, 7)
         return {"qs": F._pack_nibbles(q + 8, G), "scales": d}
     if base == "int3":
-        d, q = F._sym(g, iv, 4, -4, 3)
+        d, q = F._sym(g, iv, 4, -4, 3, signed_range=True)
         return {"qs": F._pack_planes(q + 4, 3, G), "scales": d}
     if base == "int2":
         d, m, q = F._asym(g, iv, 3)
