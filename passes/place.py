@@ -26,7 +26,10 @@ predicted one wins. A layer whose experts end up on both devices becomes two exp
 (`--place` rules still override). Weights left on the host beyond `--host-mem` are marked for
 the disk tier, coldest experts first.
 
-The prediction goes into the graph meta `placement` (JSON: predicted tokens/s, bytes per tier,
+The placement minimises decode time; the prefill of a 512-token prompt is predicted for it too
+(each matrix product bound by its weight bytes or its flops on that device; an expert's weights
+count once if any prompt token chose it). The prediction goes into the graph meta `placement`
+(JSON: predicted decode and prefill tokens/s, bytes per tier,
 per-layer device and time) for `stratac inspect`, and into placement.json with --dump-dir.
 """
 
@@ -78,6 +81,8 @@ class Unit:
     gpu_s: float = 0.0
     layer: int = -1
     prob: float = 1.0
+    cpu_pf: float = 0.0                       # prefill of `prefill_tokens` tokens, seconds
+    gpu_pf: float = 0.0
 
     @property
     def gain(self) -> float:
@@ -134,9 +139,18 @@ def expert_probabilities(g: Graph, calib) -> dict[int, np.ndarray]:
     return out
 
 
-def build_units(g: Graph, hw, probs: dict[int, np.ndarray]) -> tuple[list[Unit], dict[int, str]]:
-    """The placement units with their per-token times on each device; node id -> unit name
-    (expert nodes map to '' : their experts are units of their own)."""
+def _matmul_s(hw, dev: str, fmt: str, nbytes: int, flops: float) -> float:
+    """A prefill matrix product: bound by its weight bytes or by its flops, whichever is slower."""
+    if dev == "cpu":
+        return max(hw.cpu_gemv_seconds(fmt, nbytes), hw.cpu_matmul_seconds(fmt, flops) if flops else 0.0)
+    return max(hw.gpu_gemv_seconds(fmt, nbytes), hw.gpu_matmul_seconds(flops) if flops else 0.0)
+
+
+def build_units(g: Graph, hw, probs: dict[int, np.ndarray],
+                prefill_tokens: int = 512) -> tuple[list[Unit], dict[int, str]]:
+    """The placement units with their times on each device (per decode token, and for a prefill
+    of `prefill_tokens`); node id -> unit name (expert nodes map to '': their experts are units
+    of their own)."""
     layers = _layer_of(g)
     n_layers = max(layers.values(), default=0)
     unit_of: dict[int, str] = {}
@@ -147,31 +161,47 @@ def build_units(g: Graph, hw, probs: dict[int, np.ndarray]) -> tuple[list[Unit],
             unit_of[n.id] = ""
             p = probs[n.id]
             roles = [w for _, w in n.weights]
+            T = prefill_tokens
             for e in range(len(p)):
-                cpu = gpu = 0.0
+                cpu = gpu = cpu_pf = gpu_pf = 0.0
                 nb = 0
+                touched = 1.0 - (1.0 - min(float(p[e]), 1.0)) ** T    # some prompt token chose it
                 for w in roles:
                     fmt, b = _bytes(g, w, experts=e)
+                    flops = 2.0 * T * float(p[e]) * float(np.prod(g.weight(w).shape[1:]))
                     cpu += hw.cpu_gemv_seconds(fmt, b)
-                    gpu += hw.gpu_gemv_seconds(fmt, b) if hw.gpu is not None else 0.0
+                    cpu_pf += touched * _matmul_s(hw, "cpu", fmt, b, flops)
+                    if hw.gpu is not None:
+                        gpu += hw.gpu_gemv_seconds(fmt, b)
+                        gpu_pf += touched * _matmul_s(hw, "gpu", fmt, b, flops)
                     nb += b
                 units[f"L{lay}.e{e}"] = Unit(f"L{lay}.e{e}", expert=(n.id, e), gpu_bytes=nb, cpu_s=p[e] * cpu,
-                                             gpu_s=p[e] * gpu, layer=lay, prob=float(p[e]))
+                                             gpu_s=p[e] * gpu, layer=lay, prob=float(p[e]), cpu_pf=cpu_pf,
+                                             gpu_pf=gpu_pf)
             continue
         name = "embed" if lay < 0 else ("head" if lay >= n_layers else f"L{lay}.core")
         u = units.setdefault(name, Unit(name, layer=lay))
         u.nodes += (n.id,)
         unit_of[n.id] = name
-        for _, w in n.weights:
+        for role, w in n.weights:
             fmt, b = _bytes(g, w)
             u.gpu_bytes += b
-            read = b // g.weight(w).shape[0] if n.op is Op.EMBED else b   # a gather reads one row
+            gather = n.op is Op.EMBED
+            read = b // g.weight(w).shape[0] if gather else b   # a gather reads one row
+            matrix = n.op is Op.LINEAR and role == "w"
+            flops = 2.0 * prefill_tokens * float(np.prod(g.weight(w).shape)) if matrix else 0.0
             u.cpu_s += hw.cpu_gemv_seconds(fmt, read)
+            u.cpu_pf += hw.cpu_gemv_seconds(fmt, min(b, read * prefill_tokens) if gather else b) if not matrix \
+                else _matmul_s(hw, "cpu", fmt, b, flops)
             if hw.gpu is not None:
                 u.gpu_s += hw.gpu_gemv_seconds(fmt, read)
+                u.gpu_pf += hw.gpu_gemv_seconds(fmt, min(b, read * prefill_tokens) if gather else b) if not matrix \
+                    else _matmul_s(hw, "gpu", fmt, b, flops)
         if n.weights or n.op in KERNELS:
             u.cpu_s += cpu_op_s(hw)
             u.gpu_s += KERNELS.get(n.op, 1) * GPU_KERNEL_S
+            u.cpu_pf += cpu_op_s(hw)
+            u.gpu_pf += KERNELS.get(n.op, 1) * GPU_KERNEL_S
     return list(units.values()), unit_of
 
 
@@ -184,8 +214,11 @@ def predict(g: Graph, units: list[Unit], unit_of: dict[int, str], gpu: set[str],
 class _Timeline:
     """The op order with each op's times precomputed, so a placement is priced in one pass."""
 
-    def __init__(self, g: Graph, units: list[Unit], unit_of: dict[int, str], hw) -> None:
+    def __init__(self, g: Graph, units: list[Unit], unit_of: dict[int, str], hw, prefill_tokens: int = 0) -> None:
+        """prefill_tokens > 0: the times of a prefill of that many tokens (Unit.cpu_pf/gpu_pf),
+        activations of that many rows at each switch; else one decode token."""
         by_name = {u.name: u for u in units}
+        pf = prefill_tokens > 0
         self.cpu_op = cpu_op_s(hw)
         experts: dict[int, list[Unit]] = {}
         for u in units:
@@ -195,14 +228,16 @@ class _Timeline:
         for n in g.nodes:
             if n.op is Op.INPUT_IDS:
                 continue
-            switch = _switch_s(hw, g, n)
+            switch = _switch_s(hw, g, n, max(1, prefill_tokens))
             if n.op is Op.MOE_FFN:
                 exp = experts[n.id]
-                self.steps.append((None, [(u.name, u.cpu_s, u.gpu_s) for u in exp], switch, exp[0].layer))
+                self.steps.append((None, [(u.name, u.cpu_pf if pf else u.cpu_s, u.gpu_pf if pf else u.gpu_s)
+                                          for u in exp], switch, exp[0].layer))
             else:
                 u = by_name[unit_of[n.id]]
                 share = 1.0 / max(1, len(u.nodes))
-                self.steps.append((u.name, (u.cpu_s * share, u.gpu_s * share), switch, u.layer))
+                c, gg = (u.cpu_pf, u.gpu_pf) if pf else (u.cpu_s, u.gpu_s)
+                self.steps.append((u.name, (c * share, gg * share), switch, u.layer))
 
     def predict(self, gpu: set[str]) -> dict:
         t, per_layer, prev, switches = 0.0, {}, None, 0
@@ -227,8 +262,8 @@ class _Timeline:
         return {"seconds": t, "tok_s": 1.0 / t if t > 0 else 0.0, "switches": switches, "per_layer": per_layer}
 
 
-def _switch_s(hw, g: Graph, n: Node) -> float:
-    nbytes = g.node(n.args[0]).type.bytes_per_token() if n.args else 0
+def _switch_s(hw, g: Graph, n: Node, tokens: int = 1) -> float:
+    nbytes = (g.node(n.args[0]).type.bytes_per_token() if n.args else 0) * tokens
     link = hw.h2d_seconds(nbytes) + hw.d2h_seconds(nbytes) if hw.gpu is not None else 0.0
     return partition_s(hw) + link / 2
 
@@ -378,7 +413,7 @@ def place_pass(g: Graph, ctx: PassContext) -> Graph:
     hw = load_target(opts.target, opts.gpu_mem or None, opts.host_mem or None, progress=ctx.progress)
     calib = ctx.analyses.get("calibration")
     probs = expert_probabilities(g, calib)
-    units, unit_of = build_units(g, hw, probs)
+    units, unit_of = build_units(g, hw, probs, opts.plan_prompt)
     kv = kv_bytes(g, min(opts.plan_ctx, int(g.meta_value("max_position", opts.plan_ctx))))
     gpu_mem = hw.gpu.memory_bytes if hw.gpu is not None else 0
     budget = max(0, int(gpu_mem * (1 - GPU_RESERVE)) - kv) if hw.gpu is not None else 0
@@ -396,8 +431,10 @@ def place_pass(g: Graph, ctx: PassContext) -> Graph:
                 break
             disk.append(u.name)
             over -= u.gpu_bytes
+    pf = _Timeline(g, units, unit_of, hw, prefill_tokens=opts.plan_prompt).predict(choice.gpu_units)
     summary = {
         "predicted_tok_s": round(pred["tok_s"], 2), "choice": choice.label,
+        "predicted_prefill_tok_s": round(opts.plan_prompt * pf["tok_s"], 1), "prefill_tokens": opts.plan_prompt,
         "candidates": {label: round(t, 2) for label, t in tried},
         "gpu_budget_bytes": budget, "kv_bytes": kv, "gpu_bytes": gpu_bytes,
         "host_bytes": host_bytes - sum(u.gpu_bytes for u in units if u.name in disk),

@@ -39,6 +39,7 @@ class CompileOptions:
     gpu_mem: str = ""            # --gpu-mem SIZE: plan for this much GPU memory
     host_mem: str = ""           # --host-mem SIZE: plan for this much host RAM
     plan_ctx: int = 4096         # tokens of KV cache the placement reserves GPU memory for
+    plan_prompt: int = 512       # prompt tokens of the prefill time the placement also predicts
 
 
 @dataclass

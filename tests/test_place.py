@@ -92,6 +92,7 @@ def test_split_layers_put_hot_experts_on_the_gpu(model, tmp_path, monkeypatch):
     assert {n.device for n in shares} == {"gpu", "cpu"}
     assert s["gpu_bytes"] <= s["gpu_budget_bytes"]
     assert s["predicted_tok_s"] >= max(v for k, v in s["candidates"].items()) - 1e-6
+    assert s["predicted_prefill_tok_s"] > 0 and s["prefill_tokens"] == 512
 
 
 def test_predicted_time_prefers_fewer_device_switches():
