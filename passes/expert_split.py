@@ -6,11 +6,18 @@ residual, and so on — the chain gives the same y. Each share's weights are the
 WeightSpecs (`expert_ids` names the model's experts they stack), so each share can have its own
 storage format (per-expert formats from LAQ) and its own device (placement). The node's
 `experts` attribute tells the executors which routing columns are its own.
+
+An expert cache (`stratac compile --expert-cache`) is the dynamic form: the layer becomes its GPU
+share (the cache's slots, first holding the hottest experts) and a `whole` share on the host that
+holds every expert and computes those not resident in the cache; both carry `cache=<layer key>`,
+and the runtime (runtime/expert_cache.py) swaps experts into the slots as routing shifts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from strata_compiler.ir import Graph, Node, Op, make_attrs
 from strata_compiler.passes.rewrite import Rewriter
@@ -24,6 +31,8 @@ class Share:
     experts: tuple[int, ...]
     formats: tuple[tuple[str, tuple[str, int]], ...] = ()
     device: str = ""
+    whole: bool = False    # an expert cache's host side: all the layer's experts, those resident
+                           # in the cache (the layer's other shares) masked out at run time
 
 
 def moe_key(n: Node) -> str:
@@ -42,9 +51,12 @@ def split_experts(g: Graph, shares: dict[str, list[Share]], calib=None) -> Graph
             continue
         parts = shares[moe_key(n)]
         mine = tuple(n.attr("experts", ())) or tuple(range(g.weight(n.weight("down")).shape[0]))
-        flat = sorted(e for s in parts for e in s.experts)
-        if flat != sorted(mine):
+        flat = sorted(e for s in parts if not s.whole for e in s.experts)
+        cached = any(s.whole for s in parts)
+        if (not cached and flat != sorted(mine)) or (cached and not set(flat) <= set(mine)) or len(set(flat)) != len(flat):
             raise ValueError(f"shares of {moe_key(n)} do not partition its experts {list(mine)}: {flat}")
+        if cached and n.attr("experts", ()):
+            raise ValueError(f"{moe_key(n)}: an expert cache needs the whole layer, not a share")
         if len(parts) == 1 and not parts[0].formats and not parts[0].device:
             continue
         pos = {e: i for i, e in enumerate(mine)}      # model expert id -> position in n's stacks
@@ -54,6 +66,15 @@ def split_experts(g: Graph, shares: dict[str, list[Share]], calib=None) -> Graph
         for si, share in enumerate(parts):
             fm = dict(share.formats)
             ws = {}
+            attrs = dict(n.attrs)
+            if cached:
+                attrs["cache"] = moe_key(n)
+            if share.whole:       # the layer's own weights, every expert
+                node = Node(rw.fresh(), Op.MOE_FFN, (x, route) + ((prev,) if prev is not None else ()), n.type,
+                            n.weights, make_attrs(**attrs), share.device or n.device, n.backend)
+                rw.insert_after(anchor, node)
+                anchor = prev = node.id
+                continue
             for role, name in n.weights:
                 spec = rw.weights[name]
                 sub = f"{name}.s{si}"
@@ -64,7 +85,6 @@ def split_experts(g: Graph, shares: dict[str, list[Share]], calib=None) -> Graph
                 ws[role] = sub
                 if calib is not None:
                     _slice_statistics(calib, name, sub, [pos[e] for e in share.experts])
-            attrs = dict(n.attrs)
             attrs["experts"] = tuple(share.experts)
             node = Node(rw.fresh(), Op.MOE_FFN, (x, route) + ((prev,) if prev is not None else ()), n.type,
                         tuple(ws.items()), make_attrs(**attrs), share.device or n.device, n.backend)
@@ -78,3 +98,29 @@ def _slice_statistics(calib, name: str, sub: str, rows: list[int]) -> None:
     if name in calib.sumsq and getattr(calib.sumsq[name], "ndim", 0) == 2:
         calib.sumsq[sub] = calib.sumsq[name][rows]
         calib.rows[sub] = calib.rows[name][rows]
+
+
+def static_residents(g: Graph, key: str) -> tuple[int, ...]:
+    """The experts the plan puts in cache `key`'s GPU slots (its share node's `experts`)."""
+    for n in g.nodes:
+        if n.op is Op.MOE_FFN and n.attr("cache", "") == key and n.attr("experts", ()):
+            return tuple(n.attr("experts"))
+    return ()
+
+
+def nonresident_mask(g: Graph, n: Node) -> np.ndarray | None:
+    """f32[E] for a cache's `whole` node: 0 for the experts resident in the cache's slots (the
+    runtime cache's current ones when it runs one, else the plan's), 1 for the rest; None for
+    other nodes."""
+    key = n.attr("cache", "")
+    if not key or n.attr("experts", ()):
+        return None
+    from strata_compiler.runtime import expert_cache
+
+    live = expert_cache.lookup(g, key)
+    if live is not None:
+        return live.nonresident
+    E = g.weight(n.weight("down")).shape[0]
+    mask = np.ones(E, np.float32)
+    mask[list(static_residents(g, key))] = 0.0
+    return mask

@@ -379,8 +379,11 @@ def improve(tl: "_Timeline", units: list[Unit], size: dict[str, int], start: set
     return cur
 
 
-def apply(g: Graph, units: list[Unit], unit_of: dict[int, str], gpu: set[str], calib=None) -> Graph:
-    """Set each node's device; split layers whose experts are on both devices into two shares."""
+def apply(g: Graph, units: list[Unit], unit_of: dict[int, str], gpu: set[str], calib=None,
+          cache: bool = False) -> Graph:
+    """Set each node's device; split layers whose experts are on both devices into two shares —
+    or, with `cache`, into a GPU expert cache: the GPU share's slots (first the placed experts)
+    and the whole layer on the CPU for the rest (runtime/expert_cache.py swaps experts in)."""
     from strata_compiler.passes.expert_split import Share, moe_key, split_experts
 
     shares = {}
@@ -395,7 +398,9 @@ def apply(g: Graph, units: list[Unit], unit_of: dict[int, str], gpu: set[str], c
             ids = tuple(n.attr("experts", ())) or tuple(range(len(exp)))
             on = [ids[u.expert[1]] for u in exp if u.name in gpu]
             off = [ids[u.expert[1]] for u in exp if u.name not in gpu]
-            if on and off:
+            if on and off and cache and not n.attr("experts", ()):
+                shares[moe_key(n)] = [Share(tuple(on), device="gpu"), Share(ids, device="cpu", whole=True)]
+            elif on and off:
                 shares[moe_key(n)] = [Share(tuple(on), device="gpu"), Share(tuple(off), device="cpu")]
             dev_of[n.id] = "gpu" if on and not off else "cpu"
         elif n.op is Op.INPUT_IDS:
@@ -424,7 +429,7 @@ def place_pass(g: Graph, ctx: PassContext) -> Graph:
     budget = max(0, int(gpu_mem * (1 - GPU_RESERVE)) - kv) if hw.gpu is not None else 0
     choice, pred, tried = solve(g, units, unit_of, hw, budget)
     n_layers = max((u.layer for u in units), default=0)
-    out = apply(g, units, unit_of, choice.gpu_units, calib)
+    out = apply(g, units, unit_of, choice.gpu_units, calib, cache=opts.expert_cache)
     gpu_bytes = sum(u.gpu_bytes for u in units if u.name in choice.gpu_units)
     host_bytes = sum(u.gpu_bytes for u in units if u.name not in choice.gpu_units)
     host_cap = hw.host.ram_available_bytes

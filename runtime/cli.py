@@ -55,12 +55,18 @@ def _save(path: Path, arr: np.ndarray) -> None:
 @click.option("--trace", "trace_out", type=click.Path(path_type=Path),
               help="Write a Chrome/Perfetto trace (JSON trace events) of every kernel, partition and copy: one "
                    "track per device and per copy direction. Open it at ui.perfetto.dev.")
-@click.option("--stats", is_flag=True, help="Print busy time per device and bytes moved per link after the run.")
+@click.option("--stats", is_flag=True, help="Print busy time per device, bytes moved per link and the expert caches' "
+              "hit rate after the run.")
+@click.option("--expert-cache/--no-expert-cache", default=True, show_default=True,
+              help="Swap experts into the GPU slots of layers compiled with --expert-cache as routing shifts "
+                   "(off: the plan's split stays static).")
+@click.option("--cache-policy", type=click.Choice(["hybrid", "lru"]), default="hybrid", show_default=True,
+              help="Expert cache replacement: decayed use counts plus recency (hybrid), or least recently used.")
 @debug_option
 def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_new_tokens: int, greedy: bool,
                temperature: float, top_p: float, seed: int, ignore_eos: bool, logits_out: Path | None,
                tokens_out: Path | None, backend: str, device: str, trace_out: Path | None, stats: bool,
-               debug: bool) -> None:
+               expert_cache: bool, cache_policy: str, debug: bool) -> None:
     """Run PLAN_PATH (a plan.bin, or the directory holding it): prefill the prompt, then decode."""
     from .plan import load_plan
     from .sampler import Sampler
@@ -83,7 +89,7 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
             raise UsageError("--prompt: the prompt encodes to no tokens")
     else:
         ids = _load_ids(input_ids)
-    session = Session(plan, backend, device=device)
+    session = Session(plan, backend, device=device, expert_cache=expert_cache, cache_policy=cache_policy)
     stop = () if ignore_eos else tuple(plan.meta["model"].get("eos_token_ids") or ())
     from . import trace
 
@@ -118,7 +124,9 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
     click.echo(f"[{session.backend}] prefill {ids.size} tokens at {pre:.1f} tok/s, "
                f"decode {session.timings.decode_tokens} tokens at {dec:.1f} tok/s{extra}", err=True)
     if stats:
-        for line in tracer.stats_lines(t_run):
+        from . import expert_cache as ec
+
+        for line in tracer.stats_lines(t_run) + ec.stats_lines(plan.graph):
             click.echo(line, err=True)
 
 

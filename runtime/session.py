@@ -34,6 +34,8 @@ class Session:
     backend: str = "auto"
     device: str = "auto"        # where xla partitions run: auto | gpu | cpu
     timings: Timings = field(default_factory=Timings)
+    expert_cache: bool = True   # live GPU expert caches for the plan's cached layers (mixed runs)
+    cache_policy: str = "hybrid"
 
     def __post_init__(self) -> None:
         bound = {n.backend for n in self.plan.graph.nodes}
@@ -56,6 +58,11 @@ class Session:
             self.backend = resolve_backend(self.backend)
         self.executor = make_executor(self.backend, self.plan.graph, self.plan.weights, device=self.device,
                                       mixed=mixed)
+        from . import expert_cache
+
+        expert_cache.clear(self.plan.graph)
+        if mixed and self.expert_cache:
+            self.executor.enable_expert_cache(policy=self.cache_policy)
         self.cache: KVCache | None = None
 
     def reset(self, batch: int, capacity: int) -> None:

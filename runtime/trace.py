@@ -84,7 +84,6 @@ class Tracer:
         for link in ("h2d", "d2h"):
             if self.counts.get(link):
                 lines.append(f"  bytes moved {link}: {self.bytes[link]} B in {self.counts[link]} copies")
-        lines.append("  expert cache: none (static placement: experts stay where the plan put them)")
         return lines
 
 

@@ -72,11 +72,15 @@ def stratac() -> None:
 @click.option("--gpu-mem", default="", metavar="SIZE", help="With --target: plan for this much GPU memory (e.g. 16GiB).")
 @click.option("--host-mem", default="", metavar="SIZE",
               help="With --target: plan for this much host RAM; experts beyond it go to the disk tier.")
+@click.option("--expert-cache", is_flag=True,
+              help="With --target: layers whose experts the placement splits get a GPU expert cache instead of a "
+                   "static split: slots first holding the placed experts, the whole layer on the CPU, and "
+                   "strata-run swapping experts into the slots as routing shifts.")
 @debug_option
 def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, calib: Path | None, calib_tokens: int,
                 bits: float | None, memory_budget: str, laq_granularity: str, tensor_format: str, dump_dir: Path | None,
                 dump_after: str, stop_after: str | None, backend: str, place: str, target: str, gpu_mem: str,
-                host_mem: str, debug: bool) -> None:
+                host_mem: str, expert_cache: bool, debug: bool) -> None:
     """Compile MODEL_DIR (config.json, *.safetensors, tokenizer.json) into a plan.
 
     \b
@@ -105,7 +109,9 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
     opts = CompileOptions(quant=quant, group_size=group_size, backend=backend, place=place,
                           calib=str(calib) if calib else "", calib_tokens=calib_tokens, bits=bits or 0.0,
                           memory_budget=memory_budget, tensor_format=tensor_format, laq_granularity=laq_granularity,
-                          target=target, gpu_mem=gpu_mem, host_mem=host_mem)
+                          target=target, gpu_mem=gpu_mem, host_mem=host_mem, expert_cache=expert_cache)
+    if expert_cache and not target:
+        raise UsageError("--expert-cache: the cache's slots come from the placement; it needs --target")
     if (gpu_mem or host_mem) and not target:
         raise UsageError(f"{'--gpu-mem' if gpu_mem else '--host-mem'}: plans for a machine's memory; it needs --target "
                          f"auto or --target HW.json")

@@ -40,6 +40,7 @@ class CompileOptions:
     host_mem: str = ""           # --host-mem SIZE: plan for this much host RAM
     plan_ctx: int = 4096         # tokens of KV cache the placement reserves GPU memory for
     plan_prompt: int = 512       # prompt tokens of the prefill time the placement also predicts
+    expert_cache: bool = False   # --expert-cache: split layers become GPU expert caches (runtime swaps)
 
 
 @dataclass

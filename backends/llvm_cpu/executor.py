@@ -398,12 +398,19 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
     ip = h_stride(spec)
     ids = tuple(n.attr("experts", ()))
     idx = np.array(ids, np.int64)
+    from strata_compiler.passes.expert_split import nonresident_mask
+    from strata_compiler.runtime import expert_cache
+
+    cache_key = n.attr("cache", "") if not ids else ""    # an expert cache's host side
 
     def prepare(frame: Frame):
         M = frame.M
         x, comb = _src(frame, n, 0), _src(frame, n, 1)
         gather = None
-        if ids:   # this node computes a share of the layer's experts: their routing columns
+        if cache_key:   # every expert but those resident in the GPU cache (a live mask)
+            full, comb = comb, frame.temp(f"moe.comb{n.id}", (M, E))
+            gather = lambda: np.multiply(full, nonresident_mask(exe.g, n)[None, :], out=comb)  # noqa: E731
+        elif ids:   # this node computes a share of the layer's experts: their routing columns
             if ids == tuple(range(ids[0], ids[0] + E)):
                 comb = comb[:, ids[0]:ids[0] + E]          # a strided view: the kernel takes ldc
             else:
@@ -438,6 +445,8 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
         def run(step: Step) -> None:
             if gather is not None:
                 gather()
+                if cache_key and (live := expert_cache.lookup(exe.g, cache_key)) is not None:
+                    live.observe(full)
             pool.run(kp.addr, ap.addr, 0, 1)                    # routing pairs, grouped by expert
             P, nA = int(count[0]), int(count[1])
             if xin is not x and qxrun is None:

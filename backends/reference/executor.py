@@ -121,6 +121,7 @@ class ReferenceExecutor:
     def run(self, input_ids: np.ndarray, cache: KVCache) -> dict[int, np.ndarray]:
         T = input_ids.shape[1]
         ctx = _Step(self.w, cache, np.arange(cache.length, cache.length + T), input_ids, self.observer)
+        ctx.graph = self.g
         env: dict[int, np.ndarray] = {}
         outputs = set(self.g.outputs)
         for i, n in enumerate(self.g.nodes):
@@ -135,6 +136,7 @@ class ReferenceExecutor:
         """Run just `nodes` (a partition of a mixed plan), reading and writing the shared env."""
         B, T = input_ids.shape
         ctx = _Step(self.w, cache, np.arange(cache.length, cache.length + T), input_ids, self.observer)
+        ctx.graph = self.g
         for nid in nodes:
             n = self.g.node(nid)
             args = [np.asarray(env[a]).reshape(B, T, -1) if self.g.node(a).op is not Op.INPUT_IDS else env[a]
@@ -212,6 +214,10 @@ def _moe_ffn(c: _Step, n: Node, a: list) -> np.ndarray:
         obs.route(n, a[1])
     ids = n.attr("experts", ())
     route = a[1][..., list(ids)] if ids else a[1]   # a share of the layer's experts: their columns
+    if n.attr("cache", "") and not ids:             # an expert cache's host side: the non-resident ones
+        from strata_compiler.passes.expert_split import nonresident_mask
+
+        route = route * nonresident_mask(c.graph, n)
     y = moe_ffn(a[0], route, pair, lambda e: down[e],
                 None if obs is None else (lambda e, x, h, w: obs.expert(n, e, x, h, w)))
     return y + a[2] if len(a) == 3 else y

@@ -252,9 +252,15 @@ def _moe(c: _Ctx, n: Node, a: list):
     I = I2 // 2
     dt = c.exe.compute_dtype(gu_spec)
     ids = n.attr("experts", ())
-    if ids:   # a share of the layer's experts: their routing columns, their own top-k
-        comb = comb[:, jnp.asarray(ids)]
+    live = c.ext.get(-(n.id + 1)) if n.attr("cache", "") else None
+    if ids:   # a share of the layer's experts: their routing columns (a cache's: its slots'), own top-k
+        comb = comb[:, live if live is not None else jnp.asarray(ids)]
         k = min(k, len(ids))
+        topw, topi = jax.lax.top_k(comb, k)
+    elif n.attr("cache", ""):   # an expert cache's host side, run here: the plan's non-resident experts
+        from strata_compiler.passes.expert_split import nonresident_mask
+
+        comb = comb * jnp.asarray(nonresident_mask(c.exe.g, n))
         topw, topi = jax.lax.top_k(comb, k)
     else:     # [M, k], in top_k(comb)'s order: the route's own, when it ran in this computation
         topw, topi = c.topk.get(n.args[1]) or jax.lax.top_k(comb, k)
@@ -359,6 +365,7 @@ class XLAExecutor:
                 if r.op is not Op.ROUTE:
                     raise BackendError(f"moe_ffn %{n.id}: the xla backend needs its routing from a route op")
                 self.route_k[n.id] = r.attr("k")
+        self.cached = [n for n in self.nodes if n.op is Op.MOE_FFN and n.attr("cache", "") and n.attr("experts", ())]
         names = sorted({w for n in self.nodes for _, w in n.weights})
         self.params = {name: {a: jax.device_put(np.asarray(v), self.device) for a, v in weights.arrays(name).items()}
                        for name in names}
@@ -375,13 +382,29 @@ class XLAExecutor:
     def _forward(self, params, ks, vs, ext, ids, B, T, pos):
         ks, vs = dict(ks), dict(vs)
         c = _Ctx(self, params, ks, vs, ids, pos, B, T)
-        env = dict(ext)
+        c.ext = ext
+        env = {k: v for k, v in ext.items() if k >= 0}
         for n in self.nodes:
             if n.op is Op.INPUT_IDS:
                 env[n.id] = ids.reshape(-1)
             else:
                 env[n.id] = _OPS[n.op](c, n, [env[a] for a in n.args])
         return {o: env[o] for o in self.outputs}, ks, vs
+
+    def set_slot(self, node_id: int, slot: int, rows: dict[str, dict[str, np.ndarray]]) -> int:
+        """An expert cache swap: the stored arrays of one expert (by role, then array) into slot
+        `slot` of node `node_id`'s weights, in place on the device. Returns the bytes copied."""
+        jax = _jax()
+        if not hasattr(self, "_put_row"):
+            self._put_row = jax.jit(lambda a, r, i: a.at[i].set(r), donate_argnums=0)
+        n = self.g.node(node_id)
+        moved = 0
+        for role, name in n.weights:
+            for arr, host in rows[role].items():
+                dev = jax.device_put(np.ascontiguousarray(host), self.device)
+                self.params[name][arr] = self._put_row(self.params[name][arr], dev, np.int32(slot))
+                moved += host.nbytes
+        return moved
 
     def new_cache(self, cache) -> None:
         """Put this partition's layers of the cache on the device (zeros)."""
@@ -459,7 +482,12 @@ class XLAExecutor:
         if self.layers and not hasattr(cache.k[self.layers[0]], "device"):
             self.new_cache(cache)
         ext = {i: env[i] for i in self.inputs if self.g.node(i).op is not Op.INPUT_IDS}
-        from strata_compiler.runtime import trace
+        from strata_compiler.runtime import expert_cache, trace
+
+        for n in self.cached:   # the live slot -> expert maps of the expert caches here
+            live = expert_cache.lookup(self.g, n.attr("cache"))
+            if live is not None:
+                ext[-(n.id + 1)] = live.slots.copy()
 
         tr = trace.ACTIVE
         if tr is None:
@@ -471,7 +499,7 @@ class XLAExecutor:
 
         jax = _jax()
         t0 = time.perf_counter()
-        ext = {i: jax.device_put(np.asarray(v), self.device) for i, v in ext.items()}
+        ext = {i: jax.device_put(np.asarray(v), self.device) for i, v in ext.items()}   # slot maps too
         jax.block_until_ready(ext)
         tr.transfer("h2d", sum(int(v.nbytes) for v in ext.values()), time.perf_counter() - t0)
         with tr.span(f"xla partition ({len(self.nodes)} ops)", "gpu", tokens=int(input_ids.size)):

@@ -1,0 +1,112 @@
+"""The GPU expert cache: which of a layer's experts sit in the GPU's slots, and which to swap in.
+
+A cached layer is two moe_ffn nodes sharing `cache=<key>` (passes/expert_split.py): the GPU
+share computes the routing columns of the experts in its slots; the host's `whole` share holds
+every expert and computes the others (a miss computes on the CPU: Fiddler's rule, since the copy
+of one expert costs more than its CPU GEMV at batch 1). After each step the cache scores the
+experts the tokens chose — an LRU/LFU hybrid: a decayed use count plus a recency bonus — and
+swaps a missed expert into the slot of the lowest-scoring resident when it scores higher, at
+most `max_swaps` per layer per step (the copy budget), so the next tokens hit.
+
+The registry (`CACHES`) is set up by the session for mixed runs; executors look their layer up
+there, and without an entry they keep the plan's static split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+CACHES: dict[tuple[int, str], "ExpertCache"] = {}   # (id of the plan's graph, layer key) -> cache
+
+
+def lookup(graph, key: str) -> "ExpertCache | None":
+    return CACHES.get((id(graph), key))
+
+
+def clear(graph) -> None:
+    for k in [k for k in CACHES if k[0] == id(graph)]:
+        del CACHES[k]
+
+
+@dataclass
+class ExpertCache:
+    key: str
+    n_experts: int
+    slots: np.ndarray                 # i32[S]: the expert in each GPU slot
+    decay: float = 0.9                # per step, of the use counts (LFU that forgets)
+    recency: float = 0.5              # bonus of an expert used in the last step (LRU)
+    max_swaps: int = 1                # copies per layer per step
+    policy: str = "hybrid"            # hybrid | lru
+    score: np.ndarray = field(default=None)
+    last_used: np.ndarray = field(default=None)
+    nonresident: np.ndarray = field(default=None)   # f32[E]: 1 for experts the host computes
+    step: int = 0
+    hits: int = 0
+    misses: int = 0
+    swaps: int = 0
+    bytes_moved: int = 0
+    _chosen: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        E = self.n_experts
+        self.slots = np.asarray(self.slots, np.int32).copy()
+        self.score = np.zeros(E) if self.score is None else self.score
+        self.last_used = np.full(E, -1, np.int64)
+        self.nonresident = np.ones(E, np.float32)
+        self.nonresident[self.slots] = 0.0
+
+    def observe(self, combine: np.ndarray) -> None:
+        """The routing weights of a step, [M, E] (nonzero for the chosen experts): count hits
+        and misses, remember what was chosen for the swap decision."""
+        chosen = np.asarray(combine).reshape(-1, self.n_experts) != 0
+        resident = self.nonresident == 0
+        self.hits += int(chosen[:, resident].sum())
+        self.misses += int(chosen[:, ~resident].sum())
+        used = chosen.any(axis=0)
+        self._chosen = used if self._chosen is None else (self._chosen | used)
+
+    def plan_swaps(self) -> list[tuple[int, int]]:
+        """(slot, expert) copies to make now, and the bookkeeping as if they were made."""
+        used = self._chosen if self._chosen is not None else np.zeros(self.n_experts, bool)
+        self._chosen = None
+        self.step += 1
+        self.last_used[used] = self.step
+        if self.policy == "lru":
+            self.score = self.last_used.astype(np.float64)
+        else:
+            self.score = self.score * self.decay + used + self.recency * (self.last_used == self.step)
+        out = []
+        missed = [int(e) for e in np.flatnonzero(used & (self.nonresident != 0))]
+        for e in sorted(missed, key=lambda e: -self.score[e]):
+            if len(out) >= self.max_swaps:
+                break
+            res = self.slots
+            victim_slot = int(np.argmin(self.score[res]))
+            if self.score[e] <= self.score[res[victim_slot]]:
+                continue
+            out.append((victim_slot, e))
+            self.nonresident[res[victim_slot]] = 1.0
+            self.nonresident[e] = 0.0
+            self.slots[victim_slot] = e
+            self.swaps += 1
+        return out
+
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+
+def stats_lines(graph) -> list[str]:
+    mine = [c for k, c in CACHES.items() if k[0] == id(graph)]
+    if not mine:
+        return ["  expert cache: none (static placement: experts stay where the plan put them)"]
+    hits = sum(c.hits for c in mine)
+    misses = sum(c.misses for c in mine)
+    swaps = sum(c.swaps for c in mine)
+    moved = sum(c.bytes_moved for c in mine)
+    slots = sum(len(c.slots) for c in mine)
+    rate = hits / (hits + misses) if hits + misses else 0.0
+    return [f"  expert cache: {len(mine)} layers, {slots} GPU slots; hit rate {rate:.1%} "
+            f"({hits} hits, {misses} misses); {swaps} experts swapped in, {moved} B copied host->device"]

@@ -1,0 +1,119 @@
+"""The GPU expert cache (runtime/expert_cache.py): the replacement policy, and greedy outputs
+identical with the cache on and off (JAX on the CPU stands in for the GPU)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hf_models import build_model, clear_prompts, hf_greedy, hf_logits, load_model
+from strata_compiler.cli import stratac
+from strata_compiler.cli_common import run_cli
+from strata_compiler.passes import place
+from strata_compiler.runtime.cli import strata_run
+from strata_compiler.runtime.expert_cache import ExpertCache
+from strata_compiler.runtime.plan import load_plan
+from test_place import fake_profile
+
+N_NEW = 12
+
+
+def test_hits_misses_and_a_swap_of_the_hottest_miss():
+    c = ExpertCache("L0", 6, np.array([0, 1], np.int32), decay=0.5, recency=0.0)
+    comb = np.zeros((3, 6), np.float32)
+    comb[0, [0, 4]] = 1          # a hit and a miss
+    comb[1, [4, 5]] = 1          # two misses
+    comb[2, [1, 4]] = 1
+    c.observe(comb)
+    assert (c.hits, c.misses) == (2, 4)
+    swaps = c.plan_swaps()       # 4 was used; the residents 0 and 1 too: scores tie at 1 -> no swap beats them
+    assert swaps == []
+    c.observe(np.eye(6, dtype=np.float32)[[4, 4]])   # 4 again, 0 and 1 idle: 4 now outscores them
+    swaps = c.plan_swaps()
+    assert len(swaps) == 1 and swaps[0][1] == 4 and 4 in c.slots
+    assert c.nonresident[4] == 0 and c.nonresident.sum() == 4
+    assert c.swaps == 1 and 0 < c.hit_rate() < 1
+
+
+def test_lru_policy_evicts_the_least_recently_used():
+    c = ExpertCache("L0", 4, np.array([0, 1], np.int32), policy="lru", max_swaps=2)
+    c.observe(np.eye(4, dtype=np.float32)[[1]])
+    assert c.plan_swaps() == []
+    c.observe(np.eye(4, dtype=np.float32)[[2]])
+    assert c.plan_swaps() == [(0, 2)]          # expert 0 was never used: its slot goes
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = build_model("qwen3_moe", tmp_path_factory.mktemp("cache") / "model")
+    m = load_model(d)
+    ids = clear_prompts(m, m.config.vocab_size, n_prompts=1, length=6, n_new=N_NEW, seed=6)[0]
+    return d, m, ids
+
+
+def test_cache_on_and_off_match_transformers(model, tmp_path, monkeypatch, capsys):
+    d, m, ids = model
+    monkeypatch.setattr(place, "PARTITION_S", 0.0)     # so the budget alone decides: split layers
+    monkeypatch.setattr(place, "GPU_KERNEL_S", 0.0)
+    hw = fake_profile(tmp_path / "hw.json")
+    probe = tmp_path / "probe"
+    assert run_cli(stratac, ["compile", str(d), "-o", str(probe), "--target", str(hw), "--gpu-mem", "1GiB",
+                             "--dump-dir", str(tmp_path / "pd"), "--dump-after", "place"]) == 0
+    p = json.loads((tmp_path / "pd" / "placement.json").read_text())
+    mem = int((p["gpu_bytes"] * 0.5 + p["kv_bytes"]) / (1 - place.GPU_RESERVE))
+    plan = tmp_path / "plan"
+    assert run_cli(stratac, ["compile", str(d), "-o", str(plan), "--target", str(hw), "--gpu-mem", str(mem),
+                             "--expert-cache"]) == 0
+    g = load_plan(plan).graph
+    cached = [n for n in g.nodes if n.op.value == "moe_ffn" and n.attr("cache", "")]
+    assert {n.device for n in cached} == {"gpu", "cpu"}
+    np.save(tmp_path / "ids.npy", ids)
+    ref = hf_logits(m, ids)
+    ref_tokens = hf_greedy(m, ids, N_NEW)[0]
+    outs = {}
+    for flag in ("--expert-cache", "--no-expert-cache"):
+        assert run_cli(strata_run, [str(plan / "plan.bin"), "--input-ids", str(tmp_path / "ids.npy"), "-n",
+                                    str(N_NEW), "--greedy", "--ignore-eos", "--device", "cpu", flag, "--stats",
+                                    "--logits-out", str(tmp_path / "l.npy"), "--tokens-out",
+                                    str(tmp_path / "t.npy")]) == 0
+        outs[flag] = (np.load(tmp_path / "l.npy"), np.load(tmp_path / "t.npy"), capsys.readouterr().err)
+    for flag, (logits, tokens, err) in outs.items():
+        assert np.abs(logits - ref).max() / ref.std() <= 1e-4, flag
+        np.testing.assert_array_equal(tokens, ref_tokens)
+    on = outs["--expert-cache"][2]
+    assert "expert cache:" in on and "hit rate" in on
+    swapped = int(on.split("experts swapped in")[0].split(";")[-1].strip())
+    assert swapped > 0                                   # the cache did change its residents
+    assert "hit rate" not in outs["--no-expert-cache"][2]
+
+
+def test_every_decode_step_matches_with_swaps(model, tmp_path, monkeypatch):
+    """Step by step, the cached run's logits equal the static run's while experts move."""
+    from strata_compiler.runtime.session import Session
+
+    d, m, ids = model
+    monkeypatch.setattr(place, "PARTITION_S", 0.0)
+    monkeypatch.setattr(place, "GPU_KERNEL_S", 0.0)
+    hw = fake_profile(tmp_path / "hw.json")
+    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "probe"), "--target", str(hw), "--gpu-mem",
+                             "1GiB", "--dump-dir", str(tmp_path / "pd"), "--dump-after", "place"]) == 0
+    p = json.loads((tmp_path / "pd" / "placement.json").read_text())
+    mem = int((p["gpu_bytes"] * 0.3 + p["kv_bytes"]) / (1 - place.GPU_RESERVE))
+    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "plan"), "--target", str(hw), "--gpu-mem",
+                             str(mem), "--expert-cache"]) == 0
+    plan = load_plan(tmp_path / "plan")
+    runs = {}
+    for on in (True, False):
+        s = Session(plan, "auto", device="cpu", expert_cache=on)
+        s.reset(1, 64)
+        out = [s.step(ids)[:, -1]]
+        rng = np.random.default_rng(0)
+        for _ in range(10):       # random tokens: routing moves around, the cache swaps
+            out.append(s.step(rng.integers(0, m.config.vocab_size, (1, 1)))[:, -1])
+        runs[on] = (np.concatenate(out), s)
+    a, b = runs[True][0], runs[False][0]
+    assert np.abs(a - b).max() / b.std() <= 1e-5
+    caches = runs[True][1].executor.caches
+    assert caches and sum(c.swaps for c, *_ in caches) > 0
