@@ -63,7 +63,13 @@ def split_experts(g: Graph, shares: dict[str, list[Share]], calib=None) -> Graph
         x, route = n.args[0], n.args[1]
         prev = n.args[2] if len(n.args) == 3 else None
         anchor = n.id
+        # shares on one device chain through the residual (no extra op); shares on different
+        # devices run side by side and an add joins them, so neither waits for the other
+        parallel = len({s.device or n.device for s in parts}) > 1
+        outs: list[int] = []
         for si, share in enumerate(parts):
+            if parallel and si > 0:
+                prev = None
             fm = dict(share.formats)
             ws = {}
             attrs = dict(n.attrs)
@@ -74,6 +80,7 @@ def split_experts(g: Graph, shares: dict[str, list[Share]], calib=None) -> Graph
                             n.weights, make_attrs(**attrs), share.device or n.device, n.backend)
                 rw.insert_after(anchor, node)
                 anchor = prev = node.id
+                outs.append(node.id)
                 continue
             for role, name in n.weights:
                 spec = rw.weights[name]
@@ -90,6 +97,14 @@ def split_experts(g: Graph, shares: dict[str, list[Share]], calib=None) -> Graph
                         tuple(ws.items()), make_attrs(**attrs), share.device or n.device, n.backend)
             rw.insert_after(anchor, node)
             anchor = prev = node.id
+            outs.append(node.id)
+        if parallel:
+            acc = outs[0]
+            for o in outs[1:]:
+                add = Node(rw.fresh(), Op.ADD, (acc, o), n.type, device=n.device, backend=n.backend)
+                rw.insert_after(anchor, add)
+                anchor = acc = add.id
+            prev = acc
         rw.redirect(n.id, prev)
     return rw.finish()
 

@@ -4,9 +4,10 @@ per-device busy time and bytes moved behind `--stats`.
 Events are the trace-event format's complete events (ph "X": name, cat, ts and dur in µs, pid,
 tid) plus metadata events naming each track (ph "M", thread_name). One track per device and
 per copy direction: the CPU kernels, the GPU partitions, host->device and device->host copies,
-and the step driver. Times are host wall clock around each unit of work; a GPU partition's span
-ends when its results are on the host (the runtime waits for them there), so it is the GPU's
-busy time as the host sees it.
+and the step driver. Times are host wall clock: a GPU partition's span runs from its dispatch to
+the moment its results are ready on the device (a watcher thread waits for them, so the host is
+not held up and the CPU work it does meanwhile shows beside it); a device->host span is the
+host's wait for a GPU result it needs plus the copy.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ class Tracer:
         self.busy: dict[str, float] = defaultdict(float)     # track -> seconds
         self.bytes: dict[str, int] = defaultdict(int)        # link -> bytes moved
         self.counts: dict[str, int] = defaultdict(int)
+        import threading
+
+        self._lock = threading.Lock()
+        self.watchers: list = []      # threads waiting for GPU work to finish (joined before writing)
 
     def _us(self, ns: int) -> float:
         return (ns - self.t0) / 1000.0
@@ -52,6 +57,17 @@ class Tracer:
             self.busy[track] += (end - start) / 1e9
             self.counts[track] += 1
 
+    def add_span(self, name: str, track: str, start_ns: int, end_ns: int, cat: str = "kernel", **args) -> None:
+        """A span measured elsewhere (e.g. by a thread that waited for the GPU to finish)."""
+        ev = {"name": name, "cat": cat, "ph": "X", "ts": self._us(start_ns), "dur": (end_ns - start_ns) / 1000.0,
+              "pid": PID, "tid": TRACKS[track]}
+        if args:
+            ev["args"] = args
+        with self._lock:
+            self.events.append(ev)
+            self.busy[track] += (end_ns - start_ns) / 1e9
+            self.counts[track] += 1
+
     def transfer(self, direction: str, nbytes: int, seconds: float, name: str = "activation") -> None:
         """A copy that already happened (ended now, lasted `seconds`) on track h2d or d2h."""
         end = time.perf_counter_ns()
@@ -62,7 +78,13 @@ class Tracer:
         self.busy[direction] += seconds
         self.counts[direction] += 1
 
+    def join(self) -> None:
+        for t in self.watchers:
+            t.join()
+        self.watchers.clear()
+
     def document(self) -> dict:
+        self.join()
         meta = [{"name": "process_name", "ph": "M", "pid": PID, "tid": 0, "args": {"name": "strata-run"}}]
         meta += [{"name": "thread_name", "ph": "M", "pid": PID, "tid": tid, "args": {"name": TRACK_NAMES[t]}}
                  for t, tid in TRACKS.items()]
@@ -76,6 +98,7 @@ class Tracer:
         os.replace(tmp, path)
 
     def stats_lines(self, wall_seconds: float) -> list[str]:
+        self.join()
         lines = [f"busy time per track over {wall_seconds:.3f} s of run:"]
         for t in TRACKS:
             if self.counts.get(t):

@@ -191,13 +191,20 @@ class LLVMExecutor:
             self.frames[M] = (frame, [b(frame) for b in self.binders])
         frame, ops = self.frames[M]
         frame.ids[:] = input_ids.reshape(-1)
+        from strata_compiler.runtime import trace
+
         for i in self.inputs:
             node = self.g.node(i)
             if node.op is not Op.INPUT_IDS:
-                np.copyto(frame.out(node), np.asarray(env[i]).reshape(M, -1))
-        step = Step(B, T, cache)
-        from strata_compiler.runtime import trace
+                v = env[i]
+                if trace.ACTIVE is not None and not isinstance(v, np.ndarray):   # a GPU result: wait, copy
+                    import time
 
+                    t0 = time.perf_counter()
+                    v = np.asarray(v)
+                    trace.ACTIVE.transfer("d2h", v.nbytes, time.perf_counter() - t0, name="wait + copy")
+                np.copyto(frame.out(node), np.asarray(v).reshape(M, -1))
+        step = Step(B, T, cache)
         if trace.ACTIVE is None:
             for op in ops:
                 op(step)

@@ -491,24 +491,30 @@ class XLAExecutor:
 
         tr = trace.ACTIVE
         if tr is None:
-            outs = self.run_partition(ext, input_ids, cache, input_ids.shape[1])
-            env.update({o: np.asarray(v) for o, v in outs.items()})
+            # results stay on the device: a consumer on the CPU waits for them when it reads them,
+            # so CPU work in between (another share of the same layer) overlaps the GPU's
+            env.update(self.run_partition(ext, input_ids, cache, input_ids.shape[1]))
             return
-        # traced: copies and compute separated by waits, so each lands on its own track
+        import threading
         import time
 
         jax = _jax()
         t0 = time.perf_counter()
-        ext = {i: jax.device_put(np.asarray(v), self.device) for i, v in ext.items()}   # slot maps too
+        host_in = {i: v for i, v in ext.items() if isinstance(v, np.ndarray)}
+        ext = {i: jax.device_put(v, self.device) if i in host_in else v for i, v in ext.items()}
         jax.block_until_ready(ext)
-        tr.transfer("h2d", sum(int(v.nbytes) for v in ext.values()), time.perf_counter() - t0)
-        with tr.span(f"xla partition ({len(self.nodes)} ops)", "gpu", tokens=int(input_ids.size)):
-            outs = self.run_partition(ext, input_ids, cache, input_ids.shape[1])
+        tr.transfer("h2d", sum(int(v.nbytes) for v in host_in.values()), time.perf_counter() - t0)
+        start = time.perf_counter_ns()
+        outs = self.run_partition(ext, input_ids, cache, input_ids.shape[1])
+
+        def watch(outs=outs, start=start, n=len(self.nodes), tokens=int(input_ids.size)):
             jax.block_until_ready(outs)
-        t0 = time.perf_counter()
-        host = {o: np.asarray(v) for o, v in outs.items()}
-        tr.transfer("d2h", sum(int(v.nbytes) for v in host.values()), time.perf_counter() - t0)
-        env.update(host)
+            tr.add_span(f"xla partition ({n} ops)", "gpu", start, time.perf_counter_ns(), tokens=tokens)
+
+        w = threading.Thread(target=watch, daemon=True)
+        w.start()
+        tr.watchers.append(w)
+        env.update(outs)
 
     def run(self, input_ids: np.ndarray, cache) -> dict[int, np.ndarray]:
         """Whole-plan execution (every node on this executor)."""
