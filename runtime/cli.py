@@ -60,13 +60,16 @@ def _save(path: Path, arr: np.ndarray) -> None:
 @click.option("--expert-cache/--no-expert-cache", default=True, show_default=True,
               help="Swap experts into the GPU slots of layers compiled with --expert-cache as routing shifts "
                    "(off: the plan's split stays static).")
+@click.option("--prefetch/--no-prefetch", default=True, show_default=True,
+              help="With an expert cache: predict each cached layer's experts by applying its router to the "
+                   "hidden state entering the layer, and start their copies before the layer runs.")
 @click.option("--cache-policy", type=click.Choice(["hybrid", "lru"]), default="hybrid", show_default=True,
               help="Expert cache replacement: decayed use counts plus recency (hybrid), or least recently used.")
 @debug_option
 def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_new_tokens: int, greedy: bool,
                temperature: float, top_p: float, seed: int, ignore_eos: bool, logits_out: Path | None,
                tokens_out: Path | None, backend: str, device: str, trace_out: Path | None, stats: bool,
-               expert_cache: bool, cache_policy: str, debug: bool) -> None:
+               expert_cache: bool, prefetch: bool, cache_policy: str, debug: bool) -> None:
     """Run PLAN_PATH (a plan.bin, or the directory holding it): prefill the prompt, then decode."""
     from .plan import load_plan
     from .sampler import Sampler
@@ -89,7 +92,8 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
             raise UsageError("--prompt: the prompt encodes to no tokens")
     else:
         ids = _load_ids(input_ids)
-    session = Session(plan, backend, device=device, expert_cache=expert_cache, cache_policy=cache_policy)
+    session = Session(plan, backend, device=device, expert_cache=expert_cache, cache_policy=cache_policy,
+                      prefetch=prefetch)
     stop = () if ignore_eos else tuple(plan.meta["model"].get("eos_token_ids") or ())
     from . import trace
 

@@ -47,6 +47,11 @@ class ExpertCache:
     misses: int = 0
     swaps: int = 0
     bytes_moved: int = 0
+    max_prefetch: int = 1             # copies per layer per step started by the prediction
+    predicted: np.ndarray | None = None   # experts the lookahead router predicted for this step
+    pf_predicted: int = 0
+    pf_correct: int = 0
+    prefetches: int = 0
     _chosen: np.ndarray | None = None
 
     def __post_init__(self) -> None:
@@ -66,6 +71,31 @@ class ExpertCache:
         self.misses += int(chosen[:, ~resident].sum())
         used = chosen.any(axis=0)
         self._chosen = used if self._chosen is None else (self._chosen | used)
+        if self.predicted is not None:           # how good was the lookahead?
+            self.pf_predicted += int(self.predicted.sum())
+            self.pf_correct += int((self.predicted & used).sum())
+            self.predicted = None
+
+    def prefetch(self, predicted: np.ndarray) -> list[tuple[int, int]]:
+        """The lookahead: the experts the next layer's router picks from this layer's hidden
+        state (bool[E]). Swaps in up to `max_prefetch` predicted experts that are not resident,
+        evicting the lowest-scoring residents the prediction does not name."""
+        self.predicted = predicted.copy()
+        out = []
+        want = [int(e) for e in np.flatnonzero(predicted & (self.nonresident != 0))]
+        for e in sorted(want, key=lambda e: -self.score[e]):
+            if len(out) >= self.max_prefetch:
+                break
+            free = [i for i, r in enumerate(self.slots) if not predicted[r]]
+            if not free:
+                break
+            slot = min(free, key=lambda i: self.score[self.slots[i]])
+            out.append((slot, e))
+            self.nonresident[self.slots[slot]] = 1.0
+            self.nonresident[e] = 0.0
+            self.slots[slot] = e
+            self.prefetches += 1
+        return out
 
     def plan_swaps(self) -> list[tuple[int, int]]:
         """(slot, expert) copies to make now, and the bookkeeping as if they were made."""
@@ -108,5 +138,11 @@ def stats_lines(graph) -> list[str]:
     moved = sum(c.bytes_moved for c in mine)
     slots = sum(len(c.slots) for c in mine)
     rate = hits / (hits + misses) if hits + misses else 0.0
+    pred = sum(c.pf_predicted for c in mine)
+    good = sum(c.pf_correct for c in mine)
+    pf = sum(c.prefetches for c in mine)
     return [f"  expert cache: {len(mine)} layers, {slots} GPU slots; hit rate {rate:.1%} "
-            f"({hits} hits, {misses} misses); {swaps} experts swapped in, {moved} B copied host->device"]
+            f"({hits} hits, {misses} misses); {swaps} experts swapped in after a miss, {pf} prefetched; "
+            f"{moved} B copied host->device",
+            f"  prefetch: the next layer's router on this layer's hidden state named {pred} experts, "
+            f"{good} were chosen (accuracy {good / pred if pred else 0.0:.1%})"]

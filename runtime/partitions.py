@@ -16,8 +16,19 @@ from strata_compiler.ir import Graph, Op
 
 
 def partitions(g: Graph) -> list[tuple[str, list[int]]]:
-    """(backend, node ids) for each maximal run of consecutive nodes bound to one backend."""
-    return [(b, [n.id for n in grp]) for b, grp in groupby(g.nodes, key=lambda n: n.backend)]
+    """(backend, node ids) for each maximal run of consecutive nodes bound to one backend; an
+    expert cache's GPU share starts a partition of its own, so that expert copies started by the
+    prefetch (after the partition before it) land before it reads its slots."""
+    out: list[tuple[str, list[int]]] = []
+    for b, grp in groupby(g.nodes, key=lambda n: n.backend):
+        cur: list[int] = []
+        for n in grp:
+            if cur and n.op is Op.MOE_FFN and n.attr("cache", "") and n.attr("experts", ()):
+                out.append((b, cur))
+                cur = []
+            cur.append(n.id)
+        out.append((b, cur))
+    return out
 
 
 class MixedExecutor:
@@ -25,6 +36,8 @@ class MixedExecutor:
         self.g = graph
         self.weights = weights
         self.caches: list = []      # (ExpertCache, xla executor, GPU node, host node) per cached layer
+        self.lookahead: dict = {}   # node id -> the caches whose prefetch its value triggers
+        self.prefetch = True
         self.parts = []
         for backend, ids in partitions(graph):
             if backend == "xla":
@@ -48,7 +61,9 @@ class MixedExecutor:
 
         expert_cache.clear(self.g)
         self.caches = []
+        self.lookahead = {}
         part_of = {nid: (kind, exe) for kind, exe, ids in self.parts for nid in ids}
+        index = {nid: i for i, (_, _, ids) in enumerate(self.parts) for nid in ids}
         for n in self.g.nodes:
             key = n.attr("cache", "") if n.op is Op.MOE_FFN else ""
             if not key or not n.attr("experts", ()) or part_of[n.id][0] != "xla":
@@ -60,7 +75,63 @@ class MixedExecutor:
                                          policy=policy)
             expert_cache.CACHES[id(self.g), key] = c
             self.caches.append((c, part_of[n.id][1], n, host))
+            trig = self._lookahead(n)
+            # a copy must land before the layer's shares run: only a hidden state from an earlier
+            # partition can trigger it (inside one partition the shares would see a half-made swap)
+            if trig is not None and index[trig[0]] < index[n.id] and index[trig[0]] < index[host.id]:
+                self.lookahead.setdefault(trig[0], []).append((c, part_of[n.id][1], n, host) + trig[1:])
+                kind, exe = part_of[trig[0]]
+                if kind in ("xla", "llvm") and trig[0] not in exe.outputs:
+                    exe.outputs.append(trig[0])     # its partition hands the hidden state out too (set
+                                                    # before the first step: jit traces outputs then)
         return len(self.caches)
+
+    def _lookahead(self, n):
+        """(trigger node, router weight, router bias, norm weight, eps, k) for the prefetch of
+        cached layer n: its router applied to the residual stream entering its layer (the input
+        of the attention's output projection's residual), normed as the router's input is."""
+        g = self.g
+        r = g.node(n.args[1])
+        while r.op is Op.TRANSFER:
+            r = g.node(r.args[0])
+        if r.op is not Op.ROUTE:
+            return None
+        lin = g.node(r.args[0])
+        if lin.op is not Op.LINEAR or lin.attr("prologue", "none") != "none":
+            return None
+        norm = g.node(lin.args[0])
+        if norm.op is not Op.RMS_NORM or norm.attr("group", 0):
+            return None
+        o = g.node(norm.args[0])
+        if o.op is not Op.LINEAR or len(o.args) != 2:
+            return None
+        trig = o.args[1]
+        while g.node(trig).op is Op.TRANSFER:
+            trig = g.node(trig).args[0]
+        w = self.weights.get(lin.weight("w"))
+        b = self.weights.get(lin.weight("b")) if lin.weight("b") else None
+        return (trig, w, b, self.weights.get(norm.weight("w")), float(norm.attr("eps")), int(r.attr("k")))
+
+    def _prefetch(self, nid: int, env: dict) -> None:
+        from . import trace
+
+        for c, xla, gpu_node, host, w, b, nw, eps, k in self.lookahead.get(nid, ()):
+            h = np.asarray(env[nid], np.float32).reshape(-1, w.shape[1])
+            x = h / np.sqrt((h * h).mean(-1, keepdims=True) + eps) * nw
+            logits = x @ w.T + (0 if b is None else b)
+            top = np.argpartition(-logits, min(k, logits.shape[1]) - 1, axis=-1)[:, :k]
+            pred = np.zeros(c.n_experts, bool)
+            pred[top.reshape(-1)] = True
+            for slot, e in c.prefetch(pred):
+                rows = {role: {a: v[e] for a, v in self.weights.arrays(host.weight(role)).items()}
+                        for role, _ in gpu_node.weights}
+                import time
+
+                t0 = time.perf_counter()
+                moved = xla.set_slot(gpu_node.id, slot, rows)      # asynchronous on the device
+                c.bytes_moved += moved
+                if trace.ACTIVE is not None:
+                    trace.ACTIVE.transfer("h2d", moved, time.perf_counter() - t0, name=f"prefetch expert {e}")
 
     def _swap_experts(self) -> None:
         from . import trace
@@ -92,6 +163,10 @@ class MixedExecutor:
                         exe.run_segment(env, input_ids, cache, ids)
             else:
                 exe.run_segment(env, input_ids, cache)
+            if self.lookahead and self.prefetch:   # start the next cached layers' copies early
+                for nid in ids:
+                    if nid in self.lookahead and nid in env:
+                        self._prefetch(nid, env)
         cache.advance(T)
         if self.caches:
             self._swap_experts()

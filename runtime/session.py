@@ -36,6 +36,7 @@ class Session:
     timings: Timings = field(default_factory=Timings)
     expert_cache: bool = True   # live GPU expert caches for the plan's cached layers (mixed runs)
     cache_policy: str = "hybrid"
+    prefetch: bool = True       # start expert copies from the next layer's router on this layer's state
 
     def __post_init__(self) -> None:
         bound = {n.backend for n in self.plan.graph.nodes}
@@ -63,6 +64,7 @@ class Session:
         expert_cache.clear(self.plan.graph)
         if mixed and self.expert_cache:
             self.executor.enable_expert_cache(policy=self.cache_policy)
+            self.executor.prefetch = self.prefetch
         self.cache: KVCache | None = None
 
     def reset(self, batch: int, capacity: int) -> None:

@@ -105,15 +105,18 @@ def test_every_decode_step_matches_with_swaps(model, tmp_path, monkeypatch):
                              str(mem), "--expert-cache"]) == 0
     plan = load_plan(tmp_path / "plan")
     runs = {}
-    for on in (True, False):
-        s = Session(plan, "auto", device="cpu", expert_cache=on)
+    for on in ((True, True), (True, False), (False, False)):     # (cache, prefetch)
+        s = Session(plan, "auto", device="cpu", expert_cache=on[0], prefetch=on[1])
         s.reset(1, 64)
         out = [s.step(ids)[:, -1]]
         rng = np.random.default_rng(0)
         for _ in range(10):       # random tokens: routing moves around, the cache swaps
             out.append(s.step(rng.integers(0, m.config.vocab_size, (1, 1)))[:, -1])
         runs[on] = (np.concatenate(out), s)
-    a, b = runs[True][0], runs[False][0]
-    assert np.abs(a - b).max() / b.std() <= 1e-5
-    caches = runs[True][1].executor.caches
+    b = runs[False, False][0]
+    for mode in ((True, True), (True, False)):
+        assert np.abs(runs[mode][0] - b).max() / b.std() <= 1e-5, mode
+    caches = runs[True, False][1].executor.caches
     assert caches and sum(c.swaps for c, *_ in caches) > 0
+    caches = runs[True, True][1].executor.caches
+    assert sum(c.prefetches for c, *_ in caches) > 0 and sum(c.pf_predicted for c, *_ in caches) > 0
