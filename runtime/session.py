@@ -57,6 +57,11 @@ class Session:
             self.backend = "+".join(sorted(bound))
         else:
             self.backend = resolve_backend(self.backend)
+        from .disk_tier import DiskTier
+
+        self.disk = DiskTier(self.plan)     # first: it checks its sections and lets their pages go
+        if not self.disk.ranges:
+            self.disk = None
         self.executor = make_executor(self.backend, self.plan.graph, self.plan.weights, device=self.device,
                                       mixed=mixed)
         from . import expert_cache
@@ -85,6 +90,8 @@ class Session:
             with trace.ACTIVE.span("prefill" if ids.shape[1] > 1 else "decode", "step", cat="step",
                                    batch=int(ids.shape[0]), tokens=int(ids.shape[1])):
                 out = self.executor.run(ids, self.cache)
+        if self.disk is not None:       # the disk tier's pages leave the process after each step
+            self.disk.release()
         return out[self.plan.graph.outputs[0]]
 
     def generate(self, prompt: np.ndarray, max_new_tokens: int, sampler: Sampler,

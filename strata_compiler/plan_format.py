@@ -393,6 +393,17 @@ class Container:
             self._verified.add(name)
         return view
 
+    def release(self, offset: int, length: int) -> None:
+        """Drop the mapped pages of bytes [offset, offset + length) from this process (whole pages
+        inside the range; madvise DONTNEED): they are read back from the file when next touched."""
+        if self._mm is None or length <= 0 or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        start = -(-offset // page) * page
+        end = (offset + length) // page * page
+        if end > start:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def array(self, name: str, dtype: npt.DTypeLike, shape: Iterable[int]) -> np.ndarray:
         """Zero-copy read-only array over a section; its length must match dtype and shape."""
         dt = np.dtype(dtype)

@@ -409,6 +409,9 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
     from strata_compiler.runtime import expert_cache
 
     cache_key = n.attr("cache", "") if not ids else ""    # an expert cache's host side
+    from strata_compiler.runtime import disk_tier
+
+    weight_names = [w for _, w in n.weights]
 
     def prepare(frame: Frame):
         M = frame.M
@@ -464,6 +467,8 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
             if qhrun is not None:
                 qhrun(P)
             ad.set(P=P).go(pool, D, min_chunk=16)
+            if disk_tier.TIERS:                  # experts on the disk tier: their pages go now
+                disk_tier.after(exe.g, weight_names)
         return run
     return prepare
 
