@@ -89,8 +89,10 @@ def test_cache_on_and_off_match_transformers(model, tmp_path, monkeypatch, capsy
     assert "hit rate" not in outs["--no-expert-cache"][2]
 
 
-def test_every_decode_step_matches_with_swaps(model, tmp_path, monkeypatch):
-    """Step by step, the cached run's logits equal the static run's while experts move."""
+@pytest.mark.parametrize("batch", [1, 2])
+def test_every_decode_step_matches_with_swaps(model, tmp_path, monkeypatch, batch):
+    """Step by step, the cached run's logits equal the static run's while experts move (batched
+    decode too)."""
     from strata_compiler.runtime.session import Session
 
     d, m, ids = model
@@ -105,13 +107,14 @@ def test_every_decode_step_matches_with_swaps(model, tmp_path, monkeypatch):
                              str(mem), "--expert-cache"]) == 0
     plan = load_plan(tmp_path / "plan")
     runs = {}
+    prompt = np.concatenate([ids, ids[:, ::-1]])[:batch]
     for on in ((True, True), (True, False), (False, False)):     # (cache, prefetch)
         s = Session(plan, "auto", device="cpu", expert_cache=on[0], prefetch=on[1])
-        s.reset(1, 64)
-        out = [s.step(ids)[:, -1]]
+        s.reset(batch, 64)
+        out = [s.step(prompt)[:, -1]]
         rng = np.random.default_rng(0)
         for _ in range(10):       # random tokens: routing moves around, the cache swaps
-            out.append(s.step(rng.integers(0, m.config.vocab_size, (1, 1)))[:, -1])
+            out.append(s.step(rng.integers(0, m.config.vocab_size, (batch, 1)))[:, -1])
         runs[on] = (np.concatenate(out), s)
     b = runs[False, False][0]
     for mode in ((True, True), (True, False)):
