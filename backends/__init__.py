@@ -43,14 +43,16 @@ def resolve_backend(name: str) -> str:
     raise BackendError(f"--backend {name}: unknown backend; choose one of reference, llvm, xla, auto")
 
 
-def make_executor(backend: str, graph, weights, device: str = "auto", mixed: bool = False):
+def make_executor(backend: str, graph, weights, device: str = "auto", mixed: bool = False,
+                  shrink_caches: bool = False):
     """An executor for a kernel-level graph: `.run(input_ids i64[B,T], cache) -> {output id: array}`.
 
-    `mixed`: run each node on the backend the plan bound it to (partitions, see runtime/partitions)."""
+    `mixed`: run each node on the backend the plan bound it to (partitions, see runtime/partitions);
+    `shrink_caches`: when the GPU runs out of memory loading them, expert caches get fewer slots."""
     if mixed:
         from strata_compiler.runtime.partitions import MixedExecutor
 
-        return MixedExecutor(graph, weights, device)
+        return MixedExecutor(graph, weights, device, shrink_caches=shrink_caches)
     if backend == "xla":
         from .xla.executor import XLAExecutor
 

@@ -8,6 +8,7 @@ its partition runs (device arrays for xla, host arrays otherwise).
 
 from __future__ import annotations
 
+import sys
 from itertools import groupby
 
 import numpy as np
@@ -32,18 +33,17 @@ def partitions(g: Graph) -> list[tuple[str, list[int]]]:
 
 
 class MixedExecutor:
-    def __init__(self, graph: Graph, weights, device: str = "auto") -> None:
+    def __init__(self, graph: Graph, weights, device: str = "auto", shrink_caches: bool = False) -> None:
         self.g = graph
         self.weights = weights
+        self.shrunk: dict[str, int] = {}   # expert cache key -> slots it got after running out of memory
         self.caches: list = []      # (ExpertCache, xla executor, GPU node, host node) per cached layer
         self.lookahead: dict = {}   # node id -> the caches whose prefetch its value triggers
         self.prefetch = True
         self.parts = []
         for backend, ids in partitions(graph):
             if backend == "xla":
-                from strata_compiler.backends.xla.executor import XLAExecutor
-
-                self.parts.append(("xla", XLAExecutor(graph, weights, nodes=ids, device_kind=device), ids))
+                self.parts.append(("xla", self._xla(ids, device, shrink_caches), ids))
             elif backend == "llvm":
                 from strata_compiler.backends.llvm_cpu.executor import LLVMExecutor
 
@@ -52,6 +52,64 @@ class MixedExecutor:
                 from strata_compiler.backends.reference.executor import ReferenceExecutor
 
                 self.parts.append(("reference", ReferenceExecutor(graph, weights), ids))
+
+    def _gpu_plan(self, device: str, shrink: bool) -> dict[int, int]:
+        """Slots per expert-cache GPU share so that the xla partitions' weights fit the device's
+        free memory (STRATA_GPU_MEM_LIMIT, else what JAX reports): halved until they fit."""
+        import os
+
+        from strata_compiler.formats import get_format
+        from strata_compiler.passes.laq import parse_size
+
+        g = self.g
+        xla_nodes = [n for n in g.nodes if n.backend == "xla"]
+        cached = {n.id: n for n in xla_nodes if n.op is Op.MOE_FFN and n.attr("cache", "") and n.attr("experts", ())}
+        slots = {i: len(n.attr("experts")) for i, n in cached.items()}
+        limit = os.environ.get("STRATA_GPU_MEM_LIMIT")
+        free = parse_size(limit) if limit else None
+        if free is None and any(b == "xla" for b, _ in partitions(g)):
+            from strata_compiler.backends.xla.device import device as pick
+
+            stats = pick(device).memory_stats() or {}
+            if stats.get("bytes_limit"):
+                free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        if free is None or not shrink or not cached:
+            return slots
+
+        def nbytes(name: str) -> int:
+            w = g.weight(name)
+            return get_format(w.fmt).nbytes(w.shape, w.group_size or 32)
+
+        fixed = sum(nbytes(w) for w in {w for n in xla_nodes if n.id not in cached for _, w in n.weights})
+        per_slot = {i: sum(nbytes(w) for _, w in n.weights) // len(n.attr("experts")) for i, n in cached.items()}
+        while fixed + sum(per_slot[i] * slots[i] for i in cached) > free and any(v > 1 for v in slots.values()):
+            slots = {k: max(1, v // 2) for k, v in slots.items()}
+        return slots
+
+    def _xla(self, ids: list[int], device: str, shrink: bool):
+        """An xla partition, its expert caches' slots as _gpu_plan chose; a real out-of-memory
+        error still halves them (with `shrink`) until it fits."""
+        from strata_compiler.backends.xla.executor import GPUOutOfMemory, XLAExecutor
+
+        if not hasattr(self, "_slots"):
+            self._slots = self._gpu_plan(device, shrink)
+        cached = [self.g.node(i) for i in ids if i in self._slots]
+        slots = {n.id: self._slots[n.id] for n in cached}
+        while True:
+            try:
+                exe = XLAExecutor(self.g, self.weights, nodes=ids, device_kind=device, slot_limit=slots)
+                break
+            except GPUOutOfMemory as e:
+                if not shrink or not cached or all(v <= 1 for v in slots.values()):
+                    raise GPUOutOfMemory(f"the GPU cannot hold the plan's GPU partitions ({e}); compile for less "
+                                         f"GPU memory (stratac compile --target ... --gpu-mem SIZE)") from None
+                slots = {k: max(1, v // 2) for k, v in slots.items()}
+        for n in cached:
+            if slots[n.id] < len(n.attr("experts")):
+                self.shrunk[n.attr("cache")] = slots[n.id]
+                print(f"strata-run: warning: GPU memory: the expert cache of {n.attr('cache')} gets "
+                      f"{slots[n.id]} of {len(n.attr('experts'))} slots", file=sys.stderr)
+        return exe
 
     def enable_expert_cache(self, max_swaps: int = 1, policy: str = "hybrid") -> int:
         """Live GPU expert caches for the plan's cached layers (a GPU share on xla, the whole
@@ -71,8 +129,9 @@ class MixedExecutor:
             host = next(h for h in self.g.nodes if h.op is Op.MOE_FFN and h.attr("cache", "") == key
                         and not h.attr("experts", ()))
             E = self.g.weight(host.weight("down")).shape[0]
-            c = expert_cache.ExpertCache(key, E, np.array(n.attr("experts"), np.int32), max_swaps=max_swaps,
-                                         policy=policy)
+            slots = part_of[n.id][1].slots_of[n.id]
+            c = expert_cache.ExpertCache(key, E, np.array(n.attr("experts")[:slots], np.int32),
+                                         max_swaps=max_swaps, policy=policy)
             expert_cache.CACHES[id(self.g), key] = c
             self.caches.append((c, part_of[n.id][1], n, host))
             trig = self._lookahead(n)

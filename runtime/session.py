@@ -63,7 +63,7 @@ class Session:
         if not self.disk.ranges:
             self.disk = None
         self.executor = make_executor(self.backend, self.plan.graph, self.plan.weights, device=self.device,
-                                      mixed=mixed)
+                                      mixed=mixed, shrink_caches=mixed and self.expert_cache)
         from . import expert_cache
 
         expert_cache.clear(self.plan.graph)

@@ -123,3 +123,44 @@ def test_every_decode_step_matches_with_swaps(model, tmp_path, monkeypatch, batc
     assert caches and sum(c.swaps for c, *_ in caches) > 0
     caches = runs[True, True][1].executor.caches
     assert sum(c.prefetches for c, *_ in caches) > 0 and sum(c.pf_predicted for c, *_ in caches) > 0
+
+
+def test_out_of_gpu_memory_shrinks_the_cache(model, tmp_path, monkeypatch, capsys):
+    """Less GPU memory than the plan's partitions need: the expert caches lose slots (the CPU
+    computes those experts) instead of the run failing; the results stay the same."""
+    from strata_compiler.formats import get_format
+    from strata_compiler.runtime.session import Session
+
+    d, m, ids = model
+    monkeypatch.setattr(place, "PARTITION_S", 0.0)
+    monkeypatch.setattr(place, "GPU_KERNEL_S", 0.0)
+    hw = fake_profile(tmp_path / "hw.json")
+    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "probe"), "--target", str(hw), "--gpu-mem",
+                             "1GiB", "--dump-dir", str(tmp_path / "pd"), "--dump-after", "place"]) == 0
+    p = json.loads((tmp_path / "pd" / "placement.json").read_text())
+    mem = int((p["gpu_bytes"] * 0.5 + p["kv_bytes"]) / (1 - place.GPU_RESERVE))
+    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "plan"), "--target", str(hw), "--gpu-mem",
+                             str(mem), "--expert-cache"]) == 0
+    plan = load_plan(tmp_path / "plan")
+    g = plan.graph
+
+    def nbytes(name):
+        w = g.weight(name)
+        return get_format(w.fmt).nbytes(w.shape, w.group_size or 32)
+
+    on_gpu = {w for n in g.nodes if n.backend == "xla" for _, w in n.weights}
+    share = next(n for n in g.nodes if n.attr("cache", "") and n.attr("experts", ()) and n.backend == "xla")
+    per_slot = sum(nbytes(w) for _, w in share.weights) // len(share.attr("experts"))
+    limit = sum(nbytes(w) for w in on_gpu) - per_slot          # one slot too many
+    ref = Session(plan, "auto", device="cpu", expert_cache=False)
+    ref.reset(1, 32)
+    want = [ref.step(ids)[:, -1]] + [ref.step(np.array([[t]], np.int64))[:, -1] for t in (3, 9, 4)]
+    capsys.readouterr()
+    monkeypatch.setenv("STRATA_GPU_MEM_LIMIT", str(limit))
+    s = Session(plan, "auto", device="cpu")
+    assert "slots" in capsys.readouterr().err
+    assert s.executor.shrunk and list(s.executor.shrunk.values())[0] < len(share.attr("experts"))
+    s.reset(1, 32)
+    got = [s.step(ids)[:, -1]] + [s.step(np.array([[t]], np.int64))[:, -1] for t in (3, 9, 4)]
+    want, got = np.concatenate(want), np.concatenate(got)
+    assert np.abs(got - want).max() / want.std() <= 1e-5

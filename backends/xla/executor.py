@@ -255,7 +255,7 @@ def _moe(c: _Ctx, n: Node, a: list):
     live = c.ext.get(-(n.id + 1)) if n.attr("cache", "") else None
     if ids:   # a share of the layer's experts: their routing columns (a cache's: its slots'), own top-k
         comb = comb[:, live if live is not None else jnp.asarray(ids)]
-        k = min(k, len(ids))
+        k = min(k, comb.shape[1])
         topw, topi = jax.lax.top_k(comb, k)
     elif n.attr("cache", ""):   # an expert cache's host side, run here: the plan's non-resident experts
         from strata_compiler.passes.expert_split import nonresident_mask
@@ -337,10 +337,17 @@ _OPS: dict[Op, Callable[[_Ctx, Node, list], object]] = {
 }
 
 
+class GPUOutOfMemory(BackendError):
+    """The device could not hold a partition's weights."""
+
+
 class XLAExecutor:
     """Runs the nodes of `graph` (all, or the ids in `nodes`) as one jitted JAX function."""
 
-    def __init__(self, graph: Graph, weights, nodes: list[int] | None = None, device_kind: str = "auto") -> None:
+    def __init__(self, graph: Graph, weights, nodes: list[int] | None = None, device_kind: str = "auto",
+                 slot_limit: dict[int, int] | None = None) -> None:
+        """slot_limit: expert-cache GPU shares (node id) loaded with only their first N slots (a
+        device out of memory raises GPUOutOfMemory)."""
         jax = _jax()
         jnp = _jnp()
         self.g = graph
@@ -366,9 +373,19 @@ class XLAExecutor:
                     raise BackendError(f"moe_ffn %{n.id}: the xla backend needs its routing from a route op")
                 self.route_k[n.id] = r.attr("k")
         self.cached = [n for n in self.nodes if n.op is Op.MOE_FFN and n.attr("cache", "") and n.attr("experts", ())]
+        self.slots_of = {n.id: (slot_limit or {}).get(n.id, len(n.attr("experts"))) for n in self.cached}
+        cut = {w: self.slots_of[n.id] for n in self.cached for _, w in n.weights}
         names = sorted({w for n in self.nodes for _, w in n.weights})
-        self.params = {name: {a: jax.device_put(np.asarray(v), self.device) for a, v in weights.arrays(name).items()}
-                       for name in names}
+        host = {name: {a: np.asarray(v)[:cut[name]] if name in cut else np.asarray(v)
+                       for a, v in weights.arrays(name).items()} for name in names}
+        self.param_bytes = sum(v.nbytes for arrs in host.values() for v in arrs.values())
+        try:
+            self.params = {name: {a: jax.device_put(v, self.device) for a, v in arrs.items()}
+                           for name, arrs in host.items()}
+        except Exception as e:    # XLA reports an out-of-memory as RESOURCE_EXHAUSTED
+            if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
+                raise GPUOutOfMemory(str(e).splitlines()[0][:200]) from None
+            raise
         self.kv_dtype = jnp.float32
         self._fn = jax.jit(self._forward, static_argnums=(5, 6), donate_argnums=(1, 2))
 
