@@ -2,7 +2,7 @@
 at GPU budgets that hold a given share of the expert weights, decode tokens/s measured in one run.
 
     python benchmarks/placement_bench.py [--work-dir /tmp/place_bench] [--layers 16]
-        [--router-skew 0.7] [--budgets 25,50] [--quant int4] [--n-new 64] [--hw hw.json] [--tiny]
+        [--router-skew 0.7] [--budgets 25,50] [--quant int4] [--n-new 64] [--hw hw.json] [--tiny] [--disk]
 
 Model: the OLMoE-shaped synthetic checkpoint of benchmarks/gpu_decode.py (hidden 2048, 64
 experts top-8, expert FFN 1024; --layers to shorten it) with a skewed router
@@ -15,6 +15,10 @@ Variants, each compiled from the same folder at --quant with the same calibratio
   ngl-B          --place 're:^L(0|..|N-1)\\.=gpu,all=cpu': the first N layers whole on the GPU,
                  N the most that fits the budget B (llama.cpp's -ngl)
   strata-B       --target HW --gpu-mem (the dense weights + B% of the expert bytes + the KV reserve)
+  cache-B        the same with --expert-cache: the split layers' GPU shares become expert caches
+                 (swaps and prefetch at run time; hit rate, prefetch accuracy, bytes copied)
+  disk-half      (--disk) --host-mem = the dense weights + half the expert bytes: the rest on the
+                 disk tier; its own process, peak RSS reported
 Decode: a 32-token prompt, then --n-new greedy tokens, batch 1, the mixed runtime (xla on the
 GPU, llvm on the CPU); median of --repeats. Prints predicted vs measured tokens/s and the ratios.
 """
@@ -89,13 +93,14 @@ def layer_bytes(plan) -> dict[int, int]:
     return out
 
 
-def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int) -> tuple[float, list[int]]:
+def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, info: dict | None = None,
+                prefetch: bool = True) -> tuple[float, list[int]]:
+    import resource
+
     from strata_compiler.runtime.plan import load_plan
     from strata_compiler.runtime.session import Session
 
-    s = Session(load_plan(plan_dir, verify_weights="none"), "auto")
-    out_id = s.plan.graph.outputs[0]
-    del out_id
+    s = Session(load_plan(plan_dir, verify_weights="none"), "auto", prefetch=prefetch)
     times, tokens = [], []
     for r in range(repeats + 1):
         s.reset(1, prompt.shape[1] + n_new + 8)
@@ -109,6 +114,15 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int) ->
         if r:                       # the first pass compiles (xla) and warms the caches
             times.append(dt)
         tokens = seq
+    if info is not None:
+        caches = getattr(s.executor, "caches", [])
+        hits = sum(c.hits for c, *_ in caches)
+        miss = sum(c.misses for c, *_ in caches)
+        pred = sum(c.pf_predicted for c, *_ in caches)
+        info.update(hit_rate=hits / (hits + miss) if hits + miss else None,
+                    prefetch_accuracy=sum(c.pf_correct for c, *_ in caches) / pred if pred else None,
+                    cache_bytes=sum(c.bytes_moved for c, *_ in caches),
+                    peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return (n_new - 1) / statistics.median(times), tokens
 
 
@@ -126,7 +140,15 @@ def main() -> int:
     ap.add_argument("--hw", type=Path, help="a stratac probe-hw profile (default: measured now, --quick)")
     ap.add_argument("--tiny", action="store_true", help="a small model (smoke test on any machine)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--disk", action="store_true", help="also a plan with half the experts on the disk tier")
+    ap.add_argument("--rate-only", type=Path, help=argparse.SUPPRESS)   # internal: one plan, JSON out
     a = ap.parse_args()
+    if a.rate_only:
+        info: dict = {}
+        prompt = np.random.default_rng(0).integers(0, 4096, (1, 32)).astype(np.int64)
+        tps, toks = decode_rate(a.rate_only, prompt, a.n_new, a.repeats, info=info)
+        print(json.dumps({"tok_s": tps, "tokens": toks, "info": info}))
+        return 0
     dims = dict(TINY if a.tiny else FULL)
     if a.layers:
         dims["layers"] = a.layers
@@ -172,6 +194,11 @@ def main() -> int:
         pl = json.loads((out / "dump" / "placement.json").read_text())
         variants[f"strata-{b}"] = {"dir": out, "gpu_bytes": pl["gpu_bytes"], "predicted": pl["predicted_tok_s"],
                                    "candidates": pl["candidates"], "choice": pl["choice"]}
+        out = a.work_dir / f"cache-{b}"          # the same budget as a GPU expert cache (issue 7)
+        if not (out / "plan.bin").exists():
+            stratac("compile", str(model), "-o", str(out), *common, "--target", str(hw), "--gpu-mem", str(mem),
+                    "--expert-cache")
+        variants[f"cache-{b}"] = {"dir": out, "gpu_bytes": pl["gpu_bytes"]}
         n, used = 0, 0
         while n in per_layer and used + per_layer[n] <= gpu_bytes:
             used += per_layer[n]
@@ -182,30 +209,54 @@ def main() -> int:
             stratac("compile", str(model), "-o", str(out), *common, "--place", rule)
         if n:
             variants[f"ngl-{b}"] = {"dir": out, "gpu_bytes": used, "layers": n}
+    if a.disk:      # half the experts beyond --host-mem: the disk tier (issue 7)
+        out = a.work_dir / "disk-half"
+        host = rest_b + experts_b // 2
+        if not (out / "plan.bin").exists():
+            stratac("compile", str(model), "-o", str(out), *common, "--target", str(hw), "--gpu-mem", "1MiB",
+                    "--host-mem", str(host))
+        variants["disk-half"] = {"dir": out, "gpu_bytes": 0, "host_budget": host}
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 4096, (1, 32)).astype(np.int64)
     ref_tokens = None
     for name, v in variants.items():
         t0 = time.time()
-        v["tok_s"], toks = decode_rate(v["dir"], prompt, a.n_new, a.repeats)
+        if name == "disk-half":    # its own process: peak RSS is per process
+            r = subprocess.run([sys.executable, __file__, "--rate-only", str(v["dir"]), "--n-new", str(a.n_new),
+                                "--repeats", str(a.repeats)], capture_output=True, text=True, check=True)
+            got = json.loads(r.stdout.strip().splitlines()[-1])
+            v.update(got["info"])
+            v["tok_s"], toks = got["tok_s"], got["tokens"]
+        else:
+            v["tok_s"], toks = decode_rate(v["dir"], prompt, a.n_new, a.repeats, info=v)
         ref_tokens = ref_tokens or toks
         v["same_tokens"] = toks == ref_tokens
         log(f"{name}: {v['tok_s']:.1f} tok/s ({time.time() - t0:.0f} s)")
     print(f"\nmodel {dims}, {a.quant}; experts {experts_b / 2**30:.2f} GiB, rest {rest_b / 2**30:.2f} GiB; "
           f"router skew {a.router_skew}: top 25% of experts take {top:.0%} of routings")
-    print(f"{'variant':14} {'GPU GiB':>8} {'measured tok/s':>15} {'predicted':>10} {'pred/meas':>9} {'tokens = cpu':>12}")
+    print(f"{'variant':14} {'GPU GiB':>8} {'measured tok/s':>15} {'predicted':>10} {'pred/meas':>9} {'tokens = cpu':>12}"
+          f" {'hit rate':>8} {'prefetch':>8} {'copied MiB':>10}")
     for name, v in variants.items():
         pred = v.get("predicted")
+        hr, pa = v.get("hit_rate"), v.get("prefetch_accuracy")
         print(f"{name:14} {v['gpu_bytes'] / 2**30:8.2f} {v['tok_s']:15.1f} {pred or float('nan'):10.1f} "
-              f"{(pred / v['tok_s']) if pred else float('nan'):9.2f} {str(v['same_tokens']):>12}")
+              f"{(pred / v['tok_s']) if pred else float('nan'):9.2f} {str(v['same_tokens']):>12} "
+              f"{'-' if hr is None else f'{hr:.1%}':>8} {'-' if pa is None else f'{pa:.1%}':>8} "
+              f"{v.get('cache_bytes', 0) / 2**20:10.1f}")
+    if "disk-half" in variants:
+        v = variants["disk-half"]
+        print(f"disk-half: host budget {v['host_budget'] / 2**20:.0f} MiB, peak RSS {v['peak_rss'] / 2**20:.0f} MiB "
+              f"(of which the interpreter and libraries: see the cpu-only row's process), {v['tok_s']:.1f} tok/s")
     for b in (int(x) for x in a.budgets.split(",")):
         s = variants.get(f"strata-{b}")
         if not s:
             continue
         k = variants["ktransformers"]["tok_s"]
         g = variants.get(f"ngl-{b}", {}).get("tok_s")
+        cch = variants.get(f"cache-{b}", {}).get("tok_s")
         print(f"budget {b}%: strata / ktransformers x{s['tok_s'] / k:.2f}" +
-              (f", strata / ngl x{s['tok_s'] / g:.2f}" if g else "") + f"  (choice: {s['choice']})")
+              (f", strata / ngl x{s['tok_s'] / g:.2f}" if g else "") +
+              (f", cache+prefetch / static strata x{cch / s['tok_s']:.2f}" if cch else "") + f"  (choice: {s['choice']})")
         print("   predicted candidates: " + ", ".join(f"{c} {t:.0f}" for c, t in s["candidates"].items()))
     if a.json:
         a.json.write_text(json.dumps({"dims": dims, "skew_top25": top, "variants": {
