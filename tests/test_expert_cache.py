@@ -4,6 +4,7 @@ identical with the cache on and off (JAX on the CPU stands in for the GPU)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -45,6 +46,21 @@ def test_lru_policy_evicts_the_least_recently_used():
     assert c.plan_swaps() == [(0, 2)]          # expert 0 was never used: its slot goes
 
 
+def cached_plan(d, tmp_path, monkeypatch, share: float) -> Path:
+    """`d` compiled with --expert-cache for `share` of its weight bytes on an H200-like GPU
+    (latency constants zeroed so that the budget alone decides: layers get split)."""
+    monkeypatch.setattr(place, "PARTITION_S", 0.0)
+    monkeypatch.setattr(place, "GPU_KERNEL_S", 0.0)
+    hw = fake_profile(tmp_path / "hw.json")
+    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "probe"), "--target", str(hw), "--gpu-mem",
+                             "1GiB", "--dump-dir", str(tmp_path / "pd"), "--dump-after", "place"]) == 0
+    p = json.loads((tmp_path / "pd" / "placement.json").read_text())
+    mem = int((p["gpu_bytes"] * share + p["kv_bytes"]) / (1 - place.GPU_RESERVE))
+    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "plan"), "--target", str(hw), "--gpu-mem",
+                             str(mem), "--expert-cache"]) == 0
+    return tmp_path / "plan"
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     d = build_model("qwen3_moe", tmp_path_factory.mktemp("cache") / "model")
@@ -55,17 +71,7 @@ def model(tmp_path_factory):
 
 def test_cache_on_and_off_match_transformers(model, tmp_path, monkeypatch, capsys):
     d, m, ids = model
-    monkeypatch.setattr(place, "PARTITION_S", 0.0)     # so the budget alone decides: split layers
-    monkeypatch.setattr(place, "GPU_KERNEL_S", 0.0)
-    hw = fake_profile(tmp_path / "hw.json")
-    probe = tmp_path / "probe"
-    assert run_cli(stratac, ["compile", str(d), "-o", str(probe), "--target", str(hw), "--gpu-mem", "1GiB",
-                             "--dump-dir", str(tmp_path / "pd"), "--dump-after", "place"]) == 0
-    p = json.loads((tmp_path / "pd" / "placement.json").read_text())
-    mem = int((p["gpu_bytes"] * 0.5 + p["kv_bytes"]) / (1 - place.GPU_RESERVE))
-    plan = tmp_path / "plan"
-    assert run_cli(stratac, ["compile", str(d), "-o", str(plan), "--target", str(hw), "--gpu-mem", str(mem),
-                             "--expert-cache"]) == 0
+    plan = cached_plan(d, tmp_path, monkeypatch, 0.5)
     g = load_plan(plan).graph
     cached = [n for n in g.nodes if n.op.value == "moe_ffn" and n.attr("cache", "")]
     assert {n.device for n in cached} == {"gpu", "cpu"}
@@ -96,16 +102,7 @@ def test_every_decode_step_matches_with_swaps(model, tmp_path, monkeypatch, batc
     from strata_compiler.runtime.session import Session
 
     d, m, ids = model
-    monkeypatch.setattr(place, "PARTITION_S", 0.0)
-    monkeypatch.setattr(place, "GPU_KERNEL_S", 0.0)
-    hw = fake_profile(tmp_path / "hw.json")
-    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "probe"), "--target", str(hw), "--gpu-mem",
-                             "1GiB", "--dump-dir", str(tmp_path / "pd"), "--dump-after", "place"]) == 0
-    p = json.loads((tmp_path / "pd" / "placement.json").read_text())
-    mem = int((p["gpu_bytes"] * 0.3 + p["kv_bytes"]) / (1 - place.GPU_RESERVE))
-    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "plan"), "--target", str(hw), "--gpu-mem",
-                             str(mem), "--expert-cache"]) == 0
-    plan = load_plan(tmp_path / "plan")
+    plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
     runs = {}
     prompt = np.concatenate([ids, ids[:, ::-1]])[:batch]
     for on in ((True, True), (True, False), (False, False)):     # (cache, prefetch)
@@ -132,16 +129,7 @@ def test_out_of_gpu_memory_shrinks_the_cache(model, tmp_path, monkeypatch, capsy
     from strata_compiler.runtime.session import Session
 
     d, m, ids = model
-    monkeypatch.setattr(place, "PARTITION_S", 0.0)
-    monkeypatch.setattr(place, "GPU_KERNEL_S", 0.0)
-    hw = fake_profile(tmp_path / "hw.json")
-    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "probe"), "--target", str(hw), "--gpu-mem",
-                             "1GiB", "--dump-dir", str(tmp_path / "pd"), "--dump-after", "place"]) == 0
-    p = json.loads((tmp_path / "pd" / "placement.json").read_text())
-    mem = int((p["gpu_bytes"] * 0.5 + p["kv_bytes"]) / (1 - place.GPU_RESERVE))
-    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "plan"), "--target", str(hw), "--gpu-mem",
-                             str(mem), "--expert-cache"]) == 0
-    plan = load_plan(tmp_path / "plan")
+    plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.5))
     g = plan.graph
 
     def nbytes(name):
