@@ -450,6 +450,10 @@ def place_pass(g: Graph, ctx: PassContext) -> Graph:
         "host_bytes": host_bytes - sum(u.gpu_bytes for u in units if u.name in disk),
         "disk_bytes": sum(u.gpu_bytes for u in units if u.name in disk), "disk_units": disk,
         "per_layer": {str(k): {"seconds": v,
+                               "gpu_expert_ids": sorted(u.expert[1] for u in units if u.expert and u.layer == k
+                                                        and u.name in choice.gpu_units),
+                               "disk_expert_ids": sorted(u.expert[1] for u in units if u.expert and u.layer == k
+                                                         and u.name in disk),
                                "gpu_experts": sum(1 for u in units if u.expert and u.layer == k and u.name in choice.gpu_units),
                                "experts": sum(1 for u in units if u.expert and u.layer == k),
                                "core": "gpu" if ({-1: "embed", n_layers: "head"}.get(k, f"L{k}.core")

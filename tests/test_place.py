@@ -93,6 +93,10 @@ def test_split_layers_put_hot_experts_on_the_gpu(model, tmp_path, monkeypatch):
     assert s["gpu_bytes"] <= s["gpu_budget_bytes"]
     assert s["predicted_tok_s"] >= max(v for k, v in s["candidates"].items()) - 1e-6
     assert s["predicted_prefill_tok_s"] > 0 and s["prefill_tokens"] == 512
+    for lay in s["per_layer"].values():      # device and tier per expert, for inspect --json
+        assert len(lay["gpu_expert_ids"]) == lay["gpu_experts"] and not lay["disk_expert_ids"]
+    on_gpu = {e for n in g.nodes if n.op.value == "moe_ffn" and n.device == "gpu" for e in n.attr("experts", ())}
+    assert on_gpu and on_gpu <= {e for lay in s["per_layer"].values() for e in lay["gpu_expert_ids"]}
 
 
 def test_predicted_time_prefers_fewer_device_switches():
