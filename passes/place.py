@@ -380,7 +380,7 @@ def improve(tl: "_Timeline", units: list[Unit], size: dict[str, int], start: set
 
 
 def apply(g: Graph, units: list[Unit], unit_of: dict[int, str], gpu: set[str], calib=None,
-          cache: bool = False) -> Graph:
+          cache: bool = False, gpus: int = 1, mode: str = "layer") -> Graph:
     """Set each node's device; split layers whose experts are on both devices into two shares —
     or, with `cache`, into a GPU expert cache: the GPU share's slots (first the placed experts)
     and the whole layer on the CPU for the rest (runtime/expert_cache.py swaps experts in)."""
@@ -398,7 +398,12 @@ def apply(g: Graph, units: list[Unit], unit_of: dict[int, str], gpu: set[str], c
             ids = tuple(n.attr("experts", ())) or tuple(range(len(exp)))
             on = [ids[u.expert[1]] for u in exp if u.name in gpu]
             off = [ids[u.expert[1]] for u in exp if u.name not in gpu]
-            if on and off and cache and not n.attr("experts", ()):
+            if gpus > 1 and mode == "stripe" and on:
+                # stripe: the layer's GPU experts dealt over the GPUs, hottest first
+                hot = sorted(on, key=lambda e: -next(u.prob for u in exp if ids[u.expert[1]] == e))
+                parts = [Share(tuple(sorted(hot[k::gpus])), device=f"gpu:{k}") for k in range(gpus) if hot[k::gpus]]
+                shares[moe_key(n)] = parts + ([Share(tuple(off), device="cpu")] if off else [])
+            elif on and off and cache and not n.attr("experts", ()):
                 shares[moe_key(n)] = [Share(tuple(on), device="gpu"), Share(ids, device="cpu", whole=True)]
             elif on and off:
                 shares[moe_key(n)] = [Share(tuple(on), device="gpu"), Share(tuple(off), device="cpu")]
@@ -411,7 +416,27 @@ def apply(g: Graph, units: list[Unit], unit_of: dict[int, str], gpu: set[str], c
     nodes = tuple(replace(n, device=dev_of.get(n.id, dev_of.get(first.id, "cpu") if first else "cpu"))
                   for n in g.nodes)
     g = g.with_(nodes=nodes)
-    return split_experts(g, shares, calib) if shares else g
+    g = split_experts(g, shares, calib) if shares else g
+    if gpus > 1:
+        g = _number_gpus(g, gpus, mode)
+    return g
+
+
+def _number_gpus(g: Graph, gpus: int, mode: str) -> Graph:
+    """Several GPUs: `layer` gives each GPU a contiguous block of layers (llama.cpp's split by
+    layer); `stripe` keeps the dense parts on GPU 0 and the experts already dealt per GPU."""
+    layers = _layer_of(g)
+    n_layers = max(max(layers.values(), default=0), 1)
+
+    def index(n: Node) -> str:
+        if n.device != "gpu":
+            return n.device
+        if mode == "stripe":
+            return "gpu:0"
+        lay = min(max(layers[n.id], 0), n_layers - 1)
+        return f"gpu:{lay * gpus // n_layers}"
+
+    return g.with_(nodes=tuple(replace(n, device=index(n)) for n in g.nodes))
 
 
 @register("place", Level.TENSOR)
@@ -426,10 +451,13 @@ def place_pass(g: Graph, ctx: PassContext) -> Graph:
     units, unit_of = build_units(g, hw, probs, opts.plan_prompt)
     kv = kv_bytes(g, min(opts.plan_ctx, int(g.meta_value("max_position", opts.plan_ctx))))
     gpu_mem = hw.gpu.memory_bytes if hw.gpu is not None else 0
-    budget = max(0, int(gpu_mem * (1 - GPU_RESERVE)) - kv) if hw.gpu is not None else 0
+    budget = max(0, int(gpu_mem * opts.gpus * (1 - GPU_RESERVE)) - kv) if hw.gpu is not None else 0
     choice, pred, tried = solve(g, units, unit_of, hw, budget)
     n_layers = max((u.layer for u in units), default=0)
-    out = apply(g, units, unit_of, choice.gpu_units, calib, cache=opts.expert_cache)
+    if opts.gpus > 1 and opts.expert_cache:
+        raise UsageError("--gpus > 1 and --expert-cache conflict: the expert cache works on one GPU for now")
+    out = apply(g, units, unit_of, choice.gpu_units, calib, cache=opts.expert_cache, gpus=opts.gpus,
+                mode=opts.gpu_mode)
     gpu_bytes = sum(u.gpu_bytes for u in units if u.name in choice.gpu_units)
     host_bytes = sum(u.gpu_bytes for u in units if u.name not in choice.gpu_units)
     host_cap = hw.host.ram_available_bytes

@@ -31,7 +31,7 @@ def select_kernels(g: Graph, ctx: PassContext) -> Graph:
     next_id = max((n.id for n in g.nodes), default=-1) + 1
     for n in g.nodes:
         dev = placed.get(n.id, n.device or DEVICE_OF[default])   # rules, then the place pass, then --backend
-        backend = "xla" if dev == "gpu" else cpu_backend
+        backend = "xla" if dev.startswith("gpu") else cpu_backend
         args = []
         for a in n.args:
             if where[a] != dev:

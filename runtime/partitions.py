@@ -21,7 +21,7 @@ def partitions(g: Graph) -> list[tuple[str, list[int]]]:
     expert cache's GPU share starts a partition of its own, so that expert copies started by the
     prefetch (after the partition before it) land before it reads its slots."""
     out: list[tuple[str, list[int]]] = []
-    for b, grp in groupby(g.nodes, key=lambda n: n.backend):
+    for (b, _), grp in groupby(g.nodes, key=lambda n: (n.backend, n.device if n.backend == "xla" else "")):
         cur: list[int] = []
         for n in grp:
             if cur and n.op is Op.MOE_FFN and n.attr("cache", "") and n.attr("experts", ()):
@@ -97,7 +97,9 @@ class MixedExecutor:
         slots = {n.id: self._slots[n.id] for n in cached}
         while True:
             try:
-                exe = XLAExecutor(self.g, self.weights, nodes=ids, device_kind=device, slot_limit=slots)
+                dev = self.g.node(ids[0]).device
+                exe = XLAExecutor(self.g, self.weights, nodes=ids, device_kind=device, slot_limit=slots,
+                                  device_index=int(dev.split(":")[1]) if ":" in dev else 0)
                 break
             except GPUOutOfMemory as e:
                 if not shrink or not cached or all(v <= 1 for v in slots.values()):

@@ -72,6 +72,11 @@ def stratac() -> None:
 @click.option("--gpu-mem", default="", metavar="SIZE", help="With --target: plan for this much GPU memory (e.g. 16GiB).")
 @click.option("--host-mem", default="", metavar="SIZE",
               help="With --target: plan for this much host RAM; experts beyond it go to the disk tier.")
+@click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --target: the machine has this many of the profile's GPU (each with --gpu-mem).")
+@click.option("--gpu-mode", type=click.Choice(["layer", "stripe"]), default="layer", show_default=True,
+              help="With --gpus > 1: layer = each GPU a contiguous block of layers; stripe = each layer's GPU experts "
+                   "dealt over all GPUs by popularity, the dense parts on GPU 0.")
 @click.option("--expert-cache", is_flag=True,
               help="With --target: layers whose experts the placement splits get a GPU expert cache instead of a "
                    "static split: slots first holding the placed experts, the whole layer on the CPU, and "
@@ -80,7 +85,7 @@ def stratac() -> None:
 def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, calib: Path | None, calib_tokens: int,
                 bits: float | None, memory_budget: str, laq_granularity: str, tensor_format: str, dump_dir: Path | None,
                 dump_after: str, stop_after: str | None, backend: str, place: str, target: str, gpu_mem: str,
-                host_mem: str, expert_cache: bool, debug: bool) -> None:
+                host_mem: str, gpus: int, gpu_mode: str, expert_cache: bool, debug: bool) -> None:
     """Compile MODEL_DIR (config.json, *.safetensors, tokenizer.json) into a plan.
 
     \b
@@ -109,7 +114,10 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
     opts = CompileOptions(quant=quant, group_size=group_size, backend=backend, place=place,
                           calib=str(calib) if calib else "", calib_tokens=calib_tokens, bits=bits or 0.0,
                           memory_budget=memory_budget, tensor_format=tensor_format, laq_granularity=laq_granularity,
-                          target=target, gpu_mem=gpu_mem, host_mem=host_mem, expert_cache=expert_cache)
+                          target=target, gpu_mem=gpu_mem, host_mem=host_mem, expert_cache=expert_cache,
+                          gpus=gpus, gpu_mode=gpu_mode)
+    if gpus > 1 and not target:
+        raise UsageError("--gpus: spreading over GPUs is part of the placement; it needs --target")
     if expert_cache and not target:
         raise UsageError("--expert-cache: the cache's slots come from the placement; it needs --target")
     if (gpu_mem or host_mem) and not target:
@@ -150,7 +158,7 @@ def summarize(plan) -> dict:
             fused["+".join(parts)] += 1
         elif n.op in (Op.FUSED_ATTENTION, Op.ROUTE) or (n.op is Op.MOE_FFN and n.weight("gate_up")):
             fused[n.op.value + ("+residual" if n.op is Op.MOE_FFN and len(n.args) == 3 else "")] += 1
-    on_gpu = {w for n in g.nodes if n.device == "gpu" for _, w in n.weights}
+    on_gpu = {w for n in g.nodes if n.device.startswith("gpu") for _, w in n.weights}
     weights = []
     for w in g.weights:
         nbytes = get_format(w.fmt).nbytes(w.shape, w.group_size or 32)

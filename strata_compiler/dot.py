@@ -6,7 +6,7 @@ import json
 
 from .ir import Graph
 
-_COLORS = {"cpu": "lightblue", "gpu": "palegreen", "": "white"}
+_COLORS = {"cpu": "lightblue", "gpu": "palegreen", "": "white"}   # gpu:N as gpu
 
 
 def _q(s: str) -> str:

@@ -135,7 +135,7 @@ class Node:
     type: TensorType
     weights: tuple[tuple[str, str], ...] = ()   # (role, weight name), in the op's role order
     attrs: tuple[tuple[str, Attr], ...] = ()    # sorted by key
-    device: str = ""                            # "" until placed; then "cpu" | "gpu"
+    device: str = ""                            # "" until placed; then "cpu" | "gpu" | "gpu:N" (N-th GPU)
     backend: str = ""                           # kernel level: "reference" | "llvm" | "xla"
     buffer: int = -1                            # kernel level: activation buffer slot
 

@@ -27,7 +27,7 @@ _WEIGHT_RE = re.compile(
     rf"(?:experts\[(?P<experts>\d+)\](?:\{{(?P<ids>[\d,]+)\}})?)?\((?P<sources>.*)\)$")
 _NODE_RE = re.compile(
     rf"^%(?P<id>\d+) = (?P<op>\w+)\((?P<args>[^)]*)\)(?: \{{(?P<attrs>.*)\}})? : {_TYPE}"
-    rf"(?: @(?P<device>\w+))?(?: (?P<backend>[a-z_]+))?(?: -> %b(?P<buffer>\d+))?$")
+    rf"(?: @(?P<device>[\w:]+))?(?: (?P<backend>[a-z_]+))?(?: -> %b(?P<buffer>\d+))?$")
 
 
 def _fmt_value(v: Attr) -> str:

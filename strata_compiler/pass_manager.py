@@ -41,6 +41,8 @@ class CompileOptions:
     plan_ctx: int = 4096         # tokens of KV cache the placement reserves GPU memory for
     plan_prompt: int = 512       # prompt tokens of the prefill time the placement also predicts
     expert_cache: bool = False   # --expert-cache: split layers become GPU expert caches (runtime swaps)
+    gpus: int = 1                # --gpus N: the target has N such GPUs
+    gpu_mode: str = "layer"      # --gpu-mode layer|stripe: how work spreads over them
 
 
 @dataclass

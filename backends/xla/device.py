@@ -44,14 +44,22 @@ def gpu_available() -> bool:
     return bool(gpus())
 
 
-def device(kind: str = "auto"):
-    """The device for xla partitions: a GPU when present (or required), else JAX's CPU."""
+def device(kind: str = "auto", index: int = 0):
+    """The device for xla partitions: a GPU when present (or required), else JAX's CPU; `index`
+    picks among several (a plan's gpu:N). JAX's CPU platform stands in with as many devices as
+    XLA_FLAGS=--xla_force_host_platform_device_count gives it."""
     jax = _jax()
     if kind in ("auto", "gpu"):
         g = gpus()
         if g:
-            return g[0]
+            if index >= len(g):
+                raise BackendError(f"the plan uses GPU {index}; JAX sees {len(g)} GPU(s) here")
+            return g[index]
         if kind == "gpu":
             raise BackendError("--backend xla on a GPU: no CUDA GPU is visible to JAX here "
                                "(is jax installed with CUDA support, and a GPU present?); use --backend llvm")
-    return jax.devices("cpu")[0]
+    cpus = jax.devices("cpu")
+    if index >= len(cpus):
+        raise BackendError(f"the plan uses GPU {index}; JAX's CPU platform stands in with {len(cpus)} device(s) "
+                           f"(set XLA_FLAGS=--xla_force_host_platform_device_count={index + 1})")
+    return cpus[index]

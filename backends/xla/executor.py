@@ -345,13 +345,13 @@ class XLAExecutor:
     """Runs the nodes of `graph` (all, or the ids in `nodes`) as one jitted JAX function."""
 
     def __init__(self, graph: Graph, weights, nodes: list[int] | None = None, device_kind: str = "auto",
-                 slot_limit: dict[int, int] | None = None) -> None:
+                 slot_limit: dict[int, int] | None = None, device_index: int = 0) -> None:
         """slot_limit: expert-cache GPU shares (node id) loaded with only their first N slots (a
         device out of memory raises GPUOutOfMemory)."""
         jax = _jax()
         jnp = _jnp()
         self.g = graph
-        self.device = pick_device(device_kind)
+        self.device = pick_device(device_kind, device_index)
         self.on_gpu = self.device.platform != "cpu"
         ids = set(nodes) if nodes is not None else {n.id for n in graph.nodes}
         self.nodes = [n for n in graph.nodes if n.id in ids]
@@ -500,6 +500,11 @@ class XLAExecutor:
             self.new_cache(cache)
         ext = {i: env[i] for i in self.inputs if self.g.node(i).op is not Op.INPUT_IDS}
         from strata_compiler.runtime import expert_cache, trace
+
+        jax = _jax()
+        for i, v in ext.items():     # results of another GPU's partition: a device-to-device copy
+            if not isinstance(v, np.ndarray) and self.device not in v.devices():
+                ext[i] = jax.device_put(v, self.device)
 
         for n in self.cached:   # the live slot -> expert maps of the expert caches here
             live = expert_cache.lookup(self.g, n.attr("cache"))

@@ -1,0 +1,78 @@
+"""Several GPUs (issue 8, first slice): plans spread over gpu:0..N-1 by layer or by striping each
+layer's experts give the one-device plan's results. JAX's CPU platform stands in with four
+devices (XLA_FLAGS must be set before JAX starts, so the runs happen in a child process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hf_models import build_model, clear_prompts, hf_greedy, hf_logits, load_model
+from test_place import fake_profile
+
+CHILD = r"""
+import json, sys
+import numpy as np
+from strata_compiler.cli import stratac
+from strata_compiler.cli_common import run_cli
+from strata_compiler.passes import place
+from strata_compiler.runtime.plan import load_plan
+from strata_compiler.runtime.session import Session
+import jax
+place.PARTITION_S = 0.0
+place.GPU_KERNEL_S = 0.0
+model, hw, out, ids_path = sys.argv[1:5]
+ids = np.load(ids_path)
+res = {"devices": len(jax.devices("cpu"))}
+for name, extra in (("one", []), ("layer", ["--gpus", "2", "--gpu-mode", "layer"]),
+                    ("stripe", ["--gpus", "4", "--gpu-mode", "stripe"])):
+    p = f"{out}/{name}"
+    assert run_cli(stratac, ["compile", model, "-o", p, "--target", hw, "--gpu-mem", "1GiB", *extra]) == 0
+    plan = load_plan(p)
+    s = Session(plan, "auto", device="cpu")
+    s.reset(1, 64)
+    logits = s.step(ids)
+    toks, last = [], logits[:, -1]
+    for _ in range(8):
+        t = int(last[0].argmax())
+        toks.append(t)
+        last = s.step(np.array([[t]], np.int64))[:, -1]
+    np.save(f"{out}/{name}.npy", logits)
+    res[name] = {"tokens": toks, "devices": sorted({n.device for n in plan.graph.nodes})}
+print(json.dumps(res))
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("multi_gpu")
+    d = build_model("qwen3_moe", tmp / "model")
+    m = load_model(d)
+    ids = clear_prompts(m, m.config.vocab_size, n_prompts=1, length=6, n_new=8, seed=7)[0]
+    np.save(tmp / "ids.npy", ids)
+    hw = fake_profile(tmp / "hw.json")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", CHILD, str(d), str(hw), str(tmp), str(tmp / "ids.npy")],
+                       capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]), tmp, m, ids
+
+
+@pytest.mark.parametrize("mode", ["layer", "stripe"])
+def test_spread_over_gpus_matches_one_gpu(runs, mode):
+    res, tmp, m, ids = runs
+    assert res["devices"] == 4
+    gpus = [d for d in res[mode]["devices"] if d.startswith("gpu:")]
+    assert len(gpus) >= 2, res[mode]["devices"]                 # really spread
+    assert res["one"]["devices"] == ["gpu"] or "gpu" in res["one"]["devices"]
+    assert res[mode]["tokens"] == res["one"]["tokens"] == [int(t) for t in hf_greedy(m, ids, 8)[0][0]]
+    a, b = np.load(tmp / f"{mode}.npy"), np.load(tmp / "one.npy")
+    assert np.abs(a - b).max() / b.std() <= 1e-5
+    ref = hf_logits(m, ids)
+    assert np.abs(a - ref).max() / ref.std() <= 1e-4
