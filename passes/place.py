@@ -482,6 +482,9 @@ def place_pass(g: Graph, ctx: PassContext) -> Graph:
                                                         and u.name in choice.gpu_units),
                                "disk_expert_ids": sorted(u.expert[1] for u in units if u.expert and u.layer == k
                                                          and u.name in disk),
+                               "seconds_all_cpu": sum(u.cpu_s for u in units if u.layer == k),
+                               "seconds_all_gpu": (sum(u.gpu_s for u in units if u.layer == k)
+                                                   if hw.gpu is not None else None),
                                "gpu_experts": sum(1 for u in units if u.expert and u.layer == k and u.name in choice.gpu_units),
                                "experts": sum(1 for u in units if u.expert and u.layer == k),
                                "core": "gpu" if ({-1: "embed", n_layers: "head"}.get(k, f"L{k}.core")

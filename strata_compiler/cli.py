@@ -226,11 +226,16 @@ def inspect_cmd(plan_path: Path, as_json: bool, weights: bool, debug: bool) -> N
                    f"MiB of {pl['gpu_budget_bytes'] / 2**20:.1f} MiB budget (KV reserve {pl['kv_bytes'] / 2**20:.1f} MiB), "
                    f"host {pl['host_bytes'] / 2**20:.1f} MiB, disk {pl['disk_bytes'] / 2**20:.1f} MiB")
         click.echo("  candidates (predicted tok/s): " + ", ".join(f"{k} {v:.1f}" for k, v in pl["candidates"].items()))
-        click.echo(f"  {'layer':>6} {'core':>5} {'experts on gpu':>15} {'predicted us':>13}")
+        click.echo(f"  {'layer':>6} {'core':>5} {'experts on gpu':>15} {'predicted us':>13} {'all cpu us':>11} "
+                   f"{'all gpu us':>11}")
         for k, v in pl["per_layer"].items():
             name = {"-1": "embed"}.get(k, "head" if v["experts"] == 0 and int(k) == len(pl["per_layer"]) - 2 else k)
             ex = f"{v['gpu_experts']}/{v['experts']}" if v["experts"] else "-"
-            click.echo(f"  {name:>6} {v['core']:>5} {ex:>15} {v['seconds'] * 1e6:13.1f}")
+            cpu_us = v.get("seconds_all_cpu")
+            gpu_us = v.get("seconds_all_gpu")
+            click.echo(f"  {name:>6} {v['core']:>5} {ex:>15} {v['seconds'] * 1e6:13.1f} "
+                       f"{'-' if cpu_us is None else f'{cpu_us * 1e6:.1f}':>11} "
+                       f"{'-' if gpu_us is None else f'{gpu_us * 1e6:.1f}':>11}")
     table = s["formats_by_layer"]
     cols = sorted({t for lay, ts in table.items() if lay != "-" for t in ts})
     if cols:

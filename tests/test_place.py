@@ -95,6 +95,7 @@ def test_split_layers_put_hot_experts_on_the_gpu(model, tmp_path, monkeypatch):
     assert s["predicted_prefill_tok_s"] > 0 and s["prefill_tokens"] == 512
     for lay in s["per_layer"].values():      # device and tier per expert, for inspect --json
         assert len(lay["gpu_expert_ids"]) == lay["gpu_experts"] and not lay["disk_expert_ids"]
+        assert lay["seconds_all_cpu"] > 0 and lay["seconds_all_gpu"] > 0     # the dump: time per layer per device
     on_gpu = {e for n in g.nodes if n.op.value == "moe_ffn" and n.device == "gpu" for e in n.attr("experts", ())}
     assert on_gpu and on_gpu <= {e for lay in s["per_layer"].values() for e in lay["gpu_expert_ids"]}
 
