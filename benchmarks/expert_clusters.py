@@ -32,9 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+from benchmarks.common import log  # noqa: E402
 
 
 def calibrate(model_dir: Path, calib: Path, tokens: int, ctx_len: int, tokenizer: Path | None):

@@ -31,14 +31,13 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))   # run from a checkout, installed or not
+
+from benchmarks.common import log  # noqa: E402
+
 FULL = dict(hidden=2048, layers=16, heads=16, kv_heads=16, head_dim=128, experts=64, top_k=8, moe_intermediate=1024,
             vocab=50304)
 TINY = dict(hidden=256, layers=2, heads=4, kv_heads=4, head_dim=64, experts=8, top_k=2, moe_intermediate=128,
             vocab=1000)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def build(work: Path, dims: dict, formats: list[str]) -> dict[str, Path]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,16 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def stratac(*args: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "strata_compiler.cli", *args], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"stratac {' '.join(args)} failed:\n{r.stderr}")
-    return r.stdout
+from benchmarks.common import log, stratac  # noqa: E402
 
 
 def gguf_tensor_bytes(path: Path) -> int:

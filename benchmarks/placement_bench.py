@@ -39,21 +39,11 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-FULL = dict(hidden=2048, layers=16, heads=16, kv_heads=16, head_dim=128, experts=64, top_k=8, moe_intermediate=1024,
-            vocab=50304)
+from benchmarks.common import log, stratac  # noqa: E402
+from benchmarks.gpu_decode import FULL  # noqa: E402
+
 TINY = dict(hidden=256, layers=4, heads=4, kv_heads=4, head_dim=64, experts=16, top_k=4, moe_intermediate=128,
             vocab=4096)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def stratac(*args: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "strata_compiler.cli", *args], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"stratac {' '.join(args)} failed:\n{r.stderr[-3000:]}")
-    return r.stdout
 
 
 def build_model(work: Path, dims: dict, skew: float) -> Path:

@@ -224,9 +224,12 @@ def calibrate(g: Graph, ctx: PassContext) -> Graph:
     if not opts.calib:
         return g
     if _is_plan(Path(opts.calib)):
-        calib = calibration_from_plan(Path(opts.calib), g)
+        from strata_compiler.runtime.plan import load_plan
+
+        plan = load_plan(Path(opts.calib), verify_weights="lazy")
+        calib = calibration_from_plan(plan, g)
         ctx.analyses["calibration"] = calib
-        donor = _donor(Path(opts.calib), g, ctx.store)
+        donor = _donor(plan, g, ctx.store)
         if donor is not None:
             ctx.analyses["donor_plan"] = donor       # emit copies its weights where the formats match
         if ctx.dump_dir is not None:
@@ -302,16 +305,13 @@ def _is_plan(path: Path) -> bool:
         return False
 
 
-def calibration_from_plan(path: Path, g: Graph) -> Calibration:
+def calibration_from_plan(plan, g: Graph) -> Calibration:
     """A plan compiled with --calib, reused: its imatrix (per-column importance) and per-expert
     routing statistics, without running the model again (no routing trace, no sensitivity probe
     tokens: the allocator then uses its error proxy alone)."""
-    from strata_compiler.runtime.plan import load_plan
-
-    plan = load_plan(path, verify_weights="none")
     summary = plan.meta.get("calibration")
     if not summary:
-        raise UsageError(f"--calib {path}: this plan was compiled without --calib; it holds no calibration to reuse")
+        raise UsageError(f"--calib {plan.path}: this plan was compiled without --calib; it holds no calibration to reuse")
     c = Calibration(tokens=int(summary["tokens"]))
     for name, imp in plan.imatrix.items():
         if not g.has_weight(name):
@@ -333,18 +333,16 @@ def calibration_from_plan(path: Path, g: Graph) -> Calibration:
     return c
 
 
-def _donor(path: Path, g: Graph, store):
+def _donor(plan, g: Graph, store):
     """The plan behind --calib PLAN.bin, when it was built from these very weights (its source
     fingerprint matches): emit then copies its quantized arrays instead of quantizing again."""
-    from strata_compiler.runtime.plan import load_plan
     from strata_compiler.weights import source_fingerprint
 
-    plan = load_plan(path, verify_weights="lazy")
     theirs = plan.meta.get("source_fingerprint")
     if not theirs or store is None:
         return None
     ours = source_fingerprint(store, (k for w in g.weights for k in w.all_source_keys()))
     if ours != theirs:
-        raise UsageError(f"--calib {path}: that plan was compiled from other weights than this model's; "
+        raise UsageError(f"--calib {plan.path}: that plan was compiled from other weights than this model's; "
                          f"calibrate this model (--calib TEXT) or pass a plan of the same checkpoint")
     return plan

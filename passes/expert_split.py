@@ -133,9 +133,11 @@ def nonresident_mask(g: Graph, n: Node) -> np.ndarray | None:
     from strata_compiler.runtime import expert_cache
 
     live = expert_cache.lookup(g, key)
-    if live is not None:
-        return live.nonresident
-    E = g.weight(n.weight("down")).shape[0]
-    mask = np.ones(E, np.float32)
-    mask[list(static_residents(g, key))] = 0.0
+    return live.nonresident if live is not None else static_nonresident(g, n)
+
+
+def static_nonresident(g: Graph, n: Node) -> np.ndarray:
+    """nonresident_mask as the plan has it (no runtime cache): the share node's experts are 0."""
+    mask = np.ones(g.weight(n.weight("down")).shape[0], np.float32)
+    mask[list(static_residents(g, n.attr("cache")))] = 0.0
     return mask

@@ -210,14 +210,10 @@ def build_units(g: Graph, hw, probs: dict[int, np.ndarray],
     return list(units.values()), unit_of
 
 
-def predict(g: Graph, units: list[Unit], unit_of: dict[int, str], gpu: set[str], hw) -> dict:
-    """Per-token decode time of a placement: op times on their devices, plus a partition switch
-    (and the activation's copy) wherever consecutive ops run on different devices."""
-    return _Timeline(g, units, unit_of, hw).predict(gpu)
-
-
 class _Timeline:
-    """The op order with each op's times precomputed, so a placement is priced in one pass."""
+    """The op order with each op's times precomputed, so a placement is priced in one pass: op
+    times on their devices, plus a partition switch (and the activation's copy) wherever
+    consecutive ops run on different devices."""
 
     def __init__(self, g: Graph, units: list[Unit], unit_of: dict[int, str], hw, prefill_tokens: int = 0) -> None:
         """prefill_tokens > 0: the times of a prefill of that many tokens (Unit.cpu_pf/gpu_pf),

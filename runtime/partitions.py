@@ -9,11 +9,14 @@ its partition runs (device arrays for xla, host arrays otherwise).
 from __future__ import annotations
 
 import sys
+import time
 from itertools import groupby
 
 import numpy as np
 
 from strata_compiler.ir import Graph, Op
+
+from . import trace
 
 
 def partitions(g: Graph) -> list[tuple[str, list[int]]]:
@@ -41,7 +44,10 @@ class MixedExecutor:
         self.lookahead: dict = {}   # node id -> the caches whose prefetch its value triggers
         self.prefetch = True
         self.parts = []
-        for backend, ids in partitions(graph):
+        parts = partitions(graph)
+        # expert-cache slots that fit the GPU, decided once for all xla partitions
+        self._slots = self._gpu_plan(device, shrink_caches) if any(b == "xla" for b, _ in parts) else {}
+        for backend, ids in parts:
             if backend == "xla":
                 self.parts.append(("xla", self._xla(ids, device, shrink_caches), ids))
             elif backend == "llvm":
@@ -65,15 +71,17 @@ class MixedExecutor:
         xla_nodes = [n for n in g.nodes if n.backend == "xla"]
         cached = {n.id: n for n in xla_nodes if n.op is Op.MOE_FFN and n.attr("cache", "") and n.attr("experts", ())}
         slots = {i: len(n.attr("experts")) for i, n in cached.items()}
+        if not shrink or not cached:
+            return slots
         limit = os.environ.get("STRATA_GPU_MEM_LIMIT")
         free = parse_size(limit) if limit else None
-        if free is None and any(b == "xla" for b, _ in partitions(g)):
+        if free is None:
             from strata_compiler.backends.xla.device import device as pick
 
             stats = pick(device).memory_stats() or {}
             if stats.get("bytes_limit"):
                 free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-        if free is None or not shrink or not cached:
+        if free is None:
             return slots
 
         def nbytes(name: str) -> int:
@@ -91,8 +99,6 @@ class MixedExecutor:
         error still halves them (with `shrink`) until it fits."""
         from strata_compiler.backends.xla.executor import GPUOutOfMemory, XLAExecutor
 
-        if not hasattr(self, "_slots"):
-            self._slots = self._gpu_plan(device, shrink)
         cached = [self.g.node(i) for i in ids if i in self._slots]
         slots = {n.id: self._slots[n.id] for n in cached}
         while True:
@@ -174,8 +180,6 @@ class MixedExecutor:
         return (trig, w, b, self.weights.get(norm.weight("w")), float(norm.attr("eps")), int(r.attr("k")))
 
     def _prefetch(self, nid: int, env: dict) -> None:
-        from . import trace
-
         for c, xla, gpu_node, host, w, b, nw, eps, k in self.lookahead.get(nid, ()):
             h = np.asarray(env[nid], np.float32).reshape(-1, w.shape[1])
             x = h / np.sqrt((h * h).mean(-1, keepdims=True) + eps) * nw
@@ -184,37 +188,28 @@ class MixedExecutor:
             pred = np.zeros(c.n_experts, bool)
             pred[top.reshape(-1)] = True
             for slot, e in c.prefetch(pred):
-                rows = {role: {a: v[e] for a, v in self.weights.arrays(host.weight(role)).items()}
-                        for role, _ in gpu_node.weights}
-                import time
-
-                t0 = time.perf_counter()
-                moved = xla.set_slot(gpu_node.id, slot, rows)      # asynchronous on the device
-                c.bytes_moved += moved
-                if trace.ACTIVE is not None:
-                    trace.ACTIVE.transfer("h2d", moved, time.perf_counter() - t0, name=f"prefetch expert {e}")
+                self._copy_in(c, xla, gpu_node, host, slot, e, f"prefetch expert {e}")
 
     def _swap_experts(self) -> None:
-        from . import trace
-
         for c, xla, gpu_node, host in self.caches:
             for slot, e in c.plan_swaps():
-                rows = {role: {a: v[e] for a, v in self.weights.arrays(host.weight(role)).items()}
-                        for role, _ in gpu_node.weights}
-                import time
+                self._copy_in(c, xla, gpu_node, host, slot, e, f"expert {e} -> {c.key}[{slot}]")
 
-                t0 = time.perf_counter()
-                moved = xla.set_slot(gpu_node.id, slot, rows)
-                c.bytes_moved += moved
-                if trace.ACTIVE is not None:
-                    trace.ACTIVE.transfer("h2d", moved, time.perf_counter() - t0, name=f"expert {e} -> {c.key}[{slot}]")
+    def _copy_in(self, c, xla, gpu_node, host, slot: int, e: int, label: str) -> None:
+        """Expert e's stored rows (from the host node's whole-layer weights) into GPU slot `slot`;
+        the copy is asynchronous on the device."""
+        rows = {role: {a: v[e] for a, v in self.weights.arrays(host.weight(role)).items()}
+                for role, _ in gpu_node.weights}
+        t0 = time.perf_counter()
+        moved = xla.set_slot(gpu_node.id, slot, rows)
+        c.bytes_moved += moved
+        if trace.ACTIVE is not None:
+            trace.ACTIVE.transfer("h2d", moved, time.perf_counter() - t0, name=label)
 
     def run(self, input_ids: np.ndarray, cache) -> dict[int, np.ndarray]:
         B, T = input_ids.shape
         ids_node = next(n.id for n in self.g.nodes if n.op is Op.INPUT_IDS)
         env: dict = {ids_node: input_ids}
-        from . import trace
-
         for kind, exe, ids in self.parts:
             if kind == "reference":
                 if trace.ACTIVE is None:

@@ -11,6 +11,7 @@ import numpy as np
 from strata_compiler.backends import make_executor, resolve_backend
 from strata_compiler.errors import UsageError
 
+from . import trace
 from .kv_cache import KVCache
 from .plan import Plan
 from .sampler import Sampler
@@ -82,8 +83,6 @@ class Session:
         vocab = self.plan.meta["model"]["vocab_size"]
         if ids.size and (ids.min() < 0 or ids.max() >= vocab):
             raise UsageError(f"token id {int(ids.max() if ids.max() >= vocab else ids.min())} is outside the vocabulary [0, {vocab})")
-        from . import trace
-
         if trace.ACTIVE is None:
             out = self.executor.run(ids, self.cache)
         else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -34,8 +35,6 @@ class Tracer:
         self.busy: dict[str, float] = defaultdict(float)     # track -> seconds
         self.bytes: dict[str, int] = defaultdict(int)        # link -> bytes moved
         self.counts: dict[str, int] = defaultdict(int)
-        import threading
-
         self._lock = threading.Lock()
         self.watchers: list = []      # threads waiting for GPU work to finish (joined before writing)
 

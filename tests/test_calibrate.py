@@ -134,20 +134,15 @@ def test_calibration_reused_from_a_plan(demo, tmp_path, capsys):
 def test_reused_plan_donates_its_quantized_weights(demo, tmp_path, capsys, monkeypatch):
     """--calib PLAN.bin of the same checkpoint: emit copies the plan's arrays (whole weights, and
     a share's experts out of a whole layer) and the result is the bytes a fresh compile writes."""
-    from strata_compiler.passes import place as place_pass
-    from test_place import fake_profile
+    from test_place import budget_decides, fake_profile, gpu_mem_for, probe_placement
 
-    monkeypatch.setattr(place_pass, "PARTITION_S", 0.0)      # so the budget alone decides: split layers
-    monkeypatch.setattr(place_pass, "GPU_KERNEL_S", 0.0)
+    budget_decides(monkeypatch)
     d, calib = demo
     hw = fake_profile(tmp_path / "hw.json")
     src = _compile(d, tmp_path / "a", "--quant", "int4", "--calib", str(calib), "--calib-tokens", "200")
     assert src.meta["source_fingerprint"]
-    _compile(d, tmp_path / "probe", "--quant", "int4", "--target", str(hw), "--gpu-mem", "1GiB",
-             "--dump-dir", str(tmp_path / "pd"), "--dump-after", "place")
-    p = json.loads((tmp_path / "pd" / "placement.json").read_text())
-    size = int((p["gpu_bytes"] * 0.5 + p["kv_bytes"]) / (1 - place_pass.GPU_RESERVE))
-    place = ["--target", str(hw), "--gpu-mem", str(size)]
+    p = probe_placement(d, tmp_path, hw, "--quant", "int4")
+    place = ["--target", str(hw), "--gpu-mem", str(gpu_mem_for(p, p["gpu_bytes"] * 0.5))]
     fresh = _compile(d, tmp_path / "fresh", "--quant", "int4", "--calib", str(calib), "--calib-tokens", "200", *place)
     assert any(w.expert_ids for w in fresh.graph.weights)          # the placement split a layer
     reuse = _compile(d, tmp_path / "reuse", "--quant", "int4", "--calib", str(tmp_path / "a" / "plan.bin"), *place)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from dataclasses import replace
 from itertools import combinations
 from pathlib import Path
@@ -24,22 +22,7 @@ from strata_compiler.passes.calibrate import Calibration, Recorder, _F32Weights
 from strata_compiler.pipelines import DEFAULT
 from strata_compiler.runtime.cli import strata_run
 from strata_compiler.runtime.plan import load_plan
-
-ROOT = Path(__file__).resolve().parents[1]
-TEXT = (ROOT / "examples" / "demo_corpus.txt").read_text()[:6000]
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("make_demo_model", ROOT / "examples" / "make_demo_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("make_demo_model", mod)
-    spec.loader.exec_module(mod)
-    d = Path(mod.make_demo_model(tmp_path_factory.mktemp("demo"), seed=0, quiet=True))
-    calib = d.parent / "calib.txt"
-    calib.write_text(TEXT)
-    return d, calib
-
+from test_calibrate import demo  # noqa: F401  (fixture)
 
 def _calibrated(d: Path, calib: Path, **opts):
     """(graph, ctx) after lower .. cluster-experts, in process (the analyses stay reachable)."""

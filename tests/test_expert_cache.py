@@ -3,7 +3,6 @@ identical with the cache on and off (JAX on the CPU stands in for the GPU)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +11,10 @@ import pytest
 from hf_models import build_model, clear_prompts, hf_greedy, hf_logits, load_model
 from strata_compiler.cli import stratac
 from strata_compiler.cli_common import run_cli
-from strata_compiler.passes import place
 from strata_compiler.runtime.cli import strata_run
 from strata_compiler.runtime.expert_cache import ExpertCache
 from strata_compiler.runtime.plan import load_plan
-from test_place import fake_profile
+from test_place import budget_decides, fake_profile, gpu_mem_for, probe_placement
 
 N_NEW = 12
 
@@ -49,13 +47,10 @@ def test_lru_policy_evicts_the_least_recently_used():
 def cached_plan(d, tmp_path, monkeypatch, share: float) -> Path:
     """`d` compiled with --expert-cache for `share` of its weight bytes on an H200-like GPU
     (latency constants zeroed so that the budget alone decides: layers get split)."""
-    monkeypatch.setattr(place, "PARTITION_S", 0.0)
-    monkeypatch.setattr(place, "GPU_KERNEL_S", 0.0)
+    budget_decides(monkeypatch)
     hw = fake_profile(tmp_path / "hw.json")
-    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "probe"), "--target", str(hw), "--gpu-mem",
-                             "1GiB", "--dump-dir", str(tmp_path / "pd"), "--dump-after", "place"]) == 0
-    p = json.loads((tmp_path / "pd" / "placement.json").read_text())
-    mem = int((p["gpu_bytes"] * share + p["kv_bytes"]) / (1 - place.GPU_RESERVE))
+    probe = probe_placement(d, tmp_path, hw)
+    mem = gpu_mem_for(probe, probe["gpu_bytes"] * share)
     assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "plan"), "--target", str(hw), "--gpu-mem",
                              str(mem), "--expert-cache"]) == 0
     return tmp_path / "plan"

@@ -52,19 +52,33 @@ def _compile(d, out, hw, gpu_mem, *extra):
     return json.loads((out / "dump" / "placement.json").read_text())
 
 
-def test_placements_from_nothing_to_everything_give_identical_results(model, tmp_path, monkeypatch):
-    d, _, ids, ref, ref_tokens = model
-    # free device switches and GPU launches: the GPU always wins and the greedy's per-expert
-    # choices survive, so the budget alone decides and layers get split shares
+def budget_decides(monkeypatch) -> None:
+    """Free device switches and GPU launches: the GPU always wins and the greedy's per-expert
+    choices survive, so the GPU budget alone decides (and layers get split shares)."""
     monkeypatch.setattr(place, "PARTITION_S", 0.0)
     monkeypatch.setattr(place, "GPU_KERNEL_S", 0.0)
+
+
+def probe_placement(d, tmp_path, hw, *extra) -> dict:
+    """placement.json of `d` with room for everything (its bytes and KV reserve)."""
+    return _compile(d, tmp_path / "probe", hw, "1GiB", *extra)
+
+
+def gpu_mem_for(probe: dict, weight_bytes: float) -> int:
+    """--gpu-mem under which the placement has `weight_bytes` for weights: the KV reserve and
+    GPU_RESERVE come on top."""
+    return int((weight_bytes + probe["kv_bytes"]) / (1 - place.GPU_RESERVE))
+
+
+def test_placements_from_nothing_to_everything_give_identical_results(model, tmp_path, monkeypatch):
+    d, _, ids, ref, ref_tokens = model
+    budget_decides(monkeypatch)
     hw = fake_profile(tmp_path / "hw.json")
-    probe = _compile(d, tmp_path / "probe", hw, "1GiB")
+    probe = probe_placement(d, tmp_path, hw)
     total = probe["gpu_bytes"] + probe["host_bytes"]
     seen = []
     for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
-        # the budget covers the KV reserve and GPU_RESERVE too
-        mem = int((total * frac + probe["kv_bytes"]) / (1 - place.GPU_RESERVE)) + 4096
+        mem = gpu_mem_for(probe, total * frac) + 4096
         out = tmp_path / f"p{int(frac * 100)}"
         s = _compile(d, out, hw, mem)
         seen.append(s["gpu_bytes"])
@@ -80,11 +94,10 @@ def test_placements_from_nothing_to_everything_give_identical_results(model, tmp
 
 def test_split_layers_put_hot_experts_on_the_gpu(model, tmp_path, monkeypatch):
     d, _, _, _, _ = model
-    monkeypatch.setattr(place, "PARTITION_S", 0.0)
-    monkeypatch.setattr(place, "GPU_KERNEL_S", 0.0)
+    budget_decides(monkeypatch)
     hw = fake_profile(tmp_path / "hw.json")
-    probe = _compile(d, tmp_path / "probe", hw, "1GiB")
-    mem = int((probe["gpu_bytes"] * 0.5 + probe["kv_bytes"]) / (1 - place.GPU_RESERVE))
+    probe = probe_placement(d, tmp_path, hw)
+    mem = gpu_mem_for(probe, probe["gpu_bytes"] * 0.5)
     out = tmp_path / "half"
     s = _compile(d, out, hw, mem)
     g = load_plan(out).graph

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,6 +23,7 @@ import numpy as np
 from strata_compiler.errors import BackendError, UsageError
 from strata_compiler.ir import Graph, Node, Op
 from strata_compiler.rope import rope_inv_freq
+from strata_compiler.runtime import trace
 from strata_compiler.runtime.kv_cache import KVCache
 
 from .codegen import attention as attn_gen
@@ -191,15 +193,11 @@ class LLVMExecutor:
             self.frames[M] = (frame, [b(frame) for b in self.binders])
         frame, ops = self.frames[M]
         frame.ids[:] = input_ids.reshape(-1)
-        from strata_compiler.runtime import trace
-
         for i in self.inputs:
             node = self.g.node(i)
             if node.op is not Op.INPUT_IDS:
                 v = env[i]
                 if trace.ACTIVE is not None and not isinstance(v, np.ndarray):   # a GPU result: wait, copy
-                    import time
-
                     t0 = time.perf_counter()
                     v = np.asarray(v)
                     trace.ACTIVE.transfer("d2h", v.nbytes, time.perf_counter() - t0, name="wait + copy")
@@ -405,21 +403,26 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
     ip = h_stride(spec)
     ids = tuple(n.attr("experts", ()))
     idx = np.array(ids, np.int64)
-    from strata_compiler.passes.expert_split import nonresident_mask
-    from strata_compiler.runtime import expert_cache
+    from strata_compiler.passes.expert_split import static_nonresident
+    from strata_compiler.runtime import disk_tier, expert_cache
 
     cache_key = n.attr("cache", "") if not ids else ""    # an expert cache's host side
-    from strata_compiler.runtime import disk_tier
-
+    plan_mask = static_nonresident(exe.g, n) if cache_key else None
     weight_names = [w for _, w in n.weights]
 
     def prepare(frame: Frame):
         M = frame.M
         x, comb = _src(frame, n, 0), _src(frame, n, 1)
         gather = None
-        if cache_key:   # every expert but those resident in the GPU cache (a live mask)
+        if cache_key:   # every expert but those resident in the GPU cache (the live cache's, else the plan's)
             full, comb = comb, frame.temp(f"moe.comb{n.id}", (M, E))
-            gather = lambda: np.multiply(full, nonresident_mask(exe.g, n)[None, :], out=comb)  # noqa: E731
+
+            def masked():
+                live = expert_cache.lookup(exe.g, cache_key)
+                np.multiply(full, (plan_mask if live is None else live.nonresident)[None, :], out=comb)
+                if live is not None:
+                    live.observe(full)
+            gather = masked
         elif ids:   # this node computes a share of the layer's experts: their routing columns
             if ids == tuple(range(ids[0], ids[0] + E)):
                 comb = comb[:, ids[0]:ids[0] + E]          # a strided view: the kernel takes ldc
@@ -455,8 +458,6 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
         def run(step: Step) -> None:
             if gather is not None:
                 gather()
-                if cache_key and (live := expert_cache.lookup(exe.g, cache_key)) is not None:
-                    live.observe(full)
             pool.run(kp.addr, ap.addr, 0, 1)                    # routing pairs, grouped by expert
             P, nA = int(count[0]), int(count[1])
             if xin is not x and qxrun is None:

@@ -23,6 +23,8 @@ from strata_compiler.errors import BackendError, UsageError
 from strata_compiler.ir import Graph, Node, Op
 from strata_compiler.rope import rope_inv_freq
 
+from strata_compiler.runtime import expert_cache, trace
+
 from .device import _jax, device as pick_device
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -499,8 +501,6 @@ class XLAExecutor:
         if self.layers and not hasattr(cache.k[self.layers[0]], "device"):
             self.new_cache(cache)
         ext = {i: env[i] for i in self.inputs if self.g.node(i).op is not Op.INPUT_IDS}
-        from strata_compiler.runtime import expert_cache, trace
-
         jax = _jax()
         for i, v in ext.items():     # results of another GPU's partition: a device-to-device copy
             if not isinstance(v, np.ndarray) and self.device not in v.devices():
@@ -520,7 +520,6 @@ class XLAExecutor:
         import threading
         import time
 
-        jax = _jax()
         t0 = time.perf_counter()
         host_in = {i: v for i, v in ext.items() if isinstance(v, np.ndarray)}
         ext = {i: jax.device_put(v, self.device) if i in host_in else v for i, v in ext.items()}
