@@ -65,7 +65,7 @@ class MixedExecutor:
         import os
 
         from strata_compiler.formats import get_format
-        from strata_compiler.passes.laq import parse_size
+        from strata_compiler.hwprofile import size_bytes
 
         g = self.g
         xla_nodes = [n for n in g.nodes if n.backend == "xla"]
@@ -74,7 +74,7 @@ class MixedExecutor:
         if not shrink or not cached:
             return slots
         limit = os.environ.get("STRATA_GPU_MEM_LIMIT")
-        free = parse_size(limit) if limit else None
+        free = size_bytes(limit, "STRATA_GPU_MEM_LIMIT") if limit else None
         if free is None:
             from strata_compiler.backends.xla.device import device as pick
 
