@@ -84,15 +84,22 @@ def layer_bytes(plan) -> dict[int, int]:
 
 
 def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, info: dict | None = None,
-                prefetch: bool = True) -> tuple[float, list[int]]:
+                prefetch: bool = True, trace_out: Path | None = None) -> tuple[float, list[int]]:
+    """Decode tokens/s (median of `repeats` after a warm-up pass) and the greedy tokens. With
+    `trace_out`, one more pass runs under the tracer (not timed): its trace is written there and
+    its per-track busy times go into `info["trace"]`."""
     import resource
 
+    from strata_compiler.runtime import trace
     from strata_compiler.runtime.plan import load_plan
     from strata_compiler.runtime.session import Session
 
     s = Session(load_plan(plan_dir, verify_weights="none"), "auto", prefetch=prefetch)
     times, tokens = [], []
-    for r in range(repeats + 1):
+    for r in range(repeats + 1 + (trace_out is not None)):
+        traced = trace_out is not None and r == repeats + 1
+        if traced:
+            trace.ACTIVE = tracer = trace.Tracer()
         s.reset(1, prompt.shape[1] + n_new + 8)
         tok = int(s.step(prompt)[0, -1].argmax())
         seq = [tok]
@@ -101,7 +108,13 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, in
             tok = int(s.step(np.array([[tok]], np.int64))[0, -1].argmax())
             seq.append(tok)
         dt = time.perf_counter() - t0
-        if r:                       # the first pass compiles (xla) and warms the caches
+        if traced:
+            trace.ACTIVE = None
+            tracer.write(trace_out)
+            if info is not None:
+                info["trace"] = {"wall_s": dt, "busy_s": dict(tracer.busy), "spans": dict(tracer.counts),
+                                 "bytes": dict(tracer.bytes)}
+        elif r:                     # the first pass compiles (xla) and warms the caches
             times.append(dt)
         tokens = seq
     if info is not None:
@@ -131,12 +144,16 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="a small model (smoke test on any machine)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--disk", action="store_true", help="also a plan with half the experts on the disk tier")
+    ap.add_argument("--trace-dir", type=Path, help="also write a trace of one more decode pass per variant here "
+                    "(trace-VARIANT.json) and report busy time per track")
+    ap.add_argument("--only", help="comma-separated variants to run (default: all built)")
     ap.add_argument("--rate-only", type=Path, help=argparse.SUPPRESS)   # internal: one plan, JSON out
     a = ap.parse_args()
     if a.rate_only:
         info: dict = {}
         prompt = np.random.default_rng(0).integers(0, 4096, (1, 32)).astype(np.int64)
-        tps, toks = decode_rate(a.rate_only, prompt, a.n_new, a.repeats, info=info)
+        tps, toks = decode_rate(a.rate_only, prompt, a.n_new, a.repeats, info=info,
+                                trace_out=a.trace_dir / f"trace-{a.rate_only.name}.json" if a.trace_dir else None)
         print(json.dumps({"tok_s": tps, "tokens": toks, "info": info}))
         return 0
     dims = dict(TINY if a.tiny else FULL)
@@ -185,14 +202,17 @@ def main() -> int:
         variants[f"strata-{b}"] = {"dir": out, "gpu_bytes": pl["gpu_bytes"], "predicted": pl["predicted_tok_s"],
                                    "candidates": pl["candidates"], "choice": pl["choice"]}
         out = a.work_dir / f"cache-{b}"          # the same budget as a GPU expert cache (issue 7)
-        if not (out / "plan.bin").exists():
+        if b < 100 and not (out / "plan.bin").exists():
             stratac("compile", str(model), "-o", str(out), *common, "--target", str(hw), "--gpu-mem", str(mem),
                     "--expert-cache")
-        variants[f"cache-{b}"] = {"dir": out, "gpu_bytes": pl["gpu_bytes"]}
+        if b < 100:
+            variants[f"cache-{b}"] = {"dir": out, "gpu_bytes": pl["gpu_bytes"]}
         n, used = 0, 0
         while n in per_layer and used + per_layer[n] <= gpu_bytes:
             used += per_layer[n]
             n += 1
+        if b >= 100:            # every layer fits: the same as strata-100's own -ngl candidate
+            n = 0
         out = a.work_dir / f"ngl-{b}"
         if n and not (out / "plan.bin").exists():
             rule = "re:^L(" + "|".join(str(i) for i in range(n)) + r")\.=gpu,all=cpu"
@@ -209,19 +229,42 @@ def main() -> int:
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 4096, (1, 32)).astype(np.int64)
     ref_tokens = None
+    if a.only:
+        keep = set(a.only.split(","))
+        variants = {k: v for k, v in variants.items() if k in keep or k == "cpu-only"}
+    if a.trace_dir:
+        a.trace_dir.mkdir(parents=True, exist_ok=True)
+
+    def save_json() -> None:        # after every variant, so a run cut short still leaves its figures
+        if a.json:
+            tmp = a.json.with_name(a.json.name + ".tmp")
+            tmp.write_text(json.dumps({"dims": dims, "skew_top25": top, "variants": {
+                k: {kk: (str(vv) if isinstance(vv, Path) else vv) for kk, vv in v.items()}
+                for k, v in variants.items()}}, indent=1))
+            tmp.replace(a.json)
+
     for name, v in variants.items():
         t0 = time.time()
+        tr = a.trace_dir / f"trace-{name}.json" if a.trace_dir else None
         if name == "disk-half":    # its own process: peak RSS is per process
             r = subprocess.run([sys.executable, __file__, "--rate-only", str(v["dir"]), "--n-new", str(a.n_new),
-                                "--repeats", str(a.repeats)], capture_output=True, text=True, check=True)
+                                "--repeats", str(a.repeats)] + (["--trace-dir", str(a.trace_dir)] if tr else []),
+                               capture_output=True, text=True, check=True)
             got = json.loads(r.stdout.strip().splitlines()[-1])
             v.update(got["info"])
             v["tok_s"], toks = got["tok_s"], got["tokens"]
         else:
-            v["tok_s"], toks = decode_rate(v["dir"], prompt, a.n_new, a.repeats, info=v)
+            v["tok_s"], toks = decode_rate(v["dir"], prompt, a.n_new, a.repeats, info=v, trace_out=tr)
         ref_tokens = ref_tokens or toks
         v["same_tokens"] = toks == ref_tokens
-        log(f"{name}: {v['tok_s']:.1f} tok/s ({time.time() - t0:.0f} s)")
+        busy = ""
+        if "trace" in v:
+            t = v["trace"]
+            busy = "; traced pass " + ", ".join(f"{k} {1e3 * b / (a.n_new - 1):.2f} ms/tok"
+                                                for k, b in t["busy_s"].items()) + \
+                f" of {1e3 * t['wall_s'] / (a.n_new - 1):.2f} ms/tok"
+        log(f"{name}: {v['tok_s']:.1f} tok/s ({time.time() - t0:.0f} s){busy}")
+        save_json()
     print(f"\nmodel {dims}, {a.quant}; experts {experts_b / 2**30:.2f} GiB, rest {rest_b / 2**30:.2f} GiB; "
           f"router skew {a.router_skew}: top 25% of experts take {top:.0%} of routings")
     print(f"{'variant':14} {'GPU GiB':>8} {'measured tok/s':>15} {'predicted':>10} {'pred/meas':>9} {'tokens = cpu':>12}"
@@ -248,10 +291,7 @@ def main() -> int:
               (f", strata / ngl x{s['tok_s'] / g:.2f}" if g else "") +
               (f", cache+prefetch / static strata x{cch / s['tok_s']:.2f}" if cch else "") + f"  (choice: {s['choice']})")
         print("   predicted candidates: " + ", ".join(f"{c} {t:.0f}" for c, t in s["candidates"].items()))
-    if a.json:
-        a.json.write_text(json.dumps({"dims": dims, "skew_top25": top, "variants": {
-            k: {kk: (str(vv) if isinstance(vv, Path) else vv) for kk, vv in v.items()} for k, v in variants.items()}},
-            indent=1))
+    save_json()
     return 0
 
 
