@@ -226,7 +226,8 @@ def make_config(arch: str, d: Dims, dtype: str) -> dict:
 class Filler:
     """Deterministic, cheap random values, as bf16 bit patterns, delivered in chunks."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, embed_scale: float = 0.02):
+        self.embed_scale = embed_scale
         self.rng = np.random.default_rng(seed)
         raw = np.frombuffer(self.rng.bytes(POOL_ELEMS * 2), dtype=np.uint16)
         # sign | 2-bit exponent offset (0..3) | 7-bit mantissa: a value in [2^(k-3), 2^(k+1))
@@ -241,7 +242,7 @@ class Filler:
             np.bitwise_and(self.pool[off:off + n], np.uint16(0x000F), out=out)
             np.bitwise_or(out, np.uint16(0x3F80), out=out)
             return out
-        scale = 0.02 if kind == "embed" else 1.0 / math.sqrt(fan_in)
+        scale = self.embed_scale if kind == "embed" else 1.0 / math.sqrt(fan_in)
         k = round(math.log2(scale))
         off = int(self.rng.integers(0, POOL_ELEMS - n + 1))
         mask = np.uint16(int(self.rng.integers(0, 1 << 16)) & 0x807F)
@@ -300,7 +301,7 @@ def _skewed_router(bits: np.ndarray, shape: tuple[int, int], skew: float, dtype:
 
 def make_synthetic_model(out_dir: Path, arch: str = "qwen3_moe", size_gb: float = 2.2,
                          dtype: str = "bf16", shard_gb: float = 1.0, seed: int = 0,
-                         router_skew: float = 0.0, **overrides) -> dict:
+                         router_skew: float = 0.0, embed_scale: float = 0.02, **overrides) -> dict:
     """Write the folder; returns a summary dict (dims, total_bytes, largest tensor, files)."""
     if arch not in ARCHS:
         raise SystemExit(f"unknown --arch {arch!r}; choose from {', '.join(ARCHS)}")
@@ -314,7 +315,7 @@ def make_synthetic_model(out_dir: Path, arch: str = "qwen3_moe", size_gb: float 
     tensors = all_tensors(arch, d)
     shards = plan_shards(tensors, itemsize, int(shard_gb * GB))
     n = len(shards)
-    filler = Filler(seed)
+    filler = Filler(seed, embed_scale)
     weight_map: dict[str, str] = {}
     total = 0
     largest = ("", 0)
@@ -372,6 +373,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--router-skew", type=float, default=0.0,
                     help="scale router rows by exp(S * N(0,1)) per expert: skewed expert popularity (0: none)")
+    ap.add_argument("--embed-scale", type=float, default=0.02,
+                    help="magnitude of the embedding values; about 1 keeps tokens' hidden states apart, so "
+                         "routing follows --router-skew (at 0.02 the layers' shared output dominates and a few "
+                         "experts take most tokens)")
     for flag in ("layers", "hidden", "experts", "moe-intermediate", "vocab", "heads",
                  "kv-heads", "head-dim", "top-k"):
         ap.add_argument(f"--{flag}", type=int, default=None)
@@ -379,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     s = make_synthetic_model(
         a.out_dir, arch=a.arch, size_gb=a.size_gb, dtype=a.dtype, shard_gb=a.shard_gb,
-        seed=a.seed, router_skew=a.router_skew, layers=a.layers, hidden=a.hidden, experts=a.experts,
+        seed=a.seed, router_skew=a.router_skew, embed_scale=a.embed_scale, layers=a.layers, hidden=a.hidden, experts=a.experts,
         moe_intermediate=a.moe_intermediate, vocab=a.vocab, heads=a.heads,
         kv_heads=a.kv_heads, head_dim=a.head_dim, top_k=a.top_k)
     dt = time.perf_counter() - t0

@@ -230,6 +230,8 @@ def calibrate(g: Graph, ctx: PassContext) -> Graph:
         calib = calibration_from_plan(plan, g)
         ctx.analyses["calibration"] = calib
         donor = _donor(plan, g, ctx.store)
+        if donor is not None and plan.meta.get("options", {}).get("imatrix", True) != opts.imatrix:
+            donor = None        # its scales were chosen the other way: quantize afresh
         if donor is not None:
             ctx.analyses["donor_plan"] = donor       # emit copies its weights where the formats match
         if ctx.dump_dir is not None:

@@ -139,7 +139,7 @@ def emit(g: Graph, ctx: PassContext) -> Graph:
                 if ctx.progress_bytes:
                     ctx.progress_bytes(sum(ctx.store.info(k).nbytes for k in spec.all_source_keys()))
                 continue
-            imp = calib.importance(spec.name) if calib is not None else None
+            imp = calib.importance(spec.name) if calib is not None and ctx.options.imatrix else None
             bytes_by_format[spec.fmt] += _write_weight(w, spec, ctx.store, ctx.progress_bytes, imp)
     ctx.analyses["reused_weights"] = reused
     with Container.open(out / WEIGHTS_FILE, WEIGHTS_MAGIC, verify="none") as c:
@@ -148,7 +148,7 @@ def emit(g: Graph, ctx: PassContext) -> Graph:
         "strata_version": __version__,
         "options": {"quant": ctx.options.quant, "group_size": ctx.options.group_size, "backend": ctx.options.backend,
                     "place": ctx.options.place, "bits": ctx.options.bits, "memory_budget": ctx.options.memory_budget,
-                    "tensor_format": ctx.options.tensor_format},
+                    "tensor_format": ctx.options.tensor_format, "imatrix": ctx.options.imatrix},
         "model": {k: list(v) if isinstance(v, tuple) else v for k, v in g.meta},
         "weights": dict(weights_ref, bytes_by_format=dict(sorted(bytes_by_format.items()))),
         "passes": [r["pass"] for r in ctx.analyses.get("pass_records", []) if r["pass"] != "input"],

@@ -7,8 +7,8 @@ RULES is a comma-separated list, first match wins, of
                          L3.moe.gate_up, and their safetensors keys)
 
 with DEVICE gpu or cpu. e.g. `experts=cpu,attention=gpu` or `re:L(1[2-9]|2\\d)\\.moe=cpu,all=gpu`.
-A node with no weights (add, slice, route, ...) takes the category of the node it reads first,
-so glue ops stay with the layer part they belong to.
+A node with no weights (add, slice, route, ...) takes the category and the weight names (for
+regexes) of the node it reads first, so glue ops stay with the layer part they belong to.
 """
 
 from __future__ import annotations
@@ -89,9 +89,13 @@ def place(g: Graph, rules: tuple[Rule, ...]) -> dict[int, str]:
     """Node id -> device ("gpu" | "cpu") for the nodes some rule matches."""
     cats = categories(g)
     out = {}
+    names_of: dict[int, list[str]] = {}
     for n in g.nodes:
         names = [w for _, w in n.weights]
         names += [k for w in names for k in g.weight(w).sources]
+        if not names and n.args:        # glue ops match regexes by the node they read first, as categories do
+            names = names_of[n.args[0]]
+        names_of[n.id] = names
         for r in rules:
             if r.pattern is not None:
                 hit = any(r.pattern.search(x) for x in names)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from strata_compiler.ir import Graph, Level, Node, Op, renumber
+from strata_compiler.ir import Graph, Level, Node, Op, make_attrs, renumber
 from strata_compiler.pass_manager import PassContext, register
 
 from .placement_rules import parse_rules, place
@@ -47,4 +47,8 @@ def select_kernels(g: Graph, ctx: PassContext) -> Graph:
         nodes.append(replace(n, args=tuple(args), device=dev, backend=backend))
         where[n.id] = dev
     nodes = [replace(n, buffer=i) for i, n in enumerate(nodes)]
-    return renumber(g.with_(level=Level.KERNEL, nodes=tuple(nodes)))
+    out = g.with_(level=Level.KERNEL, nodes=tuple(nodes))
+    by = "rules" if placed else ("cost model" if any(n.device for n in g.nodes) else "")
+    if by:      # strata-run --backend auto then runs the plan as placed, even when it is all on one device
+        out = out.with_(meta=make_attrs(**dict(out.meta, placed_by=by)))
+    return renumber(out)

@@ -49,7 +49,8 @@ def _save(path: Path, arr: np.ndarray) -> None:
 @click.option("--logits-out", type=click.Path(path_type=Path), help="Save the prompt logits, float32 [B, T, V], as .npy.")
 @click.option("--tokens-out", type=click.Path(path_type=Path), help="Save the generated ids, int64 [B, N], as .npy.")
 @click.option("--backend", type=click.Choice(["auto", "reference", "llvm", "xla"]), default="auto", show_default=True,
-              help="Where kernels run: auto picks the best available on this host.")
+              help="Where kernels run: auto runs a placed plan (--target, --place) as placed and any other on the "
+                   "best available backend (xla on a GPU, else llvm); a name runs every op there.")
 @click.option("--device", type=click.Choice(["auto", "gpu", "cpu"]), default="auto", show_default=True,
               help="Where xla partitions run: auto = a CUDA GPU when JAX sees one, else JAX's CPU platform.")
 @click.option("--trace", "trace_out", type=click.Path(path_type=Path),

@@ -42,6 +42,11 @@ class Session:
     def __post_init__(self) -> None:
         bound = {n.backend for n in self.plan.graph.nodes}
         mixed = self.backend == "auto" and len(bound) > 1
+        if self.backend == "auto" and len(bound) == 1 and self.plan.meta["model"].get("placed_by") \
+                and bound <= {"llvm", "reference"}:
+            # placed on the CPU alone (--place rules or the cost model under its --gpu-mem): as placed,
+            # not on a GPU that `auto` would otherwise pick
+            self.backend = bound.pop()
         if mixed and "xla" in bound and self.device == "auto":
             from strata_compiler.backends.xla.device import gpu_available
 

@@ -40,6 +40,10 @@ def stratac() -> None:
                    "A plan.bin compiled with --calib reuses its calibration without running the model.")
 @click.option("--calib-tokens", type=click.IntRange(min=2), default=16384, show_default=True,
               help="Use at most this many tokens of --calib text.")
+@click.option("--imatrix/--no-imatrix", default=True, show_default=True,
+              help="With --calib and --quant: weight each quantization scale by the activations (the importance "
+                   "search tries 18 scales per group). --no-imatrix uses the plain scale rule, several times "
+                   "faster on large models, and keeps --calib for the routing statistics (placement, clustering).")
 @click.option("--bits", type=click.FloatRange(min=2.0, max=16.0), default=None, metavar="B",
               help="Layer-adaptive quantization: a format per tensor (int2 ... bf16) minimising the measured "
                    "error, at B bits per weight on average over the linear layers and the embedding table (scales "
@@ -83,6 +87,7 @@ def stratac() -> None:
                    "strata-run swapping experts into the slots as routing shifts.")
 @debug_option
 def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, calib: Path | None, calib_tokens: int,
+                imatrix: bool,
                 bits: float | None, memory_budget: str, laq_granularity: str, tensor_format: str, dump_dir: Path | None,
                 dump_after: str, stop_after: str | None, backend: str, place: str, target: str, gpu_mem: str,
                 host_mem: str, gpus: int, gpu_mode: str, expert_cache: bool, debug: bool) -> None:
@@ -111,8 +116,12 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
                          f"use one of them")
     if bits and memory_budget:
         raise UsageError("--bits and --memory-budget both set the size; use one of them")
+    if not imatrix and (bits or memory_budget):
+        raise UsageError(f"--no-imatrix and {'--bits' if bits else '--memory-budget'} conflict: layer-adaptive "
+                         f"quantization measures each format's error with the activation weights; drop one")
     opts = CompileOptions(quant=quant, group_size=group_size, backend=backend, place=place,
-                          calib=str(calib) if calib else "", calib_tokens=calib_tokens, bits=bits or 0.0,
+                          calib=str(calib) if calib else "", calib_tokens=calib_tokens, imatrix=imatrix,
+                          bits=bits or 0.0,
                           memory_budget=memory_budget, tensor_format=tensor_format, laq_granularity=laq_granularity,
                           target=target, gpu_mem=gpu_mem, host_mem=host_mem, expert_cache=expert_cache,
                           gpus=gpus, gpu_mode=gpu_mode)

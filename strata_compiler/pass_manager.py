@@ -30,6 +30,7 @@ class CompileOptions:
     calib: str = ""              # --calib: calibration text file (passes/calibrate.py)
     calib_tokens: int = 16384    # at most this many calibration tokens
     calib_ctx: int = 512         # tokens per calibration chunk
+    imatrix: bool = True         # --no-imatrix: --calib for routing statistics only, plain quantization scales
     calib_probe_tokens: int = 128  # tokens of the per-tensor sensitivity probe (--bits with --calib)
     bits: float = 0.0            # --bits: layer-adaptive formats at this average bits per weight
     memory_budget: str = ""      # --memory-budget: layer-adaptive formats within this many weight bytes

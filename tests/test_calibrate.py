@@ -163,3 +163,21 @@ def test_reused_plan_donates_its_quantized_weights(demo, tmp_path, capsys, monke
     assert run_cli(stratac, ["compile", str(other), "-o", str(tmp_path / "x"), "--calib",
                              str(tmp_path / "a" / "plan.bin")]) != 0
     assert "other weights" in capsys.readouterr().err
+
+
+def test_no_imatrix_keeps_routing_but_plain_scales(demo, tmp_path, capsys):
+    """--no-imatrix: the calibration (routing statistics) is recorded, the weights are the plain
+    rule's bytes (as without --calib), and a plan reusing it quantizes the same way; with --bits
+    it is refused in one line."""
+    d, calib = demo
+    plain = _compile(d, tmp_path / "plain", "--quant", "int4")
+    p = _compile(d, tmp_path / "p", "--quant", "int4", "--calib", str(calib), "--calib-tokens", "200", "--no-imatrix")
+    assert p.meta["calibration"]["tokens"] == 200 and p.meta["calibration"]["experts"]
+    assert p.meta["options"]["imatrix"] is False and plain.meta["options"]["imatrix"] is True
+    assert (tmp_path / "p" / "weights.bin").read_bytes() == (tmp_path / "plain" / "weights.bin").read_bytes()
+    imat = _compile(d, tmp_path / "i", "--quant", "int4", "--calib", str(tmp_path / "p" / "plan.bin"))
+    assert (tmp_path / "i" / "weights.bin").read_bytes() != (tmp_path / "p" / "weights.bin").read_bytes()
+    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "x"), "--bits", "4.5", "--calib", str(calib),
+                             "--no-imatrix"]) != 0
+    err = capsys.readouterr().err
+    assert "--no-imatrix and --bits conflict" in err and len(err.strip().splitlines()) == 1

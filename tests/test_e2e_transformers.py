@@ -159,3 +159,18 @@ def test_mixed_plan_matches_transformers(f32_model, tmp_path, rules):
     ref = hf_logits(model, ids)
     assert np.abs(logits - ref).max() / ref.std() <= 1e-4
     np.testing.assert_array_equal(tokens, hf_greedy(model, ids, N_NEW)[0])
+
+
+def test_layer_regex_keeps_glue_ops_with_their_layer(tmp_path):
+    """--place 're:^L0\\.=gpu,all=cpu' (llama.cpp's -ngl 1): the residual adds and other weightless
+    ops of L0 follow the ops they read, so the activations cross to the GPU and back once, not
+    at every glue op; the plan records that it was placed by rules."""
+    from strata_compiler.ir import Op
+    from strata_compiler.runtime.plan import load_plan
+
+    d = build_model("olmoe", tmp_path / "model")
+    compile_plan(d, tmp_path / "plan", "--place", r"re:^L0\.=gpu,all=cpu")
+    g = load_plan(tmp_path / "plan").graph
+    transfers = [n for n in g.nodes if n.op is Op.TRANSFER]
+    assert len(transfers) == 2 and {t.device for t in transfers} == {"gpu", "cpu"}
+    assert g.meta_value("placed_by") == "rules"

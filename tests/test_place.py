@@ -141,3 +141,24 @@ def test_target_profile_without_gpu_places_everything_on_the_cpu(model, tmp_path
     assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "p"), "--target", str(hw),
                              "--dump-dir", str(tmp_path / "dump"), "--dump-after", "place"]) == 0
     assert {n.device for n in load_plan(tmp_path / "p").graph.nodes} == {"cpu"}
+
+
+def test_plan_placed_on_the_cpu_runs_there_beside_a_gpu(model, tmp_path, monkeypatch):
+    """--backend auto on a GPU host: a plan the cost model put wholly on the CPU (planned for a
+    machine without a GPU) runs on the CPU as placed; an unplaced plan takes the host's best backend."""
+    from strata_compiler.runtime import session as sess
+
+    d = model[0]
+    hw = fake_profile(tmp_path / "hw.json")
+    data = json.loads(hw.read_text())
+    data["gpu"] = None
+    hw.write_text(json.dumps(data))
+    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "p"), "--target", str(hw)]) == 0
+    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "u"), "--quant", "int4"]) == 0
+    picked = []
+    monkeypatch.setattr(sess, "resolve_backend", lambda name: picked.append(name) or "llvm")
+    placed = load_plan(tmp_path / "p")
+    assert placed.meta["model"]["placed_by"] == "cost model"
+    assert sess.Session(placed, "auto").backend == "llvm" and "auto" not in picked
+    sess.Session(load_plan(tmp_path / "u"), "auto")
+    assert picked[-1] == "auto"        # unplaced: the host decides (xla where a GPU is)
