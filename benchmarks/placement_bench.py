@@ -340,10 +340,10 @@ def main() -> int:
         s = variants.get(f"strata-{b}")
         if not s:
             continue
-        k = variants["ktransformers"]["tok_s"]
+        k = variants.get("ktransformers", {}).get("tok_s")
         g = variants.get(f"ngl-{b}", {}).get("tok_s")
         cch = variants.get(f"cache-{b}", {}).get("tok_s")
-        print(f"budget {b}%: strata / ktransformers x{s['tok_s'] / k:.2f}" +
+        print(f"budget {b}%:" + (f" strata / ktransformers x{s['tok_s'] / k:.2f}" if k else "") +
               (f", strata / ngl x{s['tok_s'] / g:.2f}" if g else "") +
               (f", cache+prefetch / static strata x{cch / s['tok_s']:.2f}" if cch else "") + f"  (choice: {s['choice']})")
         print("   predicted candidates: " + ", ".join(f"{c} {t:.0f}" for c, t in s["candidates"].items()))
