@@ -343,9 +343,10 @@ def main() -> int:
         k = variants.get("ktransformers", {}).get("tok_s")
         g = variants.get(f"ngl-{b}", {}).get("tok_s")
         cch = variants.get(f"cache-{b}", {}).get("tok_s")
-        print(f"budget {b}%:" + (f" strata / ktransformers x{s['tok_s'] / k:.2f}" if k else "") +
-              (f", strata / ngl x{s['tok_s'] / g:.2f}" if g else "") +
-              (f", cache+prefetch / static strata x{cch / s['tok_s']:.2f}" if cch else "") + f"  (choice: {s['choice']})")
+        parts = ([f"strata / ktransformers x{s['tok_s'] / k:.2f}"] if k else []) + \
+            ([f"strata / ngl x{s['tok_s'] / g:.2f}"] if g else []) + \
+            ([f"cache+prefetch / static strata x{cch / s['tok_s']:.2f}"] if cch else [])
+        print(f"budget {b}%: " + ", ".join(parts) + f"  (choice: {s['choice']})")
         print("   predicted candidates: " + ", ".join(f"{c} {t:.0f}" for c, t in s["candidates"].items()))
     save_json()
     return 0
