@@ -25,6 +25,8 @@ Variants, each compiled from the same folder at --quant with the same calibratio
                  (swaps and prefetch at run time; hit rate, prefetch accuracy, bytes copied); at the
                  smallest budget also with prefetch off, the caches off, and on the CPU alone (what
                  the no-GPU fallback runs), for the greedy-tokens check
+  strata-B/old-hand-off  (smallest budget) strata-B with the mixed runtime's GPU hand-off as it
+                 was: CPU workers spinning through the GPU's turn, GPU results copied one by one
   disk-half      (--disk) --host-mem = the dense weights + half the expert bytes: the rest on the
                  disk tier; its own process, peak RSS reported
 Decode: a 32-token prompt, then --n-new greedy tokens, batch 1, the mixed runtime (xla on the
@@ -96,7 +98,7 @@ def layer_bytes(plan) -> dict[int, int]:
 
 def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, info: dict | None = None,
                 prefetch: bool = True, trace_out: Path | None = None, backend: str = "auto",
-                device: str = "auto", expert_cache: bool = True) -> tuple[float, list[int]]:
+                device: str = "auto", expert_cache: bool = True, hand_off: bool = True) -> tuple[float, list[int]]:
     """Decode tokens/s (median of `repeats` after a warm-up pass) and the greedy tokens. With
     `trace_out`, one more pass runs under the tracer (not timed): its trace is written there and
     its per-track busy times go into `info["trace"]`."""
@@ -108,6 +110,8 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, in
 
     s = Session(load_plan(plan_dir, verify_weights="none"), backend, device=device, prefetch=prefetch,
                 expert_cache=expert_cache)
+    if not hand_off and hasattr(s.executor, "hand_off"):     # the runtime before its GPU hand-off changes
+        s.executor.hand_off, s.executor.to_host = False, {}
     times, tokens = [], []
     for r in range(repeats + 1 + (trace_out is not None)):
         traced = trace_out is not None and r == repeats + 1
@@ -231,8 +235,13 @@ def main() -> int:
     variants: dict[str, dict] = {"gpu-all": {"dir": base, "gpu_bytes": rest_b + experts_b, "backend": "xla"},
                                  "cpu-only": {"dir": base, "gpu_bytes": 0, "backend": "llvm"}}
     common = ["--quant", a.quant] + (["--calib", str(base / "plan.bin"), "--no-imatrix"] if a.calib_tokens else [])
+    keep = set(a.only.split(",")) if a.only else None
+
+    def want(name: str) -> bool:     # compile only what --only runs (the strata-B plans always: sizes)
+        return keep is None or any(k == name or k.startswith(name + "/") for k in keep)
+
     out = a.work_dir / "ktransformers"
-    if not (out / "plan.bin").exists():
+    if want("ktransformers") and not (out / "plan.bin").exists():
         stratac("compile", str(model), "-o", str(out), *common, "--place", "experts=cpu,all=gpu")
     variants["ktransformers"] = {"dir": out, "gpu_bytes": rest_b}
     kv_guess = 2 * dims["layers"] * dims["kv_heads"] * dims["head_dim"] * 4 * min(4096, 4096)
@@ -247,7 +256,7 @@ def main() -> int:
         variants[f"strata-{b}"] = {"dir": out, "gpu_bytes": pl["gpu_bytes"], "predicted": pl["predicted_tok_s"],
                                    "candidates": pl["candidates"], "choice": pl["choice"]}
         out = a.work_dir / f"cache-{b}"          # the same budget as a GPU expert cache (issue 7)
-        if b < 100 and not (out / "plan.bin").exists():
+        if b < 100 and want(f"cache-{b}") and not (out / "plan.bin").exists():
             stratac("compile", str(model), "-o", str(out), *common, "--target", str(hw), "--gpu-mem", str(mem),
                     "--expert-cache")
         if b < 100:
@@ -260,10 +269,13 @@ def main() -> int:
         while n in per_layer and used + per_layer[n] <= gpu_bytes:
             used += per_layer[n]
             n += 1
+        if b == min(int(x) for x in a.budgets.split(",")):   # A/B: CPU workers spinning, copies one by one
+            variants[f"strata-{b}/old-hand-off"] = dict(variants[f"strata-{b}"], hand_off=False)
+            variants[f"strata-{b}/old-hand-off"].pop("predicted", None)
         if b >= 100:            # every layer fits: the same as strata-100's own -ngl candidate
             n = 0
         out = a.work_dir / f"ngl-{b}"
-        if n and not (out / "plan.bin").exists():
+        if n and want(f"ngl-{b}") and not (out / "plan.bin").exists():
             rule = "re:^L(" + "|".join(str(i) for i in range(n)) + r")\.=gpu,all=cpu"
             stratac("compile", str(model), "-o", str(out), *common, "--place", rule)
         if n:
@@ -271,12 +283,11 @@ def main() -> int:
     if a.disk:      # half the experts beyond --host-mem: the disk tier (issue 7)
         out = a.work_dir / "disk-half"
         host = rest_b + experts_b // 2
-        if not (out / "plan.bin").exists():
+        if want("disk-half") and not (out / "plan.bin").exists():
             stratac("compile", str(model), "-o", str(out), *common, "--target", str(hw), "--gpu-mem", "1MiB",
                     "--host-mem", str(host))
         variants["disk-half"] = {"dir": out, "gpu_bytes": 0, "host_budget": host}
-    if a.only:
-        keep = set(a.only.split(","))
+    if keep is not None:
         variants = {k: v for k, v in variants.items() if k in keep or k == "gpu-all"}
     prompt, gap = pick_prompt(base, a.n_new, variants["gpu-all"].get("backend", "auto"), a.device)
     log(f"prompt: the clearest of {PROMPT_TRIES} random 32-token prompts, smallest top-1/top-2 gap over its greedy "
@@ -307,7 +318,8 @@ def main() -> int:
         else:
             v["tok_s"], toks = decode_rate(v["dir"], prompt, a.n_new, a.repeats, info=v, trace_out=tr,
                                            backend=v.get("backend", "auto"), device=a.device,
-                                           prefetch=v.get("prefetch", True), expert_cache=v.get("expert_cache", True))
+                                           prefetch=v.get("prefetch", True), expert_cache=v.get("expert_cache", True),
+                                           hand_off=v.get("hand_off", True))
         ref_tokens = ref_tokens or toks
         v["tokens"] = toks
         v["same_tokens"] = toks == ref_tokens
@@ -322,13 +334,13 @@ def main() -> int:
         save_json()
     print(f"\nmodel {dims}, {a.quant}; experts {experts_b / 2**30:.2f} GiB, rest {rest_b / 2**30:.2f} GiB; "
           f"router skew {a.router_skew}: top 25% of experts take {top:.0%} of routings")
-    print(f"{'variant':20} {'GPU GiB':>8} {'measured tok/s':>15} {'predicted':>10} {'pred/meas':>9} "
+    print(f"{'variant':24} {'GPU GiB':>8} {'measured tok/s':>15} {'predicted':>10} {'pred/meas':>9} "
           f"{'same tokens':>11} {'hit rate':>8} {'prefetch':>8} {'copied MiB':>10}")
     for name, v in variants.items():
         pred = v.get("predicted")
         hr, pa = v.get("hit_rate"), v.get("prefetch_accuracy")
         same = "yes" if v["same_tokens"] else f"{v['same_prefix']}/{a.n_new}"
-        print(f"{name:20} {v['gpu_bytes'] / 2**30:8.2f} {v['tok_s']:15.1f} {pred or float('nan'):10.1f} "
+        print(f"{name:24} {v['gpu_bytes'] / 2**30:8.2f} {v['tok_s']:15.1f} {pred or float('nan'):10.1f} "
               f"{(pred / v['tok_s']) if pred else float('nan'):9.2f} {same:>11} "
               f"{'-' if hr is None else f'{hr:.1%}':>8} {'-' if pa is None else f'{pa:.1%}':>8} "
               f"{v.get('cache_bytes', 0) / 2**20:10.1f}")
