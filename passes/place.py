@@ -13,7 +13,9 @@ MoE-Lightning, with the per-kernel latencies that dominate small decode steps):
     t(op on gpu) = weight bytes / GPU GEMV rate of its format (profile) + kernels(op) * GPU_KERNEL_S
     an expert's weight bytes count with its probability of being chosen, p_e (sum_e p_e = k)
     each switch between devices along the op order: a partition's round trip (the profile's
-                   gpu.partition_seconds, at least PARTITION_S) + activation bytes / link rate
+                   gpu.partition_seconds, at least PARTITION_S) + activation bytes / link rate;
+                   a step starts and ends on the host (ids in, logits out), so a plan whose first
+                   or last op is on the GPU pays for that switch too
 
 Placement units: the embedding, the head (final norm + lm_head), each layer's core (attention,
 norms, router, shared experts or dense MLP) and each routed expert. Solved by a bounded greedy
@@ -226,6 +228,11 @@ class _Timeline:
             if u.expert:
                 experts.setdefault(u.expert[0], []).append(u)
         self.steps = []
+        # a step begins and ends on the host (token ids in, logits out): a plan ending on the GPU
+        # pays a switch for its logits, one starting there for its ids (each GPU partition is a
+        # jitted call whose results the host waits for)
+        out = g.node(g.outputs[0])
+        self.end_switch = _switch_s(hw, g, out, max(1, prefill_tokens), nbytes=out.type.bytes_per_token())
         for n in g.nodes:
             if n.op is Op.INPUT_IDS:
                 continue
@@ -241,7 +248,7 @@ class _Timeline:
                 self.steps.append((u.name, (c * share, gg * share), switch, u.layer))
 
     def predict(self, gpu: set[str]) -> dict:
-        t, per_layer, prev, switches = 0.0, {}, None, 0
+        t, per_layer, prev, switches = 0.0, {}, "cpu", 0
         for name, times, switch, lay in self.steps:
             if name is None:                        # a MoE layer: its GPU share, then its CPU share
                 g_s = [gs for nm, _, gs in times if nm in gpu]
@@ -260,11 +267,19 @@ class _Timeline:
                 prev = d
             t += dt
             per_layer[lay] = per_layer.get(lay, 0.0) + dt
+        if prev == "gpu":
+            switches += 1
+            t += self.end_switch
+            per_layer[lay] = per_layer.get(lay, 0.0) + self.end_switch
         return {"seconds": t, "tok_s": 1.0 / t if t > 0 else 0.0, "switches": switches, "per_layer": per_layer}
 
 
-def _switch_s(hw, g: Graph, n: Node, tokens: int = 1) -> float:
-    nbytes = (g.node(n.args[0]).type.bytes_per_token() if n.args else 0) * tokens
+def _switch_s(hw, g: Graph, n: Node, tokens: int = 1, nbytes: int | None = None) -> float:
+    """A partition switch before node n: the round trip plus its input's (or nbytes per token's)
+    copy, half each way on average."""
+    if nbytes is None:
+        nbytes = g.node(n.args[0]).type.bytes_per_token() if n.args else 0
+    nbytes *= tokens
     link = hw.h2d_seconds(nbytes) + hw.d2h_seconds(nbytes) if hw.gpu is not None else 0.0
     return partition_s(hw) + link / 2
 

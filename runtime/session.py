@@ -41,7 +41,9 @@ class Session:
 
     def __post_init__(self) -> None:
         bound = {n.backend for n in self.plan.graph.nodes}
-        mixed = self.backend == "auto" and len(bound) > 1
+        gpus = {n.device for n in self.plan.graph.nodes if n.backend == "xla"}
+        # several backends, or xla on several GPUs (gpu:0, gpu:1, ...): a partition per device
+        mixed = self.backend == "auto" and (len(bound) > 1 or len(gpus) > 1)
         if self.backend == "auto" and len(bound) == 1 and self.plan.meta["model"].get("placed_by") \
                 and bound <= {"llvm", "reference"}:
             # placed on the CPU alone (--place rules or the cost model under its --gpu-mem): as placed,

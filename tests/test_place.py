@@ -114,16 +114,21 @@ def test_split_layers_put_hot_experts_on_the_gpu(model, tmp_path, monkeypatch):
 
 
 def test_predicted_time_prefers_fewer_device_switches():
-    """With a switch cost, an alternating placement costs more than a contiguous one of equal bytes."""
+    """With a switch cost, an alternating placement costs more than a contiguous one of equal bytes;
+    a step starts and ends on the host, so the GPU's first and last ops pay for a switch too."""
     from strata_compiler.passes.place import _Timeline
 
     class T(_Timeline):
         def __init__(self):
             self.steps = [(f"u{i}", (10e-6, 1e-6), 50e-6, i) for i in range(4)]
+            self.end_switch = 50e-6
 
     t = T()
     assert t.predict({"u0", "u1"})["seconds"] < t.predict({"u0", "u2"})["seconds"]
-    assert t.predict({"u0", "u2"})["switches"] == 3
+    assert t.predict({"u0", "u2"})["switches"] == 4            # host -> u0 -> u1 -> u2 -> u3
+    everything = t.predict({"u0", "u1", "u2", "u3"})
+    assert everything["switches"] == 2 and everything["seconds"] == pytest.approx(4e-6 + 100e-6)
+    assert t.predict(set())["switches"] == 0
 
 
 def test_gpu_mem_needs_a_target(model, tmp_path, capsys):
