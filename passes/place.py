@@ -433,6 +433,23 @@ def apply(g: Graph, units: list[Unit], unit_of: dict[int, str], gpu: set[str], c
     return g
 
 
+def gpu_hops(g: Graph, hw) -> tuple[int, float]:
+    """(hops, seconds) per decode token between different GPUs along the op order of a placed
+    graph: each hop is another device's jitted call (a partition switch) plus the activation's
+    trip between the GPUs (through host memory: device->host, then host->device)."""
+    hops, t, prev = 0, 0.0, None
+    for n in g.nodes:
+        if not n.device.startswith("gpu"):
+            prev = None if n.device == "cpu" else prev
+            continue
+        if prev is not None and n.device != prev:
+            nbytes = g.node(n.args[0]).type.bytes_per_token() if n.args else 0
+            hops += 1
+            t += partition_s(hw) + hw.d2h_seconds(nbytes) + hw.h2d_seconds(nbytes)
+        prev = n.device
+    return hops, t
+
+
 def _number_gpus(g: Graph, gpus: int, mode: str) -> Graph:
     """Several GPUs: `layer` gives each GPU a contiguous block of layers (llama.cpp's split by
     layer); `stripe` keeps the dense parts on GPU 0 and the experts already dealt per GPU."""
@@ -467,8 +484,19 @@ def place_pass(g: Graph, ctx: PassContext) -> Graph:
     n_layers = max((u.layer for u in units), default=0)
     if opts.gpus > 1 and opts.expert_cache:
         raise UsageError("--gpus > 1 and --expert-cache conflict: the expert cache works on one GPU for now")
+    first_mode = "layer" if opts.gpu_mode == "auto" else opts.gpu_mode
     out = apply(g, units, unit_of, choice.gpu_units, calib, cache=opts.expert_cache, gpus=opts.gpus,
-                mode=opts.gpu_mode)
+                mode=first_mode)
+    modes = {}
+    if opts.gpus > 1:       # each mode's GPU-to-GPU hops priced on top of the one-GPU timeline
+        for mode in (("layer", "stripe") if opts.gpu_mode == "auto" else (opts.gpu_mode,)):
+            cand = out if mode == first_mode else \
+                apply(g, units, unit_of, choice.gpu_units, calib, gpus=opts.gpus, mode=mode)
+            hops, hop_s = gpu_hops(cand, hw)
+            modes[mode] = {"graph": cand, "hops": hops, "seconds": pred["seconds"] + hop_s}
+        best = min(modes, key=lambda m: modes[m]["seconds"])
+        out = modes[best]["graph"]
+        pred = dict(pred, seconds=modes[best]["seconds"], tok_s=1.0 / modes[best]["seconds"])
     gpu_bytes = sum(u.gpu_bytes for u in units if u.name in choice.gpu_units)
     host_bytes = sum(u.gpu_bytes for u in units if u.name not in choice.gpu_units)
     host_cap = hw.host.ram_available_bytes
@@ -504,6 +532,11 @@ def place_pass(g: Graph, ctx: PassContext) -> Graph:
         "profile": {"cpu": hw.host.cpu, "gpu": hw.gpu.name if hw.gpu else None,
                     "gpu_mem": gpu_mem, "host_mem": host_cap},
     }
+    if modes:
+        summary["gpus"] = opts.gpus
+        summary["gpu_mode"] = best
+        summary["gpu_modes"] = {m: {"hops_per_token": v["hops"], "predicted_tok_s": round(1.0 / v["seconds"], 2)}
+                                for m, v in modes.items()}
     ctx.analyses["placement"] = summary
     if ctx.dump_dir is not None:
         ctx.dump_dir.mkdir(parents=True, exist_ok=True)

@@ -78,9 +78,11 @@ def stratac() -> None:
               help="With --target: plan for this much host RAM; experts beyond it go to the disk tier.")
 @click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --target: the machine has this many of the profile's GPU (each with --gpu-mem).")
-@click.option("--gpu-mode", type=click.Choice(["layer", "stripe"]), default="layer", show_default=True,
+@click.option("--gpu-mode", type=click.Choice(["auto", "layer", "stripe"]), default="auto", show_default=True,
               help="With --gpus > 1: layer = each GPU a contiguous block of layers; stripe = each layer's GPU experts "
-                   "dealt over all GPUs by popularity, the dense parts on GPU 0.")
+                   "dealt over all GPUs by popularity, the dense parts on GPU 0; auto = the one the cost model "
+                   "predicts faster (it prices each hop between GPUs: a partition switch plus the activation's "
+                   "trip through host memory).")
 @click.option("--expert-cache", is_flag=True,
               help="With --target: layers whose experts the placement splits get a GPU expert cache instead of a "
                    "static split: slots first holding the placed experts, the whole layer on the CPU, and "
@@ -235,6 +237,10 @@ def inspect_cmd(plan_path: Path, as_json: bool, weights: bool, debug: bool) -> N
                    f"MiB of {pl['gpu_budget_bytes'] / 2**20:.1f} MiB budget (KV reserve {pl['kv_bytes'] / 2**20:.1f} MiB), "
                    f"host {pl['host_bytes'] / 2**20:.1f} MiB, disk {pl['disk_bytes'] / 2**20:.1f} MiB")
         click.echo("  candidates (predicted tok/s): " + ", ".join(f"{k} {v:.1f}" for k, v in pl["candidates"].items()))
+        if pl.get("gpu_modes"):
+            click.echo(f"  {pl['gpus']} GPUs, mode {pl['gpu_mode']}; " + ", ".join(
+                f"{m}: {v['hops_per_token']} hops between GPUs per token, {v['predicted_tok_s']:.1f} tok/s"
+                for m, v in pl["gpu_modes"].items()))
         click.echo(f"  {'layer':>6} {'core':>5} {'experts on gpu':>15} {'predicted us':>13} {'all cpu us':>11} "
                    f"{'all gpu us':>11}")
         for k, v in pl["per_layer"].items():

@@ -43,7 +43,7 @@ class CompileOptions:
     plan_prompt: int = 512       # prompt tokens of the prefill time the placement also predicts
     expert_cache: bool = False   # --expert-cache: split layers become GPU expert caches (runtime swaps)
     gpus: int = 1                # --gpus N: the target has N such GPUs
-    gpu_mode: str = "layer"      # --gpu-mode layer|stripe: how work spreads over them
+    gpu_mode: str = "auto"       # --gpu-mode auto|layer|stripe: how work spreads over them
 
 
 @dataclass

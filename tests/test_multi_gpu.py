@@ -76,3 +76,23 @@ def test_spread_over_gpus_matches_one_gpu(runs, mode):
     assert np.abs(a - b).max() / b.std() <= 1e-5
     ref = hf_logits(m, ids)
     assert np.abs(a - ref).max() / ref.std() <= 1e-4
+
+
+def test_gpu_mode_auto_prices_the_hops_between_gpus(tmp_path):
+    """--gpu-mode auto (the default): both modes priced, each hop between GPUs a switch plus the
+    activation's trip; striping every layer's experts hops more, so the layer split wins here."""
+    from strata_compiler.cli import stratac
+    from strata_compiler.cli_common import run_cli
+    from strata_compiler.runtime.plan import load_plan
+
+    d = build_model("qwen3_moe", tmp_path / "model")
+    hw = fake_profile(tmp_path / "hw.json")
+    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "p"), "--target", str(hw), "--gpu-mem", "1GiB",
+                             "--gpus", "4"]) == 0
+    plan = load_plan(tmp_path / "p")
+    pl = json.loads(plan.meta["model"]["placement"])
+    modes = pl["gpu_modes"]
+    assert set(modes) == {"layer", "stripe"} and pl["gpus"] == 4
+    assert modes["stripe"]["hops_per_token"] > modes["layer"]["hops_per_token"] >= 1
+    assert pl["gpu_mode"] == "layer" and modes["layer"]["predicted_tok_s"] > modes["stripe"]["predicted_tok_s"]
+    assert len({n.device for n in plan.graph.nodes if n.device.startswith("gpu:")}) >= 2
