@@ -96,14 +96,22 @@ def layer_bytes(plan) -> dict[int, int]:
     return out
 
 
+def peak_rss() -> int:
+    """This process's peak resident set (VmHWM, bytes). Not getrusage's ru_maxrss: Linux keeps
+    that across fork and exec, so a child started from a big parent reports the parent's size."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, info: dict | None = None,
                 prefetch: bool = True, trace_out: Path | None = None, backend: str = "auto",
                 device: str = "auto", expert_cache: bool = True, hand_off: bool = True) -> tuple[float, list[int]]:
     """Decode tokens/s (median of `repeats` after a warm-up pass) and the greedy tokens. With
     `trace_out`, one more pass runs under the tracer (not timed): its trace is written there and
     its per-track busy times go into `info["trace"]`."""
-    import resource
-
     from strata_compiler.runtime import trace
     from strata_compiler.runtime.plan import load_plan
     from strata_compiler.runtime.session import Session
@@ -142,7 +150,7 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, in
         info.update(hit_rate=hits / (hits + miss) if hits + miss else None,
                     prefetch_accuracy=sum(c.pf_correct for c, *_ in caches) / pred if pred else None,
                     cache_bytes=sum(c.bytes_moved for c, *_ in caches),
-                    peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+                    peak_rss=peak_rss())
     return (n_new - 1) / statistics.median(times), tokens
 
 
