@@ -183,3 +183,35 @@ def test_header_reader_and_measured_run(tmp_path):
     code, _, _ = crss.run_measured([sys.executable, "-c", "raise SystemExit(3)"])
     assert code == 3
     assert crss.main([str(tmp_path), "-o", str(tmp_path / "plan"), "--dry-run"]) == 0
+
+
+def test_device_benchmarks_smoke(tmp_path):
+    """The benchmarks that only pay off on the GPU machines (whose time is scarce) run end to end
+    here on small models: JAX's CPU devices stand in for the GPUs, a fake profile for the probe."""
+    import os
+    import subprocess
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_place import fake_profile
+
+    hw = fake_profile(tmp_path / "hw.json")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "placement_bench.py"), "--tiny", "--work-dir",
+                        str(tmp_path / "pb"), "--hw", str(hw), "--device", "cpu", "--n-new", "6", "--repeats", "1",
+                        "--only", "strata-25,ngl-25,cache-25/no-prefetch,strata-25/old-hand-off,disk-half",
+                        "--json", str(tmp_path / "pb.json"), "--disk"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "pb.json").read_text())["variants"]
+    assert set(res) == {"gpu-all", "strata-25", "ngl-25", "cache-25/no-prefetch", "strata-25/old-hand-off",
+                        "disk-half"}
+    assert all(v["tok_s"] > 0 and v["same_tokens"] for v in res.values())
+    assert 0 < res["disk-half"]["peak_rss"] < 4 << 30 and res["strata-25"]["predicted"] > 0
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multi_gpu.py"), "--tiny", "--work-dir",
+                        str(tmp_path / "mg"), "--hw", str(hw), "--device", "cpu", "--n-new", "6", "--prefill", "16",
+                        "--repeats", "1", "--json", str(tmp_path / "mg.json")],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((tmp_path / "mg.json").read_text())["rows"]
+    assert [x["variant"] for x in rows] == ["1gpu", "2gpu-layer", "2gpu-stripe"]
+    assert all(x["same_tokens"] and x["decode_tok_s"] > 0 and x["prefill_tok_s"] > 0 for x in rows)
