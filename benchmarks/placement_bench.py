@@ -3,7 +3,7 @@ at GPU budgets that hold a given share of the expert weights, decode tokens/s me
 
     python benchmarks/placement_bench.py [--work-dir /tmp/place_bench] [--layers 16]
         [--router-skew 0.5] [--budgets 25,50,100] [--quant int4] [--n-new 64] [--hw hw.json] [--tiny] [--disk]
-        [--trace-dir DIR] [--json OUT.json] [--only VARIANTS] [--device cpu]
+        [--trace-dir DIR] [--json OUT.json] [--only VARIANTS] [--profile VARIANTS] [--device cpu]
 
 Model: the OLMoE-shaped synthetic checkpoint of benchmarks/gpu_decode.py (hidden 2048, 64
 experts top-8, expert FFN 1024; --layers to shorten it) with a skewed router
@@ -154,6 +154,30 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, in
     return (n_new - 1) / statistics.median(times), tokens
 
 
+def profile_decode(plan_dir: Path, prompt: np.ndarray, n_new: int, **kw) -> None:
+    """Decode n_new tokens after a warm-up pass under cProfile; print the top host functions."""
+    import cProfile
+    import pstats
+
+    from strata_compiler.runtime.plan import load_plan
+    from strata_compiler.runtime.session import Session
+
+    s = Session(load_plan(plan_dir, verify_weights="none"), kw.pop("backend"), **kw)
+    for profiled in (False, True):
+        s.reset(1, prompt.shape[1] + n_new + 8)
+        tok = int(s.step(prompt)[0, -1].argmax())
+        pr = cProfile.Profile()
+        t0 = time.perf_counter()
+        if profiled:
+            pr.enable()
+        for _ in range(n_new - 1):
+            tok = int(s.step(np.array([[tok]], np.int64))[0, -1].argmax())
+        pr.disable()
+    dt = (time.perf_counter() - t0) / (n_new - 1)
+    print(f"\nprofile of {plan_dir.name}: {1e3 * dt:.2f} ms per token under cProfile")
+    pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+
+
 PROMPT_TRIES = 8
 
 
@@ -198,6 +222,8 @@ def main() -> int:
     ap.add_argument("--trace-dir", type=Path, help="also write a trace of one more decode pass per variant here "
                     "(trace-VARIANT.json) and report busy time per track")
     ap.add_argument("--only", help="comma-separated variants to run (default: all built)")
+    ap.add_argument("--profile", default="", help="comma-separated variants to run once more under cProfile "
+                    "(decode steps only): the host functions that take the time, top 25 by own time")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu"],
                     help="where xla partitions run (cpu: JAX's CPU platform stands in for the GPU, for a smoke test)")
     ap.add_argument("--rate-only", type=Path, help=argparse.SUPPRESS)   # internal: one plan, JSON out
@@ -339,6 +365,9 @@ def main() -> int:
                                                 for k, b in t["busy_s"].items()) + \
                 f" of {1e3 * t['wall_s'] / (a.n_new - 1):.2f} ms/tok"
         log(f"{name}: {v['tok_s']:.1f} tok/s ({time.time() - t0:.0f} s){busy}")
+        if name in a.profile.split(","):
+            profile_decode(v["dir"], prompt, a.n_new, backend=v.get("backend", "auto"), device=a.device,
+                           prefetch=v.get("prefetch", True), expert_cache=v.get("expert_cache", True))
         save_json()
     print(f"\nmodel {dims}, {a.quant}; experts {experts_b / 2**30:.2f} GiB, rest {rest_b / 2**30:.2f} GiB; "
           f"router skew {a.router_skew}: top 25% of experts take {top:.0%} of routings")

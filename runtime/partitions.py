@@ -228,31 +228,28 @@ class MixedExecutor:
         if self.hand_off:
             # idle CPU workers sleep soon instead of spinning through the GPU's turn: spinning on
             # every core starves the threads that finish JAX's copies (measured on an H200 host:
-            # ~0.7 ms per device->host copy against ~0.25 ms with the cores free)
+            # ~0.7 ms per device->host copy against ~0.25 ms with the cores free). It stays set
+            # (a repeated set costs nothing); CPU-only executors put the default back.
             from strata_compiler.backends.llvm_cpu.pool import set_spin
 
             set_spin(spin_us=HAND_OFF_SPIN_US, yield_us=HAND_OFF_SPIN_US, caller_spin_us=HAND_OFF_SPIN_US)
-        try:
-            for i, (kind, exe, ids) in enumerate(self.parts):
-                if kind == "reference":
-                    if trace.ACTIVE is None:
-                        exe.run_segment(env, input_ids, cache, ids)
-                    else:
-                        with trace.ACTIVE.span(f"reference partition ({len(ids)} ops)", "cpu"):
-                            exe.run_segment(env, input_ids, cache, ids)
+        for i, (kind, exe, ids) in enumerate(self.parts):
+            if kind == "reference":
+                if trace.ACTIVE is None:
+                    exe.run_segment(env, input_ids, cache, ids)
                 else:
-                    exe.run_segment(env, input_ids, cache)
-                    for nid in self.to_host.get(i, ()):
-                        v = env.get(nid)
-                        if hasattr(v, "copy_to_host_async"):
-                            v.copy_to_host_async()
-                if self.lookahead and self.prefetch:   # start the next cached layers' copies early
-                    for nid in ids:
-                        if nid in self.lookahead and nid in env:
-                            self._prefetch(nid, env)
-        finally:
-            if self.hand_off:
-                set_spin()
+                    with trace.ACTIVE.span(f"reference partition ({len(ids)} ops)", "cpu"):
+                        exe.run_segment(env, input_ids, cache, ids)
+            else:
+                exe.run_segment(env, input_ids, cache)
+                for nid in self.to_host.get(i, ()):
+                    v = env.get(nid)
+                    if hasattr(v, "copy_to_host_async"):
+                        v.copy_to_host_async()
+            if self.lookahead and self.prefetch:   # start the next cached layers' copies early
+                for nid in ids:
+                    if nid in self.lookahead and nid in env:
+                        self._prefetch(nid, env)
         cache.advance(T)
         if self.caches:
             self._swap_experts()

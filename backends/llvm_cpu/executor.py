@@ -33,7 +33,7 @@ from .codegen.dot import Q8_BLOCK, needs_q8
 from .codegen.linear import LinearSpec, generate as linear_gen
 from .codegen.moe import MoESpec, down as moe_down_gen, gate_up as moe_gate_up_gen, h_stride, pairs as moe_pairs_gen
 from .jit import KernelLibrary, library
-from .pool import get_pool
+from .pool import get_pool, set_spin
 from .target import Target
 
 _NULL = 0
@@ -216,6 +216,7 @@ class LLVMExecutor:
     def run(self, input_ids: np.ndarray, cache: KVCache) -> dict[int, np.ndarray]:
         B, T = input_ids.shape
         env: dict = {}
+        set_spin()      # the default wait of idle workers (a mixed plan earlier may have shortened it)
         self.run_segment(env, input_ids, cache)
         cache.advance(T)
         return {o: env[o].reshape(B, T, -1) for o in self.g.outputs}

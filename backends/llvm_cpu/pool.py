@@ -418,10 +418,18 @@ if hasattr(os, "register_at_fork"):
 def set_spin(spin_us: float = _DEFAULT_SPIN_US, yield_us: float = _DEFAULT_YIELD_US,
              caller_spin_us: float = _DEFAULT_CALLER_SPIN_US) -> None:
     """How long idle workers spin (``pause``) and then ``sched_yield`` before sleeping on a futex, and
-    how long a caller spins waiting for the last chunk before sleeping. Process-wide."""
+    how long a caller spins waiting for the last chunk before sleeping. Process-wide; a call that
+    changes nothing returns at once (executors set theirs at every step)."""
+    global _spin_now
+    if (spin_us, yield_us, caller_spin_us) == _spin_now:
+        return
     nat = _get_native()
     tk = nat.ticks_per_us
     nat.set_spin_ticks(int(spin_us * tk), int(yield_us * tk), int(caller_spin_us * tk))
+    _spin_now = (spin_us, yield_us, caller_spin_us)
+
+
+_spin_now = (_DEFAULT_SPIN_US, _DEFAULT_YIELD_US, _DEFAULT_CALLER_SPIN_US)   # what the native side has
 
 
 class ThreadPool:
