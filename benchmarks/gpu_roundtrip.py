@@ -44,10 +44,13 @@ def main() -> int:
     f = jax.jit(lambda x, pos: (x * 2.0 + 1.0, pos + 1))
     leaves = {f"w{i}": jax.device_put(np.ones((a.hidden,), np.float32), dev) for i in range(100)}
     g = jax.jit(lambda p, x: x + sum(v[0] for v in p.values()))
+    pos_dev = jax.block_until_ready(jax.device_put(np.int32(3), dev))
     rows = [
-        ("jitted call, device input, wait (dispatch + sync floor)",
+        ("jitted call, every input on the device, no wait (dispatch alone)", lambda: f(x_dev, pos_dev)),
+        ("jitted call, every input on the device, wait", lambda: jax.block_until_ready(f(x_dev, pos_dev))),
+        ("jitted call, device input + a NumPy scalar, wait",
          lambda: jax.block_until_ready(f(x_dev, np.int32(3)))),
-        ("jitted call, device input, no wait (dispatch alone)", lambda: f(x_dev, np.int32(3))),
+        ("jitted call, device input + a NumPy scalar, no wait", lambda: f(x_dev, np.int32(3))),
         ("jitted call with 100 weight leaves, wait", lambda: jax.block_until_ready(g(leaves, x_dev))),
         ("device_put of the activation, wait", lambda: jax.block_until_ready(jax.device_put(x_host, dev))),
         ("NumPy in, jitted call, np.asarray out (stratac probe-hw's partition figure)",

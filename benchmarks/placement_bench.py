@@ -26,7 +26,9 @@ Variants, each compiled from the same folder at --quant with the same calibratio
                  smallest budget also with prefetch off, the caches off, and on the CPU alone (what
                  the no-GPU fallback runs), for the greedy-tokens check
   strata-B/old-hand-off  (smallest budget) strata-B with the mixed runtime's GPU hand-off as it
-                 was: CPU workers spinning through the GPU's turn, GPU results copied one by one
+                 was: CPU workers spinning through the GPU's turn, GPU results copied one by one,
+                 token ids and position copied to the GPU at every partition call
+  ktransformers/old-hand-off  the same for the KTransformers layout (two switches per layer)
   disk-half      (--disk) --host-mem = the dense weights + half the expert bytes: the rest on the
                  disk tier; its own process, peak RSS reported
 Decode: a 32-token prompt, then --n-new greedy tokens, batch 1, the mixed runtime (xla on the
@@ -119,7 +121,7 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, in
     s = Session(load_plan(plan_dir, verify_weights="none"), backend, device=device, prefetch=prefetch,
                 expert_cache=expert_cache)
     if not hand_off and hasattr(s.executor, "hand_off"):     # the runtime before its GPU hand-off changes
-        s.executor.hand_off, s.executor.to_host = False, {}
+        s.executor.hand_off, s.executor.to_host, s.executor.step_inputs_on_device = False, {}, False
     times, tokens = [], []
     for r in range(repeats + 1 + (trace_out is not None)):
         traced = trace_out is not None and r == repeats + 1
@@ -278,6 +280,7 @@ def main() -> int:
     if want("ktransformers") and not (out / "plan.bin").exists():
         stratac("compile", str(model), "-o", str(out), *common, "--place", "experts=cpu,all=gpu")
     variants["ktransformers"] = {"dir": out, "gpu_bytes": rest_b}
+    variants["ktransformers/old-hand-off"] = dict(variants["ktransformers"], hand_off=False)
     kv_guess = 2 * dims["layers"] * dims["kv_heads"] * dims["head_dim"] * 4 * min(4096, 4096)
     for b in (int(x) for x in a.budgets.split(",")):
         gpu_bytes = rest_b + experts_b * b // 100
@@ -303,7 +306,7 @@ def main() -> int:
         while n in per_layer and used + per_layer[n] <= gpu_bytes:
             used += per_layer[n]
             n += 1
-        if b == min(int(x) for x in a.budgets.split(",")):   # A/B: CPU workers spinning, copies one by one
+        if b == min(int(x) for x in a.budgets.split(",")):   # A/B: the runtime's hand-off before this session
             variants[f"strata-{b}/old-hand-off"] = dict(variants[f"strata-{b}"], hand_off=False)
             variants[f"strata-{b}/old-hand-off"].pop("predicted", None)
         if b >= 100:            # every layer fits: the same as strata-100's own -ngl candidate

@@ -73,6 +73,7 @@ class MixedExecutor:
                     if self.parts[part_of[a]][0] == "xla":
                         self.to_host.setdefault(part_of[a], set()).add(a)
         self.hand_off = any(k == "xla" for k, _, _ in self.parts) and any(k == "llvm" for k, _, _ in self.parts)
+        self.step_inputs_on_device = True   # ids and position: one copy per step and GPU, not one per partition
 
     def _gpu_plan(self, device: str, shrink: bool) -> dict[int, int]:
         """Slots per expert-cache GPU share so that the xla partitions' weights fit the device's
@@ -233,6 +234,7 @@ class MixedExecutor:
             from strata_compiler.backends.llvm_cpu.pool import set_spin
 
             set_spin(spin_us=HAND_OFF_SPIN_US, yield_us=HAND_OFF_SPIN_US, caller_spin_us=HAND_OFF_SPIN_US)
+        step_in: dict = {}      # per GPU: this step's ids and position, put there once
         for i, (kind, exe, ids) in enumerate(self.parts):
             if kind == "reference":
                 if trace.ACTIVE is None:
@@ -240,12 +242,16 @@ class MixedExecutor:
                 else:
                     with trace.ACTIVE.span(f"reference partition ({len(ids)} ops)", "cpu"):
                         exe.run_segment(env, input_ids, cache, ids)
-            else:
-                exe.run_segment(env, input_ids, cache)
+            elif kind == "xla":
+                if self.step_inputs_on_device and exe.device not in step_in:
+                    step_in[exe.device] = exe.step_inputs(input_ids, cache)
+                exe.run_segment(env, input_ids, cache, step_in.get(exe.device))
                 for nid in self.to_host.get(i, ()):
                     v = env.get(nid)
                     if hasattr(v, "copy_to_host_async"):
                         v.copy_to_host_async()
+            else:
+                exe.run_segment(env, input_ids, cache)
             if self.lookahead and self.prefetch:   # start the next cached layers' copies early
                 for nid in ids:
                     if nid in self.lookahead and nid in env:

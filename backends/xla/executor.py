@@ -442,7 +442,14 @@ class XLAExecutor:
                 return b if b <= room else T
         return T
 
-    def run_partition(self, ext: dict, input_ids: np.ndarray, cache, T_pad: int) -> dict:
+    def step_inputs(self, input_ids: np.ndarray, cache) -> tuple:
+        """The token ids (int32) and cache position of this step on this partition's device, put
+        there once per step and shared by the step's partitions on the device: NumPy arguments
+        would be copied to the device at every jitted call (a synchronous host->device copy each)."""
+        jax = _jax()
+        return tuple(jax.device_put((np.asarray(input_ids, np.int32), np.int32(cache.length)), self.device))
+
+    def run_partition(self, ext: dict, input_ids: np.ndarray, cache, T_pad: int, step_in: tuple | None = None) -> dict:
         B, T = input_ids.shape
         if cache.length + T_pad > cache.capacity:
             raise UsageError(f"sequence of {cache.length + T} tokens exceeds the KV cache capacity {cache.capacity}")
@@ -454,8 +461,11 @@ class XLAExecutor:
         vs = {l: cache.v[l] for l in self.layers}
         # NumPy arguments go to the device inside jit's C++ dispatch; jnp.asarray here would take
         # JAX's Python path (two primitive dispatches per call: ~0.3 ms each, measured)
-        outs, ks, vs = self._fn(self.params, ks, vs, ext, np.asarray(ids, np.int32), B, T_pad,
-                                np.int32(cache.length))
+        if step_in is not None and T_pad == T:
+            ids_arg, pos_arg = step_in
+        else:
+            ids_arg, pos_arg = np.asarray(ids, np.int32), np.int32(cache.length)
+        outs, ks, vs = self._fn(self.params, ks, vs, ext, ids_arg, B, T_pad, pos_arg)
         for l in self.layers:
             cache.k[l], cache.v[l] = ks[l], vs[l]
         return outs
@@ -496,8 +506,9 @@ class XLAExecutor:
         cache.advance(n)
         return np.asarray(out).astype(np.int64)
 
-    def run_segment(self, env: dict, input_ids: np.ndarray, cache) -> None:
-        """Run this partition at the exact length (no padding: other devices share the step)."""
+    def run_segment(self, env: dict, input_ids: np.ndarray, cache, step_in: tuple | None = None) -> None:
+        """Run this partition at the exact length (no padding: other devices share the step);
+        `step_in`: step_inputs() of this device for this step, if the caller made them."""
         if self.layers and not hasattr(cache.k[self.layers[0]], "device"):
             self.new_cache(cache)
         ext = {i: env[i] for i in self.inputs if self.g.node(i).op is not Op.INPUT_IDS}
@@ -515,7 +526,7 @@ class XLAExecutor:
         if tr is None:
             # results stay on the device: a consumer on the CPU waits for them when it reads them,
             # so CPU work in between (another share of the same layer) overlaps the GPU's
-            env.update(self.run_partition(ext, input_ids, cache, input_ids.shape[1]))
+            env.update(self.run_partition(ext, input_ids, cache, input_ids.shape[1], step_in))
             return
         import threading
         import time
@@ -526,7 +537,7 @@ class XLAExecutor:
         jax.block_until_ready(ext)
         tr.transfer("h2d", sum(int(v.nbytes) for v in host_in.values()), time.perf_counter() - t0)
         start = time.perf_counter_ns()
-        outs = self.run_partition(ext, input_ids, cache, input_ids.shape[1])
+        outs = self.run_partition(ext, input_ids, cache, input_ids.shape[1], step_in)
 
         def watch(outs=outs, start=start, n=len(self.nodes), tokens=int(input_ids.size)):
             jax.block_until_ready(outs)
