@@ -25,6 +25,10 @@ Variants, each compiled from the same folder at --quant with the same calibratio
                  (swaps and prefetch at run time; hit rate, prefetch accuracy, bytes copied); at the
                  smallest budget also with prefetch off, the caches off, and on the CPU alone (what
                  the no-GPU fallback runs), for the greedy-tokens check
+  hot-B, hot-cache-B  (smallest budget) `--place-strategy hot-experts`: the dense parts and every
+                 layer's most used experts on the GPU (each layer split), static and with
+                 `--expert-cache` (and the latter without prefetch): the issue-7 cache measured on a
+                 layout that has something to cache, whatever the cost model would choose
   strata-B/old-hand-off  (smallest budget) strata-B with the mixed runtime's GPU hand-off as it
                  was: CPU workers spinning through the GPU's turn, GPU results copied one by one,
                  token ids and position copied to the GPU at every partition call
@@ -306,6 +310,20 @@ def main() -> int:
         while n in per_layer and used + per_layer[n] <= gpu_bytes:
             used += per_layer[n]
             n += 1
+        if b == min(int(x) for x in a.budgets.split(",")) and b < 100:
+            # every layer split: dense parts and hot experts on the GPU, static and as expert caches
+            for name, extra in ((f"hot-{b}", []), (f"hot-cache-{b}", ["--expert-cache"])):
+                out = a.work_dir / name
+                if want(name) and not (out / "plan.bin").exists():
+                    stratac("compile", str(model), "-o", str(out), *common, "--target", str(hw), "--gpu-mem",
+                            str(mem), "--place-strategy", "hot-experts", *extra,
+                            "--dump-dir", str(out / "dump"), "--dump-after", "place")
+                if want(name):
+                    hp = json.loads((out / "dump" / "placement.json").read_text())
+                    variants[name] = {"dir": out, "gpu_bytes": hp["gpu_bytes"], "predicted": hp["predicted_tok_s"]}
+            if want(f"hot-cache-{b}"):
+                variants[f"hot-cache-{b}/no-prefetch"] = dict(variants[f"hot-cache-{b}"], prefetch=False)
+                variants[f"hot-cache-{b}/no-prefetch"].pop("predicted")
         if b == min(int(x) for x in a.budgets.split(",")):   # A/B: the runtime's hand-off before this session
             variants[f"strata-{b}/old-hand-off"] = dict(variants[f"strata-{b}"], hand_off=False)
             variants[f"strata-{b}/old-hand-off"].pop("predicted", None)

@@ -293,8 +293,16 @@ def kv_bytes(g: Graph, ctx_tokens: int) -> int:
     return n
 
 
-def solve(g: Graph, units: list[Unit], unit_of: dict[int, str], hw, budget: int) -> tuple[Placement, dict, list]:
-    """The bounded greedy and the structured candidates; the fastest predicted that fits."""
+# --place-strategy NAME -> the candidate it forces (auto: the fastest predicted, then the local search)
+STRATEGIES = {"cpu": "all on cpu", "greedy": "cost model (greedy by time saved per byte)",
+              "ktransformers": "dense on gpu, experts on cpu", "hot-experts": "dense on gpu, hottest experts on gpu",
+              "ngl": "first layers on gpu (-ngl)"}
+
+
+def solve(g: Graph, units: list[Unit], unit_of: dict[int, str], hw, budget: int,
+          strategy: str = "auto") -> tuple[Placement, dict, list]:
+    """The bounded greedy and the structured candidates; the fastest predicted that fits (or the
+    one `strategy` names, as it is)."""
     candidates: list[Placement] = [Placement(set(), "all on cpu")]
     if hw.gpu is not None and budget > 0:
         order = sorted((u for u in units if u.gain > 0), key=lambda u: u.gain / max(u.gpu_bytes, 1), reverse=True)
@@ -340,6 +348,13 @@ def solve(g: Graph, units: list[Unit], unit_of: dict[int, str], hw, budget: int)
         if sum(size[n] for n in c.gpu_units) > budget and c.gpu_units:
             continue
         scored.append((tl.predict(c.gpu_units), c))
+    if strategy != "auto":
+        forced = [x for x in scored if x[1].label == STRATEGIES[strategy]]
+        if not forced:
+            raise UsageError(f"--place-strategy {strategy}: that placement does not fit the GPU budget "
+                             f"({budget / 2**20:.0f} MiB after the KV cache and reserve) or there is no GPU; "
+                             f"give more --gpu-mem or use auto")
+        return forced[0][1], forced[0][0], [(c.label, p["tok_s"]) for p, c in scored]
     best = min(scored, key=lambda x: x[0]["seconds"])
     if hw.gpu is not None and budget > 0:
         ref = improve(tl, units, size, best[1].gpu_units, budget)
@@ -480,7 +495,7 @@ def place_pass(g: Graph, ctx: PassContext) -> Graph:
     kv = kv_bytes(g, min(opts.plan_ctx, int(g.meta_value("max_position", opts.plan_ctx))))
     gpu_mem = hw.gpu.memory_bytes if hw.gpu is not None else 0
     budget = max(0, int(gpu_mem * opts.gpus * (1 - GPU_RESERVE)) - kv) if hw.gpu is not None else 0
-    choice, pred, tried = solve(g, units, unit_of, hw, budget)
+    choice, pred, tried = solve(g, units, unit_of, hw, budget, opts.place_strategy)
     n_layers = max((u.layer for u in units), default=0)
     if opts.gpus > 1 and opts.expert_cache:
         raise UsageError("--gpus > 1 and --expert-cache conflict: the expert cache works on one GPU for now")

@@ -78,6 +78,13 @@ def stratac() -> None:
               help="With --target: plan for this much host RAM; experts beyond it go to the disk tier.")
 @click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --target: the machine has this many of the profile's GPU (each with --gpu-mem).")
+@click.option("--place-strategy", type=click.Choice(["auto", "cpu", "greedy", "ktransformers", "hot-experts", "ngl"]),
+              default="auto", show_default=True,
+              help="With --target: auto = the layout the cost model predicts fastest (refined by a local search); "
+                   "or one of its candidates as it is: cpu (everything on the CPU), greedy (units by time saved "
+                   "per GPU byte), ktransformers (dense parts on the GPU, experts on the CPU), hot-experts (dense "
+                   "parts and the most used experts of every layer on the GPU; with --expert-cache those become "
+                   "caches), ngl (whole layers from the first, llama.cpp's -ngl).")
 @click.option("--gpu-mode", type=click.Choice(["auto", "layer", "stripe"]), default="auto", show_default=True,
               help="With --gpus > 1: layer = each GPU a contiguous block of layers; stripe = each layer's GPU experts "
                    "dealt over all GPUs by popularity, the dense parts on GPU 0; auto = the one the cost model "
@@ -92,7 +99,8 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
                 imatrix: bool,
                 bits: float | None, memory_budget: str, laq_granularity: str, tensor_format: str, dump_dir: Path | None,
                 dump_after: str, stop_after: str | None, backend: str, place: str, target: str, gpu_mem: str,
-                host_mem: str, gpus: int, gpu_mode: str, expert_cache: bool, debug: bool) -> None:
+                host_mem: str, gpus: int, gpu_mode: str, place_strategy: str, expert_cache: bool,
+                debug: bool) -> None:
     """Compile MODEL_DIR (config.json, *.safetensors, tokenizer.json) into a plan.
 
     \b
@@ -126,9 +134,11 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
                           bits=bits or 0.0,
                           memory_budget=memory_budget, tensor_format=tensor_format, laq_granularity=laq_granularity,
                           target=target, gpu_mem=gpu_mem, host_mem=host_mem, expert_cache=expert_cache,
-                          gpus=gpus, gpu_mode=gpu_mode)
+                          gpus=gpus, gpu_mode=gpu_mode, place_strategy=place_strategy)
     if gpus > 1 and not target:
         raise UsageError("--gpus: spreading over GPUs is part of the placement; it needs --target")
+    if place_strategy != "auto" and not target:
+        raise UsageError(f"--place-strategy {place_strategy}: a layout of the place pass; it needs --target")
     if expert_cache and not target:
         raise UsageError("--expert-cache: the cache's slots come from the placement; it needs --target")
     if (gpu_mem or host_mem) and not target:

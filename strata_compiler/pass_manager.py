@@ -44,6 +44,7 @@ class CompileOptions:
     expert_cache: bool = False   # --expert-cache: split layers become GPU expert caches (runtime swaps)
     gpus: int = 1                # --gpus N: the target has N such GPUs
     gpu_mode: str = "auto"       # --gpu-mode auto|layer|stripe: how work spreads over them
+    place_strategy: str = "auto"  # --place-strategy: force one of the place pass's candidate layouts
 
 
 @dataclass

@@ -167,3 +167,29 @@ def test_plan_placed_on_the_cpu_runs_there_beside_a_gpu(model, tmp_path, monkeyp
     assert sess.Session(placed, "auto").backend == "llvm" and "auto" not in picked
     sess.Session(load_plan(tmp_path / "u"), "auto")
     assert picked[-1] == "auto"        # unplaced: the host decides (xla where a GPU is)
+
+
+def test_place_strategy_forces_a_candidate(model, tmp_path, monkeypatch, capsys):
+    """--place-strategy hot-experts: the dense parts and each layer's most used experts on the GPU,
+    whatever the cost model prefers; with --expert-cache those shares become caches. Without
+    --target, or when the layout does not fit, one line says so."""
+    d, m, ids, ref_logits, ref_tokens = model
+    hw = fake_profile(tmp_path / "hw.json")
+    p = probe_placement(d, tmp_path, hw)
+    mem = str(gpu_mem_for(p, p["gpu_bytes"] * 0.6))
+    pl = _compile(d, tmp_path / "hot", hw, mem, "--place-strategy", "hot-experts")
+    assert pl["choice"] == "dense on gpu, hottest experts on gpu"
+    assert all(v["core"] == "gpu" for k, v in pl["per_layer"].items() if k not in ("-1",))
+    assert 0 < sum(v["gpu_experts"] for v in pl["per_layer"].values()) < sum(v["experts"] for v in pl["per_layer"].values())
+    _compile(d, tmp_path / "hotc", hw, mem, "--place-strategy", "hot-experts", "--expert-cache")
+    g = load_plan(tmp_path / "hotc").graph
+    assert any(n.attr("cache", "") for n in g.nodes)
+    logits, tokens = run_plan(tmp_path / "hotc", ids, tmp_path, n_new=N_NEW, backend="auto", device="cpu")
+    assert np.abs(logits - ref_logits).max() / ref_logits.std() <= 1e-4
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "x"), "--place-strategy", "ngl"]) != 0
+    assert "--place-strategy ngl: a layout of the place pass; it needs --target" in capsys.readouterr().err
+    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "y"), "--target", str(hw), "--gpu-mem", "1KiB",
+                             "--place-strategy", "hot-experts"]) != 0
+    err = capsys.readouterr().err
+    assert "--place-strategy hot-experts: that placement does not fit" in err and len(err.strip().splitlines()) == 1
