@@ -30,9 +30,12 @@ Variants, each compiled from the same folder at --quant with the same calibratio
                  `--expert-cache` (and the latter without prefetch): the issue-7 cache measured on a
                  layout that has something to cache, whatever the cost model would choose
   strata-B/old-hand-off  (smallest budget) strata-B with the mixed runtime's GPU hand-off as it
-                 was: CPU workers spinning through the GPU's turn, GPU results copied one by one,
-                 token ids and position copied to the GPU at every partition call
-  ktransformers/old-hand-off  the same for the KTransformers layout (two switches per layer)
+                 was: CPU workers spinning through the GPU's turn, GPU results copied one by one
+                 (now: their copies start at dispatch)
+  strata-B/try-hand-off  (smallest budget) with MixedExecutor.try_hand_off(): ids and position on
+                 the GPU once per step, the results only the CPU reads packed into one buffer
+  ktransformers/old-hand-off, ktransformers/try-hand-off  the same for the KTransformers layout
+                 (two switches per layer)
   disk-half      (--disk) --host-mem = the dense weights + half the expert bytes: the rest on the
                  disk tier; its own process, peak RSS reported
 Decode: a 32-token prompt, then --n-new greedy tokens, batch 1, the mixed runtime (xla on the
@@ -114,7 +117,7 @@ def peak_rss() -> int:
 
 def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, info: dict | None = None,
                 prefetch: bool = True, trace_out: Path | None = None, backend: str = "auto",
-                device: str = "auto", expert_cache: bool = True, hand_off: bool = True) -> tuple[float, list[int]]:
+                device: str = "auto", expert_cache: bool = True, hand_off: str = "") -> tuple[float, list[int]]:
     """Decode tokens/s (median of `repeats` after a warm-up pass) and the greedy tokens. With
     `trace_out`, one more pass runs under the tracer (not timed): its trace is written there and
     its per-track busy times go into `info["trace"]`."""
@@ -124,8 +127,10 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, in
 
     s = Session(load_plan(plan_dir, verify_weights="none"), backend, device=device, prefetch=prefetch,
                 expert_cache=expert_cache)
-    if not hand_off and hasattr(s.executor, "hand_off"):     # the runtime before its GPU hand-off changes
-        s.executor.hand_off, s.executor.to_host, s.executor.step_inputs_on_device = False, {}, False
+    if hand_off == "old" and hasattr(s.executor, "legacy_hand_off"):     # the runtime before its hand-off changes
+        s.executor.legacy_hand_off()
+    elif hand_off == "try" and hasattr(s.executor, "try_hand_off"):     # the changes not yet measured on a GPU
+        s.executor.try_hand_off()
     times, tokens = [], []
     for r in range(repeats + 1 + (trace_out is not None)):
         traced = trace_out is not None and r == repeats + 1
@@ -284,7 +289,8 @@ def main() -> int:
     if want("ktransformers") and not (out / "plan.bin").exists():
         stratac("compile", str(model), "-o", str(out), *common, "--place", "experts=cpu,all=gpu")
     variants["ktransformers"] = {"dir": out, "gpu_bytes": rest_b}
-    variants["ktransformers/old-hand-off"] = dict(variants["ktransformers"], hand_off=False)
+    for tag in ("old", "try"):
+        variants[f"ktransformers/{tag}-hand-off"] = dict(variants["ktransformers"], hand_off=tag)
     kv_guess = 2 * dims["layers"] * dims["kv_heads"] * dims["head_dim"] * 4 * min(4096, 4096)
     for b in (int(x) for x in a.budgets.split(",")):
         gpu_bytes = rest_b + experts_b * b // 100
@@ -325,8 +331,9 @@ def main() -> int:
                 variants[f"hot-cache-{b}/no-prefetch"] = dict(variants[f"hot-cache-{b}"], prefetch=False)
                 variants[f"hot-cache-{b}/no-prefetch"].pop("predicted")
         if b == min(int(x) for x in a.budgets.split(",")):   # A/B: the runtime's hand-off before this session
-            variants[f"strata-{b}/old-hand-off"] = dict(variants[f"strata-{b}"], hand_off=False)
-            variants[f"strata-{b}/old-hand-off"].pop("predicted", None)
+            for tag in ("old", "try"):
+                variants[f"strata-{b}/{tag}-hand-off"] = dict(variants[f"strata-{b}"], hand_off=tag)
+                variants[f"strata-{b}/{tag}-hand-off"].pop("predicted", None)
         if b >= 100:            # every layer fits: the same as strata-100's own -ngl candidate
             n = 0
         out = a.work_dir / f"ngl-{b}"
@@ -374,7 +381,7 @@ def main() -> int:
             v["tok_s"], toks = decode_rate(v["dir"], prompt, a.n_new, a.repeats, info=v, trace_out=tr,
                                            backend=v.get("backend", "auto"), device=a.device,
                                            prefetch=v.get("prefetch", True), expert_cache=v.get("expert_cache", True),
-                                           hand_off=v.get("hand_off", True))
+                                           hand_off=v.get("hand_off", ""))
         ref_tokens = ref_tokens or toks
         v["tokens"] = toks
         v["same_tokens"] = toks == ref_tokens

@@ -65,15 +65,37 @@ class MixedExecutor:
         # the CPU reads them (each a wait of its own)
         part_of = {nid: i for i, (_, _, ids) in enumerate(self.parts) for nid in ids}
         self.to_host: dict[int, set[int]] = {}
+        read_by: dict[int, set[str]] = {}       # xla result -> the kinds of partition that read it
         for i, (kind, _, ids) in enumerate(self.parts):
-            if kind == "xla":
-                continue
             for nid in ids:
                 for a in graph.node(nid).args:
-                    if self.parts[part_of[a]][0] == "xla":
-                        self.to_host.setdefault(part_of[a], set()).add(a)
+                    if self.parts[part_of[a]][0] == "xla" and part_of[a] != i:
+                        read_by.setdefault(a, set()).add(kind)
+                        if kind != "xla":
+                            self.to_host.setdefault(part_of[a], set()).add(a)
+        # per xla partition: the results only llvm kernels read (what try_hand_off(pack=True) packs)
+        self._llvm_only = {i: sorted(a for a in self.to_host.get(i, ()) if read_by[a] == {"llvm"}
+                                     and a not in graph.outputs)
+                           for i, (kind, _, _) in enumerate(self.parts) if kind == "xla"}
         self.hand_off = any(k == "xla" for k, _, _ in self.parts) and any(k == "llvm" for k, _, _ in self.parts)
-        self.step_inputs_on_device = True   # ids and position: one copy per step and GPU, not one per partition
+        self.step_inputs_on_device = False  # try_hand_off: ids and position once per step and GPU
+
+    def legacy_hand_off(self) -> None:
+        """The GPU hand-off as it was before 2026-11-29 evening, for side-by-side benchmarks: CPU
+        workers keep spinning and results are copied one by one when read. Call before the first step."""
+        self.hand_off, self.to_host = False, {}
+
+    def try_hand_off(self, step_inputs: bool = True, pack: bool = True) -> None:
+        """Two hand-off changes not yet measured on a GPU (on JAX's CPU platform they measure within
+        noise), off by default until a side-by-side run decides: `step_inputs` puts a step's
+        token ids and cache position on each GPU once (device arrays shared by its partitions)
+        instead of sending them as NumPy arguments of every jitted call; `pack` makes the results
+        only CPU kernels read leave each partition as one buffer, one device->host copy instead
+        of one per result (decode steps). Call before the first step."""
+        self.step_inputs_on_device = step_inputs
+        for i, (kind, exe, _) in enumerate(self.parts):
+            if kind == "xla":
+                exe.pack_for_host(self._llvm_only.get(i, []) if pack else [])
 
     def _gpu_plan(self, device: str, shrink: bool) -> dict[int, int]:
         """Slots per expert-cache GPU share so that the xla partitions' weights fit the device's

@@ -14,6 +14,7 @@ k experts per token, I expert intermediate, S = cache capacity.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable
 
@@ -28,6 +29,24 @@ from strata_compiler.runtime import expert_cache, trace
 from .device import _jax, device as pick_device
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+PACKED = -(1 << 40)   # the key of a partition's packed host-bound results in its outputs
+
+
+class HostSlice:
+    """One result inside a partition's packed device->host buffer: becomes a NumPy array when a
+    CPU kernel reads it (the buffer's host copy, started at dispatch, is made once and shared)."""
+
+    __slots__ = ("buf", "off", "n", "shape")
+
+    def __init__(self, buf, off: int, shape) -> None:
+        self.buf, self.off, self.shape = buf, off, tuple(shape)
+        self.n = math.prod(self.shape)
+
+    def __array__(self, dtype=None, copy=None):
+        a = np.asarray(self.buf)[self.off:self.off + self.n].reshape(self.shape)
+        return a if dtype is None else a.astype(dtype)
+
+
 SLICE_PAIRS = 16   # up to this many (token, expert) pairs, MoE slices experts one by one
 
 
@@ -374,6 +393,8 @@ class XLAExecutor:
                 if r.op is not Op.ROUTE:
                     raise BackendError(f"moe_ffn %{n.id}: the xla backend needs its routing from a route op")
                 self.route_k[n.id] = r.attr("k")
+        self.packed: list[int] = []       # pack_for_host: results that leave as one buffer
+        self._packed_T = 0
         self.cached = [n for n in self.nodes if n.op is Op.MOE_FFN and n.attr("cache", "") and n.attr("experts", ())]
         self.slots_of = {n.id: (slot_limit or {}).get(n.id, len(n.attr("experts"))) for n in self.cached}
         cut = {w: self.slots_of[n.id] for n in self.cached for _, w in n.weights}
@@ -408,7 +429,18 @@ class XLAExecutor:
                 env[n.id] = ids.reshape(-1)
             else:
                 env[n.id] = _OPS[n.op](c, n, [env[a] for a in n.args])
-        return {o: env[o] for o in self.outputs}, ks, vs
+        outs = {o: env[o] for o in self.outputs}
+        if self.packed and T == self._packed_T:    # the host-bound results as one f32 buffer: one copy
+            outs[PACKED] = c.jnp.concatenate([outs[o].reshape(-1).astype(c.jnp.float32) for o in self.packed])
+        return outs, ks, vs
+
+    def pack_for_host(self, node_ids, tokens: int = 1) -> None:
+        """Results `node_ids` (f32, read only by the CPU) leave the device as one buffer, at steps
+        of `tokens` tokens (decode): one device->host copy per partition instead of one each."""
+        from strata_compiler.ir import DType
+
+        ids = [i for i in node_ids if self.g.node(i).type.dtype is DType.F32]
+        self.packed, self._packed_T = (ids, tokens) if len(ids) > 1 else ([], 0)
 
     def set_slot(self, node_id: int, slot: int, rows: dict[str, dict[str, np.ndarray]]) -> int:
         """An expert cache swap: the stored arrays of one expert (by role, then array) into slot
@@ -526,7 +558,15 @@ class XLAExecutor:
         if tr is None:
             # results stay on the device: a consumer on the CPU waits for them when it reads them,
             # so CPU work in between (another share of the same layer) overlaps the GPU's
-            env.update(self.run_partition(ext, input_ids, cache, input_ids.shape[1], step_in))
+            outs = self.run_partition(ext, input_ids, cache, input_ids.shape[1], step_in)
+            packed = outs.pop(PACKED, None)
+            if packed is not None:
+                packed.copy_to_host_async()
+                off = 0
+                for o in self.packed:
+                    outs[o] = HostSlice(packed, off, outs[o].shape)
+                    off += outs[o].n
+            env.update(outs)
             return
         import threading
         import time
