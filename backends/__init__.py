@@ -44,7 +44,7 @@ def resolve_backend(name: str) -> str:
 
 
 def make_executor(backend: str, graph, weights, device: str = "auto", mixed: bool = False,
-                  shrink_caches: bool = False):
+                  shrink_caches: bool = False, multi_gpu: str = "mesh"):
     """An executor for a kernel-level graph: `.run(input_ids i64[B,T], cache) -> {output id: array}`.
 
     `mixed`: run each node on the backend the plan bound it to (partitions, see runtime/partitions);
@@ -52,7 +52,7 @@ def make_executor(backend: str, graph, weights, device: str = "auto", mixed: boo
     if mixed:
         from strata_compiler.runtime.partitions import MixedExecutor
 
-        return MixedExecutor(graph, weights, device, shrink_caches=shrink_caches)
+        return MixedExecutor(graph, weights, device, shrink_caches=shrink_caches, multi_gpu=multi_gpu)
     if backend == "xla":
         from .xla.executor import XLAExecutor
 

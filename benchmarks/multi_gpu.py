@@ -7,7 +7,8 @@ The model of benchmarks/placement_bench.py (hidden 2048, 64 experts top-8, exper
 router skew 0.5). Plans, int4, compiled with `--target` (this machine's profile, every weight
 fits on one GPU): `--gpus 1`, and for each N > 1 `--gpus N --gpu-mode layer` (contiguous layer
 blocks per GPU) and `--gpu-mode stripe` (each layer's experts dealt over the GPUs by popularity,
-the dense parts on GPU 0). Reports decode tokens/s (batch 1, 32-token prompt, --n-new greedy
+the dense parts on GPU 0), the latter run as one sharded computation over a device mesh
+(`strata-run --multi-gpu mesh`, the default) and partition by partition from the host (`-host`). Reports decode tokens/s (batch 1, 32-token prompt, --n-new greedy
 tokens, median of --repeats), prefill tokens/s of a --prefill-token prompt, the device memory
 each plan holds per GPU, and whether the greedy tokens equal the 1-GPU plan's.
 """
@@ -38,11 +39,11 @@ def in_use() -> list[int]:
     return [int((d.memory_stats() or {}).get("bytes_in_use", 0)) for d in jax.devices()]
 
 
-def prefill_rate(plan_dir: Path, n: int, repeats: int, device: str = "auto") -> float:
+def prefill_rate(plan_dir: Path, n: int, repeats: int, device: str = "auto", multi_gpu: str = "mesh") -> float:
     from strata_compiler.runtime.plan import load_plan
     from strata_compiler.runtime.session import Session
 
-    s = Session(load_plan(plan_dir, verify_weights="none"), "auto", device=device)
+    s = Session(load_plan(plan_dir, verify_weights="none"), "auto", device=device, multi_gpu=multi_gpu)
     ids = np.random.default_rng(1).integers(0, 4096, (1, n)).astype(np.int64)
     times = []
     for r in range(repeats + 1):
@@ -95,7 +96,9 @@ def main() -> int:
             out = a.work_dir / name
             if not (out / "plan.bin").exists():
                 stratac("compile", str(model), "-o", str(out), *common, "--gpus", str(n), "--gpu-mode", mode)
-            variants[name] = {"dir": out, "gpus": n, "mode": mode}
+            variants[name] = {"dir": out, "gpus": n, "mode": mode, "multi_gpu": "mesh"}
+            if mode == "stripe":     # the same plan driven partition by partition from the host
+                variants[name + "-host"] = {"dir": out, "gpus": n, "mode": mode, "multi_gpu": "host"}
     prompt = np.random.default_rng(0).integers(0, 4096, (1, 32)).astype(np.int64)
     ref = None
     rows = []
@@ -103,9 +106,10 @@ def main() -> int:
         gc.collect()
         before = in_use()
         info: dict = {}
-        tps, toks = decode_rate(v["dir"], prompt, a.n_new, a.repeats, info=info, device=a.device)
+        tps, toks = decode_rate(v["dir"], prompt, a.n_new, a.repeats, info=info, device=a.device,
+                                multi_gpu=v["multi_gpu"])
         held = [max(0, x - y) for x, y in zip(in_use(), before)]
-        pf = prefill_rate(v["dir"], a.prefill, a.repeats, a.device)
+        pf = prefill_rate(v["dir"], a.prefill, a.repeats, a.device, v["multi_gpu"])
         ref = ref or toks
         rows.append({"variant": name, "decode_tok_s": tps, "prefill_tok_s": pf, "same_tokens": toks == ref,
                      "device_bytes": held})

@@ -117,7 +117,8 @@ def peak_rss() -> int:
 
 def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, info: dict | None = None,
                 prefetch: bool = True, trace_out: Path | None = None, backend: str = "auto",
-                device: str = "auto", expert_cache: bool = True, hand_off: str = "") -> tuple[float, list[int]]:
+                device: str = "auto", expert_cache: bool = True, hand_off: str = "",
+                multi_gpu: str = "mesh") -> tuple[float, list[int]]:
     """Decode tokens/s (median of `repeats` after a warm-up pass) and the greedy tokens. With
     `trace_out`, one more pass runs under the tracer (not timed): its trace is written there and
     its per-track busy times go into `info["trace"]`."""
@@ -126,7 +127,7 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, in
     from strata_compiler.runtime.session import Session
 
     s = Session(load_plan(plan_dir, verify_weights="none"), backend, device=device, prefetch=prefetch,
-                expert_cache=expert_cache)
+                expert_cache=expert_cache, multi_gpu=multi_gpu)
     if hand_off == "old" and hasattr(s.executor, "legacy_hand_off"):     # the runtime before its hand-off changes
         s.executor.legacy_hand_off()
     elif hand_off == "try" and hasattr(s.executor, "try_hand_off"):     # the changes not yet measured on a GPU

@@ -66,11 +66,15 @@ def _save(path: Path, arr: np.ndarray) -> None:
                    "hidden state entering the layer, and start their copies before the layer runs.")
 @click.option("--cache-policy", type=click.Choice(["hybrid", "lru"]), default="hybrid", show_default=True,
               help="Expert cache replacement: decayed use counts plus recency (hybrid), or least recently used.")
+@click.option("--multi-gpu", type=click.Choice(["mesh", "host"]), default="mesh", show_default=True,
+              help="A plan striped over several GPUs (--gpus N --gpu-mode stripe): one sharded computation over "
+                   "a device mesh, the shares joined by an all-reduce (mesh), or one partition per GPU driven "
+                   "from the host (host).")
 @debug_option
 def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_new_tokens: int, greedy: bool,
                temperature: float, top_p: float, seed: int, ignore_eos: bool, logits_out: Path | None,
                tokens_out: Path | None, backend: str, device: str, trace_out: Path | None, stats: bool,
-               expert_cache: bool, prefetch: bool, cache_policy: str, debug: bool) -> None:
+               expert_cache: bool, prefetch: bool, cache_policy: str, multi_gpu: str, debug: bool) -> None:
     """Run PLAN_PATH (a plan.bin, or the directory holding it): prefill the prompt, then decode."""
     from .plan import load_plan
     from .sampler import Sampler
@@ -94,7 +98,7 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
     else:
         ids = _load_ids(input_ids)
     session = Session(plan, backend, device=device, expert_cache=expert_cache, cache_policy=cache_policy,
-                      prefetch=prefetch)
+                      prefetch=prefetch, multi_gpu=multi_gpu)
     stop = () if ignore_eos else tuple(plan.meta["model"].get("eos_token_ids") or ())
     from . import trace
 

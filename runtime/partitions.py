@@ -21,12 +21,14 @@ from . import trace
 HAND_OFF_SPIN_US = 30.0     # idle CPU workers' spin in plans that hand off to the GPU (default 100 + 1000)
 
 
-def partitions(g: Graph) -> list[tuple[str, list[int]]]:
-    """(backend, node ids) for each maximal run of consecutive nodes bound to one backend; an
-    expert cache's GPU share starts a partition of its own, so that expert copies started by the
-    prefetch (after the partition before it) land before it reads its slots."""
+def partitions(g: Graph, mesh: bool = False) -> list[tuple[str, list[int]]]:
+    """(backend, node ids) for each maximal run of consecutive nodes bound to one backend (and,
+    for xla, one GPU, unless `mesh`: then one run spans the GPUs); an expert cache's GPU share
+    starts a partition of its own, so that expert copies started by the prefetch (after the
+    partition before it) land before it reads its slots."""
     out: list[tuple[str, list[int]]] = []
-    for (b, _), grp in groupby(g.nodes, key=lambda n: (n.backend, n.device if n.backend == "xla" else "")):
+    for (b, _), grp in groupby(g.nodes, key=lambda n: (n.backend, n.device if n.backend == "xla" and not mesh
+                                                       else "")):
         cur: list[int] = []
         for n in grp:
             if cur and n.op is Op.MOE_FFN and n.attr("cache", "") and n.attr("experts", ()):
@@ -38,7 +40,10 @@ def partitions(g: Graph) -> list[tuple[str, list[int]]]:
 
 
 class MixedExecutor:
-    def __init__(self, graph: Graph, weights, device: str = "auto", shrink_caches: bool = False) -> None:
+    def __init__(self, graph: Graph, weights, device: str = "auto", shrink_caches: bool = False,
+                 multi_gpu: str = "mesh") -> None:
+        """multi_gpu: a striped plan over several GPUs runs as one sharded computation ("mesh",
+        backends/xla/mesh.py) or by partition per GPU through the host ("host")."""
         self.g = graph
         self.weights = weights
         self.shrunk: dict[str, int] = {}   # expert cache key -> slots it got after running out of memory
@@ -46,11 +51,18 @@ class MixedExecutor:
         self.lookahead: dict = {}   # node id -> the caches whose prefetch its value triggers
         self.prefetch = True
         self.parts = []
-        parts = partitions(graph)
+        from strata_compiler.backends.xla.mesh import mesh_devices
+
+        self.mesh = mesh_devices(graph) if multi_gpu == "mesh" else 0
+        parts = partitions(graph, mesh=bool(self.mesh))
         # expert-cache slots that fit the GPU, decided once for all xla partitions
         self._slots = self._gpu_plan(device, shrink_caches) if any(b == "xla" for b, _ in parts) else {}
         for backend, ids in parts:
-            if backend == "xla":
+            if backend == "xla" and self.mesh and len({graph.node(i).device for i in ids}) > 1:
+                from strata_compiler.backends.xla.mesh import MeshXLAExecutor
+
+                self.parts.append(("xla", MeshXLAExecutor(graph, weights, ids, self.mesh, device), ids))
+            elif backend == "xla":
                 self.parts.append(("xla", self._xla(ids, device, shrink_caches), ids))
             elif backend == "llvm":
                 from strata_compiler.backends.llvm_cpu.executor import LLVMExecutor

@@ -38,6 +38,7 @@ class Session:
     expert_cache: bool = True   # live GPU expert caches for the plan's cached layers (mixed runs)
     cache_policy: str = "hybrid"
     prefetch: bool = True       # start expert copies from the next layer's router on this layer's state
+    multi_gpu: str = "mesh"     # a striped plan on several GPUs: one sharded computation, or "host"-driven
 
     def __post_init__(self) -> None:
         bound = {n.backend for n in self.plan.graph.nodes}
@@ -71,7 +72,8 @@ class Session:
         if not self.disk.ranges:
             self.disk = None
         self.executor = make_executor(self.backend, self.plan.graph, self.plan.weights, device=self.device,
-                                      mixed=mixed, shrink_caches=mixed and self.expert_cache)
+                                      mixed=mixed, shrink_caches=mixed and self.expert_cache,
+                                      multi_gpu=self.multi_gpu)
         from . import expert_cache
 
         expert_cache.clear(self.plan.graph)

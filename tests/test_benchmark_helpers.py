@@ -215,5 +215,5 @@ def test_device_benchmarks_smoke(tmp_path):
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads((tmp_path / "mg.json").read_text())["rows"]
-    assert [x["variant"] for x in rows] == ["1gpu", "2gpu-layer", "2gpu-stripe"]
+    assert [x["variant"] for x in rows] == ["1gpu", "2gpu-layer", "2gpu-stripe", "2gpu-stripe-host"]
     assert all(x["same_tokens"] and x["decode_tok_s"] > 0 and x["prefill_tok_s"] > 0 for x in rows)

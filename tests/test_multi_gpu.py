@@ -30,12 +30,16 @@ place.GPU_KERNEL_S = 0.0
 model, hw, out, ids_path = sys.argv[1:5]
 ids = np.load(ids_path)
 res = {"devices": len(jax.devices("cpu"))}
-for name, extra in (("one", []), ("layer", ["--gpus", "2", "--gpu-mode", "layer"]),
-                    ("stripe", ["--gpus", "4", "--gpu-mode", "stripe"])):
+for name, extra, multi in (("one", [], "mesh"), ("layer", ["--gpus", "2", "--gpu-mode", "layer"], "mesh"),
+                           ("stripe", ["--gpus", "4", "--gpu-mode", "stripe"], "mesh"),
+                           ("stripe-host", ["--gpus", "4", "--gpu-mode", "stripe"], "host")):
     p = f"{out}/{name}"
-    assert run_cli(stratac, ["compile", model, "-o", p, "--target", hw, "--gpu-mem", "1GiB", *extra]) == 0
+    if not multi == "host":
+        assert run_cli(stratac, ["compile", model, "-o", p, "--target", hw, "--gpu-mem", "1GiB", *extra]) == 0
+    else:
+        p = f"{out}/stripe"
     plan = load_plan(p)
-    s = Session(plan, "auto", device="cpu")
+    s = Session(plan, "auto", device="cpu", multi_gpu=multi)
     s.reset(1, 64)
     logits = s.step(ids)
     toks, last = [], logits[:, -1]
@@ -44,7 +48,9 @@ for name, extra in (("one", []), ("layer", ["--gpus", "2", "--gpu-mode", "layer"
         toks.append(t)
         last = s.step(np.array([[t]], np.int64))[:, -1]
     np.save(f"{out}/{name}.npy", logits)
-    res[name] = {"tokens": toks, "devices": sorted({n.device for n in plan.graph.nodes})}
+    res[name] = {"tokens": toks, "devices": sorted({n.device for n in plan.graph.nodes}),
+                 "mesh": getattr(s.executor, "mesh", 0),
+                 "executors": [type(e).__name__ for _, e, _ in getattr(s.executor, "parts", [])]}
 print(json.dumps(res))
 """
 
@@ -64,7 +70,7 @@ def runs(tmp_path_factory):
     return json.loads(r.stdout.strip().splitlines()[-1]), tmp, m, ids
 
 
-@pytest.mark.parametrize("mode", ["layer", "stripe"])
+@pytest.mark.parametrize("mode", ["layer", "stripe", "stripe-host"])
 def test_spread_over_gpus_matches_one_gpu(runs, mode):
     res, tmp, m, ids = runs
     assert res["devices"] == 4
@@ -96,3 +102,16 @@ def test_gpu_mode_auto_prices_the_hops_between_gpus(tmp_path):
     assert modes["stripe"]["hops_per_token"] > modes["layer"]["hops_per_token"] >= 1
     assert pl["gpu_mode"] == "layer" and modes["layer"]["predicted_tok_s"] > modes["stripe"]["predicted_tok_s"]
     assert len({n.device for n in plan.graph.nodes if n.device.startswith("gpu:")}) >= 2
+
+
+def test_striped_plan_runs_as_one_sharded_computation(runs):
+    """Stripe mode: the GPU partitions are one jitted function over a 4-device mesh (each layer's
+    expert shares sharded, a psum joins them), not one partition per device driven from the host;
+    its logits match the host-driven run's and the one-device plan's."""
+    res, tmp, m, ids = runs
+    assert res["stripe"]["mesh"] == 4 and res["stripe"]["executors"].count("MeshXLAExecutor") == 1
+    assert res["stripe-host"]["mesh"] == 0 and "MeshXLAExecutor" not in res["stripe-host"]["executors"]
+    assert res["stripe-host"]["executors"].count("XLAExecutor") > 4
+    assert res["layer"]["mesh"] == 0                      # layer blocks stay a pipeline over the GPUs
+    a, b = np.load(tmp / "stripe.npy"), np.load(tmp / "stripe-host.npy")
+    assert np.abs(a - b).max() / b.std() <= 1e-5

@@ -266,11 +266,8 @@ def _moe(c: _Ctx, n: Node, a: list):
     jnp, jax = c.jnp, c.jax
     x, comb = a[0], a[1]
     k = c.exe.route_k[n.id]
-    M, D = x.shape
     gu_spec = c.exe.g.weight(n.weight("gate_up"))
     dn_spec = c.exe.g.weight(n.weight("down"))
-    E, I2, _ = gu_spec.shape
-    I = I2 // 2
     dt = c.exe.compute_dtype(gu_spec)
     ids = n.attr("experts", ())
     live = c.ext.get(-(n.id + 1)) if n.attr("cache", "") else None
@@ -286,10 +283,22 @@ def _moe(c: _Ctx, n: Node, a: list):
     else:     # [M, k], in top_k(comb)'s order: the route's own, when it ran in this computation
         topw, topi = c.topk.get(n.args[1]) or jax.lax.top_k(comb, k)
     gu_p, dn_p = c.params[n.weight("gate_up")], c.params[n.weight("down")]
+    out = moe_core(c, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt)
+    return out + a[2] if len(a) == 3 else out
+
+
+def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok: bool = True):
+    """sum_j topw[m, j] * expert_{topi[m, j]}(x[m]) over the stacked experts gu_p / dn_p (their
+    arrays by name, specs' formats), f32 [M, D]."""
+    jnp, jax = c.jnp, c.jax
+    M, D = x.shape
+    k = topi.shape[1]
+    E, I2, _ = gu_spec.shape
+    I = I2 // 2
     prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
     from . import pallas_moe
 
-    pallas, interpret = pallas_moe.use(c.exe.on_gpu, gu_spec, dn_spec, M)
+    pallas, interpret = pallas_moe.use(c.exe.on_gpu, gu_spec, dn_spec, M) if pallas_ok else (False, False)
     if pallas:
         # decode, int4/int8 experts on a GPU: two Pallas kernels (gate/up + silu*mul; down +
         # weighted combine) over the stored packed weights (STRATA_XLA_PALLAS=0: the XLA path)
@@ -338,7 +347,7 @@ def _moe(c: _Ctx, n: Node, a: list):
         ys = jax.lax.ragged_dot(h.astype(dt), dn, sizes, precision=prec, preferred_element_type=jnp.float32)
         w = topw.reshape(-1)[order]
         out = jnp.zeros((M, D), jnp.float32).at[tok].add(ys * w[:, None])
-    return out + a[2] if len(a) == 3 else out
+    return out
 
 
 _OPS: dict[Op, Callable[[_Ctx, Node, list], object]] = {

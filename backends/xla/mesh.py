@@ -1,0 +1,178 @@
+"""Several GPUs as one sharded computation: a striped plan's xla partitions over a device mesh.
+
+A plan compiled with `--gpus N --gpu-mode stripe` deals each layer's GPU experts over gpu:0 ..
+gpu:N-1 as expert shares (passes/expert_split.py: moe_ffn nodes side by side, joined by adds),
+the dense parts on gpu:0. Run by partition per device, every layer would cross between the GPUs
+through the host twice. Here the whole run of xla nodes is one jitted function over a 1-D mesh
+("g") of the N devices, SPMD:
+
+  * the dense weights and the KV cache are replicated (NamedSharding P()): every device computes
+    the attention and the routing itself, which costs dense bytes x N of memory and nothing in
+    time at decode (it runs in parallel);
+  * a layer's shares become one stack per weight array, [N, Emax, ...] sharded over "g" (share
+    k on device k, padded with zero experts to the largest share), with the model expert ids of
+    each slot (-1 for padding);
+  * in a shard_map, each device computes its own experts' contribution from its routing columns,
+    and a psum over "g" (an all-reduce over NVLink on GPUs) adds them: the first share's node
+    gets the sum plus the residual, the other shares' nodes zeros, so the plan's adds that join
+    the shares pass the sum through unchanged.
+
+Token routing between GPUs is thus a collective inside one XLA computation, not host round trips.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from strata_compiler.ir import Graph, Node, Op
+
+from .device import _jax, device as pick_device
+from .executor import _OPS, XLAExecutor, _Ctx, _jnp, moe_core
+
+
+def share_groups(graph: Graph, nodes: list[Node]) -> list[list[Node]]:
+    """The moe_ffn shares of one layer on different GPUs (same x and routing inputs after
+    transfers), in node order; only groups with one share per device and one storage format."""
+
+    def origin(i: int) -> int:
+        while graph.node(i).op is Op.TRANSFER:
+            i = graph.node(i).args[0]
+        return i
+
+    groups: dict[tuple[int, int], list[Node]] = {}
+    for n in nodes:
+        if n.op is Op.MOE_FFN and n.attr("experts", ()) and not n.attr("cache", "") and n.device.startswith("gpu"):
+            groups.setdefault((origin(n.args[0]), origin(n.args[1])), []).append(n)
+    out = []
+    for members in groups.values():
+        devs = [m.device for m in members]
+        specs = {(graph.weight(m.weight(r)).fmt, graph.weight(m.weight(r)).group_size,
+                  graph.weight(m.weight(r)).shape[1:]) for m in members for r in ("gate_up", "down")}
+        if len(members) > 1 and len(set(devs)) == len(devs) and len(specs) == 2 \
+                and all(m.weight("gate_up") and m.weight("down") for m in members):
+            out.append(members)
+    return out
+
+
+def mesh_devices(graph: Graph) -> int:
+    """How many GPUs a striped plan's mesh spans (0: the plan is not one for a mesh: its xla
+    nodes are on one device, or off gpu:0 are other nodes than expert shares)."""
+    xla = [n for n in graph.nodes if n.backend == "xla"]
+    devs = {n.device for n in xla}
+    if len(devs) < 2 or not all(d.startswith("gpu:") for d in devs):
+        return 0
+    grouped = {m.id for grp in share_groups(graph, xla) for m in grp}
+    for n in xla:
+        if n.device != "gpu:0" and n.id not in grouped and n.op is not Op.TRANSFER:
+            return 0
+    return 1 + max(int(d.split(":")[1]) for d in devs) if grouped else 0
+
+
+class MeshXLAExecutor(XLAExecutor):
+    """The xla nodes of a striped plan as one jitted function over a mesh of `n_devices`."""
+
+    def __init__(self, graph: Graph, weights, nodes: list[int], n_devices: int, device_kind: str = "auto") -> None:
+        jax = _jax()
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+        self.devices = [pick_device(device_kind, i) for i in range(n_devices)]
+        self.mesh = Mesh(np.array(self.devices), ("g",))
+        self.replicated = NamedSharding(self.mesh, P())
+        self.split = NamedSharding(self.mesh, P("g"))
+        mine = [graph.node(i) for i in nodes]
+        self.groups = share_groups(graph, mine)
+        self.leader = {grp[0].id: gi for gi, grp in enumerate(self.groups)}
+        self.follower = {m.id for grp in self.groups for m in grp[1:]}
+        grouped_weights = {w for grp in self.groups for m in grp for _, w in m.weights}
+
+        class _NoWeights:        # the base class loads only the ungrouped weights
+            def arrays(_, name):
+                return {} if name in grouped_weights else weights.arrays(name)
+
+        super().__init__(graph, _NoWeights(), nodes=nodes, device_kind=device_kind, device_index=0)
+        # replicate the dense weights over the mesh; stack each group's shares, one per device
+        self.params = {name: {a: jax.device_put(v, self.replicated) for a, v in arrs.items()}
+                       for name, arrs in self.params.items() if name not in grouped_weights}
+        self.param_bytes = 0
+        for gi, grp in enumerate(self.groups):
+            by_dev = {int(m.device.split(":")[1]): m for m in grp}
+            emax = max(len(m.attr("experts")) for m in grp)
+            ids = np.full((n_devices, emax), -1, np.int32)
+            stacks: dict[str, dict[str, np.ndarray]] = {}
+            for d in range(n_devices):
+                m = by_dev.get(d)
+                if m is None:
+                    continue
+                ids[d, :len(m.attr("experts"))] = m.attr("experts")
+                for role in ("gate_up", "down"):
+                    for a, v in weights.arrays(m.weight(role)).items():
+                        v = np.asarray(v)
+                        st = stacks.setdefault(role, {}).get(a)
+                        if st is None:
+                            st = np.zeros((n_devices, emax) + v.shape[1:], v.dtype)
+                            stacks[role][a] = st
+                        st[d, :v.shape[0]] = v
+            self.params[f"mesh{gi}"] = {
+                "ids": jax.device_put(ids, self.split),
+                **{role: {a: jax.device_put(v, self.split) for a, v in arrs.items()} for role, arrs in stacks.items()}}
+            self.param_bytes += sum(v.nbytes for arrs in stacks.values() for v in arrs.values())
+
+    def new_cache(self, cache) -> None:
+        jax, jnp = _jax(), _jnp()
+        for layer in self.layers:
+            shape = cache.k[layer].shape
+            cache.k[layer] = jax.device_put(jnp.zeros(shape, self.kv_dtype), self.replicated)
+            cache.v[layer] = jax.device_put(jnp.zeros(shape, self.kv_dtype), self.replicated)
+
+    def step_inputs(self, input_ids: np.ndarray, cache) -> tuple:
+        jax = _jax()
+        return tuple(jax.device_put((np.asarray(input_ids, np.int32), np.int32(cache.length)), self.replicated))
+
+    def _forward(self, params, ks, vs, ext, ids, B, T, pos):
+        ks, vs = dict(ks), dict(vs)
+        c = _Ctx(self, params, ks, vs, ids, pos, B, T)
+        c.ext = ext
+        env = {k: v for k, v in ext.items() if k >= 0}
+        for n in self.nodes:
+            if n.op is Op.INPUT_IDS:
+                env[n.id] = ids.reshape(-1)
+            elif n.id in self.leader:
+                env[n.id] = self._group(c, n, [env[a] for a in n.args])
+            elif n.id in self.follower:
+                env[n.id] = c.jnp.zeros_like(env[n.args[0]], dtype=c.jnp.float32)
+            else:
+                env[n.id] = _OPS[n.op](c, n, [env[a] for a in n.args])
+        outs = {o: env[o] for o in self.outputs}
+        if self.packed and T == self._packed_T:
+            outs[-(1 << 40)] = c.jnp.concatenate([outs[o].reshape(-1).astype(c.jnp.float32) for o in self.packed])
+        return outs, ks, vs
+
+    def _group(self, c: _Ctx, n: Node, a: list):
+        """A layer's shares over the mesh: each device its own experts, then a psum."""
+        jax, jnp = c.jax, c.jnp
+        from jax.sharding import PartitionSpec as P
+
+        grp = self.groups[self.leader[n.id]]
+        p = c.params[f"mesh{self.leader[n.id]}"]
+        gu_spec = self.g.weight(n.weight("gate_up"))
+        dn_spec = self.g.weight(n.weight("down"))
+        emax = p["ids"].shape[1]
+        gu_spec = replace(gu_spec, shape=(emax,) + gu_spec.shape[1:], experts=emax, expert_ids=())
+        dn_spec = replace(dn_spec, shape=(emax,) + dn_spec.shape[1:], experts=emax, expert_ids=())
+        dt = self.compute_dtype(gu_spec)
+        k = min(self.route_k[n.id], emax)
+        x, comb = a[0], a[1]
+
+        def local(x, comb, ids, gu_p, dn_p):
+            ids, gu_p, dn_p = ids[0], {r: v[0] for r, v in gu_p.items()}, {r: v[0] for r, v in dn_p.items()}
+            cl = jnp.where(ids[None, :] >= 0, comb[:, jnp.maximum(ids, 0)], 0.0)
+            topw, topi = jax.lax.top_k(cl, k)
+            out = moe_core(c, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok=False)
+            return jax.lax.psum(out, "g")
+
+        out = jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P("g"), P("g"), P("g")), out_specs=P(),
+                            check_vma=False)(x, comb, p["ids"], p["gate_up"], p["down"])
+        del grp
+        return out + a[2] if len(a) == 3 else out
