@@ -70,11 +70,19 @@ def _save(path: Path, arr: np.ndarray) -> None:
               help="A plan striped over several GPUs (--gpus N --gpu-mode stripe): one sharded computation over "
                    "a device mesh, the shares joined by an all-reduce (mesh), or one partition per GPU driven "
                    "from the host (host).")
+@click.option("--coordinator", metavar="HOST:PORT",
+              help="Several hosts: the address of process 0's coordinator; start the same command on every host "
+                   "with --num-processes and its own --process-id (runtime/distributed.py). The plan must be "
+                   "striped over the GPUs of all hosts (stratac compile --gpus N --gpu-mode stripe).")
+@click.option("--num-processes", type=click.IntRange(min=1), default=None, help="With --coordinator: how many hosts.")
+@click.option("--process-id", type=click.IntRange(min=0), default=None,
+              help="With --coordinator: this host's index (0 prints the output).")
 @debug_option
 def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_new_tokens: int, greedy: bool,
                temperature: float, top_p: float, seed: int, ignore_eos: bool, logits_out: Path | None,
                tokens_out: Path | None, backend: str, device: str, trace_out: Path | None, stats: bool,
-               expert_cache: bool, prefetch: bool, cache_policy: str, multi_gpu: str, debug: bool) -> None:
+               expert_cache: bool, prefetch: bool, cache_policy: str, multi_gpu: str, coordinator: str | None,
+               num_processes: int | None, process_id: int | None, debug: bool) -> None:
     """Run PLAN_PATH (a plan.bin, or the directory holding it): prefill the prompt, then decode."""
     from .plan import load_plan
     from .sampler import Sampler
@@ -84,6 +92,15 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
         raise UsageError("give exactly one of --prompt TEXT or --input-ids FILE.npy")
     if greedy and temperature > 0:
         raise UsageError("--greedy and --temperature > 0 contradict each other; pick one")
+    lead = True
+    if (coordinator, num_processes, process_id) != (None, None, None):
+        if None in (coordinator, num_processes, process_id):
+            raise UsageError("--coordinator, --num-processes and --process-id go together; give all three")
+        if multi_gpu != "mesh":
+            raise UsageError("--coordinator and --multi-gpu host conflict: several hosts run as one mesh")
+        from .distributed import initialize
+
+        lead = initialize(coordinator, num_processes, process_id) == 0
     plan = load_plan(plan_path)
     tokenizer = None
     if plan.tokenizer_json is not None:
@@ -110,6 +127,8 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
     finally:
         trace.ACTIVE = None
     t_run = time.perf_counter() - t_run
+    if not lead:        # another host of a multi-host run: process 0 reports
+        return
     if trace_out:
         tracer.write(trace_out)
     if logits_out:

@@ -39,6 +39,15 @@ def partitions(g: Graph, mesh: bool = False) -> list[tuple[str, list[int]]]:
     return out
 
 
+def _processes() -> int:
+    """JAX processes (hosts) in this run: 1 unless strata-run --coordinator joined several."""
+    if "jax" not in sys.modules:
+        return 1
+    import jax
+
+    return jax.process_count()
+
+
 class MixedExecutor:
     def __init__(self, graph: Graph, weights, device: str = "auto", shrink_caches: bool = False,
                  multi_gpu: str = "mesh") -> None:
@@ -63,6 +72,11 @@ class MixedExecutor:
 
                 self.parts.append(("xla", MeshXLAExecutor(graph, weights, ids, self.mesh, device), ids))
             elif backend == "xla":
+                if _processes() > 1:
+                    from strata_compiler.errors import UsageError
+
+                    raise UsageError("several hosts run a plan striped over all their GPUs as one mesh; this plan "
+                                     "has GPU partitions on single GPUs: compile it with --gpus N --gpu-mode stripe")
                 self.parts.append(("xla", self._xla(ids, device, shrink_caches), ids))
             elif backend == "llvm":
                 from strata_compiler.backends.llvm_cpu.executor import LLVMExecutor

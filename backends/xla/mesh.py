@@ -78,6 +78,7 @@ class MeshXLAExecutor(XLAExecutor):
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
         self.devices = [pick_device(device_kind, i) for i in range(n_devices)]
+        self.processes = jax.process_count()
         self.mesh = Mesh(np.array(self.devices), ("g",))
         self.replicated = NamedSharding(self.mesh, P())
         self.split = NamedSharding(self.mesh, P("g"))
@@ -87,14 +88,14 @@ class MeshXLAExecutor(XLAExecutor):
         self.follower = {m.id for grp in self.groups for m in grp[1:]}
         grouped_weights = {w for grp in self.groups for m in grp for _, w in m.weights}
 
-        class _NoWeights:        # the base class loads only the ungrouped weights
+        class _NoWeights:        # the base class places nothing: the mesh's arrays are placed here
             def arrays(_, name):
-                return {} if name in grouped_weights else weights.arrays(name)
+                return {}
 
         super().__init__(graph, _NoWeights(), nodes=nodes, device_kind=device_kind, device_index=0)
         # replicate the dense weights over the mesh; stack each group's shares, one per device
-        self.params = {name: {a: jax.device_put(v, self.replicated) for a, v in arrs.items()}
-                       for name, arrs in self.params.items() if name not in grouped_weights}
+        self.params = {name: {a: jax.device_put(np.asarray(v), self.replicated) for a, v in weights.arrays(name).items()}
+                       for name in self.params if name not in grouped_weights}
         self.param_bytes = 0
         for gi, grp in enumerate(self.groups):
             by_dev = {int(m.device.split(":")[1]): m for m in grp}
@@ -125,6 +126,20 @@ class MeshXLAExecutor(XLAExecutor):
             shape = cache.k[layer].shape
             cache.k[layer] = jax.device_put(jnp.zeros(shape, self.kv_dtype), self.replicated)
             cache.v[layer] = jax.device_put(jnp.zeros(shape, self.kv_dtype), self.replicated)
+
+    def run_segment(self, env: dict, input_ids: np.ndarray, cache, step_in: tuple | None = None) -> None:
+        """With several processes (hosts), every input must be a global array: host values go to
+        the mesh replicated (each process holds the same ones), and so do ids and position."""
+        if self.processes == 1:
+            return super().run_segment(env, input_ids, cache, step_in)
+        jax = _jax()
+        local = dict(env)
+        for i in self.inputs:
+            v = local.get(i)
+            if v is not None and not hasattr(v, "sharding"):       # NumPy (a CPU partition's result)
+                local[i] = jax.device_put(np.asarray(v), self.replicated)
+        super().run_segment(local, input_ids, cache, step_in or self.step_inputs(input_ids, cache))
+        env.update({o: local[o] for o in self.outputs})
 
     def step_inputs(self, input_ids: np.ndarray, cache) -> tuple:
         jax = _jax()
