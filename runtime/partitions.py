@@ -67,7 +67,7 @@ class MixedExecutor:
         # expert-cache slots that fit the GPU, decided once for all xla partitions
         self._slots = self._gpu_plan(device, shrink_caches) if any(b == "xla" for b, _ in parts) else {}
         for backend, ids in parts:
-            if backend == "xla" and self.mesh and len({graph.node(i).device for i in ids}) > 1:
+            if backend == "xla" and self.mesh:      # every xla partition on the mesh (values stay global)
                 from strata_compiler.backends.xla.mesh import MeshXLAExecutor
 
                 self.parts.append(("xla", MeshXLAExecutor(graph, weights, ids, self.mesh, device), ids))
