@@ -29,7 +29,7 @@ import numpy as np
 from strata_compiler.ir import Graph, Node, Op
 
 from .device import _jax, device as pick_device
-from .executor import _OPS, XLAExecutor, _Ctx, _jnp, moe_core
+from .executor import _OPS, PACKED, XLAExecutor, _Ctx, _jnp, moe_core
 
 
 def share_groups(graph: Graph, nodes: list[Node]) -> list[list[Node]]:
@@ -161,7 +161,7 @@ class MeshXLAExecutor(XLAExecutor):
                 env[n.id] = _OPS[n.op](c, n, [env[a] for a in n.args])
         outs = {o: env[o] for o in self.outputs}
         if self.packed and T == self._packed_T:
-            outs[-(1 << 40)] = c.jnp.concatenate([outs[o].reshape(-1).astype(c.jnp.float32) for o in self.packed])
+            outs[PACKED] = c.jnp.concatenate([outs[o].reshape(-1).astype(c.jnp.float32) for o in self.packed])
         return outs, ks, vs
 
     def _group(self, c: _Ctx, n: Node, a: list):
@@ -169,7 +169,6 @@ class MeshXLAExecutor(XLAExecutor):
         jax, jnp = c.jax, c.jnp
         from jax.sharding import PartitionSpec as P
 
-        grp = self.groups[self.leader[n.id]]
         p = c.params[f"mesh{self.leader[n.id]}"]
         gu_spec = self.g.weight(n.weight("gate_up"))
         dn_spec = self.g.weight(n.weight("down"))
@@ -189,5 +188,4 @@ class MeshXLAExecutor(XLAExecutor):
 
         out = jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P("g"), P("g"), P("g")), out_specs=P(),
                             check_vma=False)(x, comb, p["ids"], p["gate_up"], p["down"])
-        del grp
         return out + a[2] if len(a) == 3 else out
