@@ -28,6 +28,11 @@ predicted one wins. A layer whose experts end up on both devices becomes two exp
 (`--place` rules still override). Weights left on the host beyond `--host-mem` are marked for
 the disk tier, coldest experts first.
 
+Several GPUs (--gpus N): the one-GPU solution is spread by layer blocks (each hop between GPUs a
+host-driven switch) or striped (each layer's GPU experts dealt over the GPUs, run as one mesh:
+each GPU reads 1/N of the experts, each split layer pays an all-reduce); --gpu-mode auto keeps
+the faster predicted.
+
 The placement minimises decode time; the prefill of a 512-token prompt is predicted for it too
 (each matrix product bound by its weight bytes or its flops on that device; an expert's weights
 count once if any prompt token chose it). The prediction goes into the graph meta `placement`
@@ -57,6 +62,9 @@ CPU_OP_S = 12e-6
 # pairs, the two MoE halves, ...): the dispatch cost counts per call.
 CPU_CALLS = {Op.LINEAR: 2, Op.FUSED_ATTENTION: 3, Op.ROUTE: 1, Op.MOE_FFN: 5, Op.EMBED: 1, Op.RMS_NORM: 1}
 PARTITION_S = 60e-6
+# One all-reduce of a token's activation among the GPUs of a mesh, inside the XLA computation
+# (NVLink; assumed, not yet measured: what a small NCCL all-reduce costs on an H200 node).
+ALLREDUCE_S = 20e-6
 GPU_RESERVE = 0.10              # of the GPU budget: XLA's workspace, fragmentation
 
 
@@ -448,6 +456,24 @@ def apply(g: Graph, units: list[Unit], unit_of: dict[int, str], gpu: set[str], c
     return g
 
 
+def _mesh_devices(g: Graph) -> int:
+    from .expert_split import mesh_devices
+
+    return mesh_devices(g)
+
+
+def stripe_mesh_seconds(g: Graph, units: list[Unit], gpu: set[str], gpus: int) -> tuple[int, float]:
+    """(all-reduces, seconds) a striped plan adds to the one-GPU timeline when it runs as one
+    mesh (backends/xla/mesh.py): each GPU reads only its share of a layer's experts, so the
+    experts' GPU time shrinks to 1/gpus, and each split layer pays one all-reduce (ALLREDUCE_S);
+    the dense parts run replicated, in parallel, at the one-GPU time."""
+    from .expert_split import share_groups
+
+    layers = len(share_groups(g, [n for n in g.nodes if n.device.startswith("gpu")]))
+    expert_s = sum(u.gpu_s for u in units if u.expert and u.name in gpu)
+    return layers, layers * ALLREDUCE_S - (1 - 1 / gpus) * expert_s
+
+
 def gpu_hops(g: Graph, hw) -> tuple[int, float]:
     """(hops, seconds) per decode token between different GPUs along the op order of a placed
     graph: each hop is another device's jitted call (a partition switch) plus the activation's
@@ -507,8 +533,11 @@ def place_pass(g: Graph, ctx: PassContext) -> Graph:
         for mode in (("layer", "stripe") if opts.gpu_mode == "auto" else (opts.gpu_mode,)):
             cand = out if mode == first_mode else \
                 apply(g, units, unit_of, choice.gpu_units, calib, gpus=opts.gpus, mode=mode)
-            hops, hop_s = gpu_hops(cand, hw)
-            modes[mode] = {"graph": cand, "hops": hops, "seconds": pred["seconds"] + hop_s}
+            if mode == "stripe" and _mesh_devices(cand):
+                hops, dt = stripe_mesh_seconds(cand, units, choice.gpu_units, opts.gpus)
+            else:
+                hops, dt = gpu_hops(cand, hw)
+            modes[mode] = {"graph": cand, "hops": hops, "seconds": max(pred["seconds"] + dt, 1e-9)}
         best = min(modes, key=lambda m: modes[m]["seconds"])
         out = modes[best]["graph"]
         pred = dict(pred, seconds=modes[best]["seconds"], tok_s=1.0 / modes[best]["seconds"])

@@ -60,7 +60,7 @@ class MixedExecutor:
         self.lookahead: dict = {}   # node id -> the caches whose prefetch its value triggers
         self.prefetch = True
         self.parts = []
-        from strata_compiler.backends.xla.mesh import mesh_devices
+        from strata_compiler.passes.expert_split import mesh_devices
 
         self.mesh = mesh_devices(graph) if multi_gpu == "mesh" else 0
         parts = partitions(graph, mesh=bool(self.mesh))

@@ -27,47 +27,10 @@ from dataclasses import replace
 import numpy as np
 
 from strata_compiler.ir import Graph, Node, Op
+from strata_compiler.passes.expert_split import mesh_devices, share_groups  # noqa: F401  (mesh_devices: re-export)
 
 from .device import _jax, device as pick_device
 from .executor import _OPS, PACKED, XLAExecutor, _Ctx, _jnp, moe_core
-
-
-def share_groups(graph: Graph, nodes: list[Node]) -> list[list[Node]]:
-    """The moe_ffn shares of one layer on different GPUs (same x and routing inputs after
-    transfers), in node order; only groups with one share per device and one storage format."""
-
-    def origin(i: int) -> int:
-        while graph.node(i).op is Op.TRANSFER:
-            i = graph.node(i).args[0]
-        return i
-
-    groups: dict[tuple[int, int], list[Node]] = {}
-    for n in nodes:
-        if n.op is Op.MOE_FFN and n.attr("experts", ()) and not n.attr("cache", "") and n.device.startswith("gpu"):
-            groups.setdefault((origin(n.args[0]), origin(n.args[1])), []).append(n)
-    out = []
-    for members in groups.values():
-        devs = [m.device for m in members]
-        specs = {(graph.weight(m.weight(r)).fmt, graph.weight(m.weight(r)).group_size,
-                  graph.weight(m.weight(r)).shape[1:]) for m in members for r in ("gate_up", "down")}
-        if len(members) > 1 and len(set(devs)) == len(devs) and len(specs) == 2 \
-                and all(m.weight("gate_up") and m.weight("down") for m in members):
-            out.append(members)
-    return out
-
-
-def mesh_devices(graph: Graph) -> int:
-    """How many GPUs a striped plan's mesh spans (0: the plan is not one for a mesh: its xla
-    nodes are on one device, or off gpu:0 are other nodes than expert shares)."""
-    xla = [n for n in graph.nodes if n.backend == "xla"]
-    devs = {n.device for n in xla}
-    if len(devs) < 2 or not all(d.startswith("gpu:") for d in devs):
-        return 0
-    grouped = {m.id for grp in share_groups(graph, xla) for m in grp}
-    for n in xla:
-        if n.device != "gpu:0" and n.id not in grouped and n.op is not Op.TRANSFER:
-            return 0
-    return 1 + max(int(d.split(":")[1]) for d in devs) if grouped else 0
 
 
 class MeshXLAExecutor(XLAExecutor):
