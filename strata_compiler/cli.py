@@ -249,7 +249,8 @@ def inspect_cmd(plan_path: Path, as_json: bool, weights: bool, debug: bool) -> N
         click.echo("  candidates (predicted tok/s): " + ", ".join(f"{k} {v:.1f}" for k, v in pl["candidates"].items()))
         if pl.get("gpu_modes"):
             click.echo(f"  {pl['gpus']} GPUs, mode {pl['gpu_mode']}; " + ", ".join(
-                f"{m}: {v['hops_per_token']} hops between GPUs per token, {v['predicted_tok_s']:.1f} tok/s"
+                f"{m}: {v['hops_per_token']} {'all-reduces' if m == 'stripe' else 'hops'} between GPUs per token, "
+                f"{v['predicted_tok_s']:.1f} tok/s"
                 for m, v in pl["gpu_modes"].items()))
         click.echo(f"  {'layer':>6} {'core':>5} {'experts on gpu':>15} {'predicted us':>13} {'all cpu us':>11} "
                    f"{'all gpu us':>11}")
