@@ -32,7 +32,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))   # run from a checkout, installed or not
 
-from benchmarks.common import log  # noqa: E402
+from benchmarks.common import log, median_seconds  # noqa: E402
 
 FULL = dict(hidden=2048, layers=16, heads=16, kv_heads=16, head_dim=128, experts=64, top_k=8, moe_intermediate=1024,
             vocab=50304)
@@ -87,16 +87,6 @@ def decode_bytes(plan, dims: dict, context: int) -> int:
         total += nbytes
     kv = 2 * dims["layers"] * dims["kv_heads"] * dims["head_dim"] * 4 * context
     return total + kv
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def main() -> int:
@@ -169,7 +159,7 @@ def main() -> int:
                 out = exe.run(ids, c)[plan.graph.outputs[0]]
                 assert np.isfinite(out[0, -1]).all()
 
-            s = timed(prefill, a.repeats)
+            s = median_seconds(prefill, a.repeats)
             rows.append(dict(format=fmt, phase="prefill", batch=1, tokens=T, tok_s=T / s))
             log(f"{fmt} prefill T={T}: {T / s:.0f} tok/s")
         del exe

@@ -12,22 +12,14 @@ of the result and a wait for the GPU. This measures each on its own, at one toke
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout, installed or not
 
-def median_us(fn, reps: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
+from benchmarks.common import median_seconds  # noqa: E402
 
 
 def main() -> int:
@@ -36,7 +28,6 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=200)
     a = ap.parse_args()
     import jax
-    import jax.numpy as jnp
 
     dev = jax.devices()[0]
     x_host = np.ones((1, a.hidden), np.float32)
@@ -65,7 +56,7 @@ def main() -> int:
     print(f"device {dev.device_kind} ({dev.platform}), activation f32[1, {a.hidden}], median of {a.reps}")
     print(f"{'what':78} {'us':>8}")
     for name, fn in rows:
-        print(f"{name:78} {median_us(fn, a.reps):8.1f}")
+        print(f"{name:78} {1e6 * median_seconds(fn, a.reps, warmup=5):8.1f}")
     return 0
 
 

@@ -51,6 +51,7 @@ from strata_compiler.errors import UsageError
 from strata_compiler.formats import get_format
 from strata_compiler.ir import Graph, Level, Node, Op, make_attrs
 from strata_compiler.pass_manager import PassContext, register
+from strata_compiler.passes.expert_split import Share, mesh_devices, moe_key, share_groups, split_experts
 
 # Latencies the byte rates do not capture (seconds). GPU: one kernel launch at decode (an H200
 # profile of this backend: 58.8 us for 17.7 kernels per layer). CPU: the llvm executor's
@@ -418,8 +419,6 @@ def apply(g: Graph, units: list[Unit], unit_of: dict[int, str], gpu: set[str], c
     """Set each node's device; split layers whose experts are on both devices into two shares —
     or, with `cache`, into a GPU expert cache: the GPU share's slots (first the placed experts)
     and the whole layer on the CPU for the rest (runtime/expert_cache.py swaps experts in)."""
-    from strata_compiler.passes.expert_split import Share, moe_key, split_experts
-
     shares = {}
     experts_of: dict[int, list[Unit]] = {}
     for u in units:
@@ -456,19 +455,11 @@ def apply(g: Graph, units: list[Unit], unit_of: dict[int, str], gpu: set[str], c
     return g
 
 
-def _mesh_devices(g: Graph) -> int:
-    from .expert_split import mesh_devices
-
-    return mesh_devices(g)
-
-
 def stripe_mesh_seconds(g: Graph, units: list[Unit], gpu: set[str], gpus: int) -> tuple[int, float]:
     """(all-reduces, seconds) a striped plan adds to the one-GPU timeline when it runs as one
     mesh (backends/xla/mesh.py): each GPU reads only its share of a layer's experts, so the
     experts' GPU time shrinks to 1/gpus, and each split layer pays one all-reduce (ALLREDUCE_S);
     the dense parts run replicated, in parallel, at the one-GPU time."""
-    from .expert_split import share_groups
-
     layers = len(share_groups(g, [n for n in g.nodes if n.device.startswith("gpu")]))
     expert_s = sum(u.gpu_s for u in units if u.expert and u.name in gpu)
     return layers, layers * ALLREDUCE_S - (1 - 1 / gpus) * expert_s
@@ -533,7 +524,7 @@ def place_pass(g: Graph, ctx: PassContext) -> Graph:
         for mode in (("layer", "stripe") if opts.gpu_mode == "auto" else (opts.gpu_mode,)):
             cand = out if mode == first_mode else \
                 apply(g, units, unit_of, choice.gpu_units, calib, gpus=opts.gpus, mode=mode)
-            if mode == "stripe" and _mesh_devices(cand):
+            if mode == "stripe" and mesh_devices(cand):
                 hops, dt = stripe_mesh_seconds(cand, units, choice.gpu_units, opts.gpus)
             else:
                 hops, dt = gpu_hops(cand, hw)

@@ -412,14 +412,26 @@ class XLAExecutor:
                        for a, v in weights.arrays(name).items()} for name in names}
         self.param_bytes = sum(v.nbytes for arrs in host.values() for v in arrs.values())
         try:
-            self.params = {name: {a: jax.device_put(v, self.device) for a, v in arrs.items()}
-                           for name, arrs in host.items()}
+            self.params = self._place_params(host)
         except Exception as e:    # XLA reports an out-of-memory as RESOURCE_EXHAUSTED
             if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
                 raise GPUOutOfMemory(str(e).splitlines()[0][:200]) from None
             raise
         self.kv_dtype = jnp.float32
         self._fn = jax.jit(self._forward, static_argnums=(5, 6), donate_argnums=(1, 2))
+
+    def _home(self):
+        """Where this partition's own arrays go (device_put target): its device."""
+        return self.device
+
+    def _place_params(self, host: dict[str, dict[str, np.ndarray]]) -> dict:
+        """The weights' stored arrays (by weight, then array name) on the device."""
+        jax = _jax()
+        return {name: {a: jax.device_put(v, self._home()) for a, v in arrs.items()} for name, arrs in host.items()}
+
+    def _value(self, c: "_Ctx", n: Node, args: list):
+        """Node n's value inside the traced forward function."""
+        return _OPS[n.op](c, n, args)
 
     def compute_dtype(self, spec):
         """f32 for f32 weights; on a GPU the others compute in bf16 (f32 accumulation)."""
@@ -437,7 +449,7 @@ class XLAExecutor:
             if n.op is Op.INPUT_IDS:
                 env[n.id] = ids.reshape(-1)
             else:
-                env[n.id] = _OPS[n.op](c, n, [env[a] for a in n.args])
+                env[n.id] = self._value(c, n, [env[a] for a in n.args])
         outs = {o: env[o] for o in self.outputs}
         if self.packed and T == self._packed_T:    # the host-bound results as one f32 buffer: one copy
             outs[PACKED] = c.jnp.concatenate([outs[o].reshape(-1).astype(c.jnp.float32) for o in self.packed])
@@ -471,8 +483,8 @@ class XLAExecutor:
         jax, jnp = _jax(), _jnp()
         for layer in self.layers:
             shape = cache.k[layer].shape
-            cache.k[layer] = jax.device_put(jnp.zeros(shape, self.kv_dtype), self.device)
-            cache.v[layer] = jax.device_put(jnp.zeros(shape, self.kv_dtype), self.device)
+            cache.k[layer] = jax.device_put(jnp.zeros(shape, self.kv_dtype), self._home())
+            cache.v[layer] = jax.device_put(jnp.zeros(shape, self.kv_dtype), self._home())
 
     def bucket(self, T: int, room: int) -> int:
         """The padded prefill length: the smallest bucket >= T that fits the cache (else T)."""
@@ -488,7 +500,7 @@ class XLAExecutor:
         there once per step and shared by the step's partitions on the device: NumPy arguments
         would be copied to the device at every jitted call (a synchronous host->device copy each)."""
         jax = _jax()
-        return tuple(jax.device_put((np.asarray(input_ids, np.int32), np.int32(cache.length)), self.device))
+        return tuple(jax.device_put((np.asarray(input_ids, np.int32), np.int32(cache.length)), self._home()))
 
     def run_partition(self, ext: dict, input_ids: np.ndarray, cache, T_pad: int, step_in: tuple | None = None) -> dict:
         B, T = input_ids.shape

@@ -26,11 +26,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from strata_compiler.ir import Graph, Node, Op
-from strata_compiler.passes.expert_split import mesh_devices, share_groups  # noqa: F401  (mesh_devices: re-export)
+from strata_compiler.ir import Graph, Node
+from strata_compiler.passes.expert_split import share_groups
 
 from .device import _jax, device as pick_device
-from .executor import _OPS, PACKED, XLAExecutor, _Ctx, _jnp, moe_core
+from .executor import XLAExecutor, _Ctx, moe_core
 
 
 class MeshXLAExecutor(XLAExecutor):
@@ -40,55 +40,42 @@ class MeshXLAExecutor(XLAExecutor):
         jax = _jax()
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-        self.devices = [pick_device(device_kind, i) for i in range(n_devices)]
+        self.n_devices = n_devices
         self.processes = jax.process_count()
-        self.mesh = Mesh(np.array(self.devices), ("g",))
+        self.mesh = Mesh(np.array([pick_device(device_kind, i) for i in range(n_devices)]), ("g",))
         self.replicated = NamedSharding(self.mesh, P())
         self.split = NamedSharding(self.mesh, P("g"))
-        mine = [graph.node(i) for i in nodes]
-        self.groups = share_groups(graph, mine)
+        self.groups = share_groups(graph, [graph.node(i) for i in nodes])
         self.leader = {grp[0].id: gi for gi, grp in enumerate(self.groups)}
         self.follower = {m.id for grp in self.groups for m in grp[1:]}
-        grouped_weights = {w for grp in self.groups for m in grp for _, w in m.weights}
+        super().__init__(graph, weights, nodes=nodes, device_kind=device_kind, device_index=0)
 
-        class _NoWeights:        # the base class places nothing: the mesh's arrays are placed here
-            def arrays(_, name):
-                return {}
+    def _home(self):
+        return self.replicated      # dense weights, KV cache, ids and position: on every device
 
-        super().__init__(graph, _NoWeights(), nodes=nodes, device_kind=device_kind, device_index=0)
-        # replicate the dense weights over the mesh; stack each group's shares, one per device
-        self.params = {name: {a: jax.device_put(np.asarray(v), self.replicated) for a, v in weights.arrays(name).items()}
-                       for name in self.params if name not in grouped_weights}
-        self.param_bytes = 0
+    def _place_params(self, host: dict[str, dict[str, np.ndarray]]) -> dict:
+        """The dense weights replicated; each group's shares stacked [N, Emax, ...] (share k on
+        device k, padded with zero experts) and sharded, with each slot's model expert id (-1: pad)."""
+        jax = _jax()
+        grouped = {w for grp in self.groups for m in grp for _, w in m.weights}
+        params = super()._place_params({name: arrs for name, arrs in host.items() if name not in grouped})
         for gi, grp in enumerate(self.groups):
-            by_dev = {int(m.device.split(":")[1]): m for m in grp}
             emax = max(len(m.attr("experts")) for m in grp)
-            ids = np.full((n_devices, emax), -1, np.int32)
+            ids = np.full((self.n_devices, emax), -1, np.int32)
             stacks: dict[str, dict[str, np.ndarray]] = {}
-            for d in range(n_devices):
-                m = by_dev.get(d)
-                if m is None:
-                    continue
+            for m in grp:
+                d = int(m.device.split(":")[1])
                 ids[d, :len(m.attr("experts"))] = m.attr("experts")
                 for role in ("gate_up", "down"):
-                    for a, v in weights.arrays(m.weight(role)).items():
-                        v = np.asarray(v)
+                    for a, v in host[m.weight(role)].items():
                         st = stacks.setdefault(role, {}).get(a)
                         if st is None:
-                            st = np.zeros((n_devices, emax) + v.shape[1:], v.dtype)
-                            stacks[role][a] = st
+                            st = stacks[role][a] = np.zeros((self.n_devices, emax) + v.shape[1:], v.dtype)
                         st[d, :v.shape[0]] = v
-            self.params[f"mesh{gi}"] = {
-                "ids": jax.device_put(ids, self.split),
-                **{role: {a: jax.device_put(v, self.split) for a, v in arrs.items()} for role, arrs in stacks.items()}}
-            self.param_bytes += sum(v.nbytes for arrs in stacks.values() for v in arrs.values())
-
-    def new_cache(self, cache) -> None:
-        jax, jnp = _jax(), _jnp()
-        for layer in self.layers:
-            shape = cache.k[layer].shape
-            cache.k[layer] = jax.device_put(jnp.zeros(shape, self.kv_dtype), self.replicated)
-            cache.v[layer] = jax.device_put(jnp.zeros(shape, self.kv_dtype), self.replicated)
+            params[f"mesh{gi}"] = {"ids": jax.device_put(ids, self.split),
+                                   **{role: {a: jax.device_put(v, self.split) for a, v in arrs.items()}
+                                      for role, arrs in stacks.items()}}
+        return params
 
     def run_segment(self, env: dict, input_ids: np.ndarray, cache, step_in: tuple | None = None) -> None:
         """With several processes (hosts), every input must be a global array: host values go to
@@ -104,28 +91,14 @@ class MeshXLAExecutor(XLAExecutor):
         super().run_segment(local, input_ids, cache, step_in or self.step_inputs(input_ids, cache))
         env.update({o: local[o] for o in self.outputs})
 
-    def step_inputs(self, input_ids: np.ndarray, cache) -> tuple:
-        jax = _jax()
-        return tuple(jax.device_put((np.asarray(input_ids, np.int32), np.int32(cache.length)), self.replicated))
-
-    def _forward(self, params, ks, vs, ext, ids, B, T, pos):
-        ks, vs = dict(ks), dict(vs)
-        c = _Ctx(self, params, ks, vs, ids, pos, B, T)
-        c.ext = ext
-        env = {k: v for k, v in ext.items() if k >= 0}
-        for n in self.nodes:
-            if n.op is Op.INPUT_IDS:
-                env[n.id] = ids.reshape(-1)
-            elif n.id in self.leader:
-                env[n.id] = self._group(c, n, [env[a] for a in n.args])
-            elif n.id in self.follower:
-                env[n.id] = c.jnp.zeros_like(env[n.args[0]], dtype=c.jnp.float32)
-            else:
-                env[n.id] = _OPS[n.op](c, n, [env[a] for a in n.args])
-        outs = {o: env[o] for o in self.outputs}
-        if self.packed and T == self._packed_T:
-            outs[PACKED] = c.jnp.concatenate([outs[o].reshape(-1).astype(c.jnp.float32) for o in self.packed])
-        return outs, ks, vs
+    def _value(self, c: _Ctx, n: Node, args: list):
+        """A share group's first node computes the whole group over the mesh; the others give 0
+        (the plan's adds that join the shares then pass the sum through)."""
+        if n.id in self.leader:
+            return self._group(c, n, args)
+        if n.id in self.follower:
+            return c.jnp.zeros_like(args[0], dtype=c.jnp.float32)
+        return super()._value(c, n, args)
 
     def _group(self, c: _Ctx, n: Node, a: list):
         """A layer's shares over the mesh: each device its own experts, then a psum."""
