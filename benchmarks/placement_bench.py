@@ -32,6 +32,8 @@ Variants, each compiled from the same folder at --quant with the same calibratio
   strata-B/old-hand-off  (smallest budget) strata-B with the mixed runtime's GPU hand-off as it
                  was: CPU workers spinning through the GPU's turn, GPU results copied one by one
                  (now: their copies start at dispatch)
+  strata-B/jax-hand-off, hot-B/jax-hand-off  (smallest budget) hand-offs through JAX's transfers
+                 instead of raw copies (backends/xla/cuda_rt.py)
   strata-B/try-hand-off  (smallest budget) with MixedExecutor.try_hand_off(): ids and position on
                  the GPU once per step, the results only the CPU reads packed into one buffer
   ktransformers/old-hand-off, ktransformers/try-hand-off  the same for the KTransformers layout
@@ -132,6 +134,8 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, in
         s.executor.legacy_hand_off()
     elif hand_off == "try" and hasattr(s.executor, "try_hand_off"):     # the changes not yet measured on a GPU
         s.executor.try_hand_off()
+    elif hand_off == "jax" and hasattr(s.executor, "jax_hand_off"):     # JAX's transfers, not raw copies
+        s.executor.jax_hand_off()
     times, tokens = [], []
     for r in range(repeats + 1 + (trace_out is not None)):
         traced = trace_out is not None and r == repeats + 1
@@ -290,7 +294,7 @@ def main() -> int:
     if want("ktransformers") and not (out / "plan.bin").exists():
         stratac("compile", str(model), "-o", str(out), *common, "--place", "experts=cpu,all=gpu")
     variants["ktransformers"] = {"dir": out, "gpu_bytes": rest_b}
-    for tag in ("old", "try"):
+    for tag in ("old", "try", "jax"):
         variants[f"ktransformers/{tag}-hand-off"] = dict(variants["ktransformers"], hand_off=tag)
     kv_guess = 2 * dims["layers"] * dims["kv_heads"] * dims["head_dim"] * 4 * min(4096, 4096)
     for b in (int(x) for x in a.budgets.split(",")):
@@ -328,11 +332,14 @@ def main() -> int:
                 if want(name):
                     hp = json.loads((out / "dump" / "placement.json").read_text())
                     variants[name] = {"dir": out, "gpu_bytes": hp["gpu_bytes"], "predicted": hp["predicted_tok_s"]}
+            if want(f"hot-{b}"):
+                variants[f"hot-{b}/jax-hand-off"] = dict(variants[f"hot-{b}"], hand_off="jax")
+                variants[f"hot-{b}/jax-hand-off"].pop("predicted")
             if want(f"hot-cache-{b}"):
                 variants[f"hot-cache-{b}/no-prefetch"] = dict(variants[f"hot-cache-{b}"], prefetch=False)
                 variants[f"hot-cache-{b}/no-prefetch"].pop("predicted")
         if b == min(int(x) for x in a.budgets.split(",")):   # A/B: the runtime's hand-off before this session
-            for tag in ("old", "try"):
+            for tag in ("old", "try", "jax"):
                 variants[f"strata-{b}/{tag}-hand-off"] = dict(variants[f"strata-{b}"], hand_off=tag)
                 variants[f"strata-{b}/{tag}-hand-off"].pop("predicted", None)
         if b >= 100:            # every layer fits: the same as strata-100's own -ngl candidate

@@ -104,12 +104,26 @@ class MixedExecutor:
                                      and a not in graph.outputs)
                            for i, (kind, _, _) in enumerate(self.parts) if kind == "xla"}
         self.hand_off = any(k == "xla" for k, _, _ in self.parts) and any(k == "llvm" for k, _, _ in self.parts)
+        # small host<->GPU hand-offs as raw copies when a CUDA runtime is there (the xla executors
+        # turn them on: backends/xla/cuda_rt.py)
+        from strata_compiler.backends.xla import cuda_rt
+
+        self.raw_copy = not self.mesh and cuda_rt.mode is not None and any(k == "xla" for k, _, _ in self.parts)
         self.step_inputs_on_device = False  # try_hand_off: ids and position once per step and GPU
 
     def legacy_hand_off(self) -> None:
         """The GPU hand-off as it was before 2026-11-29 evening, for side-by-side benchmarks: CPU
-        workers keep spinning and results are copied one by one when read. Call before the first step."""
+        workers keep spinning and results are copied one by one when read, by JAX. Call before the
+        first step."""
         self.hand_off, self.to_host = False, {}
+        self.jax_hand_off()
+
+    def jax_hand_off(self) -> None:
+        """Hand-offs through JAX's own transfers instead of raw copies (side-by-side benchmarks)."""
+        from strata_compiler.backends.xla import cuda_rt
+
+        cuda_rt.disable()
+        self.raw_copy = False
 
     def try_hand_off(self, step_inputs: bool = True, pack: bool = True) -> None:
         """Two hand-off changes not yet measured on a GPU (on JAX's CPU platform they measure within
@@ -245,7 +259,9 @@ class MixedExecutor:
 
     def _prefetch(self, nid: int, env: dict) -> None:
         for c, xla, gpu_node, host, w, b, nw, eps, k in self.lookahead.get(nid, ()):
-            h = np.asarray(env[nid], np.float32).reshape(-1, w.shape[1])
+            from strata_compiler.backends.xla import cuda_rt
+
+            h = cuda_rt.fetch(env[nid]).astype(np.float32, copy=False).reshape(-1, w.shape[1])
             x = h / np.sqrt((h * h).mean(-1, keepdims=True) + eps) * nw
             logits = x @ w.T + (0 if b is None else b)
             top = np.argpartition(-logits, min(k, logits.shape[1]) - 1, axis=-1)[:, :k]
@@ -294,7 +310,7 @@ class MixedExecutor:
                 if self.step_inputs_on_device and exe.device not in step_in:
                     step_in[exe.device] = exe.step_inputs(input_ids, cache)
                 exe.run_segment(env, input_ids, cache, step_in.get(exe.device))
-                for nid in self.to_host.get(i, ()):
+                for nid in () if self.raw_copy else self.to_host.get(i, ()):
                     v = env.get(nid)
                     if hasattr(v, "copy_to_host_async"):
                         v.copy_to_host_async()
@@ -307,4 +323,6 @@ class MixedExecutor:
         cache.advance(T)
         if self.caches:
             self._swap_experts()
-        return {o: np.asarray(env[o]).reshape(B, T, -1) for o in self.g.outputs}
+        from strata_compiler.backends.xla import cuda_rt
+
+        return {o: cuda_rt.fetch(env[o]).reshape(B, T, -1) for o in self.g.outputs}

@@ -95,7 +95,7 @@ class GpuProfile:
     h2d_pageable: float        # B/s from ordinary NumPy memory
     h2d_pinned: float | None   # B/s from pinned host memory; None: not measurable (see notes)
     d2h: float                 # B/s
-    partition_seconds: float | None = None   # a tiny jitted call, NumPy in and out: one partition's overhead
+    partition_seconds: float | None = None   # a tiny jitted call with its activation in and out (as the runtime hands off): one partition's overhead
 
 
 @dataclass(frozen=True)
@@ -630,10 +630,22 @@ def measure_gpu(dev, sizes: ProbeSizes, say: Callable[[str], None], notes: list[
         times.append(time.perf_counter() - t0)
         del y
     d2h = host.nbytes / statistics.median(times[1:])
-    say("gpu: partition round trip (a tiny jitted call, NumPy in and out)")
     tiny = jax.jit(lambda x, pos: (x * 2.0 + 1.0, pos + 1))
     xin = np.ones((1, 2048), np.float32)
-    part_s = _median_seconds(lambda: np.asarray(tiny(xin, np.int32(3))[0]), max(20, reps), warmup=3)
+    from strata_compiler.backends.xla import cuda_rt
+
+    if cuda_rt.enable("gpu"):   # the runtime's own hand-off: raw copies through staging arrays
+        say("gpu: partition round trip (a tiny jitted call, raw copies in and out)")
+        st, xout = cuda_rt.Staging(dev), np.empty((1, 2048), np.float32)
+
+        def trip():
+            y = tiny(st.stage(0, xin), st.stage(1, np.asarray(3, np.int32)))[0]
+            st.guard = y
+            cuda_rt.fetch_into(y, xout)
+        part_s = _median_seconds(trip, max(20, reps), warmup=3)
+    else:
+        say("gpu: partition round trip (a tiny jitted call, NumPy in and out)")
+        part_s = _median_seconds(lambda: np.asarray(tiny(xin, np.int32(3))[0]), max(20, reps), warmup=3)
     return GpuProfile(name=name, memory_bytes=memory, copy_bandwidth=copy_bw, gemv=gemv, matmul_flops=mm_flops,
                       h2d_pageable=h2d, h2d_pinned=h2d_pinned, d2h=d2h, partition_seconds=part_s)
 

@@ -176,18 +176,26 @@ def test_layer_regex_keeps_glue_ops_with_their_layer(tmp_path):
     assert g.meta_value("placed_by") == "rules"
 
 
-def test_mixed_plan_hand_off_variants_give_the_same_logits(tmp_path):
+def test_mixed_plan_hand_off_variants_give_the_same_logits(tmp_path, monkeypatch):
     """The mixed runtime's hand-off variants (results packed into one device->host buffer, ids
-    and position on the device once per step; the legacy one-by-one copies) change how values
-    move, never what is computed: every decode step's logits are bit-identical."""
+    and position on the device once per step; the legacy one-by-one copies; raw copies through
+    staging arrays, backends/xla/cuda_rt.py, here with memmove on JAX's CPU arrays) change how
+    values move, never what is computed: every decode step's logits are bit-identical."""
+    from strata_compiler.backends.xla import cuda_rt
     from strata_compiler.runtime.plan import load_plan
     from strata_compiler.runtime.session import Session
 
     d = build_model("olmoe", tmp_path / "model")
     compile_plan(d, tmp_path / "plan", "--place", "experts=cpu,all=gpu")
     runs = {}
-    for mode in ("default", "try", "legacy"):
+    for mode in ("default", "try", "legacy", "raw"):
+        if mode == "raw":
+            monkeypatch.setenv("STRATA_RAW_COPY", "host")
         s = Session(load_plan(tmp_path / "plan"), "auto", device="cpu")
+        if mode == "raw":
+            assert s.executor.raw_copy and cuda_rt.mode == "host"
+        else:
+            assert not s.executor.raw_copy
         if mode == "try":
             s.executor.try_hand_off()
             assert any(exe.packed for kind, exe, _ in s.executor.parts if kind == "xla")
@@ -198,6 +206,11 @@ def test_mixed_plan_hand_off_variants_give_the_same_logits(tmp_path):
         for t in (13, 17, 19, 23):
             out.append(s.step(np.array([[t]], np.int64)))
         runs[mode] = out
-    for mode in ("try", "legacy"):
+        if mode == "raw":   # the host values the GPU partitions read went through staging arrays
+            staged = [k for kind, exe, _ in s.executor.parts if kind == "xla" and hasattr(exe, "_stage")
+                      for k in exe._stage.bufs]
+            assert "ids" in staged and "pos" in staged and any(isinstance(k, int) for k in staged)
+            cuda_rt.disable()
+    for mode in ("try", "legacy", "raw"):
         for a, b in zip(runs[mode], runs["default"]):
             np.testing.assert_array_equal(a, b)

@@ -71,3 +71,35 @@ def test_second_run_compiles_nothing(plans, tmp_path):
     before = {e.name for e in entries}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and {e.name for e in (tmp_path / "cache" / "xla").iterdir()} == before
+
+
+def test_raw_copy_staging_round_trip(monkeypatch):
+    """cuda_rt's staging and fetch logic, with memmove on JAX's CPU arrays standing in for
+    cudaMemcpy: a staged value reaches the jitted call (0-d arrays stay 0-d), a rewrite waits for
+    the previous call, fetch_into copies a result into a caller's buffer and declines a buffer
+    of another dtype; STRATA_RAW_COPY=0 keeps raw copies off."""
+    import jax
+
+    from strata_compiler.backends.xla import cuda_rt
+
+    monkeypatch.setenv("STRATA_RAW_COPY", "host")
+    try:
+        assert cuda_rt.enable("cpu") == "host"
+        dev = jax.devices("cpu")[0]
+        st = cuda_rt.Staging(dev)
+        f = jax.jit(lambda x, p: x * 2.0 + p)
+        for i in range(3):
+            x = np.arange(8, dtype=np.float32).reshape(1, 8) + i
+            p = st.stage("pos", np.asarray(i, np.int32))
+            assert p.shape == ()
+            y = f(st.stage(0, x), p)
+            st.guard = y
+            out = np.empty((1, 8), np.float32)
+            assert cuda_rt.fetch_into(y, out)
+            np.testing.assert_array_equal(out, x * 2 + i)
+        assert not cuda_rt.fetch_into(y, np.empty((1, 8), np.float64))
+        np.testing.assert_array_equal(cuda_rt.fetch(y), np.asarray(y))
+        monkeypatch.setenv("STRATA_RAW_COPY", "0")
+        assert cuda_rt.enable("gpu") is None and cuda_rt.mode is None
+    finally:
+        cuda_rt.disable()

@@ -23,6 +23,7 @@ import numpy as np
 from strata_compiler.errors import BackendError, UsageError
 from strata_compiler.ir import Graph, Node, Op
 from strata_compiler.rope import rope_inv_freq
+from strata_compiler.backends.xla import cuda_rt
 from strata_compiler.runtime import trace
 from strata_compiler.runtime.kv_cache import KVCache
 
@@ -196,12 +197,17 @@ class LLVMExecutor:
         for i in self.inputs:
             node = self.g.node(i)
             if node.op is not Op.INPUT_IDS:
-                v = env[i]
-                if trace.ACTIVE is not None and not isinstance(v, np.ndarray):   # a GPU result: wait, copy
-                    t0 = time.perf_counter()
-                    v = np.asarray(v)
-                    trace.ACTIVE.transfer("d2h", v.nbytes, time.perf_counter() - t0, name="wait + copy")
-                np.copyto(frame.out(node), np.asarray(v).reshape(M, -1))
+                v, dst = env[i], frame.out(node)
+                if isinstance(v, np.ndarray):
+                    np.copyto(dst, v.reshape(M, -1))
+                    continue
+                # a GPU result: wait for it, copy it (straight into the kernel's buffer when raw
+                # copies are on: backends/xla/cuda_rt.py)
+                t0 = time.perf_counter() if trace.ACTIVE is not None else 0.0
+                if not cuda_rt.fetch_into(v, dst):
+                    np.copyto(dst, np.asarray(v).reshape(M, -1))
+                if trace.ACTIVE is not None:
+                    trace.ACTIVE.transfer("d2h", dst.nbytes, time.perf_counter() - t0, name="wait + copy")
         step = Step(B, T, cache)
         if trace.ACTIVE is None:
             for op in ops:

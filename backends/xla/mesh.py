@@ -50,6 +50,10 @@ class MeshXLAExecutor(XLAExecutor):
         self.follower = {m.id for grp in self.groups for m in grp[1:]}
         super().__init__(graph, weights, nodes=nodes, device_kind=device_kind, device_index=0)
 
+    def _staging(self):
+        """No raw-copy staging: a mesh's host inputs are replicated over its devices by JAX."""
+        return None
+
     def _home(self):
         return self.replicated      # dense weights, KV cache, ids and position: on every device
 

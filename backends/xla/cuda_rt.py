@@ -1,0 +1,168 @@
+"""Raw copies for the small hand-offs between GPU partitions and CPU kernels.
+
+A decode step of a plan that splits layers between the devices crosses between them about twice
+per layer, each time with a few KiB. Through JAX such a crossing is slow on an H200 host
+(`benchmarks/gpu_roundtrip.py`, 2026-11-29): `np.asarray` of a fresh result 362 us (d2h + wait,
+mostly thread hand-offs inside the runtime), a NumPy argument of a jitted call 50-60 us more per
+argument (a synchronous host->device copy inside the dispatch). libcudart's cudaMemcpy on the
+buffers JAX owns (`unsafe_buffer_pointer`), in the calling thread, takes 12 us device->host and
+8 us host->device; a whole trip (copy in, jitted call, wait, copy out) 93 us against 374.
+
+So on a CUDA GPU the mixed runtime (when `enable()`d):
+- writes each host value a GPU partition reads into a device *staging* array the partition owns
+  (`stage`), and passes that array to the jitted call instead of the NumPy array;
+- copies each GPU result a CPU kernel reads straight into the kernel's own buffer (`fetch_into`)
+  after waiting for it (`block_until_ready`: JAX's readiness, so never a half-written result).
+
+Ordering: a staging array is rewritten only after the partition's previous run has finished
+(its outputs are ready), so no queued computation can still be reading it; the host->device copy
+from pageable memory may still be in flight when cudaMemcpy returns, so the legacy stream is
+synchronised before the jitted call that reads it.
+
+`mode` "cuda" uses libcudart; "host" (tests, JAX's CPU platform) does the same with memmove on
+the CPU arrays' buffers, so CI exercises the staging logic; None (default) leaves everything to
+JAX. STRATA_RAW_COPY=0 keeps it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+
+import numpy as np
+
+_LIB = None
+_TRIED = False
+H2D, D2H = 1, 2
+mode: str | None = None     # "cuda", "host" or None (JAX's own transfers)
+
+
+def _find() -> list[str]:
+    names = []
+    for base in sys.path:
+        for pat in ("nvidia/cuda_runtime/lib/libcudart.so*", "nvidia/cu*/lib/libcudart.so*"):
+            names += sorted(glob.glob(os.path.join(base, pat)))
+    return names + ["libcudart.so", "libcudart.so.13", "libcudart.so.12"]
+
+
+def lib():
+    """The loaded libcudart, or None."""
+    global _LIB, _TRIED
+    if _TRIED:
+        return _LIB
+    _TRIED = True
+    for name in _find():
+        try:
+            L = ctypes.CDLL(name)
+        except OSError:
+            continue
+        L.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        L.cudaMemcpy.restype = ctypes.c_int
+        L.cudaDeviceSynchronize.restype = ctypes.c_int
+        L.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
+        L.cudaStreamSynchronize.restype = ctypes.c_int
+        _LIB = L
+        break
+    return _LIB
+
+
+def available() -> bool:
+    return lib() is not None
+
+
+def enable(platform: str) -> str | None:
+    """Turn raw copies on for xla partitions on `platform` ("gpu" or "cpu"); returns the mode."""
+    global mode
+    if os.environ.get("STRATA_RAW_COPY", "1") == "0":
+        mode = None
+    elif platform == "gpu":
+        mode = "cuda" if available() else None
+    elif platform == "cpu" and os.environ.get("STRATA_RAW_COPY") == "host":
+        mode = "host"
+    else:
+        mode = None
+    return mode
+
+
+def disable() -> None:
+    global mode
+    mode = None
+
+
+def _check(rc: int, what: str) -> None:
+    if rc:
+        raise RuntimeError(f"{what} failed (CUDA error {rc})")
+
+
+def to_host(x, out: np.ndarray) -> None:
+    """Copy finished device array x into NumPy array `out` (C-contiguous, x's byte size)."""
+    if mode == "cuda":
+        _check(_LIB.cudaMemcpy(out.ctypes.data, x.unsafe_buffer_pointer(), out.nbytes, D2H), "cudaMemcpy d2h")
+    else:
+        ctypes.memmove(out.ctypes.data, x.unsafe_buffer_pointer(), out.nbytes)
+
+
+def to_device(src: np.ndarray, x) -> None:
+    """Overwrite device array x's buffer with `src` (C-contiguous, same byte size); the caller makes
+    sure nothing reads x meanwhile. Returns when the copy has landed."""
+    if mode == "cuda":
+        _check(_LIB.cudaMemcpy(x.unsafe_buffer_pointer(), src.ctypes.data, src.nbytes, H2D), "cudaMemcpy h2d")
+        _check(_LIB.cudaStreamSynchronize(None), "cudaStreamSynchronize")
+    else:
+        ctypes.memmove(x.unsafe_buffer_pointer(), src.ctypes.data, src.nbytes)
+
+
+def sync() -> None:
+    _check(_LIB.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+
+
+def _raw_ok(v) -> bool:
+    return mode is not None and hasattr(v, "unsafe_buffer_pointer") and len(v.devices()) == 1 \
+        and (mode == "cuda") == (next(iter(v.devices())).platform == "gpu")
+
+
+def fetch_into(v, dst: np.ndarray) -> bool:
+    """GPU result v into `dst` (same number of elements) by a raw copy when that applies (same
+    dtype, `dst` contiguous); False when the caller must copy it itself."""
+    if not _raw_ok(v) or dst.dtype != v.dtype or dst.size != v.size or not dst.flags.c_contiguous:
+        return False
+    v.block_until_ready()
+    to_host(v, dst)
+    return True
+
+
+def fetch(v) -> np.ndarray:
+    """v as a NumPy array: a raw copy for a single-device array when enabled, else np.asarray."""
+    if isinstance(v, np.ndarray) or not _raw_ok(v):
+        return np.asarray(v)
+    out = np.empty(v.shape, v.dtype)
+    if not fetch_into(v, out):
+        return np.asarray(v)
+    return out
+
+
+class Staging:
+    """One xla partition's device staging arrays for host values (by key: node id, "ids", "pos"),
+    rewritten in place before each call; `guard` is an output of the partition's previous call,
+    waited on before any rewrite."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self.bufs: dict = {}
+        self.guard = None
+
+    def stage(self, key, value: np.ndarray):
+        import jax
+
+        value = np.require(value, requirements="C")     # (ascontiguousarray would make a 0-d array 1-d)
+        buf = self.bufs.get(key)
+        if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
+            buf = jax.block_until_ready(jax.device_put(np.zeros(value.shape, value.dtype), self.device))
+            self.bufs[key] = buf
+        if self.guard is not None:
+            self.guard.block_until_ready()
+            self.guard = None
+        to_device(value, buf)
+        return buf
