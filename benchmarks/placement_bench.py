@@ -32,8 +32,8 @@ Variants, each compiled from the same folder at --quant with the same calibratio
   strata-B/old-hand-off  (smallest budget) strata-B with the mixed runtime's GPU hand-off as it
                  was: CPU workers spinning through the GPU's turn, GPU results copied one by one
                  (now: their copies start at dispatch)
-  strata-B/jax-hand-off, hot-B/jax-hand-off  (smallest budget) hand-offs through JAX's transfers
-                 instead of raw copies (backends/xla/cuda_rt.py)
+  strata-B/jax-hand-off, ngl-B/jax-hand-off, hot-B/jax-hand-off  hand-offs through JAX's
+                 transfers instead of raw copies (backends/xla/cuda_rt.py)
   strata-B/try-hand-off  (smallest budget) with MixedExecutor.try_hand_off(): ids and position on
                  the GPU once per step, the results only the CPU reads packed into one buffer
   ktransformers/old-hand-off, ktransformers/try-hand-off  the same for the KTransformers layout
@@ -237,7 +237,7 @@ def main() -> int:
     ap.add_argument("--disk", action="store_true", help="also a plan with half the experts on the disk tier")
     ap.add_argument("--trace-dir", type=Path, help="also write a trace of one more decode pass per variant here "
                     "(trace-VARIANT.json) and report busy time per track")
-    ap.add_argument("--only", help="comma-separated variants to run (default: all built)")
+    ap.add_argument("--only", help="comma-separated variants to run, in this order (default: all built)")
     ap.add_argument("--profile", default="", help="comma-separated variants to run once more under cProfile "
                     "(decode steps only): the host functions that take the time, top 25 by own time")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu"],
@@ -350,6 +350,10 @@ def main() -> int:
             stratac("compile", str(model), "-o", str(out), *common, "--place", rule)
         if n:
             variants[f"ngl-{b}"] = {"dir": out, "gpu_bytes": used, "layers": n}
+        for v in (f"strata-{b}", f"ngl-{b}"):   # A/B at every budget: JAX's transfers, not raw copies
+            if v in variants and f"{v}/jax-hand-off" not in variants:
+                variants[f"{v}/jax-hand-off"] = dict(variants[v], hand_off="jax")
+                variants[f"{v}/jax-hand-off"].pop("predicted", None)
     if a.disk:      # half the experts beyond --host-mem: the disk tier (issue 7)
         out = a.work_dir / "disk-half"
         host = rest_b + experts_b // 2
@@ -358,7 +362,9 @@ def main() -> int:
                     "--host-mem", str(host))
         variants["disk-half"] = {"dir": out, "gpu_bytes": 0, "host_budget": host}
     if keep is not None:
-        variants = {k: v for k, v in variants.items() if k in keep or k == "gpu-all"}
+        # gpu-all first (the reference tokens), then in --only's order (interleave A/B pairs)
+        variants = {k: variants[k] for k in ["gpu-all"] + [k for k in a.only.split(",") if k != "gpu-all"]
+                    if k in variants}
     prompt, gap = pick_prompt(base, a.n_new, variants["gpu-all"].get("backend", "auto"), a.device)
     log(f"prompt: the clearest of {PROMPT_TRIES} random 32-token prompts, smallest top-1/top-2 gap over its greedy "
         f"steps {gap:.3f} x std(logits)")

@@ -63,6 +63,13 @@ CPU_OP_S = 12e-6
 # pairs, the two MoE halves, ...): the dispatch cost counts per call.
 CPU_CALLS = {Op.LINEAR: 2, Op.FUSED_ATTENTION: 3, Op.ROUTE: 1, Op.MOE_FFN: 5, Op.EMBED: 1, Op.RMS_NORM: 1}
 PARTITION_S = 60e-6
+# A real partition switch costs more than the probe's tiny jitted call: its jitted call launches a
+# layer's ~17 kernels and passes ~20 weight arrays and the donated KV cache from the host (each a
+# host-side cost on the critical path), and the CPU pool wakes its workers. Fitted on the H200
+# (2026-11-29, raw-copy hand-offs): a plan splitting all 16 layers (32 switches per token)
+# measured 17.8 ms per token where the tiny call's 0.167 ms per switch predicted 10.5 ms, i.e.
+# 0.40 ms per switch = 2.4 x the tiny call. Plans with few switches barely depend on it.
+SWITCH_FACTOR = 2.4
 # One all-reduce of a token's activation among the GPUs of a mesh, inside the XLA computation
 # (NVLink; assumed, not yet measured: what a small NCCL all-reduce costs on an H200 node).
 ALLREDUCE_S = 20e-6
@@ -77,11 +84,11 @@ def cpu_op_s(hw) -> float:
 
 
 def partition_s(hw) -> float:
-    """Entering a GPU partition (jitted call, activations in and out through the host): the
-    profile's measured round trip when it has one, else PARTITION_S."""
+    """One partition switch (a jitted call, activations in and out through the host): the
+    profile's measured tiny round trip times SWITCH_FACTOR when it has one, else PARTITION_S."""
     gpu = hw.gpu
     measured = getattr(gpu, "partition_seconds", None) if gpu is not None else None
-    return max(measured, PARTITION_S) if measured else PARTITION_S
+    return max(measured * SWITCH_FACTOR, PARTITION_S) if measured else PARTITION_S
 KERNELS = {Op.LINEAR: 1, Op.FUSED_ATTENTION: 8, Op.ROUTE: 2, Op.MOE_FFN: 5, Op.EMBED: 1, Op.RMS_NORM: 1}
 
 

@@ -52,6 +52,7 @@ class ExpertCache:
     pf_predicted: int = 0
     pf_correct: int = 0
     prefetches: int = 0
+    budget_skips: int = 0             # steps whose copies for this layer the copy budget left out
     _chosen: np.ndarray | None = None
 
     def __post_init__(self) -> None:
@@ -97,8 +98,10 @@ class ExpertCache:
             self.prefetches += 1
         return out
 
-    def plan_swaps(self) -> list[tuple[int, int]]:
-        """(slot, expert) copies to make now, and the bookkeeping as if they were made."""
+    def plan_swaps(self, max_swaps: int | None = None) -> list[tuple[int, int]]:
+        """(slot, expert) copies to make now (at most `max_swaps`, default self.max_swaps: 0 only
+        updates the scores), and the bookkeeping as if they were made."""
+        limit = self.max_swaps if max_swaps is None else max_swaps
         used = self._chosen if self._chosen is not None else np.zeros(self.n_experts, bool)
         self._chosen = None
         self.step += 1
@@ -110,7 +113,7 @@ class ExpertCache:
         out = []
         missed = [int(e) for e in np.flatnonzero(used & (self.nonresident != 0))]
         for e in sorted(missed, key=lambda e: -self.score[e]):
-            if len(out) >= self.max_swaps:
+            if len(out) >= limit:
                 break
             res = self.slots
             victim_slot = int(np.argmin(self.score[res]))
@@ -141,8 +144,9 @@ def stats_lines(graph) -> list[str]:
     pred = sum(c.pf_predicted for c in mine)
     good = sum(c.pf_correct for c in mine)
     pf = sum(c.prefetches for c in mine)
+    skips = sum(c.budget_skips for c in mine)
     return [f"  expert cache: {len(mine)} layers, {slots} GPU slots; hit rate {rate:.1%} "
             f"({hits} hits, {misses} misses); {swaps} experts swapped in after a miss, {pf} prefetched; "
-            f"{moved} B copied host->device",
+            f"{moved} B copied host->device; {skips} layer-steps' copies left out by the copy budget",
             f"  prefetch: the next layer's router on this layer's hidden state named {pred} experts, "
             f"{good} were chosen (accuracy {good / pred if pred else 0.0:.1%})"]

@@ -634,7 +634,7 @@ def measure_gpu(dev, sizes: ProbeSizes, say: Callable[[str], None], notes: list[
     xin = np.ones((1, 2048), np.float32)
     from strata_compiler.backends.xla import cuda_rt
 
-    if cuda_rt.enable("gpu"):   # the runtime's own hand-off: raw copies through staging arrays
+    if cuda_rt.enable(dev.platform):   # the runtime's own hand-off: raw copies through staging arrays
         say("gpu: partition round trip (a tiny jitted call, raw copies in and out)")
         st, xout = cuda_rt.Staging(dev), np.empty((1, 2048), np.float32)
 

@@ -117,6 +117,35 @@ def test_every_decode_step_matches_with_swaps(model, tmp_path, monkeypatch, batc
     assert sum(c.prefetches for c, *_ in caches) > 0 and sum(c.pf_predicted for c, *_ in caches) > 0
 
 
+def test_copy_budget_caps_swaps_and_keeps_the_logits(model, tmp_path, monkeypatch):
+    """With no copy time allowed per step (copy_share 0), only the steps before a step time is known
+    (the prefill and the first decode step) copy experts; the later ones leave their copies out
+    (counted per layer), the scores still learn, and the logits stay the static run's."""
+    from strata_compiler.runtime.session import Session
+
+    d, m, ids = model
+    plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
+    out = {}
+    for on in (True, False):
+        s = Session(plan, "auto", device="cpu", expert_cache=on, prefetch=on)
+        if on:
+            s.executor.copy_share = 0.0
+        s.reset(1, 64)
+        steps = [s.step(ids)[:, -1]]
+        rng = np.random.default_rng(1)
+        moved = []
+        for _ in range(8):
+            steps.append(s.step(rng.integers(0, m.config.vocab_size, (1, 1)))[:, -1])
+            moved.append(sum(c.swaps + c.prefetches for c, *_ in s.executor.caches))
+        out[on] = (np.concatenate(steps), s, moved)
+    caches = out[True][1].executor.caches
+    assert caches and sum(c.budget_skips for c, *_ in caches) > 0
+    assert len(set(out[True][2][1:])) == 1          # nothing copied after the first decode step
+    assert all(c.step > 1 for c, *_ in caches)     # the scores kept counting steps
+    b = out[False][0]
+    assert np.abs(out[True][0] - b).max() / b.std() <= 1e-5
+
+
 def test_out_of_gpu_memory_shrinks_the_cache(model, tmp_path, monkeypatch, capsys):
     """Less GPU memory than the plan's partitions need: the expert caches lose slots (the CPU
     computes those experts) instead of the run failing; the results stay the same."""

@@ -63,6 +63,9 @@ def lib():
         L.cudaDeviceSynchronize.restype = ctypes.c_int
         L.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
         L.cudaStreamSynchronize.restype = ctypes.c_int
+        count = ctypes.c_int(0)
+        if L.cudaGetDeviceCount(ctypes.byref(count)) != 0 or count.value < 1:
+            break               # a runtime library but no usable GPU (or driver) here
         _LIB = L
         break
     return _LIB
@@ -104,14 +107,17 @@ def to_host(x, out: np.ndarray) -> None:
         ctypes.memmove(out.ctypes.data, x.unsafe_buffer_pointer(), out.nbytes)
 
 
-def to_device(src: np.ndarray, x) -> None:
-    """Overwrite device array x's buffer with `src` (C-contiguous, same byte size); the caller makes
-    sure nothing reads x meanwhile. Returns when the copy has landed."""
+def to_device(src: np.ndarray, x, offset: int = 0) -> None:
+    """Overwrite device array x's buffer from byte `offset` with `src` (C-contiguous, fits); the
+    caller makes sure nothing reads x meanwhile. Returns when the copy has landed."""
+    if offset < 0 or offset + src.nbytes > x.nbytes:
+        raise ValueError(f"a copy of {src.nbytes} B at offset {offset} does not fit an array of {x.nbytes} B")
+    dst = x.unsafe_buffer_pointer() + offset
     if mode == "cuda":
-        _check(_LIB.cudaMemcpy(x.unsafe_buffer_pointer(), src.ctypes.data, src.nbytes, H2D), "cudaMemcpy h2d")
+        _check(_LIB.cudaMemcpy(dst, src.ctypes.data, src.nbytes, H2D), "cudaMemcpy h2d")
         _check(_LIB.cudaStreamSynchronize(None), "cudaStreamSynchronize")
     else:
-        ctypes.memmove(x.unsafe_buffer_pointer(), src.ctypes.data, src.nbytes)
+        ctypes.memmove(dst, src.ctypes.data, src.nbytes)
 
 
 def sync() -> None:

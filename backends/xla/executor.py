@@ -474,10 +474,21 @@ class XLAExecutor:
             self._put_row = jax.jit(lambda a, r, i: a.at[i].set(r), donate_argnums=0)
         n = self.g.node(node_id)
         moved = 0
+        # on a CUDA GPU, a raw copy straight into the slot's rows (no jitted update, no donation)
+        # once this partition's last call has finished reading the weights
+        raw = cuda_rt.mode == "cuda" and self.on_gpu
+        if raw and getattr(self, "_last_outs", None) is not None:
+            jax.block_until_ready(self._last_outs)
+            self._last_outs = None
         for role, name in n.weights:
             for arr, host in rows[role].items():
-                dev = jax.device_put(np.ascontiguousarray(host), self.device)
-                self.params[name][arr] = self._put_row(self.params[name][arr], dev, np.int32(slot))
+                cur = self.params[name][arr]
+                host = np.ascontiguousarray(host, dtype=cur.dtype)
+                if raw and host.nbytes * cur.shape[0] == cur.nbytes:
+                    cuda_rt.to_device(host, cur, offset=slot * host.nbytes)
+                else:
+                    dev = jax.device_put(host, self.device)
+                    self.params[name][arr] = self._put_row(cur, dev, np.int32(slot))
                 moved += host.nbytes
         return moved
 
@@ -530,6 +541,8 @@ class XLAExecutor:
         outs, ks, vs = self._fn(self.params, ks, vs, ext, ids_arg, B, T_pad, pos_arg)
         if staging is not None and outs:
             staging.guard = next(iter(outs.values()))   # the next rewrite waits for this call
+        if self.cached:
+            self._last_outs = outs      # an expert-slot rewrite (set_slot) waits for this call
         for l in self.layers:
             cache.k[l], cache.v[l] = ks[l], vs[l]
         return outs
@@ -636,4 +649,5 @@ class XLAExecutor:
         T_pad = self.bucket(T, cache.capacity - cache.length)
         outs = self.run_partition({}, input_ids, cache, T_pad)
         cache.advance(T)
-        return {o: np.asarray(outs[o]).reshape(B, T_pad, -1)[:, :T] for o in self.g.outputs}
+        # the logits to the host by a raw copy when on (cuda_rt: ~12 us against JAX's ~0.35 ms on an H200 host)
+        return {o: cuda_rt.fetch(outs[o]).reshape(B, T_pad, -1)[:, :T] for o in self.g.outputs}
