@@ -209,6 +209,11 @@ def test_device_benchmarks_smoke(tmp_path):
     assert 0 < res["hot-cache-25"]["hit_rate"] <= 1 and res["hot-cache-25"]["prefetch_accuracy"] is not None
     assert all(v["tok_s"] > 0 and v["same_tokens"] for v in res.values())
     assert 0 < res["disk-half"]["peak_rss"] < 4 << 30 and res["strata-25"]["predicted"] > 0
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_dispatch.py"), str(tmp_path / "pb" / "hot-cache-25"),
+                        "--device", "cpu", "--reps", "3"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [ln.split()[0] for ln in r.stdout.splitlines()[-5:]] == ["runtime", "no-donation", "compiled",
+                                                                     "trivial-body", "tiny"]
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multi_gpu.py"), "--tiny", "--work-dir",
                         str(tmp_path / "mg"), "--hw", str(hw), "--device", "cpu", "--n-new", "6", "--prefill", "16",
                         "--repeats", "1", "--json", str(tmp_path / "mg.json")],
