@@ -70,9 +70,11 @@ PARTITION_S = 60e-6
 # measured 17.8 ms per token where the tiny call's 0.167 ms per switch predicted 10.5 ms, i.e.
 # 0.40 ms per switch = 2.4 x the tiny call. Plans with few switches barely depend on it.
 SWITCH_FACTOR = 2.4
-# One all-reduce of a token's activation among the GPUs of a mesh, inside the XLA computation
-# (NVLink; assumed, not yet measured: what a small NCCL all-reduce costs on an H200 node).
-ALLREDUCE_S = 20e-6
+# One all-reduce of a token's activation among the GPUs of a mesh, inside the XLA computation, with
+# what sharding adds around it. Measured on 2 H200s (2026-11-29, benchmarks/multi_gpu.py, 16
+# layers): the striped plan as one mesh decoded at 319.3 tok/s against 432.2 on one GPU, i.e.
+# (3.132 - 2.314) ms / 16 layers = 51 us per split layer.
+ALLREDUCE_S = 51e-6
 GPU_RESERVE = 0.10              # of the GPU budget: XLA's workspace, fragmentation
 
 

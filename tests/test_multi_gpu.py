@@ -31,14 +31,22 @@ model, hw, out, ids_path = sys.argv[1:5]
 ids = np.load(ids_path)
 res = {"devices": len(jax.devices("cpu"))}
 for name, extra, multi in (("one", [], "mesh"), ("layer", ["--gpus", "2", "--gpu-mode", "layer"], "mesh"),
+                           ("layer-swapped", None, "mesh"),
                            ("stripe", ["--gpus", "4", "--gpu-mode", "stripe"], "mesh"),
                            ("stripe-host", ["--gpus", "4", "--gpu-mode", "stripe"], "host")):
     p = f"{out}/{name}"
-    if not multi == "host":
+    if extra is None:
+        p = f"{out}/layer"
+    elif not multi == "host":
         assert run_cli(stratac, ["compile", model, "-o", p, "--target", hw, "--gpu-mem", "1GiB", *extra]) == 0
     else:
         p = f"{out}/stripe"
     plan = load_plan(p)
+    if name == "layer-swapped":     # the same partitions, each on the other GPU
+        from dataclasses import replace
+        swap = {"gpu:0": "gpu:1", "gpu:1": "gpu:0"}
+        plan = replace(plan, graph=plan.graph.with_(nodes=[replace(n, device=swap.get(n.device, n.device))
+                                                           for n in plan.graph.nodes]))
     s = Session(plan, "auto", device="cpu", multi_gpu=multi)
     s.reset(1, 64)
     logits = s.step(ids)
@@ -50,7 +58,8 @@ for name, extra, multi in (("one", [], "mesh"), ("layer", ["--gpus", "2", "--gpu
     np.save(f"{out}/{name}.npy", logits)
     res[name] = {"tokens": toks, "devices": sorted({n.device for n in plan.graph.nodes}),
                  "mesh": getattr(s.executor, "mesh", 0),
-                 "executors": [type(e).__name__ for _, e, _ in getattr(s.executor, "parts", [])]}
+                 "executors": [type(e).__name__ for _, e, _ in getattr(s.executor, "parts", [])],
+                 "first_gpu": next((str(e.device) for k, e, _ in getattr(s.executor, "parts", []) if k == "xla"), "")}
 print(json.dumps(res))
 """
 
@@ -82,6 +91,16 @@ def test_spread_over_gpus_matches_one_gpu(runs, mode):
     assert np.abs(a - b).max() / b.std() <= 1e-5
     ref = hf_logits(m, ids)
     assert np.abs(a - ref).max() / ref.std() <= 1e-4
+
+
+def test_same_kernels_on_the_other_gpu_give_bit_identical_logits(runs):
+    """The layer plan with its two GPUs' partitions exchanged: the same computations on the other
+    device, so the logits are bit-identical (and so are the tokens)."""
+    res, tmp, m, ids = runs
+    assert res["layer-swapped"]["devices"] == res["layer"]["devices"]
+    assert res["layer-swapped"]["first_gpu"] != res["layer"]["first_gpu"]      # really on the other device
+    np.testing.assert_array_equal(np.load(tmp / "layer-swapped.npy"), np.load(tmp / "layer.npy"))
+    assert res["layer-swapped"]["tokens"] == res["layer"]["tokens"]
 
 
 def test_gpu_mode_auto_prices_the_hops_between_gpus(tmp_path, monkeypatch):
