@@ -34,6 +34,7 @@ def bench_gemv(pool, lib, target, fmt: str, N: int, K: int, q8: bool, reps: int)
 def bench_moe(pool, lib, target, fmt: str, E: int, D: int, I: int, top_k: int, reps: int) -> dict:
     """One decode token through a MoE FFN (q8 activations): gate_up then down over top_k of E
     experts, chosen at random per call. Returns GB/s of the weight bytes each kernel reads."""
+    from strata_compiler.backends.llvm_cpu.codegen.dot import pair_layout
     from strata_compiler.backends.llvm_cpu.codegen.elementwise import quantize_q8
     from strata_compiler.backends.llvm_cpu.codegen.moe import (DOWN_PARAMS, GATE_UP_PARAMS, MoESpec, down,
                                                               gate_up, h_stride)
@@ -53,14 +54,14 @@ def bench_moe(pool, lib, target, fmt: str, E: int, D: int, I: int, top_k: int, r
     au_addr, ad_addr = lib.address(ku.ir, ku.name), lib.address(kd.ir, kd.name)
     x = rng.standard_normal((1, D), dtype=np.float32)
     xq, xd, xs = np.zeros((1, D), np.int8), np.zeros((1, D // 32), np.float32), np.zeros((1, D // 32), np.int32)
-    q = quantize_q8(D, target)
+    q = quantize_q8(D, target, pair_layout(target, fmt, 32))
     qa = (ctypes.c_int64 * len(q.params))(*[dict(x=x.ctypes.data, xq=xq.ctypes.data, xd=xd.ctypes.data,
                                                  xs=xs.ctypes.data, ldx=D)[p] for p in q.params])
     pool.run(lib.address(q.ir, q.name), ctypes.addressof(qa), 0, 1)
     hs_ = h_stride(spec)
     h = np.zeros((top_k, hs_), np.float32)
     hq, hd, hsum = np.zeros((top_k, hs_), np.int8), np.zeros((top_k, hs_ // 32), np.float32), np.zeros((top_k, hs_ // 32), np.int32)
-    qh = quantize_q8(I, target)
+    qh = quantize_q8(I, target, pair_layout(target, fmt, 32))
     qha = (ctypes.c_int64 * len(qh.params))(*[dict(x=h.ctypes.data, xq=hq.ctypes.data, xd=hd.ctypes.data,
                                                    xs=hsum.ctypes.data, ldx=hs_)[p] for p in qh.params])
     qh_addr = lib.address(qh.ir, qh.name)

@@ -495,7 +495,9 @@ def time_linear(pool, lib, target, fmt: str, N: int, K: int, reps: int, *, M: in
     ng = -(-K // 32)
     xq, xd, xs = np.zeros((M, ng * 32), np.int8), np.zeros((M, ng), np.float32), np.zeros((M, ng), np.int32)
     if q8:
-        qsrc = quantize_q8(K, target)
+        from .backends.llvm_cpu.codegen.dot import pair_layout
+
+        qsrc = quantize_q8(K, target, pair_layout(target, fmt, G))
         qa = (ctypes.c_int64 * len(qsrc.params))(*[{"x": x.ctypes.data, "xq": xq.ctypes.data, "xd": xd.ctypes.data,
                                                     "xs": xs.ctypes.data, "ldx": K}[p] for p in qsrc.params])
         pool.run(lib.address(qsrc.ir, qsrc.name), ctypes.addressof(qa), 0, M)

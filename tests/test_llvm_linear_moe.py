@@ -12,6 +12,7 @@ import ctypes
 import numpy as np
 import pytest
 
+from strata_compiler.backends.llvm_cpu.codegen.dot import pair_layout
 from strata_compiler.backends.llvm_cpu.codegen.elementwise import quantize_q8
 from strata_compiler.backends.llvm_cpu.codegen.linear import PARAMS, LinearSpec, generate
 from strata_compiler.backends.llvm_cpu.codegen.moe import MoESpec, down, gate_up, h_stride, pairs
@@ -55,10 +56,22 @@ def quantized(fmt, w, G):
     return a.get("qs", a.get("w")), a.get("scales"), F.dequantize(a, w.shape[-1], G or 32)
 
 
-def activations(x, q8, G):
+def pair_permute(xq: np.ndarray) -> np.ndarray:
+    """q8 data in the pair layout (codegen/dot.py: pair_layout): per two blocks
+    [first[0:16], second[0:16], first[16:32], second[16:32]]; an odd last block unchanged."""
+    M, Kp = xq.shape
+    out = xq.copy()
+    npair = Kp // 64
+    if npair:
+        b = xq[:, :npair * 64].reshape(M, npair, 2, 2, 16)          # pair, block, half, byte
+        out[:, :npair * 64] = b.transpose(0, 1, 3, 2, 4).reshape(M, npair * 64)
+    return out
+
+
+def activations(x, q8, G, pairs: bool = False):
     if q8:
         xq, xd, xs, xdeq = q8_reference(x)
-        return xq, xd, xs, xdeq
+        return (pair_permute(xq) if pairs else xq), xd, xs, xdeq
     K = x.shape[1]
     kp = -(-K // G) * G if G else K
     xp = np.zeros((x.shape[0], kp), np.float32)
@@ -72,7 +85,8 @@ def ptr(a):
 
 @pytest.mark.parametrize("tname", list(TARGETS))
 @pytest.mark.parametrize("fmt,q8", CASES)
-@pytest.mark.parametrize("N,K,M,epi", [(37, 70, 3, "bsr"), (64, 96, 1, ""), (16, 32, 2, "s"), (130, 288, 5, "br")])
+@pytest.mark.parametrize("N,K,M,epi", [(37, 70, 3, "bsr"), (64, 96, 1, ""), (16, 32, 2, "s"), (130, 288, 5, "br"),
+                                        (9, 330, 2, ""), (5, 512, 1, "")])
 def test_linear_matches_reference(tname, fmt, q8, N, K, M, epi):
     rng = np.random.default_rng(N * K + M)
     G = 32 if get_format(fmt).grouped else 0
@@ -80,7 +94,7 @@ def test_linear_matches_reference(tname, fmt, q8, N, K, M, epi):
     rows = 2 * N if silu_mul else N
     w, s, wd = quantized(fmt, rng.standard_normal((rows, K), dtype=np.float32), G)
     x = rng.standard_normal((M, K), dtype=np.float32)
-    xin, xd, xs, xdeq = activations(x, q8, G)
+    xin, xd, xs, xdeq = activations(x, q8, G, pair_layout(TARGETS[tname], fmt, G))
     b = rng.standard_normal(rows, dtype=np.float32)
     r = rng.standard_normal((M, N), dtype=np.float32)
     y = np.full((M, N), np.nan, np.float32)
@@ -94,6 +108,22 @@ def test_linear_matches_reference(tname, fmt, q8, N, K, M, epi):
     if "r" in epi:
         h = h + r
     np.testing.assert_allclose(y, h, rtol=0, atol=2e-5 * np.abs(h).max())
+
+
+@pytest.mark.parametrize("K", [32, 64, 70, 200, 330])
+def test_quantize_q8_pair_layout(K):
+    """quantize_q8(pairs=True) writes the blocks of quantize_q8 in the pair layout (scales and
+    block sums unchanged)."""
+    lib, t = LIBS["avx2"], TARGETS["avx2"]
+    x = np.random.default_rng(K).standard_normal((3, K), dtype=np.float32)
+    ng = -(-K // 32)
+    xq, xd, xs = np.zeros((3, ng * 32), np.int8), np.zeros((3, ng), np.float32), np.zeros((3, ng), np.int32)
+    call(lib, quantize_q8(K, t, pairs=True), dict(x=ptr(x), xq=ptr(xq), xd=ptr(xd), xs=ptr(xs), ldx=K), 3)
+    rq, rd, rs, _ = q8_reference(x)
+    np.testing.assert_array_equal(xq, pair_permute(rq))
+    np.testing.assert_array_equal(xs, rs)
+    np.testing.assert_allclose(xd, rd, rtol=1e-6)
+    assert pair_layout(t, "int4", 32) and not pair_layout(t, "int8", 32)
 
 
 def test_quantize_q8_kernel_matches_definition():
@@ -129,7 +159,7 @@ def test_moe_kernels_match_reference(tname, fmt, q8):
     first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     active = active.astype(np.int64)
     spec = MoESpec(fmt, D, I, G, q8, residual=True)
-    xin, xd, xs, xdeq = activations(x, q8, G)
+    xin, xd, xs, xdeq = activations(x, q8, G, pair_layout(t, fmt, G))
     hfull = np.zeros((len(tok), h_stride(spec)), np.float32)   # f32 rows padded to whole groups
     h = hfull[:, :I]
     call(lib, gate_up(spec, t), dict(h=ptr(hfull), x=ptr(xin), xd=ptr(xd), xs=ptr(xs), w=ptr(wu), s=ptr(su),
@@ -138,7 +168,7 @@ def test_moe_kernels_match_reference(tname, fmt, q8):
     href = np.stack([silu(xdeq[m] @ gud[e, :I].T) * (xdeq[m] @ gud[e, I:].T) for m, e in zip(tok, exp)])
     np.testing.assert_allclose(h, href, atol=2e-5 * np.abs(href).max())
     assert not hfull[:, I:].any()
-    hin, hd, hs, hdeq = activations(np.ascontiguousarray(h), q8, G)
+    hin, hd, hs, hdeq = activations(np.ascontiguousarray(h), q8, G, pair_layout(t, fmt, G))
     y = np.zeros((M, D), np.float32)
     call(lib, down(spec, t), dict(y=ptr(y), r=ptr(r), h=ptr(hin), hd=ptr(hd), hs=ptr(hs), w=ptr(wdn), s=ptr(sdn),
                                    pair_tok=ptr(tok), pair_exp=ptr(exp), pair_w=ptr(pw), P=len(tok), M=M, ldy=D, ldr=D),

@@ -30,7 +30,7 @@ from strata_compiler.runtime.kv_cache import KVCache
 from .codegen import attention as attn_gen
 from .codegen import elementwise as ew
 from .codegen.common import KernelSource, float_slot
-from .codegen.dot import Q8_BLOCK, needs_q8
+from .codegen.dot import Q8_BLOCK, needs_q8, pair_layout
 from .codegen.linear import LinearSpec, generate as linear_gen
 from .codegen.moe import MoESpec, down as moe_down_gen, gate_up as moe_gate_up_gen, h_stride, pairs as moe_pairs_gen
 from .jit import KernelLibrary, library
@@ -127,14 +127,15 @@ Binder = Callable[["LLVMExecutor", Node], Callable[[Frame], Op_]]
 class Q8:
     """Quantizes f32 rows of width K to q8 blocks (int8 data, f32 scales, i32 block sums)."""
 
-    def __init__(self, exe: "LLVMExecutor", K: int) -> None:
-        self.K = K
+    def __init__(self, exe: "LLVMExecutor", K: int, pairs: bool = False) -> None:
+        self.K, self.pairs = K, pairs
         self.ng = -(-K // Q8_BLOCK)
-        self.kernel = Kernel(exe.lib, ew.quantize_q8(K, exe.target))
+        self.kernel = Kernel(exe.lib, ew.quantize_q8(K, exe.target, pairs))
 
     def prepare(self, frame: Frame, x: np.ndarray, key: str):
         """Scratch (xq, xd, xs) for x's rows and a function that fills them."""
         M = x.shape[0]
+        key += ".p" if self.pairs else ""     # the two layouts of one input are separate scratch
         xq = frame.temp(key + ".q", (M, self.ng * Q8_BLOCK), np.int8)
         xd = frame.temp(key + ".d", (M, self.ng), np.float32)
         xs = frame.temp(key + ".s", (M, self.ng), np.int32)
@@ -162,14 +163,16 @@ class LLVMExecutor:
         self.act = (act or os.environ.get("STRATA_CPU_ACT") or "q8").lower()
         if self.act not in ("q8", "f32"):
             raise BackendError(f"STRATA_CPU_ACT={self.act!r}: use q8 or f32")
-        self._q8: dict[int, Q8] = {}
+        self._q8: dict[tuple[int, bool], Q8] = {}
         self.binders = [self._bind(n) for n in self.nodes]   # every kernel compiled here, not per step
         self.frames: dict[int, tuple[Frame, list[Op_]]] = {}
 
-    def q8(self, K: int) -> Q8:
-        if K not in self._q8:
-            self._q8[K] = Q8(self, K)
-        return self._q8[K]
+    def q8(self, K: int, fmt: str = "", group_size: int = 0) -> Q8:
+        """The q8 quantizer of width K in the layout the kernels of weight format `fmt` read."""
+        pairs = pair_layout(self.target, fmt, group_size)
+        if (K, pairs) not in self._q8:
+            self._q8[K, pairs] = Q8(self, K, pairs)
+        return self._q8[K, pairs]
 
     def weight(self, name: str | None) -> tuple[np.ndarray | None, np.ndarray | None]:
         """(data, scales) arrays of a stored weight, zero-copy from the plan's mmap."""
@@ -324,7 +327,7 @@ def _bind_linear(exe: LLVMExecutor, n: Node):
     b, _ = exe.weight(n.weight("b"))
     norm = (_norm_args(exe, K, 0, n.weight("norm"), n.attr("eps"))
             if n.attr("prologue", "none") == "rms_norm" else None)
-    quant = exe.q8(K) if q8 else None
+    quant = exe.q8(K, fmt, G) if q8 else None
     kp = -(-K // G) * G if G else K
 
     def prepare(frame: Frame):
@@ -404,8 +407,8 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
     kp = Kernel(exe.lib, moe_pairs_gen(E, exe.target))
     wu, su = exe.weight(n.weight("gate_up"))
     wd, sd = exe.weight(n.weight("down"))
-    qx = exe.q8(D) if q8 else None
-    qh = exe.q8(I) if spec.dq8 else None
+    qx = exe.q8(D, fmt, G) if q8 else None
+    qh = exe.q8(I, dn_spec.fmt, dG) if spec.dq8 else None
     dp = -(-D // G) * G if (G and not q8) else D     # f32 rows padded to whole groups
     ip = h_stride(spec)
     ids = tuple(n.attr("experts", ()))

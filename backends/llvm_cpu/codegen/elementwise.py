@@ -25,7 +25,7 @@ import re
 import struct
 
 from ..target import Target
-from .common import KernelSource, fn_attrs, load_args
+from .common import KernelSource, fn_attrs, lanes, load_args
 
 Q8_BLOCK = 32
 
@@ -325,10 +325,12 @@ entry:
 """
 
 
-def quantize_q8(K: int, target: Target) -> KernelSource:
+def quantize_q8(K: int, target: Target, pairs: bool = False) -> KernelSource:
     """Per row, blocks of 32 (the last zero-padded): d = max|x| / 127, q = clip(rint(x * (1/d)), +-127).
 
     Writes xq i8[M, Kp] (row stride Kp), xd f32[M, NG] (d) and xs i32[M, NG] (sum of the block's q).
+    `pairs`: xq in the pair layout of int4's AVX2 kernels (codegen/dot.py: pair_layout): per two
+    blocks [first[0:16], second[0:16], first[16:32], second[16:32]]; xd and xs keep block order.
     """
     NG = -(-K // Q8_BLOCK)
     Kp = NG * Q8_BLOCK
@@ -355,6 +357,16 @@ def quantize_q8(K: int, target: Target) -> KernelSource:
   %st = getelementptr inbounds i32, ptr %sr, i64 {NF}
   call void @q8_block(ptr %buf, ptr %qt, ptr %dt, ptr %st)
 """
-    return row_kernel(f"quantize_q8_k{K}", params, {"x", "xq", "xd", "xs"}, body, target,
+    if pairs and NG >= 2:
+        body += loop("pairs", "pp", NG // 2, """  %ppo = mul nuw nsw i64 %pp, 64
+  %ppa = getelementptr inbounds i8, ptr %qr, i64 %ppo
+  %ppb = getelementptr inbounds i8, ptr %ppa, i64 32
+  %ppA = load <32 x i8>, ptr %ppa, align 1
+  %ppB = load <32 x i8>, ptr %ppb, align 1
+  %ppL = shufflevector <32 x i8> %ppA, <32 x i8> %ppB, """ + lanes(32, list(range(16)) + list(range(32, 48))) + """
+  %ppH = shufflevector <32 x i8> %ppA, <32 x i8> %ppB, """ + lanes(32, list(range(16, 32)) + list(range(48, 64))) + """
+  store <32 x i8> %ppL, ptr %ppa, align 1
+  store <32 x i8> %ppH, ptr %ppb, align 1""")
+    return row_kernel(f"quantize_q8_k{K}{'_pairs' if pairs else ''}", params, {"x", "xq", "xd", "xs"}, body, target,
                       prologue=f"  %buf = alloca <{Q8_BLOCK} x float>, align 64" if rem else "",
                       extra=_Q8_BLOCK_FN)
