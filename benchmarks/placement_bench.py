@@ -132,7 +132,7 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, in
                 expert_cache=expert_cache, multi_gpu=multi_gpu)
     if hand_off == "old" and hasattr(s.executor, "legacy_hand_off"):     # the runtime before its hand-off changes
         s.executor.legacy_hand_off()
-    elif hand_off == "try" and hasattr(s.executor, "try_hand_off"):     # the changes not yet measured on a GPU
+    elif hand_off == "try" and hasattr(s.executor, "try_hand_off"):     # packed results, ids on the GPU once
         s.executor.try_hand_off()
     elif hand_off == "jax" and hasattr(s.executor, "jax_hand_off"):     # JAX's transfers, not raw copies
         s.executor.jax_hand_off()
