@@ -14,6 +14,7 @@ from itertools import groupby
 
 import numpy as np
 
+from strata_compiler.backends.xla import cuda_rt
 from strata_compiler.ir import Graph, Op
 
 from . import trace
@@ -67,8 +68,7 @@ class MixedExecutor:
         self.prefetch = True
         self.copy_share = COPY_SHARE
         self._step_s = 0.0          # moving average of a step's time (without its copies)
-        self._copy_left = 0.0       # copy seconds this step may still spend
-        self._copy_s = 0.0          # copy seconds spent this step
+        self._copy_s = 0.0          # copy seconds spent this step (budget: copy_share * _step_s)
         self.parts = []
         from strata_compiler.passes.expert_split import mesh_devices
 
@@ -116,8 +116,6 @@ class MixedExecutor:
         self.hand_off = any(k == "xla" for k, _, _ in self.parts) and any(k == "llvm" for k, _, _ in self.parts)
         # small host<->GPU hand-offs as raw copies when a CUDA runtime is there (the xla executors
         # turn them on: backends/xla/cuda_rt.py)
-        from strata_compiler.backends.xla import cuda_rt
-
         self.raw_copy = not self.mesh and cuda_rt.mode is not None and any(k == "xla" for k, _, _ in self.parts)
         self.step_inputs_on_device = False  # try_hand_off: ids and position once per step and GPU
 
@@ -130,8 +128,6 @@ class MixedExecutor:
 
     def jax_hand_off(self) -> None:
         """Hand-offs through JAX's own transfers instead of raw copies (side-by-side benchmarks)."""
-        from strata_compiler.backends.xla import cuda_rt
-
         cuda_rt.disable()
         self.raw_copy = False
 
@@ -270,16 +266,14 @@ class MixedExecutor:
 
     def _prefetch(self, nid: int, env: dict) -> None:
         for c, xla, gpu_node, host, w, b, nw, eps, k in self.lookahead.get(nid, ()):
-            from strata_compiler.backends.xla import cuda_rt
-
+            if not self._copy_ok(c):
+                continue
             h = cuda_rt.fetch(env[nid]).astype(np.float32, copy=False).reshape(-1, w.shape[1])
             x = h / np.sqrt((h * h).mean(-1, keepdims=True) + eps) * nw
             logits = x @ w.T + (0 if b is None else b)
             top = np.argpartition(-logits, min(k, logits.shape[1]) - 1, axis=-1)[:, :k]
             pred = np.zeros(c.n_experts, bool)
             pred[top.reshape(-1)] = True
-            if not self._copy_ok(c):
-                continue
             for slot, e in c.prefetch(pred):
                 self._copy_in(c, xla, gpu_node, host, slot, e, f"prefetch expert {e}")
 
@@ -294,7 +288,7 @@ class MixedExecutor:
     def _copy_ok(self, c) -> bool:
         """Whether this step's copy budget has time left for cache c's layer (the first steps, with
         no average yet, may copy)."""
-        if self._step_s and self._copy_left <= 0.0:
+        if self._step_s and self._copy_s >= self.copy_share * self._step_s:
             c.budget_skips += 1
             return False
         return True
@@ -306,7 +300,6 @@ class MixedExecutor:
         t0 = time.perf_counter()
         moved = xla.set_slot(gpu_node.id, slot, rows)
         dt = time.perf_counter() - t0
-        self._copy_left -= dt
         self._copy_s += dt
         c.bytes_moved += moved
         if trace.ACTIVE is not None:
@@ -315,9 +308,7 @@ class MixedExecutor:
     def run(self, input_ids: np.ndarray, cache) -> dict[int, np.ndarray]:
         B, T = input_ids.shape
         t_step = time.perf_counter()
-        if self.caches:     # this step's copy budget: a share of the average step (decode steps)
-            self._copy_left = self.copy_share * self._step_s
-            self._copy_s = 0.0
+        self._copy_s = 0.0
         ids_node = next(n.id for n in self.g.nodes if n.op is Op.INPUT_IDS)
         env: dict = {ids_node: input_ids}
         if self.hand_off:
@@ -356,6 +347,4 @@ class MixedExecutor:
             if T == 1:      # decode steps set the pace the copies must keep to
                 own = time.perf_counter() - t_step - self._copy_s
                 self._step_s = own if not self._step_s else 0.8 * self._step_s + 0.2 * own
-        from strata_compiler.backends.xla import cuda_rt
-
         return {o: cuda_rt.fetch(env[o]).reshape(B, T, -1) for o in self.g.outputs}

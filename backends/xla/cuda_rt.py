@@ -144,8 +144,8 @@ def fetch(v) -> np.ndarray:
     if isinstance(v, np.ndarray) or not _raw_ok(v):
         return np.asarray(v)
     out = np.empty(v.shape, v.dtype)
-    if not fetch_into(v, out):
-        return np.asarray(v)
+    v.block_until_ready()
+    to_host(v, out)
     return out
 
 

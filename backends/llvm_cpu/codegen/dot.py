@@ -309,7 +309,7 @@ def _q8_pair_operands(fmt: str, P: int, base: str, t: str, w: str = "%w") -> lis
     return out
 
 
-def _q8_dot(target: Target, fmt: str, NG: int, R: int = 1) -> str:
+def _q8_dot(target: Target, fmt: str, NG: int, R: int = 1, pairs: bool = False) -> str:
     """int8/int4 weights against q8 activations, R weight rows against one activation row.
 
     The main loop takes BATCH groups at a time: their 8 weight scales times activation scales
@@ -317,8 +317,13 @@ def _q8_dot(target: Target, fmt: str, NG: int, R: int = 1) -> str:
     and each group's integer dot product (P groups per vector: 2 on AVX-512, else 1) is scaled
     by a lane broadcast of it. Leftover groups (NG % BATCH) take the one-group path. With R > 1
     the rows' bodies share one loop, so each activation block is loaded once (the duplicated
-    loads are the same address: LLVM keeps one). Returns float (R = 1) or [R x float]."""
+    loads are the same address: LLVM keeps one). Returns float (R = 1) or [R x float].
+
+    `pairs` (int4 on AVX2, pair_layout): the activations are in the pair layout, so each pair of
+    groups is one _q8_pair_pair (lanes 0-3 the first group's, 4-7 the second's); leftover pairs
+    go one by one and an odd last group takes the plain one-group path."""
     P = 2 if target.avx512 else 1
+    assert not (pairs and P != 1), "the pair layout is an AVX2 path"
     L = 8 * P
     V = vec(L, "float")
     V8 = vec(8, "float")
@@ -340,14 +345,20 @@ def _q8_dot(target: Target, fmt: str, NG: int, R: int = 1) -> str:
                         f"<8 x float> %{q}corr)" if fmt == "int4" else f"  %{q}corr1 = fadd <8 x float> %{q}corr, zeroinitializer")
             for pair in range(BATCH // 2):
                 body.append(f"  %{q}b{pair} = add nuw nsw i64 %g, {2 * pair}")
-                for v, (ir, u, sv) in enumerate(_q8_pair_operands(fmt, P, f"{q}b{pair}", f"{q}p{pair}", w)):
-                    tag = f"{q}p{pair}v{v}"
-                    first_group = 2 * pair + v * P
-                    body.append(ir)
-                    body.append(_idot(target, 32 * P, u, sv, f"%{tag}.i"))
+                if pairs:       # (int32 dots, their groups' lanes of %d8)
+                    tag = f"{q}p{pair}"
+                    body.append(_q8_pair_pair(tag, f"{q}b{pair}", w))
+                    dots = [(tag, [2 * pair] * 4 + [2 * pair + 1] * 4)]
+                else:
+                    dots = []
+                    for v, (ir, u, sv) in enumerate(_q8_pair_operands(fmt, P, f"{q}b{pair}", f"{q}p{pair}", w)):
+                        tag = f"{q}p{pair}v{v}"
+                        body.append(ir)
+                        body.append(_idot(target, 32 * P, u, sv, f"%{tag}.i"))
+                        dots.append((tag, [2 * pair + v * P + l // 8 for l in range(L)]))
+                for tag, lane in dots:
                     body.append(f"  %{tag}.f = sitofp {vec(L, 'i32')} %{tag}.i to {V}")
-                    body.append(f"  %{tag}.dv = shufflevector {V8} %{q}d8, {V8} poison, "
-                                f"{lanes(L, [first_group + l // 8 for l in range(L)])}")
+                    body.append(f"  %{tag}.dv = shufflevector {V8} %{q}d8, {V8} poison, {lanes(L, lane)}")
                     body.append(f"  %{tag}.acc = call {V} @llvm.fma.v{L}f32({V} %{tag}.f, {V} %{tag}.dv, {V} {accs[pair]})")
                     accs[pair] = f"%{tag}.acc"
             bodies.append("\n".join(body))
@@ -384,12 +395,32 @@ main.exit:
     else:
         parts.append("\nentry:\n  br label %tail0")
         results, corrs = ["0.0"] * R, ["0.0"] * R
-    for i, g in enumerate(range(main, NG)):   # leftover groups, one at a time (256-bit ops)
+    # leftover groups: (first group, 2) a pair in the pair layout, (group, 1) one plain group (256-bit ops)
+    if pairs:
+        tails = [(g, 2) for g in range(main, NG - 1, 2)] + ([(NG - 1, 1)] if (NG - main) % 2 else [])
+    else:
+        tails = [(g, 1) for g in range(main, NG)]
+    for i, (g, width) in enumerate(tails):
         lines = [f"\ntail{i}:"]
         for r in range(R):
             t = f"t{i}r{r}"
             w, sp = (f"%w{r}", f"%s{r}") if R > 1 else ("%w", "%s")
-            lines.append(f"""  %{t}g = add i64 0, {g}
+            if width == 2:
+                lines.append(f"""  %{t}g = add i64 0, {g}
+{_q8_pair_pair(t, f'{t}g', w)}
+  %{t}.f = sitofp <8 x i32> %{t}.i to <8 x float>
+{_q8_scale(f'{t}g', t, 0, sp)}
+{_q8_scale(f'{t}g', t, 1, sp)}
+  %{t}.dva = insertelement <8 x float> poison, float %{t}.d0, i32 0
+  %{t}.dvb = insertelement <8 x float> %{t}.dva, float %{t}.d1, i32 4
+  %{t}.dv = shufflevector <8 x float> %{t}.dvb, <8 x float> poison, {lanes(8, [0] * 4 + [4] * 4)}
+  %{t}.fm = fmul <8 x float> %{t}.f, %{t}.dv
+  %{t}.r0 = call reassoc float @llvm.vector.reduce.fadd.v8f32(float 0.0, <8 x float> %{t}.fm)
+  %{t}.r = fadd float %{t}.r0, {results[r]}
+  %{t}.c0 = call float @llvm.fma.f32(float %{t}.d0, float %{t}.bf0, float {corrs[r]})
+  %{t}.c = call float @llvm.fma.f32(float %{t}.d1, float %{t}.bf1, float %{t}.c0)""")
+            else:
+                lines.append(f"""  %{t}g = add i64 0, {g}
   %{t}g.w = mul nuw nsw i64 %{t}g, 16
   %{t}g.x = mul nuw nsw i64 %{t}g, 32
 {_q8_operands(fmt, 1, f'{t}g', t, w)}
@@ -402,7 +433,7 @@ main.exit:
             results[r], corrs[r] = f"%{t}.r", f"%{t}.c"
         lines.append(f"  br label %tail{i + 1}")
         parts.append("\n".join(lines))
-    fin = [f"\ntail{NG - main}:"]
+    fin = [f"\ntail{len(tails)}:"]
     for r in range(R):
         if fmt == "int4":   # the nibbles carry +8: sum (q - 8) x = sum q x - 8 sum x
             fin.append(f"  %out{r} = call float @llvm.fma.f32(float {corrs[r]}, float -8.0, float {results[r]})")
@@ -418,7 +449,6 @@ main.exit:
         fin.append(f"  ret [{R} x float] {agg}")
     parts.append("\n".join(fin) + "\n}")
     return "".join(parts)
-
 
 DECLS = """
 declare float @llvm.fma.f32(float, float, float)
@@ -443,7 +473,8 @@ def pair_layout(target: Target, fmt: str, group_size: int) -> bool:
 
 def _q8_pair_pair(t: str, base: str, w: str) -> str:
     """One pair of int4 groups (%{base}, %{base}+1) against pair-layout activations: %{t}.i, the
-    <8 x i32> dots (lanes 0-3: the first group's, 4-7: the second's)."""
+    <8 x i32> dots (lanes 0-3: the first group's, 4-7: the second's). |a product pair| <= 2*15*127,
+    so the low and high halves' 16-bit sums add without overflow."""
     return f"""  %{t}.wo = mul nuw nsw i64 %{base}, 16
   %{t}.qp = getelementptr inbounds i8, ptr {w}, i64 %{t}.wo
   %{t}.q = load <32 x i8>, ptr %{t}.qp, align 1
@@ -458,121 +489,6 @@ def _q8_pair_pair(t: str, base: str, w: str) -> str:
   %{t}.ph = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> %{t}.hi, <32 x i8> %{t}.xh)
   %{t}.ps = add <16 x i16> %{t}.pl, %{t}.ph
   %{t}.i = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> %{t}.ps, <16 x i16> {splat(16, 'i16', '1')})"""
-
-
-def _q8_dot_pairs(NG: int, R: int = 1) -> str:
-    """int4 weights against pair-layout q8 activations (pair_layout), AVX2; the interface and the
-    loop structure of _q8_dot: BATCH groups per iteration (four pairs, one accumulator each),
-    leftover pairs one by one, an odd last group in the plain layout. |a product pair| <= 2*15*127,
-    so the low and high halves' 16-bit sums add without overflow."""
-    main = (NG // BATCH) * BATCH
-    results, corrs, parts = [], [], []
-    if main:
-        phis, bodies, exits = [], [], []
-        for r in range(R):
-            q = f"r{r}"
-            w, sp = (f"%w{r}", f"%s{r}") if R > 1 else ("%w", "%s")
-            accs = [f"%{q}acc{a}" for a in range(BATCH // 2)]
-            body = [f"""  %{q}sp8 = getelementptr inbounds half, ptr {sp}, i64 %g
-  %{q}sh8 = load <8 x half>, ptr %{q}sp8, align 2
-  %{q}dw8 = fpext <8 x half> %{q}sh8 to <8 x float>
-  %{q}d8 = fmul <8 x float> %{q}dw8, %dx8
-  %{q}corr1 = call <8 x float> @llvm.fma.v8f32(<8 x float> %{q}d8, <8 x float> %xs8f, <8 x float> %{q}corr)"""]
-            for pair in range(BATCH // 2):
-                tag = f"{q}p{pair}"
-                body.append(f"  %{tag}b = add nuw nsw i64 %g, {2 * pair}")
-                body.append(_q8_pair_pair(tag, f"{tag}b", w))
-                body.append(f"  %{tag}.f = sitofp <8 x i32> %{tag}.i to <8 x float>")
-                body.append(f"  %{tag}.dv = shufflevector <8 x float> %{q}d8, <8 x float> poison, "
-                            f"{lanes(8, [2 * pair] * 4 + [2 * pair + 1] * 4)}")
-                body.append(f"  %{tag}.acc = call <8 x float> @llvm.fma.v8f32(<8 x float> %{tag}.f, "
-                            f"<8 x float> %{tag}.dv, <8 x float> {accs[pair]})")
-                accs[pair] = f"%{tag}.acc"
-            bodies.append("\n".join(body))
-            phis.append("\n".join(f"  %{q}acc{a} = phi <8 x float> [zeroinitializer, %entry], [{accs[a]}, %loop]"
-                                  for a in range(BATCH // 2)))
-            phis.append(f"  %{q}corr = phi <8 x float> [zeroinitializer, %entry], [%{q}corr1, %loop]")
-            total = accs[0]
-            for a in range(1, BATCH // 2):
-                exits.append(f"  %{q}accsum{a} = fadd <8 x float> {total}, {accs[a]}")
-                total = f"%{q}accsum{a}"
-            exits.append(_reduce(8, total, f"%{q}main.r"))
-            exits.append(_reduce(8, f"%{q}corr1", f"%{q}main.c"))
-            results.append(f"%{q}main.r")
-            corrs.append(f"%{q}main.c")
-        parts.append(f"""
-entry:
-  br label %loop
-loop:
-  %g = phi i64 [0, %entry], [%g1, %loop]
-{chr(10).join(phis)}
-  %dp8 = getelementptr inbounds float, ptr %xd, i64 %g
-  %dx8 = load <8 x float>, ptr %dp8, align 4
-  %xsp = getelementptr inbounds i32, ptr %xs, i64 %g
-  %xs8 = load <8 x i32>, ptr %xsp, align 4
-  %xs8f = sitofp <8 x i32> %xs8 to <8 x float>
-{chr(10).join(bodies)}
-  %g1 = add nuw nsw i64 %g, {BATCH}
-  %done = icmp eq i64 %g1, {main}
-  br i1 %done, label %main.exit, label %loop
-main.exit:
-{chr(10).join(exits)}
-  br label %tail0""")
-    else:
-        parts.append("\nentry:\n  br label %tail0")
-        results, corrs = ["0.0"] * R, ["0.0"] * R
-    tails = [(g, 2) for g in range(main, NG - 1, 2)] + ([(NG - 1, 1)] if (NG - main) % 2 else [])
-    for i, (g, width) in enumerate(tails):
-        lines = [f"\ntail{i}:"]
-        for r in range(R):
-            t = f"t{i}r{r}"
-            w, sp = (f"%w{r}", f"%s{r}") if R > 1 else ("%w", "%s")
-            if width == 2:
-                lines.append(f"""  %{t}g = add i64 0, {g}
-{_q8_pair_pair(t, f'{t}g', w)}
-  %{t}.f = sitofp <8 x i32> %{t}.i to <8 x float>
-{_q8_scale(f'{t}g', t, 0, sp)}
-{_q8_scale(f'{t}g', t, 1, sp)}
-  %{t}.dva = insertelement <8 x float> poison, float %{t}.d0, i32 0
-  %{t}.dvb = insertelement <8 x float> %{t}.dva, float %{t}.d1, i32 4
-  %{t}.dv = shufflevector <8 x float> %{t}.dvb, <8 x float> poison, {lanes(8, [0] * 4 + [4] * 4)}
-  %{t}.fm = fmul <8 x float> %{t}.f, %{t}.dv
-  %{t}.r0 = call reassoc float @llvm.vector.reduce.fadd.v8f32(float 0.0, <8 x float> %{t}.fm)
-  %{t}.r = fadd float %{t}.r0, {results[r]}
-  %{t}.c0 = call float @llvm.fma.f32(float %{t}.d0, float %{t}.bf0, float {corrs[r]})
-  %{t}.c = call float @llvm.fma.f32(float %{t}.d1, float %{t}.bf1, float %{t}.c0)""")
-            else:       # the odd last group: plain layout
-                lines.append(f"""  %{t}g = add i64 0, {g}
-  %{t}g.w = mul nuw nsw i64 %{t}g, 16
-  %{t}g.x = mul nuw nsw i64 %{t}g, 32
-{_q8_operands("int4", 1, f'{t}g', t, w)}
-{_idot_avx2(f'%{t}.u', f'%{t}.s', f'%{t}.i')}
-  %{t}.f = sitofp <8 x i32> %{t}.i to <8 x float>
-{_q8_scale(f'{t}g', t, 0, sp)}
-  %{t}.r0 = call reassoc float @llvm.vector.reduce.fadd.v8f32(float 0.0, <8 x float> %{t}.f)
-  %{t}.r = call float @llvm.fma.f32(float %{t}.r0, float %{t}.d0, float {results[r]})
-  %{t}.c = call float @llvm.fma.f32(float %{t}.d0, float %{t}.bf0, float {corrs[r]})""")
-            results[r], corrs[r] = f"%{t}.r", f"%{t}.c"
-        lines.append(f"  br label %tail{i + 1}")
-        parts.append("\n".join(lines))
-    fin = [f"\ntail{len(tails)}:"]
-    for r in range(R):     # the nibbles carry +8: sum (q - 8) x = sum q x - 8 sum x
-        fin.append(f"  %out{r} = call float @llvm.fma.f32(float {corrs[r]}, float -8.0, float {results[r]})")
-    if R == 1:
-        fin.append("  ret float %out0")
-    else:
-        agg = "undef"
-        for r in range(R):
-            fin.append(f"  %agg{r} = insertvalue [{R} x float] {agg}, float %out{r}, {r}")
-            agg = f"%agg{r}"
-        fin.append(f"  ret [{R} x float] {agg}")
-    parts.append("\n".join(fin) + "\n}")
-    return "".join(parts)
-
-
-def _idot_avx2(u: str, s: str, out: str) -> str:
-    return (f"  {out}.p = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {u}, <32 x i8> {s})\n"
-            f"  {out} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {out}.p, <16 x i16> {splat(16, 'i16', '1')})")
 
 
 def needs_q8(fmt: str, group_size: int) -> bool:
@@ -590,7 +506,7 @@ def dot_function(target: Target, fmt: str, K: int, group_size: int, q8: bool, na
         body = _bf16_dot(K)
     elif q8:
         assert needs_q8(fmt, group_size)
-        body = _q8_dot_pairs(NG) if pair_layout(target, fmt, group_size) else _q8_dot(target, fmt, NG)
+        body = _q8_dot(target, fmt, NG, pairs=pair_layout(target, fmt, group_size))
     elif fmt in ("int8", "int4"):
         body = _grouped_f32act_dot(fmt, NG, group_size)
     else:
@@ -604,8 +520,7 @@ def dot2_function(target: Target, fmt: str, K: int, group_size: int) -> str:
     NG = -(-K // group_size)
     head = ("define internal [2 x float] @dot2(ptr noalias %w0, ptr noalias %s0, ptr noalias %w1, "
             "ptr noalias %s1, ptr noalias %x, ptr noalias %xd, ptr noalias %xs) alwaysinline {")
-    body = _q8_dot_pairs(NG, R=2) if pair_layout(target, fmt, group_size) else _q8_dot(target, fmt, NG, R=2)
-    return head + body + "\n"
+    return head + _q8_dot(target, fmt, NG, R=2, pairs=pair_layout(target, fmt, group_size)) + "\n"
 
 
 def weight_row(row: str, out: str, rb: int, sb: int) -> str:
