@@ -38,10 +38,15 @@ def main() -> int:
     import jax
     import jax.numpy as jnp
 
+    from strata_compiler.errors import StrataError
     from strata_compiler.runtime.plan import load_plan
     from strata_compiler.runtime.session import Session
 
-    s = Session(load_plan(a.plan), "auto", device=a.device)
+    try:
+        s = Session(load_plan(a.plan), "auto", device=a.device)
+    except StrataError as e:        # a bad plan path or file: one line, as the CLIs do
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     s.reset(1, 512)
     s.step(np.arange(1, 9, dtype=np.int64)[None])
     for t in (3, 5):
