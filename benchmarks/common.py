@@ -1,8 +1,11 @@
 """What the benchmark scripts share: a timestamped log line on stderr, `stratac` as a child
-process (a failure ends the benchmark with its stderr), and the median time of a call."""
+process (a failure ends the benchmark with its stderr), the median time of a call, and the device
+kernels of a call from a JAX profiler trace."""
 
 from __future__ import annotations
 
+import collections
+import re
 import statistics
 import subprocess
 import sys
@@ -30,3 +33,43 @@ def median_seconds(fn, repeats: int, warmup: int = 1) -> float:
         fn()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+def device_kernels(fn) -> tuple[dict[str, list], float, float] | None:
+    """Run fn() under the JAX profiler (CUPTI) and return ({kernel name: [count, total us]},
+    device busy us, device span us) over the GPU's events, or None without device events (no
+    GPU). Numbered duplicates of a name (fusion.3) count as one."""
+    import glob
+    import gzip
+    import json
+    import tempfile
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d, create_perfetto_trace=True)
+        try:
+            fn()
+        finally:
+            jax.profiler.stop_trace()
+        files = glob.glob(f"{d}/**/*perfetto_trace.json.gz", recursive=True)
+        if not files:
+            return None
+        events = json.loads(gzip.open(files[0]).read())
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
+    per: dict = collections.defaultdict(lambda: [0, 0.0])
+    busy, lo, hi = 0.0, None, None
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in gpu or "dur" not in e:
+            continue
+        name = re.sub(r"\.\d+$", "", str(e.get("name", "?")))
+        per[name][0] += 1
+        per[name][1] += float(e["dur"])
+        busy += float(e["dur"])
+        lo = e["ts"] if lo is None else min(lo, e["ts"])
+        hi = e["ts"] + e["dur"] if hi is None else max(hi, e["ts"] + e["dur"])
+    if not per:
+        return None
+    return dict(per), busy, hi - lo

@@ -89,6 +89,36 @@ def decode_bytes(plan, dims: dict, context: int) -> int:
     return total + kv
 
 
+def ab(exe, decode, a, fmt: str) -> list[dict]:
+    """Batch-1 decode with a.ab=1 and =0, alternated twice, each a fresh trace and compile of the
+    decode loop (the switch is read while tracing)."""
+    import os
+
+    import jax
+
+    got: dict[str, list[float]] = {"1": [], "0": []}
+    old = os.environ.get(a.ab)
+    try:
+        for setting in ("1", "0", "1", "0"):
+            os.environ[a.ab] = setting
+            exe._loop = jax.jit(lambda *args: exe._decode_loop(*args), static_argnums=(5,), donate_argnums=(1, 2))
+            decode()                       # compile
+            secs = []
+            for _ in range(a.repeats):
+                decode()
+                secs.append(decode.seconds)
+            got[setting].append(a.n_new / statistics.median(secs))
+            log(f"{fmt} decode B=1 {a.ab}={setting}: {got[setting][-1]:.1f} tok/s")
+    finally:
+        if old is None:
+            os.environ.pop(a.ab, None)
+        else:
+            os.environ[a.ab] = old
+        del exe._loop
+    return [dict(format=fmt, phase=f"decode {a.ab}={s}", batch=1, tokens=a.n_new, tok_s=statistics.median(v),
+                 roofline_tok_s=None, ratio=None) for s, v in got.items()]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/gpu_bench"))
@@ -100,6 +130,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="a small model on whatever device (smoke test)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--ab", metavar="ENV",
+                    help="also time batch-1 decode with ENV=1 and ENV=0 alternately (twice each) in this process, "
+                         "e.g. STRATA_XLA_PALLAS_ATTN: a side-by-side A/B of a kernel switch")
     a = ap.parse_args()
     dims = TINY if a.tiny else FULL
     a.work_dir.mkdir(parents=True, exist_ok=True)
@@ -147,6 +180,9 @@ def main() -> int:
                 decode()
                 secs.append(decode.seconds)
             tps = B * a.n_new / statistics.median(secs)
+            if a.ab and B == 1:
+                ab_rows = ab(exe, decode, a, fmt)
+                rows.extend(ab_rows)
             roof = bw * 1e9 / decode_bytes(plan, dims, a.prompt_len + a.n_new // 2) if B == 1 else None
             rows.append(dict(format=fmt, phase="decode", batch=B, tokens=a.n_new, tok_s=tps,
                              roofline_tok_s=roof, ratio=tps / roof if roof else None))

@@ -28,6 +28,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import numpy as np  # noqa: E402
 
+from common import device_kernels  # noqa: E402
 from gpu_decode import FULL, TINY, build, log  # noqa: E402
 
 KERNEL_OPS = ("fusion", "custom-call", "copy", "dynamic-update-slice", "sort", "reduce", "scatter", "gather",
@@ -60,6 +61,57 @@ def body_ops(hlo: str) -> collections.Counter:
     return count
 
 
+def kernel_times(exe, m, first, steps: int) -> None:
+    """Device kernels of `steps` decode steps from a JAX profiler trace."""
+    from strata_compiler.runtime.kv_cache import KVCache
+
+    c = KVCache(m["n_layers"], 1, m["n_kv_heads"], m["head_dim"], 256)
+    exe.new_cache(c)
+    exe.run(np.arange(1, 33)[None], c)
+    t0 = time.perf_counter()
+    got = device_kernels(lambda: exe.greedy_decode(first, c, steps))
+    wall = time.perf_counter() - t0
+    if got is None:
+        print("kernels: no device events in the trace (no GPU?)")
+        return
+    per, busy, span = got
+    print(f"kernels over {steps} steps: wall {1e6 * wall / steps:.1f} us/step (profiler on); device events span "
+          f"{span / steps:.1f} us/step, busy {busy / steps:.1f} us/step ({len(per)} distinct names)")
+    print(f"  {'kernel':50s} {'per step':>8s} {'us/step':>8s} {'us each':>8s}")
+    for name, (n, dur) in sorted(per.items(), key=lambda kv: -kv[1][1])[:40]:
+        print(f"  {name[:50]:50s} {n / steps:8.2f} {dur / steps:8.2f} {dur / n:8.2f}")
+
+
+def check(exe, plan, m, first) -> None:
+    """Kernels on (exe) against a fresh executor with STRATA_XLA_PALLAS=0: logits, greedy tokens."""
+    import os
+
+    from strata_compiler.backends.xla.executor import XLAExecutor
+    from strata_compiler.runtime.kv_cache import KVCache
+
+    def run(e):
+        c = KVCache(m["n_layers"], 1, m["n_kv_heads"], m["head_dim"], 256)
+        e.new_cache(c)
+        e.run(np.arange(1, 33)[None], c)
+        logits = e.run(np.asarray(first)[:, None], c)[plan.graph.outputs[0]][0, -1]
+        return logits, e.greedy_decode(logits.argmax(-1)[None], c, 32)[0]
+
+    got, got_toks = run(exe)
+    old = os.environ.get("STRATA_XLA_PALLAS")
+    os.environ["STRATA_XLA_PALLAS"] = "0"
+    try:
+        want, want_toks = run(XLAExecutor(plan.graph, plan.weights))
+    finally:
+        if old is None:
+            del os.environ["STRATA_XLA_PALLAS"]
+        else:
+            os.environ["STRATA_XLA_PALLAS"] = old
+    err = float(np.abs(got - want).max() / want.std())
+    same = int((got_toks == want_toks).sum())
+    print(f"check: decode logits max |kernels - XLA| = {err:.2e} x std; greedy tokens equal {same}/32"
+          f"{'' if same == 32 else ' (first difference at ' + str(int(np.argmin(got_toks == want_toks))) + ')'}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/gpu_prof"))
@@ -68,6 +120,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--tiny", action="store_true", help="the small model of gpu_decode.py --tiny (smoke test)")
     ap.add_argument("--hlo", type=Path, help="write the optimized HLO of the decode loop here")
+    ap.add_argument("--kernels", action="store_true",
+                    help="trace --steps decode steps with the JAX profiler (CUPTI) and print each device kernel's "
+                         "time per step, and the device's busy time against the step's wall time")
+    ap.add_argument("--check", action="store_true",
+                    help="also compare one decode step's logits and 32 greedy tokens with the Pallas kernels "
+                         "on against STRATA_XLA_PALLAS=0 (the XLA path)")
     a = ap.parse_args()
     rates = {}
     for layers in (1, a.layers):
@@ -111,6 +169,10 @@ def main() -> int:
             exe.greedy_decode(first, c2, a.steps)
             rates[layers] = (time.perf_counter() - t0) / a.steps
         log(f"{layers} layer(s): {1e6 * rates[layers]:.1f} us per decode step")
+        if a.kernels and layers == a.layers:
+            kernel_times(exe, m, first, a.steps)
+        if a.check and layers == a.layers:
+            check(exe, plan, m, first)
         del exe
     per_layer = (rates[a.layers] - rates[1]) / (a.layers - 1)
     print(f"per layer: {1e6 * per_layer:.1f} us; the rest (embedding, lm_head, loop): "

@@ -67,9 +67,11 @@ class Tracer:
             self.busy[track] += (end_ns - start_ns) / 1e9
             self.counts[track] += 1
 
-    def transfer(self, direction: str, nbytes: int, seconds: float, name: str = "activation") -> None:
-        """A copy that already happened (ended now, lasted `seconds`) on track h2d or d2h."""
-        end = time.perf_counter_ns()
+    def transfer(self, direction: str, nbytes: int, seconds: float, name: str = "activation",
+                 end_ns: int | None = None) -> None:
+        """A copy that already happened (ended at end_ns, default now; lasted `seconds`) on track
+        h2d or d2h."""
+        end = time.perf_counter_ns() if end_ns is None else end_ns
         start = end - int(seconds * 1e9)
         self.events.append({"name": name, "cat": "transfer", "ph": "X", "ts": self._us(start),
                             "dur": seconds * 1e6, "pid": PID, "tid": TRACKS[direction], "args": {"bytes": nbytes}})

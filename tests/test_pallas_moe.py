@@ -71,6 +71,27 @@ def test_kernels_match_reference(E, D, I, k, M, fmts, G):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("E,k,M,norm", [(8, 2, 1, False), (6, 3, 2, True), (64, 8, 1, False)])
+def test_routing_inside_kernels(E, k, M, norm):
+    """The kernels' own softmax + top-k over the router logits (E not 2^n: padded) pick the experts
+    and weights lax.top_k does, ties included (the lower expert first)."""
+    gs, ga, ds, da = _experts(E, 64, 32, "int4", "int4", 32, seed=E)
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((M, 64)).astype(np.float32)
+    logits = rng.standard_normal((M, E)).astype(np.float32)
+    logits[0, 1] = logits[0, 4] = logits[0].max() + 0.5         # a tie at the top
+    p = jax.nn.softmax(jnp.asarray(logits), axis=-1)
+    topw, topi = jax.lax.top_k(p, k)
+    if norm:
+        topw = topw / topw.sum(-1, keepdims=True)
+    assert int(topi[0, 0]) == 1 and int(topi[0, 1]) == 4
+    want = _reference(x, np.asarray(topi), np.asarray(topw), gs, ga, ds, da)
+    dev = lambda a: {r: jnp.asarray(v) for r, v in a.items()}   # noqa: E731
+    got = np.asarray(pallas_moe.moe_decode(jnp.asarray(x), None, None, gs, dev(ga), ds, dev(da), interpret=True,
+                                           logits=jnp.asarray(logits), k=k, norm=norm))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
 def test_kernels_match_xla_multiply_reduce():
     """The executor's decode path (matvec over the gathered experts) gives the same numbers."""
     gs, ga, ds, da = _experts(16, 256, 64, "int4", "int4", 32, seed=1)

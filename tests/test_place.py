@@ -193,3 +193,51 @@ def test_place_strategy_forces_a_candidate(model, tmp_path, monkeypatch, capsys)
                              "--place-strategy", "hot-experts"]) != 0
     err = capsys.readouterr().err
     assert "--place-strategy hot-experts: that placement does not fit" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cpu_share_runs_before_the_gpu_share_is_waited_for(model, tmp_path):
+    """A layer split between the devices: the CPU segment fetches the GPU share's result only where
+    it first reads it (after its own share of the experts), so the CPU's experts run while the
+    GPU computes its own — the overlap the runtime trace shows."""
+    from strata_compiler.backends.llvm_cpu import executor as llvm_exe
+    from strata_compiler.ir import Op
+    from strata_compiler.runtime.kv_cache import KVCache
+    from strata_compiler.runtime.partitions import MixedExecutor
+
+    d, m, ids, ref_logits, ref_tokens = model
+    hw = fake_profile(tmp_path / "hw.json")
+    p = probe_placement(d, tmp_path, hw)
+    _compile(d, tmp_path / "hot", hw, str(gpu_mem_for(p, p["gpu_bytes"] * 0.6)), "--place-strategy", "hot-experts")
+    plan = load_plan(tmp_path / "hot")
+    g = plan.graph
+    mx = MixedExecutor(g, plan.weights, device="cpu")
+    cpu = [exe for kind, exe, _ in mx.parts if kind == "llvm"]
+    xla_made = {i for kind, _, part in mx.parts if kind == "xla" for i in part}
+    late = [(exe, j, i) for exe in cpu for j, fetch in enumerate(exe.fetch_at) for i in fetch
+            if i in xla_made and any(n.op is Op.MOE_FFN for n in exe.nodes[:j])]
+    assert late, "no CPU segment reads a GPU result after running its own experts"
+    log = []
+    real = llvm_exe.LLVMExecutor._fetch
+
+    def fetch(self, env, frame, inputs, M):
+        log.append(("fetch", tuple(inputs)))
+        return real(self, env, frame, inputs, M)
+
+    llvm_exe.LLVMExecutor._fetch = fetch
+    try:
+        mm = plan.meta["model"]
+        cache = KVCache(mm["n_layers"], 1, mm["n_kv_heads"], mm["head_dim"], 32)
+        mx.run(ids[:, :4], cache)
+        mx.run(ids[:, 4:5], cache)      # builds the decode step's frames
+        for exe in cpu:      # log each op as it runs
+            for M, (frame, ops) in exe.frames.items():
+                exe.frames[M] = (frame, [(lambda step, op=op, n=n: (log.append(("op", n.id)), op(step)))
+                                         for op, n in zip(ops, exe.nodes)])
+        log.clear()
+        mx.run(ids[:, 5:6], cache)
+    finally:
+        llvm_exe.LLVMExecutor._fetch = real
+    for exe, j, i in late:
+        at = next(k for k, e in enumerate(log) if e[0] == "fetch" and i in e[1])
+        moe = next(n.id for n in exe.nodes[:j] if n.op is Op.MOE_FFN)
+        assert log.index(("op", moe)) < at        # the CPU share ran before the GPU share was waited for

@@ -155,6 +155,13 @@ class LLVMExecutor:
         self.nodes = [n for n in graph.nodes if n.id in ids]
         users = graph.users()
         self.inputs = sorted({a for n in self.nodes for a in n.args if a not in ids})
+        # each input is fetched just before the first op that reads it: a GPU result needed only
+        # late in the segment (another device's share of a layer, added at its end) is waited for
+        # there, so the ops before it run while the GPU is still computing it
+        first = {i: next(j for j, n in enumerate(self.nodes) if i in n.args) for i in self.inputs}
+        self.fetch_at: list[list[int]] = [[] for _ in self.nodes]
+        for i in self.inputs:
+            self.fetch_at[first[i]].append(i)
         self.outputs = [n.id for n in self.nodes if any(u == -1 or u not in ids for u in users[n.id])]
         self.w = weights
         self.target = target or Target.host()
@@ -197,30 +204,37 @@ class LLVMExecutor:
             self.frames[M] = (frame, [b(frame) for b in self.binders])
         frame, ops = self.frames[M]
         frame.ids[:] = input_ids.reshape(-1)
-        for i in self.inputs:
-            node = self.g.node(i)
-            if node.op is not Op.INPUT_IDS:
-                v, dst = env[i], frame.out(node)
-                if isinstance(v, np.ndarray):
-                    np.copyto(dst, v.reshape(M, -1))
-                    continue
-                # a GPU result: wait for it, copy it (straight into the kernel's buffer when raw
-                # copies are on: backends/xla/cuda_rt.py)
-                t0 = time.perf_counter() if trace.ACTIVE is not None else 0.0
-                if not cuda_rt.fetch_into(v, dst):
-                    np.copyto(dst, np.asarray(v).reshape(M, -1))
-                if trace.ACTIVE is not None:
-                    trace.ACTIVE.transfer("d2h", dst.nbytes, time.perf_counter() - t0, name="wait + copy")
         step = Step(B, T, cache)
         if trace.ACTIVE is None:
-            for op in ops:
+            for op, fetch in zip(ops, self.fetch_at):
+                if fetch:
+                    self._fetch(env, frame, fetch, M)
                 op(step)
         else:
-            for n, op in zip(self.nodes, ops):
+            for n, op, fetch in zip(self.nodes, ops, self.fetch_at):
+                if fetch:
+                    self._fetch(env, frame, fetch, M)
                 with trace.ACTIVE.span(n.op.value, "cpu", node=n.id, tokens=M):
                     op(step)
         for o in self.outputs:
             env[o] = frame.out(self.g.node(o)).copy()
+
+    def _fetch(self, env: dict, frame, inputs: list[int], M: int) -> None:
+        """Segment inputs into their frame buffers; a GPU result is waited for and copied (straight
+        into the kernel's buffer when raw copies are on: backends/xla/cuda_rt.py)."""
+        for i in inputs:
+            node = self.g.node(i)
+            if node.op is Op.INPUT_IDS:
+                continue
+            v, dst = env[i], frame.out(node)
+            if isinstance(v, np.ndarray):
+                np.copyto(dst, v.reshape(M, -1))
+                continue
+            t0 = time.perf_counter() if trace.ACTIVE is not None else 0.0
+            if not cuda_rt.fetch_into(v, dst):
+                np.copyto(dst, np.asarray(v).reshape(M, -1))
+            if trace.ACTIVE is not None:
+                trace.ACTIVE.transfer("d2h", dst.nbytes, time.perf_counter() - t0, name="wait + copy")
 
     def run(self, input_ids: np.ndarray, cache: KVCache) -> dict[int, np.ndarray]:
         B, T = input_ids.shape

@@ -31,6 +31,8 @@ import glob
 import os
 import sys
 
+import time
+
 import numpy as np
 
 _LIB = None
@@ -63,6 +65,11 @@ def lib():
         L.cudaDeviceSynchronize.restype = ctypes.c_int
         L.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
         L.cudaStreamSynchronize.restype = ctypes.c_int
+        L.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        L.cudaMemcpyAsync.restype = ctypes.c_int
+        L.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        L.cudaStreamCreateWithFlags.restype = ctypes.c_int
+        L.cudaSetDevice.argtypes = [ctypes.c_int]
         count = ctypes.c_int(0)
         if L.cudaGetDeviceCount(ctypes.byref(count)) != 0 or count.value < 1:
             break               # a runtime library but no usable GPU (or driver) here
@@ -99,10 +106,52 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed (CUDA error {rc})")
 
 
+_STREAMS: dict[int, ctypes.c_void_p] = {}
+
+
+def _stream(x):
+    """With STRATA_RAW_STREAM=1, a non-blocking CUDA stream of x's device for the raw copies, else
+    None (the legacy default stream).
+
+    cudaMemcpy on the legacy stream also waits for the work queued on XLA's stream, though the
+    copy's source is known ready: in a traced H200 run, a CPU share's input copy returned only when
+    the GPU share dispatched after it had finished, which serialises the two devices. A stream of
+    our own, synchronised after each copy, waits for nothing else. Off until measured on a GPU."""
+    if os.environ.get("STRATA_RAW_STREAM", "0") != "1":
+        return None
+    d = next(iter(x.devices()))
+    dev = int(getattr(d, "local_hardware_id", None) or d.id)
+    s = _STREAMS.get(dev)
+    if s is None:
+        L = _LIB
+        prev = ctypes.c_int(0)
+        _check(L.cudaGetDevice(ctypes.byref(prev)), "cudaGetDevice")
+        _check(L.cudaSetDevice(dev), "cudaSetDevice")
+        s = ctypes.c_void_p()
+        try:
+            _check(L.cudaStreamCreateWithFlags(ctypes.byref(s), 1), "cudaStreamCreateWithFlags")   # non-blocking
+        finally:
+            L.cudaSetDevice(prev.value)
+        _STREAMS[dev] = s
+    return s
+
+
+def _copy(dst: int, src: int, n: int, kind: int, x) -> None:
+    """A raw copy that has landed when this returns."""
+    s = _stream(x)
+    if s is None:
+        _check(_LIB.cudaMemcpy(dst, src, n, kind), "cudaMemcpy")
+        if kind == H2D:     # from pageable memory the copy may still be in flight
+            _check(_LIB.cudaStreamSynchronize(None), "cudaStreamSynchronize")
+        return
+    _check(_LIB.cudaMemcpyAsync(dst, src, n, kind, s), "cudaMemcpyAsync")
+    _check(_LIB.cudaStreamSynchronize(s), "cudaStreamSynchronize")
+
+
 def to_host(x, out: np.ndarray) -> None:
     """Copy finished device array x into NumPy array `out` (C-contiguous, x's byte size)."""
     if mode == "cuda":
-        _check(_LIB.cudaMemcpy(out.ctypes.data, x.unsafe_buffer_pointer(), out.nbytes, D2H), "cudaMemcpy d2h")
+        _copy(out.ctypes.data, x.unsafe_buffer_pointer(), out.nbytes, D2H, x)
     else:
         ctypes.memmove(out.ctypes.data, x.unsafe_buffer_pointer(), out.nbytes)
 
@@ -114,8 +163,7 @@ def to_device(src: np.ndarray, x, offset: int = 0) -> None:
         raise ValueError(f"a copy of {src.nbytes} B at offset {offset} does not fit an array of {x.nbytes} B")
     dst = x.unsafe_buffer_pointer() + offset
     if mode == "cuda":
-        _check(_LIB.cudaMemcpy(dst, src.ctypes.data, src.nbytes, H2D), "cudaMemcpy h2d")
-        _check(_LIB.cudaStreamSynchronize(None), "cudaStreamSynchronize")
+        _copy(dst, src.ctypes.data, src.nbytes, H2D, x)
     else:
         ctypes.memmove(dst, src.ctypes.data, src.nbytes)
 
@@ -158,6 +206,8 @@ class Staging:
         self.device = device
         self.bufs: dict = {}
         self.guard = None
+        self.bytes, self.seconds = 0, 0.0     # raw host->device copies so far (the trace's h2d spans)
+        self.last_end_ns = 0
 
     def stage(self, key, value: np.ndarray):
         import jax
@@ -170,5 +220,9 @@ class Staging:
         if self.guard is not None:
             self.guard.block_until_ready()
             self.guard = None
+        t0 = time.perf_counter()
         to_device(value, buf)
+        self.seconds += time.perf_counter() - t0
+        self.bytes += value.nbytes
+        self.last_end_ns = time.perf_counter_ns()
         return buf

@@ -143,6 +143,7 @@ class _Ctx:
         self.exe, self.params, self.ks, self.vs = exe, params, ks, vs
         self.ids, self.pos, self.B, self.T = ids, pos, B, T
         self.topk: dict[int, tuple] = {}      # route node id -> (weights, expert ids), [M, k] each
+        self.logits: dict[int, tuple] = {}    # route node id -> (router logits [M, E], k, renormalise)
         self.jnp = _jnp()
         import jax
 
@@ -226,6 +227,19 @@ def _attention(c: _Ctx, n: Node, a: list):
     qkv = a[0].reshape(B, T, -1)
     q, k, v = qkv[..., :H * hd], qkv[..., H * hd:(H + KV) * hd], qkv[..., (H + KV) * hd:]
     mode = n.attr("qk_norm")
+    layer = n.attr("layer")
+    from . import pallas_attn
+
+    kernel, interpret = pallas_attn.use(c.exe.on_gpu, H, KV, hd, T)
+    if kernel:
+        # decode on a GPU: norms, RoPE, the cache write and the attention in one Pallas kernel
+        out, c.ks[layer], c.vs[layer] = pallas_attn.attention_decode(
+            a[0].reshape(B, -1), c.pos, c.ks[layer], c.vs[layer], H=H, KV=KV, hd=hd, norm=mode,
+            q_norm=c.w(n, "q_norm", jnp.float32) if mode != "none" else None,
+            k_norm=c.w(n, "k_norm", jnp.float32) if mode != "none" else None, eps=n.attr("eps", 1e-6),
+            clip=n.attr("clip_qkv") if n.has_attr("clip_qkv") else None,
+            inv_freq=rope_inv_freq(hd, dict(n.attrs)), interpret=interpret)
+        return out
     if mode != "none":
         g = hd if mode == "head" else 0
         q = _rms(jnp, q, c.w(n, "q_norm", jnp.float32), n.attr("eps"), g)
@@ -238,7 +252,6 @@ def _attention(c: _Ctx, n: Node, a: list):
     q = _rope(jnp, q.reshape(B, T, H, hd), posf, hd, inv)
     k = _rope(jnp, k.reshape(B, T, KV, hd), posf, hd, inv)
     v = v.reshape(B, T, KV, hd)
-    layer = n.attr("layer")
     K = lax.dynamic_update_slice(c.ks[layer], k.transpose(0, 2, 1, 3).astype(c.ks[layer].dtype), (0, 0, c.pos, 0))
     V = lax.dynamic_update_slice(c.vs[layer], v.transpose(0, 2, 1, 3).astype(c.vs[layer].dtype), (0, 0, c.pos, 0))
     c.ks[layer], c.vs[layer] = K, V
@@ -260,6 +273,7 @@ def _route(c: _Ctx, n: Node, a: list):
     if n.attr("norm"):
         vals = vals / vals.sum(axis=-1, keepdims=True)
     c.topk[n.id] = vals, idx                             # for the moe_ffn it feeds: no second top_k
+    c.logits[n.id] = a[0], n.attr("k"), bool(n.attr("norm"))   # for decode kernels that route themselves
     E = p.shape[-1]
     return (c.jax.nn.one_hot(idx, E, dtype=p.dtype) * vals[..., None]).sum(axis=-2)
 
@@ -285,13 +299,15 @@ def _moe(c: _Ctx, n: Node, a: list):
     else:     # [M, k], in top_k(comb)'s order: the route's own, when it ran in this computation
         topw, topi = c.topk.get(n.args[1]) or jax.lax.top_k(comb, k)
     gu_p, dn_p = c.params[n.weight("gate_up")], c.params[n.weight("down")]
-    out = moe_core(c, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt)
+    route = None if ids or n.attr("cache", "") else c.logits.get(n.args[1])
+    out = moe_core(c, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, route=route)
     return out + a[2] if len(a) == 3 else out
 
 
-def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok: bool = True):
+def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok: bool = True, route=None):
     """sum_j topw[m, j] * expert_{topi[m, j]}(x[m]) over the stacked experts gu_p / dn_p (their
-    arrays by name, specs' formats), f32 [M, D]."""
+    arrays by name, specs' formats), f32 [M, D]. route: (logits, k, renormalise) of the route op
+    that gave topw/topi, when it ran in this computation (the decode kernels then route inside)."""
     jnp, jax = c.jnp, c.jax
     M, D = x.shape
     k = topi.shape[1]
@@ -304,7 +320,12 @@ def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok
     if pallas:
         # decode, int4/int8 experts on a GPU: two Pallas kernels (gate/up + silu*mul; down +
         # weighted combine) over the stored packed weights (STRATA_XLA_PALLAS=0: the XLA path)
-        out = pallas_moe.moe_decode(x, topi, topw, gu_spec, gu_p, dn_spec, dn_p, interpret=interpret)
+        if route is not None and pallas_moe.route_inside():
+            # softmax and top-k in both kernels: four small routing kernels fewer per layer
+            out = pallas_moe.moe_decode(x, None, None, gu_spec, gu_p, dn_spec, dn_p, interpret=interpret,
+                                        logits=route[0], k=route[1], norm=route[2])
+        else:
+            out = pallas_moe.moe_decode(x, topi, topw, gu_spec, gu_p, dn_spec, dn_p, interpret=interpret)
     elif _use_matvec(M):
         # decode: one fused multiply-reduce per projection over all chosen experts (the gather of
         # their packed weights happens inside the reduction, so nothing is copied)
@@ -624,13 +645,22 @@ class XLAExecutor:
         import threading
         import time
 
-        t0 = time.perf_counter()
-        host_in = {i: v for i, v in ext.items() if isinstance(v, np.ndarray)}
-        ext = {i: jax.device_put(v, self.device) if i in host_in else v for i, v in ext.items()}
-        jax.block_until_ready(ext)
-        tr.transfer("h2d", sum(int(v.nbytes) for v in host_in.values()), time.perf_counter() - t0)
-        start = time.perf_counter_ns()
-        outs = self.run_partition(ext, input_ids, cache, input_ids.shape[1], step_in)
+        staging = self._staging() if input_ids.size <= RAW_MAX_TOKENS else None
+        if staging is not None:
+            # as untraced: host values go in by raw copies inside the call (their time is the h2d span)
+            b0, s0 = staging.bytes, staging.seconds
+            start = time.perf_counter_ns()
+            outs = self.run_partition(ext, input_ids, cache, input_ids.shape[1], step_in)
+            if staging.bytes > b0:
+                tr.transfer("h2d", staging.bytes - b0, staging.seconds - s0, end_ns=staging.last_end_ns)
+        else:
+            t0 = time.perf_counter()
+            host_in = {i: v for i, v in ext.items() if isinstance(v, np.ndarray)}
+            ext = {i: jax.device_put(v, self.device) if i in host_in else v for i, v in ext.items()}
+            jax.block_until_ready(ext)
+            tr.transfer("h2d", sum(int(v.nbytes) for v in host_in.values()), time.perf_counter() - t0)
+            start = time.perf_counter_ns()
+            outs = self.run_partition(ext, input_ids, cache, input_ids.shape[1], step_in)
 
         def watch(outs=outs, start=start, n=len(self.nodes), tokens=int(input_ids.size)):
             jax.block_until_ready(outs)

@@ -12,6 +12,12 @@ tail; at batch 1 that count, not the bytes, bounds a step. Here, two launches:
            dots its block of down rows with h and accumulates the routing-weighted sum
            (no atomics: one program owns its output rows)                       -> out [M, D]
 
+Routing inside (default when the route op ran in the same computation): both kernels take the
+router logits and compute softmax and top-k themselves (k passes of argmax over E values, ties to
+the lower expert as lax.top_k), which removes the route's four small kernels (softmax, sort, two
+slices) per layer. STRATA_PALLAS_INT4=words loads int4 as u32 words and builds floats with the
+exponent trick instead of int->float conversions (measured no faster: BENCHMARKS.md).
+
 The weights stay exactly as formats.py stores them (no repacking): int4 qs u8[E, N, Kp/2] is
 viewed (a free reshape) as [E, N, Kp/G, G/2], where byte i of a group holds value i (low nibble)
 and value i + G/2 (high nibble); the activation [Kp] is viewed as [Kp/G, 2, G/2], so its two
@@ -60,6 +66,12 @@ def mode() -> str:
     return os.environ.get("STRATA_XLA_PALLAS", "1").strip().lower()
 
 
+def route_inside() -> bool:
+    """STRATA_XLA_PALLAS_ROUTE=0: the route's own top-k feeds the kernels (A/B), instead of each
+    kernel taking softmax and top-k of the router logits itself."""
+    return os.environ.get("STRATA_XLA_PALLAS_ROUTE", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
 def supported(gu_spec, dn_spec) -> bool:
     """Whether both projections' stored formats have a kernel here."""
     for s in (gu_spec, dn_spec):
@@ -93,22 +105,38 @@ def tuning() -> tuple[int, int, int, int]:
     return tuple(int(v) for v in t.split(",")) if t else TUNING
 
 
+def words() -> bool:
+    """STRATA_PALLAS_INT4: 'words' loads int4 weights as u32 words (8 nibbles each) and builds the
+    floats with the exponent trick (no int->float conversions); 'bytes' loads u8 and converts."""
+    return os.environ.get("STRATA_PALLAS_INT4", "bytes").strip().lower() == "words"
+
+
 class _Proj:
     """Static geometry of one stored projection [E, N, K] and its kernel-side views."""
 
-    def __init__(self, spec):
+    def __init__(self, spec, use_words: bool = False):
         self.fmt, self.G = spec.fmt, spec.group_size or 32
         self.E, self.N, self.K = spec.shape
         self.ng = -(-self.K // self.G)               # groups per row
         self.Kp = self.ng * self.G
         self.NGP = _pow2(self.ng)                    # group axis as loaded (power of two)
         self.W = self.G // 2 if self.fmt == "int4" else self.G   # bytes per group
+        self.words = use_words and self.fmt == "int4" and self.W % 4 == 0
+        self.QW = self.W // 4 if self.words else self.W          # stored elements per group as loaded
 
     def qs_view(self, qs):
+        if self.words:      # [E, N, ng, W/4] u32: byte j of word w is byte 4w + j of the group
+            import jax
+            import jax.numpy as jnp
+
+            return jax.lax.bitcast_convert_type(qs.reshape(self.E, self.N, self.ng, self.QW, 4), jnp.uint32)
         return qs.reshape(self.E, self.N, self.ng, self.W)
 
     def x_view(self, x):
-        """x [R, Kp] -> the layout the kernel loads: [R, ng, 2, G/2] (int4) or [R, ng, G]."""
+        """x [R, Kp] -> the layout the kernel loads: [R, ng, 2, G/2] (int4; words: [R, ng, 2, G/8,
+        4]) or [R, ng, G]."""
+        if self.words:
+            return x.reshape(x.shape[0], self.ng, 2, self.QW, 4)
         if self.fmt == "int4":
             return x.reshape(x.shape[0], self.ng, 2, self.W)
         return x.reshape(x.shape[0], self.ng, self.W)
@@ -123,14 +151,18 @@ def _load(ref, mask):
 
 
 def _x_parts(p: _Proj, x_ref, r):
-    """Row r of the activation as [NGP, W] block(s): (low half, high half) for int4."""
+    """Row r of the activation as [NGP, W] block(s): (low half, high half) for int4; words: the
+    8 [NGP, W/4] blocks (half, byte j) that line up with the nibbles of the words."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
     gs = pl.ds(0, p.NGP)
     mask = None
     if p.NGP != p.ng:
-        mask = jnp.broadcast_to((jnp.arange(p.NGP) < p.ng)[:, None], (p.NGP, p.W))
+        mask = jnp.broadcast_to((jnp.arange(p.NGP) < p.ng)[:, None], (p.NGP, p.QW))
+    if p.words:
+        return tuple(_load(x_ref.at[r, gs, jnp.int32(h), :, jnp.int32(j)], mask).astype(jnp.float32)
+                     for h in (0, 1) for j in range(4))
     if p.fmt == "int4":
         half0, half1 = jnp.int32(0), jnp.int32(1)   # traced: interpret mode masks no python ints
         return (_load(x_ref.at[r, gs, half0, :], mask).astype(jnp.float32),
@@ -140,8 +172,19 @@ def _x_parts(p: _Proj, x_ref, r):
 
 def _dequant_dot(p: _Proj, q, xs):
     """sum over the last axis of q [..., NGP, W] (integers, scale not applied) times x: [..., NGP]."""
+    import jax
     import jax.numpy as jnp
 
+    if p.words:
+        # nibble n of a word | 0x4B000000 is the float 2^23 + n: minus 2^23 + 8 gives n - 8
+        acc = None
+        for h in (0, 1):
+            for j in range(4):
+                nib = (q >> jnp.uint32(8 * j + 4 * h)) & jnp.uint32(15)
+                f = jax.lax.bitcast_convert_type(nib | jnp.uint32(0x4B000000), jnp.float32) - 8388616.0
+                t = f * xs[4 * h + j]
+                acc = t if acc is None else acc + t
+        return acc.sum(axis=-1)
     if p.fmt == "int4":
         qi = q.astype(jnp.int32)
         lo = (qi & 15).astype(jnp.float32) - 8.0
@@ -162,21 +205,62 @@ def _rows_dot(p: _Proj, qs_ref, sc_ref, e, start, row0, BN: int, limit: int, spa
     if ragged or p.NGP != p.ng:
         ok = (rows < limit)[:, None] & (jnp.arange(p.NGP) < p.ng)[None, :]     # [BN, NGP]
         smask = ok
-        qmask = jnp.broadcast_to(ok[:, :, None], (BN, p.NGP, p.W))
+        qmask = jnp.broadcast_to(ok[:, :, None], (BN, p.NGP, p.QW))
     rs, gs = pl.ds(start + row0, BN), pl.ds(0, p.NGP)
-    q = _load(qs_ref.at[e, rs, gs, :], qmask)                                   # [BN, NGP, W]
+    q = _load(qs_ref.at[e, rs, gs, :], qmask)                                   # [BN, NGP, QW]
     d = _load(sc_ref.at[e, rs, gs], smask).astype(jnp.float32)                  # [BN, NGP]
     s = _dequant_dot(p, q, tuple(x[None] for x in xs))
     return (s * d).sum(axis=-1)                                                  # masked: d == 0
 
 
-def _gate_up_kernel(ids_ref, x_ref, qs_ref, sc_ref, h_ref, *, p: _Proj, k: int, I: int, Ip: int, BN: int):
+def _top_k(l_ref, m, k: int, E: int, norm: bool):
+    """Row m of the router logits l_ref [M, EP] (EP = E padded to 2^n with -inf): softmax, then the
+    k largest probabilities (ties: the lower expert first, as lax.top_k) and their experts, in
+    order; renormalised to sum 1 when `norm`. Returns two lists of k traced scalars."""
+    import jax.numpy as jnp
+
+    x = l_ref[m, :].astype(jnp.float32)
+    p = jnp.exp(x - x.max())
+    p = p / p.sum()
+    ids = jnp.arange(x.shape[0])
+    ws, es = [], []
+    for _ in range(k):
+        best = p.max()
+        e = jnp.where(p == best, ids, E).min()
+        ws.append(best)
+        es.append(e)
+        p = jnp.where(ids == e, -1.0, p)        # probabilities are >= 0: -1 takes e out
+    if norm:
+        total = ws[0]
+        for w in ws[1:]:
+            total = total + w
+        ws = [w / total for w in ws]
+    return ws, es
+
+
+def _pick(vals: list, j):
+    """vals[j] for a traced j."""
+    import jax.numpy as jnp
+
+    out = vals[0]
+    for i in range(1, len(vals)):
+        out = jnp.where(j == i, vals[i], out)
+    return out
+
+
+def _gate_up_kernel(ids_ref, x_ref, qs_ref, sc_ref, h_ref, *, p: _Proj, k: int, I: int, Ip: int, BN: int,
+                    route=None, use_words: bool = False):
+    """route (E, norm): ids_ref holds the router's logits [M, EP] and each program takes its
+    expert from their top-k (no routing kernels in between); else the chosen ids [M*k]."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     pair, blk = pl.program_id(0), pl.program_id(1)
-    e = ids_ref[pair]
+    if route is None:
+        e = ids_ref[pair]
+    else:
+        e = _pick(_top_k(ids_ref, pair // k, k, *route)[1], pair % k)
     xs = _x_parts(p, x_ref, pair // k)
     row0 = blk * BN
     span = -(-Ip // BN) * BN
@@ -190,7 +274,8 @@ def _gate_up_kernel(ids_ref, x_ref, qs_ref, sc_ref, h_ref, *, p: _Proj, k: int, 
         out[...] = h
 
 
-def _down_kernel(ids_ref, w_ref, h_ref, qs_ref, sc_ref, o_ref, *, p: _Proj, k: int, BN: int):
+def _down_kernel(ids_ref, w_ref, h_ref, qs_ref, sc_ref, o_ref, *, p: _Proj, k: int, BN: int, route=None):
+    """route (E, norm): ids_ref holds the router's logits [M, EP] (w_ref unused), as in gate_up."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
@@ -198,11 +283,15 @@ def _down_kernel(ids_ref, w_ref, h_ref, qs_ref, sc_ref, o_ref, *, p: _Proj, k: i
     m, blk = pl.program_id(0), pl.program_id(1)
     row0 = blk * BN
     span = -(-p.N // BN) * BN
+    if route is None:
+        ws = [w_ref[m * k + j] for j in range(k)]
+        es = [ids_ref[m * k + j] for j in range(k)]
+    else:
+        ws, es = _top_k(ids_ref, m, k, *route)
     acc = jnp.zeros((BN,), jnp.float32)
     for j in range(k):                      # unrolled: the k experts' loads can overlap
-        pair = m * k + j
-        xs = _x_parts(p, h_ref, pair)
-        acc = acc + w_ref[pair] * _rows_dot(p, qs_ref, sc_ref, ids_ref[pair], 0, row0, BN, p.N, span, xs)
+        xs = _x_parts(p, h_ref, m * k + j)
+        acc = acc + ws[j] * _rows_dot(p, qs_ref, sc_ref, es[j], 0, row0, BN, p.N, span, xs)
     out = o_ref.at[m, pl.ds(row0, BN)]
     if p.N % BN:
         plgpu.store(out, acc, mask=row0 + jnp.arange(BN) < p.N)
@@ -211,25 +300,26 @@ def _down_kernel(ids_ref, w_ref, h_ref, qs_ref, sc_ref, o_ref, *, p: _Proj, k: i
 
 
 @functools.lru_cache(maxsize=None)
-def _calls(gu: tuple, dn: tuple, M: int, k: int, interpret: bool, bn1: int, bn2: int, warps1: int, warps2: int):
+def _calls(gu: tuple, dn: tuple, M: int, k: int, interpret: bool, bn1: int, bn2: int, warps1: int, warps2: int,
+           route=None, use_words: bool = False):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    pg, pd = _Proj(_Spec(*gu)), _Proj(_Spec(*dn))
+    pg, pd = _Proj(_Spec(*gu), use_words), _Proj(_Spec(*dn), use_words)
     I = pg.N // 2
     Ip = pd.Kp                               # h columns: down's K (= I) padded to its groups
     bn1 = min(bn1, _pow2(I))
     bn2 = min(bn2, _pow2(pd.N))
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps1, num_stages=1))
     gate_up = pl.pallas_call(
-        functools.partial(_gate_up_kernel, p=pg, k=k, I=I, Ip=Ip, BN=bn1),
+        functools.partial(_gate_up_kernel, p=pg, k=k, I=I, Ip=Ip, BN=bn1, route=route),
         out_shape=jax.ShapeDtypeStruct((M * k, Ip), jnp.float32),
         grid=(M * k, -(-Ip // bn1)), interpret=interpret, name="strata_moe_gate_up", **params)
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps2, num_stages=1))
     down = pl.pallas_call(
-        functools.partial(_down_kernel, p=pd, k=k, BN=bn2),
+        functools.partial(_down_kernel, p=pd, k=k, BN=bn2, route=route),
         out_shape=jax.ShapeDtypeStruct((M, pd.N), jnp.float32),
         grid=(M, -(-pd.N // bn2)), interpret=interpret, name="strata_moe_down", **params)
     return pg, pd, gate_up, down
@@ -246,19 +336,33 @@ def _key(spec) -> tuple:
     return spec.fmt, spec.group_size or 32, tuple(spec.shape)
 
 
-def moe_decode(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict, *, interpret: bool = False):
+def moe_decode(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict, *, interpret: bool = False,
+               logits=None, k: int = 0, norm: bool = False):
     """sum_j topw[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])), e = topi[m, j]: f32[M, D].
 
     x [M, D] (any float), topi int[M, k], topw [M, k]; *_arrays the stored arrays ({'qs',
-    'scales'}) of the stacked expert weights gate_up [E, 2I, D] and down [E, D, I]."""
+    'scales'}) of the stacked expert weights gate_up [E, 2I, D] and down [E, D, I].
+    Or, with `logits` [M, E] (topi/topw None): the routing itself — softmax, top-k (k), renormalised
+    when `norm` — computed inside both kernels (no routing kernels of their own)."""
     import jax.numpy as jnp
 
-    M, k = topi.shape
-    pg, pd, gate_up, down = _calls(_key(gu_spec), _key(dn_spec), M, k, bool(interpret), *tuning())
+    if logits is not None:
+        M, E = logits.shape
+        route = (E, bool(norm))
+    else:
+        (M, k), route = topi.shape, None
+    pg, pd, gate_up, down = _calls(_key(gu_spec), _key(dn_spec), M, k, bool(interpret), *tuning(), route=route,
+                                   use_words=words())
     x = x.astype(jnp.float32)
     if pg.Kp != pg.K:
         x = jnp.pad(x, [(0, 0), (0, pg.Kp - pg.K)])
-    ids = topi.reshape(-1).astype(jnp.int32)
+    if route is None:
+        ids, w = topi.reshape(-1).astype(jnp.int32), topw.reshape(-1).astype(jnp.float32)
+    else:
+        EP = _pow2(E)
+        ids = logits.astype(jnp.float32)
+        if EP != E:
+            ids = jnp.pad(ids, [(0, 0), (0, EP - E)], constant_values=-jnp.inf)
+        w = jnp.zeros((1,), jnp.float32)
     h = gate_up(ids, pg.x_view(x), pg.qs_view(gu_arrays["qs"]), gu_arrays["scales"])          # [M*k, Ip]
-    return down(ids, topw.reshape(-1).astype(jnp.float32), pd.x_view(h),
-                pd.qs_view(dn_arrays["qs"]), dn_arrays["scales"])
+    return down(ids, w, pd.x_view(h), pd.qs_view(dn_arrays["qs"]), dn_arrays["scales"])

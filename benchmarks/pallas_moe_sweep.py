@@ -1,0 +1,115 @@
+"""Device time of the decode-MoE kernels of one layer, by variant: the Pallas kernels (int4 read as
+bytes or as u32 words, rows per program and warps) against XLA's multiply-reduce.
+
+    python benchmarks/pallas_moe_sweep.py [--layers 8] [--reps 20] [--variants V;V;...]
+
+A variant is `xla`, or `pallas:INT4:BN1,BN2,W1,W2` (INT4 = bytes | words; STRATA_PALLAS_INT4 and
+STRATA_PALLAS_TUNE). The model is the OLMoE shape of gpu_decode.py (D 2048, I 1024, 64 experts
+top-8, int4, group 32), batch 1, routing inside the kernels; --layers distinct random layers
+(more than the L2 holds) run one after another in one jitted call. Device kernel times come from a
+JAX profiler trace (CUPTI): per layer, each kernel's time and the total, and the bytes the layer's
+chosen experts hold divided by that total (the kernels' effective read bandwidth). Needs a GPU
+(--tiny: a small shape in Pallas interpret mode on the CPU, a smoke test of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from common import device_kernels, log  # noqa: E402
+
+DEFAULT = ("xla;pallas:bytes:4,8,4,8;pallas:words:4,8,4,8;pallas:words:8,8,4,4;pallas:words:16,16,4,4;"
+           "pallas:words:2,4,2,4;pallas:words:8,16,8,8")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--variants", default=DEFAULT)
+    ap.add_argument("--tiny", action="store_true")
+    a = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+
+    from strata_compiler.backends.xla import pallas_moe
+    from strata_compiler.backends.xla.executor import _silu, matvec
+    from strata_compiler.ir import WeightSpec
+
+    E, D, I, k, G = (8, 64, 32, 2, 32) if a.tiny else (64, 2048, 1024, 8, 32)
+    gs = WeightSpec("gu", (E, 2 * I, D), (), E, "int4", G)
+    ds = WeightSpec("dn", (E, D, I), (), E, "int4", G)
+    rng = np.random.default_rng(0)
+
+    def arrays(N, K):
+        return {"qs": jnp.asarray(rng.integers(0, 256, (E, N, K // 2), dtype=np.uint8)),
+                "scales": jnp.asarray((rng.random((E, N, K // G)) * 0.02).astype(np.float16))}
+
+    layers = [(arrays(2 * I, D), arrays(D, I), jnp.asarray(rng.standard_normal((1, E)).astype(np.float32)))
+              for _ in range(a.layers)]
+    # bytes of the chosen experts per layer: int4 nibbles and f16 scales of gate_up and down
+    chosen = k * (2 * I * D // 2 + 2 * (2 * I) * (D // G) + D * I // 2 + 2 * D * (I // G))
+    x0 = jnp.asarray(rng.standard_normal((1, D)).astype(np.float32))
+    rows = []
+    for v in a.variants.split(";"):
+        parts = v.split(":")
+        if parts[0] == "pallas":
+            os.environ["STRATA_PALLAS_INT4"], os.environ["STRATA_PALLAS_TUNE"] = parts[1], parts[2]
+
+        def layer(x, gu, dn, logits, v=v):
+            if v == "xla":
+                topw, topi = jax.lax.top_k(jax.nn.softmax(logits, -1), k)
+                g = matvec(jnp, gs, {r: t[topi] for r, t in gu.items()}, x[:, None, :])
+                h = _silu(jnp, g[..., :I]) * g[..., I:]
+                y = matvec(jnp, ds, {r: t[topi] for r, t in dn.items()}, h)
+                return (y * topw[..., None]).sum(axis=1)
+            return pallas_moe.moe_decode(x, None, None, gs, gu, ds, dn, interpret=a.tiny, logits=logits, k=k)
+
+        @jax.jit
+        def run(x, layers):
+            for gu, dn, logits in layers:
+                x = x + 1e-3 * layer(x, gu, dn, logits)
+            return x
+
+        try:
+            run(x0, layers).block_until_ready()
+        except Exception as e:          # a variant Triton cannot compile: say so, go on
+            print(f"{v}: failed: {str(e).splitlines()[0][:300]}")
+            continue
+        t0 = time.perf_counter()
+        for _ in range(a.reps):
+            out = run(x0, layers)
+        out.block_until_ready()
+        wall = (time.perf_counter() - t0) / a.reps / a.layers
+        got = device_kernels(lambda: [run(x0, layers).block_until_ready() for _ in range(a.reps)])
+        n = a.reps * a.layers
+        if got is None:
+            rows.append((v, wall * 1e6, None, None, ""))
+            continue
+        per, busy, _ = got
+        kern = ", ".join(f"{name} {dur / n:.1f}" for name, (c, dur) in sorted(per.items(), key=lambda kv: -kv[1][1])
+                         if dur / n >= 0.5)
+        rows.append((v, wall * 1e6, busy / n, chosen / (busy / n * 1e-6) / 1e9, kern))
+        log(f"{v}: {busy / n:.1f} us per layer on the device")
+    print(f"\nMoE of one layer, batch 1, {E} experts top-{k}, D {D}, I {I}, int4 G{G}: {chosen / 1e6:.1f} MB "
+          f"of chosen experts per layer; {a.layers} layers x {a.reps} calls")
+    print(f"{'variant':28s} {'wall us':>8s} {'device us':>9s} {'GB/s':>7s}  kernels (us per layer)")
+    for v, wall, dev, bw, kern in rows:
+        print(f"{v:28s} {wall:8.1f} {dev if dev is not None else float('nan'):9.1f} "
+              f"{bw if bw is not None else float('nan'):7.0f}  {kern}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
