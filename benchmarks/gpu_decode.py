@@ -90,17 +90,19 @@ def decode_bytes(plan, dims: dict, context: int) -> int:
 
 
 def ab(exe, decode, a, fmt: str) -> list[dict]:
-    """Batch-1 decode with a.ab=1 and =0, alternated twice, each a fresh trace and compile of the
-    decode loop (the switch is read while tracing)."""
+    """Batch-1 decode with the two settings of a.ab, alternated twice, each a fresh trace and
+    compile of the decode loop (the switch is read while tracing)."""
     import os
 
     import jax
 
-    got: dict[str, list[float]] = {"1": [], "0": []}
-    old = os.environ.get(a.ab)
+    name, _, vals = a.ab.partition("=")
+    A, B = vals.split(",") if vals else ("1", "0")
+    got: dict[str, list[float]] = {A: [], B: []}
+    old = os.environ.get(name)
     try:
-        for setting in ("1", "0", "1", "0"):
-            os.environ[a.ab] = setting
+        for setting in (A, B, A, B):
+            os.environ[name] = setting
             exe._loop = jax.jit(lambda *args: exe._decode_loop(*args), static_argnums=(5,), donate_argnums=(1, 2))
             decode()                       # compile
             secs = []
@@ -108,14 +110,14 @@ def ab(exe, decode, a, fmt: str) -> list[dict]:
                 decode()
                 secs.append(decode.seconds)
             got[setting].append(a.n_new / statistics.median(secs))
-            log(f"{fmt} decode B=1 {a.ab}={setting}: {got[setting][-1]:.1f} tok/s")
+            log(f"{fmt} decode B=1 {name}={setting}: {got[setting][-1]:.1f} tok/s")
     finally:
         if old is None:
-            os.environ.pop(a.ab, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[a.ab] = old
+            os.environ[name] = old
         del exe._loop
-    return [dict(format=fmt, phase=f"decode {a.ab}={s}", batch=1, tokens=a.n_new, tok_s=statistics.median(v),
+    return [dict(format=fmt, phase=f"decode {name}={s}", batch=1, tokens=a.n_new, tok_s=statistics.median(v),
                  roofline_tok_s=None, ratio=None) for s, v in got.items()]
 
 
@@ -130,9 +132,10 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="a small model on whatever device (smoke test)")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--ab", metavar="ENV",
-                    help="also time batch-1 decode with ENV=1 and ENV=0 alternately (twice each) in this process, "
-                         "e.g. STRATA_XLA_PALLAS_ATTN: a side-by-side A/B of a kernel switch")
+    ap.add_argument("--ab", metavar="ENV[=A,B]",
+                    help="also time batch-1 decode with ENV=A and ENV=B (default 1 and 0) alternately, twice each, "
+                         "in this process, e.g. STRATA_XLA_PALLAS_ATTN or STRATA_PALLAS_INT4=dp4a,bytes: a "
+                         "side-by-side A/B of a kernel switch")
     a = ap.parse_args()
     dims = TINY if a.tiny else FULL
     a.work_dir.mkdir(parents=True, exist_ok=True)

@@ -3,8 +3,10 @@ bytes or as u32 words, rows per program and warps) against XLA's multiply-reduce
 
     python benchmarks/pallas_moe_sweep.py [--layers 8] [--reps 20] [--variants V;V;...]
 
-A variant is `xla`, or `pallas:INT4:BN1,BN2,W1,W2` (INT4 = bytes | words; STRATA_PALLAS_INT4 and
-STRATA_PALLAS_TUNE). The model is the OLMoE shape of gpu_decode.py (D 2048, I 1024, 64 experts
+A variant is `xla`, or `pallas:INT4:BN1,BN2,W1,W2` (INT4 = bytes | words | dp4a; STRATA_PALLAS_INT4
+and STRATA_PALLAS_TUNE). Each variant's output after the --layers layers is compared with the first
+variant's (of what the layers add to x: max |difference| / max |value|; dp4a rounds activations to q8, the others should agree
+to f32 rounding). The model is the OLMoE shape of gpu_decode.py (D 2048, I 1024, 64 experts
 top-8, int4, group 32), batch 1, routing inside the kernels; --layers distinct random layers
 (more than the L2 holds) run one after another in one jitted call. Device kernel times come from a
 JAX profiler trace (CUPTI): per layer, each kernel's time and the total, and the bytes the layer's
@@ -28,8 +30,8 @@ sys.path.insert(0, str(HERE))
 
 from common import device_kernels, log  # noqa: E402
 
-DEFAULT = ("xla;pallas:bytes:4,8,4,8;pallas:words:4,8,4,8;pallas:words:8,8,4,4;pallas:words:16,16,4,4;"
-           "pallas:words:2,4,2,4;pallas:words:8,16,8,8")
+DEFAULT = ("xla;pallas:bytes:4,8,4,8;pallas:words:8,8,4,4;pallas:dp4a:4,8,4,8;pallas:dp4a:8,8,4,4;"
+           "pallas:dp4a:16,16,4,4;pallas:dp4a:2,4,2,4;pallas:dp4a:8,16,8,8;pallas:dp4a:32,32,4,4")
 
 
 def main() -> int:
@@ -62,6 +64,7 @@ def main() -> int:
     chosen = k * (2 * I * D // 2 + 2 * (2 * I) * (D // G) + D * I // 2 + 2 * D * (I // G))
     x0 = jnp.asarray(rng.standard_normal((1, D)).astype(np.float32))
     rows = []
+    first = None
     for v in a.variants.split(";"):
         parts = v.split(":")
         if parts[0] == "pallas":
@@ -83,10 +86,14 @@ def main() -> int:
             return x
 
         try:
-            run(x0, layers).block_until_ready()
+            y = np.asarray(run(x0, layers))
         except Exception as e:          # a variant Triton cannot compile: say so, go on
             print(f"{v}: failed: {str(e).splitlines()[0][:300]}")
             continue
+        y = y - np.asarray(x0)          # what the MoE layers added
+        if first is None:
+            first = y
+        diff = float(np.abs(y - first).max() / np.abs(first).max())
         t0 = time.perf_counter()
         for _ in range(a.reps):
             out = run(x0, layers)
@@ -95,19 +102,19 @@ def main() -> int:
         got = device_kernels(lambda: [run(x0, layers).block_until_ready() for _ in range(a.reps)])
         n = a.reps * a.layers
         if got is None:
-            rows.append((v, wall * 1e6, None, None, ""))
+            rows.append((v, wall * 1e6, None, None, diff, ""))
             continue
         per, busy, _ = got
         kern = ", ".join(f"{name} {dur / n:.1f}" for name, (c, dur) in sorted(per.items(), key=lambda kv: -kv[1][1])
                          if dur / n >= 0.5)
-        rows.append((v, wall * 1e6, busy / n, chosen / (busy / n * 1e-6) / 1e9, kern))
+        rows.append((v, wall * 1e6, busy / n, chosen / (busy / n * 1e-6) / 1e9, diff, kern))
         log(f"{v}: {busy / n:.1f} us per layer on the device")
     print(f"\nMoE of one layer, batch 1, {E} experts top-{k}, D {D}, I {I}, int4 G{G}: {chosen / 1e6:.1f} MB "
           f"of chosen experts per layer; {a.layers} layers x {a.reps} calls")
-    print(f"{'variant':28s} {'wall us':>8s} {'device us':>9s} {'GB/s':>7s}  kernels (us per layer)")
-    for v, wall, dev, bw, kern in rows:
+    print(f"{'variant':28s} {'wall us':>8s} {'device us':>9s} {'GB/s':>7s} {'vs first':>9s}  kernels (us per layer)")
+    for v, wall, dev, bw, diff, kern in rows:
         print(f"{v:28s} {wall:8.1f} {dev if dev is not None else float('nan'):9.1f} "
-              f"{bw if bw is not None else float('nan'):7.0f}  {kern}")
+              f"{bw if bw is not None else float('nan'):7.0f} {diff:9.1e}  {kern}")
     return 0
 
 

@@ -92,6 +92,82 @@ def test_routing_inside_kernels(E, k, M, norm):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
+def _q8(x, G):
+    """x rounded as the dp4a kernels' activations: int8 per group of G, scale max|x| / 127."""
+    xg = x.reshape(x.shape[0], -1, G).astype(np.float32)
+    amax = np.abs(xg).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.round(xg * inv), -127, 127)
+    return (q * (amax / np.float32(127))).reshape(x.shape)
+
+
+@pytest.mark.parametrize("E,D,I,k,M", [(8, 64, 32, 2, 1), (8, 200, 72, 3, 2), (6, 128, 96, 2, 3)])
+def test_dp4a_kernels_match_q8_reference(E, D, I, k, M, monkeypatch):
+    """STRATA_PALLAS_INT4=dp4a (interpret mode: the integer dot products in plain arithmetic): the
+    int4 experts times q8-rounded activations (x for gate/up, h for down), ragged shapes included."""
+    monkeypatch.setenv("STRATA_PALLAS_INT4", "dp4a")
+    G = 32
+    gs, ga, ds, da = _experts(E, D, I, "int4", "int4", G, seed=E + D + 1)
+    rng = np.random.default_rng(M)
+    x = rng.standard_normal((M, D)).astype(np.float32)
+    topi, topw = _route(rng, M, E, k)
+    gw = get_format("int4").dequantize(ga, D, G).astype(np.float64)
+    dw = get_format("int4").dequantize(da, I, G).astype(np.float64)
+    Dp, Ip = -(-D // G) * G, -(-I // G) * G
+    xq = _q8(np.pad(x, [(0, 0), (0, Dp - D)]), G)[:, :D].astype(np.float64)
+    want = np.zeros((M, D))
+    for m in range(M):
+        for j in range(k):
+            h = gw[topi[m, j]] @ xq[m]
+            h = (h[:I] / (1 + np.exp(-h[:I])) * h[I:]).astype(np.float32)
+            hq = _q8(np.pad(h[None], [(0, 0), (0, Ip - I)]), G)[0, :I].astype(np.float64)
+            want[m] += topw[m, j] * (dw[topi[m, j]] @ hq)
+    got = _run(x, topi, topw, gs, ga, ds, da)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    exact = _reference(x, topi, topw, gs, ga, ds, da)           # and near the f32-activation result
+    assert np.abs(got - exact).max() <= 0.03 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("N,K,M", [(64, 64, 1), (50, 200, 3), (300, 96, 2)])
+def test_dp4a_linear_matches_q8_reference(N, K, M, monkeypatch):
+    """The dense int4 decode kernel (linear_decode, dp4a mode, interpret): W x_q8 for ragged rows
+    and groups; and use_linear picks it only for int4 2-D weights in dp4a mode."""
+    monkeypatch.setenv("STRATA_PALLAS_INT4", "dp4a")
+    G = 32
+    rng = np.random.default_rng(N + K)
+    w = rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K)
+    arrays = get_format("int4").quantize(w, G)
+    spec = WeightSpec("w", (N, K), (), 0, "int4", G)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    Kp = -(-K // G) * G
+    xq = _q8(np.pad(x, [(0, 0), (0, Kp - K)]), G)[:, :K].astype(np.float64)
+    want = xq @ get_format("int4").dequantize(arrays, K, G).astype(np.float64).T
+    got = np.asarray(pallas_moe.linear_decode(jnp.asarray(x), spec, {r: jnp.asarray(v) for r, v in arrays.items()},
+                                              interpret=True))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert pallas_moe.use_linear(True, spec, M) == (True, False)
+    assert pallas_moe.use_linear(True, WeightSpec("w", (N, K), (), 0, "int8", G), M)[0] is False
+    monkeypatch.setenv("STRATA_PALLAS_INT4", "bytes")
+    assert pallas_moe.use_linear(True, spec, M)[0] is False       # XLA's multiply-reduce is as fast
+
+
+def test_dp4a_model_logits_near_the_xla_path(int_plans, monkeypatch):
+    """A tiny int4 model's decode logits with every int4 matrix product on the dp4a kernels
+    (interpret mode) stay within q8 rounding of the XLA path's."""
+    from strata_compiler.runtime.plan import load_plan
+
+    plan = load_plan(int_plans["int4"])
+    ids = np.random.default_rng(7).integers(0, 100, (1, 5))
+    calls = []
+    real = pallas_moe.linear_decode
+    monkeypatch.setattr(pallas_moe, "linear_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    want, _ = _decode(plan, ids, monkeypatch, "0")
+    monkeypatch.setenv("STRATA_PALLAS_INT4", "dp4a")
+    got, _ = _decode(plan, ids, monkeypatch, "interpret")
+    assert calls
+    assert np.abs(got - want).max() <= 0.05 * want.std()
+
+
 def test_kernels_match_xla_multiply_reduce():
     """The executor's decode path (matvec over the gathered experts) gives the same numbers."""
     gs, ga, ds, da = _experts(16, 256, 64, "int4", "int4", 32, seed=1)

@@ -191,7 +191,14 @@ def _linear(c: _Ctx, n: Node, a: list):
         name = n.weight("w")
         if rms:
             x = x * c.w(n, "norm", jnp.float32)
-        y = matvec(jnp, c.exe.g.weight(name), c.params[name], x)
+        from . import pallas_moe
+
+        spec = c.exe.g.weight(name)
+        kernel, interpret = pallas_moe.use_linear(c.exe.on_gpu, spec, x.shape[0])
+        if kernel:      # int4 with STRATA_PALLAS_INT4=dp4a: integer dot products on q8 activations
+            y = pallas_moe.linear_decode(x, spec, c.params[name], interpret=interpret)
+        else:
+            y = matvec(jnp, spec, c.params[name], x)
         if rms:
             y = y * (1.0 / jnp.sqrt(jnp.mean(a[0] * a[0], axis=-1, keepdims=True) + n.attr("eps")))
     else:

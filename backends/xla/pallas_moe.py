@@ -105,23 +105,30 @@ def tuning() -> tuple[int, int, int, int]:
     return tuple(int(v) for v in t.split(",")) if t else TUNING
 
 
-def words() -> bool:
-    """STRATA_PALLAS_INT4: 'words' loads int4 weights as u32 words (8 nibbles each) and builds the
-    floats with the exponent trick (no int->float conversions); 'bytes' loads u8 and converts."""
-    return os.environ.get("STRATA_PALLAS_INT4", "bytes").strip().lower() == "words"
+def int4_mode() -> str:
+    """STRATA_PALLAS_INT4: how the kernels read int4 weights.
+    'bytes' (default): u8 loads, int->float conversions, f32 products with f32 activations;
+    'words': u32 loads (8 nibbles each), floats built with the exponent trick;
+    'dp4a': u32 loads, nibbles masked into bytes, integer dot products (dp4a, 4 products per
+    instruction) against activations quantized to int8 per group of G (q8, as llama.cpp's mmvq
+    and the llvm CPU kernels): far fewer instructions per weight. Not yet measured on a GPU."""
+    m = os.environ.get("STRATA_PALLAS_INT4", "bytes").strip().lower()
+    return m if m in ("bytes", "words", "dp4a") else "bytes"
 
 
 class _Proj:
     """Static geometry of one stored projection [E, N, K] and its kernel-side views."""
 
-    def __init__(self, spec, use_words: bool = False):
+    def __init__(self, spec, int4: str = "bytes"):
         self.fmt, self.G = spec.fmt, spec.group_size or 32
         self.E, self.N, self.K = spec.shape
         self.ng = -(-self.K // self.G)               # groups per row
         self.Kp = self.ng * self.G
         self.NGP = _pow2(self.ng)                    # group axis as loaded (power of two)
         self.W = self.G // 2 if self.fmt == "int4" else self.G   # bytes per group
-        self.words = use_words and self.fmt == "int4" and self.W % 4 == 0
+        self.dp4a = int4 == "dp4a" and self.fmt == "int4" and self.W % 4 == 0
+        self.words = (int4 == "words" or self.dp4a) and self.fmt == "int4" and self.W % 4 == 0
+        self.nx = 4 if self.dp4a else 1               # activation arrays the kernels read
         self.QW = self.W // 4 if self.words else self.W          # stored elements per group as loaded
 
     def qs_view(self, qs):
@@ -131,6 +138,26 @@ class _Proj:
 
             return jax.lax.bitcast_convert_type(qs.reshape(self.E, self.N, self.ng, self.QW, 4), jnp.uint32)
         return qs.reshape(self.E, self.N, self.ng, self.W)
+
+    def x_in(self, x) -> tuple:
+        """The activation arrays the kernels read, from x f32[R, Kp]: (x_view(x),), or for dp4a
+        its q8 form (words i32[R, ng, G/8] of the low and of the high half: byte j of word w of
+        half h is q8(x[g G + h G/2 + 4w + j]); scales f32[R, ng]; sums i32[R, ng] of each group's
+        q8 values, for the -8 of the int4 weights)."""
+        if not self.dp4a:
+            return (self.x_view(x),)
+        import jax
+        import jax.numpy as jnp
+
+        R = x.shape[0]
+        xg = x.reshape(R, self.ng, self.G)
+        amax = jnp.abs(xg).max(-1)
+        inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
+        q = jnp.clip(jnp.round(xg * inv[..., None]), -127, 127).astype(jnp.int32)
+        b = (q & 0xFF).astype(jnp.uint32).reshape(R, self.ng, 2, self.QW, 4)
+        w = (b << jnp.arange(0, 32, 8, dtype=jnp.uint32)).sum(-1, dtype=jnp.uint32)   # bytes apart: sum = or
+        words = jax.lax.bitcast_convert_type(w, jnp.int32)
+        return words[:, :, 0], words[:, :, 1], amax / 127.0, q.sum(-1)
 
     def x_view(self, x):
         """x [R, Kp] -> the layout the kernel loads: [R, ng, 2, G/2] (int4; words: [R, ng, 2, G/8,
@@ -150,16 +177,23 @@ def _load(ref, mask):
     return plgpu.load(ref, mask=mask, other=0)
 
 
-def _x_parts(p: _Proj, x_ref, r):
+def _x_parts(p: _Proj, x_refs: tuple, r):
     """Row r of the activation as [NGP, W] block(s): (low half, high half) for int4; words: the
-    8 [NGP, W/4] blocks (half, byte j) that line up with the nibbles of the words."""
+    8 [NGP, W/4] blocks (half, byte j) that line up with the nibbles of the words; dp4a: (low
+    words, high words [NGP, W/4], scales [NGP], sums [NGP])."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
     gs = pl.ds(0, p.NGP)
-    mask = None
+    mask = gmask = None
     if p.NGP != p.ng:
         mask = jnp.broadcast_to((jnp.arange(p.NGP) < p.ng)[:, None], (p.NGP, p.QW))
+        gmask = jnp.arange(p.NGP) < p.ng
+    if p.dp4a:
+        lo, hi, d, sm = x_refs
+        return (_load(lo.at[r, gs, :], mask), _load(hi.at[r, gs, :], mask),
+                _load(d.at[r, gs], gmask).astype(jnp.float32), _load(sm.at[r, gs], gmask))
+    x_ref = x_refs[0]
     if p.words:
         return tuple(_load(x_ref.at[r, gs, jnp.int32(h), :, jnp.int32(j)], mask).astype(jnp.float32)
                      for h in (0, 1) for j in range(4))
@@ -170,11 +204,38 @@ def _x_parts(p: _Proj, x_ref, r):
     return (_load(x_ref.at[r, gs, :], mask).astype(jnp.float32),)
 
 
-def _dequant_dot(p: _Proj, q, xs):
-    """sum over the last axis of q [..., NGP, W] (integers, scale not applied) times x: [..., NGP]."""
+def _dp4a(a, b, c, interpret: bool):
+    """c + sum over the 4 bytes of a (unsigned) times b (signed), per 32-bit lane (PTX dp4a);
+    in interpret mode (the CPU: tests) the same in plain integer arithmetic."""
     import jax
     import jax.numpy as jnp
 
+    if interpret:
+        acc = c
+        for j in range(4):
+            aj = ((a >> jnp.uint32(8 * j)) & jnp.uint32(0xFF)).astype(jnp.int32)
+            bj = (b >> (8 * j)) & 0xFF
+            acc = acc + aj * jnp.where(bj >= 128, bj - 256, bj)
+        return acc
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.elementwise_inline_asm("dp4a.u32.s32 $0, $1, $2, $3;", args=[a, b, c], constraints="=r,r,r,r",
+                                        pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)])[0]
+
+
+def _dequant_dot(p: _Proj, q, xs, interpret: bool = False):
+    """sum over the last axis of q [..., NGP, W] (integers, scale not applied) times x: [..., NGP].
+    dp4a: the same from the q8 activations, their scale applied (the weights' scale is not)."""
+    import jax
+    import jax.numpy as jnp
+
+    if p.dp4a:
+        xlo, xhi, dx, sm = xs
+        lo = q & jnp.uint32(0x0F0F0F0F)
+        hi = (q >> jnp.uint32(4)) & jnp.uint32(0x0F0F0F0F)
+        xlo, xhi = jnp.broadcast_to(xlo, q.shape), jnp.broadcast_to(xhi, q.shape)
+        acc = _dp4a(hi, xhi, _dp4a(lo, xlo, jnp.zeros(q.shape, jnp.int32), interpret), interpret)
+        return (acc.sum(axis=-1) - 8 * sm).astype(jnp.float32) * dx      # nibbles are value + 8
     if p.words:
         # nibble n of a word | 0x4B000000 is the float 2^23 + n: minus 2^23 + 8 gives n - 8
         acc = None
@@ -193,7 +254,8 @@ def _dequant_dot(p: _Proj, q, xs):
     return (q.astype(jnp.float32) * xs[0]).sum(axis=-1)
 
 
-def _rows_dot(p: _Proj, qs_ref, sc_ref, e, start, row0, BN: int, limit: int, span: int, xs):
+def _rows_dot(p: _Proj, qs_ref, sc_ref, e, start, row0, BN: int, limit: int, span: int, xs,
+              interpret: bool = False):
     """f32[BN]: rows start + row0 + [0, BN) of expert e's dequantized weight times x; rows at or
     past `limit` (counted from `start`) read nothing and give 0 (the grid spans `span` rows)."""
     import jax.numpy as jnp
@@ -209,7 +271,7 @@ def _rows_dot(p: _Proj, qs_ref, sc_ref, e, start, row0, BN: int, limit: int, spa
     rs, gs = pl.ds(start + row0, BN), pl.ds(0, p.NGP)
     q = _load(qs_ref.at[e, rs, gs, :], qmask)                                   # [BN, NGP, QW]
     d = _load(sc_ref.at[e, rs, gs], smask).astype(jnp.float32)                  # [BN, NGP]
-    s = _dequant_dot(p, q, tuple(x[None] for x in xs))
+    s = _dequant_dot(p, q, tuple(x[None] for x in xs), interpret)
     return (s * d).sum(axis=-1)                                                  # masked: d == 0
 
 
@@ -248,8 +310,8 @@ def _pick(vals: list, j):
     return out
 
 
-def _gate_up_kernel(ids_ref, x_ref, qs_ref, sc_ref, h_ref, *, p: _Proj, k: int, I: int, Ip: int, BN: int,
-                    route=None, use_words: bool = False):
+def _gate_up_kernel(ids_ref, *refs, p: _Proj, k: int, I: int, Ip: int, BN: int, route=None,
+                    interpret: bool = False):
     """route (E, norm): ids_ref holds the router's logits [M, EP] and each program takes its
     expert from their top-k (no routing kernels in between); else the chosen ids [M*k]."""
     import jax.numpy as jnp
@@ -261,11 +323,12 @@ def _gate_up_kernel(ids_ref, x_ref, qs_ref, sc_ref, h_ref, *, p: _Proj, k: int, 
         e = ids_ref[pair]
     else:
         e = _pick(_top_k(ids_ref, pair // k, k, *route)[1], pair % k)
-    xs = _x_parts(p, x_ref, pair // k)
+    x_refs, (qs_ref, sc_ref, h_ref) = refs[:p.nx], refs[p.nx:]
+    xs = _x_parts(p, x_refs, pair // k)
     row0 = blk * BN
     span = -(-Ip // BN) * BN
-    g = _rows_dot(p, qs_ref, sc_ref, e, 0, row0, BN, I, span, xs)
-    u = _rows_dot(p, qs_ref, sc_ref, e, I, row0, BN, I, span, xs)
+    g = _rows_dot(p, qs_ref, sc_ref, e, 0, row0, BN, I, span, xs, interpret)
+    u = _rows_dot(p, qs_ref, sc_ref, e, I, row0, BN, I, span, xs, interpret)
     h = g / (1.0 + jnp.exp(-g)) * u                                             # rows >= I: 0
     out = h_ref.at[pair, pl.ds(row0, BN)]
     if Ip % BN:
@@ -274,12 +337,13 @@ def _gate_up_kernel(ids_ref, x_ref, qs_ref, sc_ref, h_ref, *, p: _Proj, k: int, 
         out[...] = h
 
 
-def _down_kernel(ids_ref, w_ref, h_ref, qs_ref, sc_ref, o_ref, *, p: _Proj, k: int, BN: int, route=None):
+def _down_kernel(ids_ref, w_ref, *refs, p: _Proj, k: int, BN: int, route=None, interpret: bool = False):
     """route (E, norm): ids_ref holds the router's logits [M, EP] (w_ref unused), as in gate_up."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
+    h_refs, (qs_ref, sc_ref, o_ref) = refs[:p.nx], refs[p.nx:]
     m, blk = pl.program_id(0), pl.program_id(1)
     row0 = blk * BN
     span = -(-p.N // BN) * BN
@@ -290,8 +354,8 @@ def _down_kernel(ids_ref, w_ref, h_ref, qs_ref, sc_ref, o_ref, *, p: _Proj, k: i
         ws, es = _top_k(ids_ref, m, k, *route)
     acc = jnp.zeros((BN,), jnp.float32)
     for j in range(k):                      # unrolled: the k experts' loads can overlap
-        xs = _x_parts(p, h_ref, m * k + j)
-        acc = acc + ws[j] * _rows_dot(p, qs_ref, sc_ref, es[j], 0, row0, BN, p.N, span, xs)
+        xs = _x_parts(p, h_refs, m * k + j)
+        acc = acc + ws[j] * _rows_dot(p, qs_ref, sc_ref, es[j], 0, row0, BN, p.N, span, xs, interpret)
     out = o_ref.at[m, pl.ds(row0, BN)]
     if p.N % BN:
         plgpu.store(out, acc, mask=row0 + jnp.arange(BN) < p.N)
@@ -301,25 +365,25 @@ def _down_kernel(ids_ref, w_ref, h_ref, qs_ref, sc_ref, o_ref, *, p: _Proj, k: i
 
 @functools.lru_cache(maxsize=None)
 def _calls(gu: tuple, dn: tuple, M: int, k: int, interpret: bool, bn1: int, bn2: int, warps1: int, warps2: int,
-           route=None, use_words: bool = False):
+           route=None, int4: str = "bytes"):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    pg, pd = _Proj(_Spec(*gu), use_words), _Proj(_Spec(*dn), use_words)
+    pg, pd = _Proj(_Spec(*gu), int4), _Proj(_Spec(*dn), int4)
     I = pg.N // 2
     Ip = pd.Kp                               # h columns: down's K (= I) padded to its groups
     bn1 = min(bn1, _pow2(I))
     bn2 = min(bn2, _pow2(pd.N))
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps1, num_stages=1))
     gate_up = pl.pallas_call(
-        functools.partial(_gate_up_kernel, p=pg, k=k, I=I, Ip=Ip, BN=bn1, route=route),
+        functools.partial(_gate_up_kernel, p=pg, k=k, I=I, Ip=Ip, BN=bn1, route=route, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((M * k, Ip), jnp.float32),
         grid=(M * k, -(-Ip // bn1)), interpret=interpret, name="strata_moe_gate_up", **params)
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps2, num_stages=1))
     down = pl.pallas_call(
-        functools.partial(_down_kernel, p=pd, k=k, BN=bn2, route=route),
+        functools.partial(_down_kernel, p=pd, k=k, BN=bn2, route=route, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((M, pd.N), jnp.float32),
         grid=(M, -(-pd.N // bn2)), interpret=interpret, name="strata_moe_down", **params)
     return pg, pd, gate_up, down
@@ -352,7 +416,7 @@ def moe_decode(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict
     else:
         (M, k), route = topi.shape, None
     pg, pd, gate_up, down = _calls(_key(gu_spec), _key(dn_spec), M, k, bool(interpret), *tuning(), route=route,
-                                   use_words=words())
+                                   int4=int4_mode())
     x = x.astype(jnp.float32)
     if pg.Kp != pg.K:
         x = jnp.pad(x, [(0, 0), (0, pg.Kp - pg.K)])
@@ -364,5 +428,72 @@ def moe_decode(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict
         if EP != E:
             ids = jnp.pad(ids, [(0, 0), (0, EP - E)], constant_values=-jnp.inf)
         w = jnp.zeros((1,), jnp.float32)
-    h = gate_up(ids, pg.x_view(x), pg.qs_view(gu_arrays["qs"]), gu_arrays["scales"])          # [M*k, Ip]
-    return down(ids, w, pd.x_view(h), pd.qs_view(dn_arrays["qs"]), dn_arrays["scales"])
+    h = gate_up(ids, *pg.x_in(x), pg.qs_view(gu_arrays["qs"]), gu_arrays["scales"])          # [M*k, Ip]
+    return down(ids, w, *pd.x_in(h), pd.qs_view(dn_arrays["qs"]), dn_arrays["scales"])
+
+
+# Dense int4 matrix-vector products at decode (lm_head, q/k/v, o, router when int4) as one Pallas
+# kernel, with STRATA_PALLAS_INT4=dp4a only: with f32 activations XLA's fused multiply-reduce is
+# as fast as these kernels (BENCHMARKS.md), so the Pallas path is worth it only for the integer
+# dot products.
+LINEAR_TUNING = (8, 4)       # rows per program, warps; STRATA_PALLAS_LINEAR_TUNE="bn,warps"
+
+
+def use_linear(on_gpu: bool, spec, M: int) -> tuple[bool, bool]:
+    """(use linear_decode, in interpret mode) for x[M, K] @ W^T with W stored as `spec`."""
+    m = mode()
+    if m in ("0", "off", "false", "no") or M > MAX_ROWS or int4_mode() != "dp4a":
+        return False, False
+    if spec.fmt != "int4" or len(spec.shape) != 2 or (spec.group_size or 32) % 8:
+        return False, False
+    if m == "interpret":
+        return True, True
+    return on_gpu, False
+
+
+def _linear_kernel(*refs, p: _Proj, BN: int, interpret: bool = False):
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    x_refs, (qs_ref, sc_ref, o_ref) = refs[:p.nx], refs[p.nx:]
+    m, blk = pl.program_id(0), pl.program_id(1)
+    row0 = blk * BN
+    span = -(-p.N // BN) * BN
+    zero = jnp.int32(0)     # traced: interpret mode masks no python ints
+    y = _rows_dot(p, qs_ref, sc_ref, zero, 0, row0, BN, p.N, span, _x_parts(p, x_refs, m), interpret)
+    out = o_ref.at[m, pl.ds(row0, BN)]
+    if p.N % BN:
+        plgpu.store(out, y, mask=row0 + jnp.arange(BN) < p.N)
+    else:
+        out[...] = y
+
+
+@functools.lru_cache(maxsize=None)
+def _linear_call(key: tuple, M: int, interpret: bool, bn: int, warps: int, int4: str):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    fmt, G, (N, K) = key
+    p = _Proj(_Spec(fmt, G, (1, N, K)), int4)
+    bn = min(bn, _pow2(N))
+    params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1))
+    call = pl.pallas_call(functools.partial(_linear_kernel, p=p, BN=bn, interpret=interpret),
+                          out_shape=jax.ShapeDtypeStruct((M, N), jnp.float32), grid=(M, -(-N // bn)),
+                          interpret=interpret, name="strata_linear_int4", **params)
+    return p, call
+
+
+def linear_decode(x, spec, arrays: dict, *, interpret: bool = False):
+    """x[M, K] @ W[N, K]^T, f32[M, N], W an int4 weight by its stored arrays ({'qs', 'scales'})."""
+    import jax.numpy as jnp
+
+    t = os.environ.get("STRATA_PALLAS_LINEAR_TUNE")
+    bn, warps = (int(v) for v in t.split(",")) if t else LINEAR_TUNING
+    p, call = _linear_call(_key(spec), x.shape[0], bool(interpret), bn, warps, int4_mode())
+    x = x.astype(jnp.float32)
+    if p.Kp != p.K:
+        x = jnp.pad(x, [(0, 0), (0, p.Kp - p.K)])
+    return call(*p.x_in(x), p.qs_view(arrays["qs"]), arrays["scales"].reshape(1, p.N, p.ng))
