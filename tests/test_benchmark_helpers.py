@@ -222,3 +222,31 @@ def test_device_benchmarks_smoke(tmp_path):
     rows = json.loads((tmp_path / "mg.json").read_text())["rows"]
     assert [x["variant"] for x in rows] == ["1gpu", "2gpu-layer", "2gpu-stripe", "2gpu-stripe-host"]
     assert all(x["same_tokens"] and x["decode_tok_s"] > 0 and x["prefill_tok_s"] > 0 for x in rows)
+
+
+def test_kernel_benchmarks_smoke(tmp_path):
+    """The GPU kernel benchmarks run end to end on small shapes here (JAX on the CPU; the Pallas
+    sweep in interpret mode): the variant table with outputs compared, the in-process A/B of a
+    kernel switch, and the kernel-table and kernels-vs-XLA check options."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = lambda *a: subprocess.run([sys.executable, *map(str, a)], capture_output=True, text=True,  # noqa: E731
+                                    env=env, timeout=600)
+    r = run(ROOT / "benchmarks" / "pallas_moe_sweep.py", "--tiny", "--layers", "2", "--reps", "1", "--variants",
+            "xla;pallas:bytes:4,8,4,8;pallas:dp4a:4,8,4,8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {ln.split()[0]: ln.split() for ln in r.stdout.splitlines()[-3:]}
+    assert set(rows) == {"xla", "pallas:bytes:4,8,4,8", "pallas:dp4a:4,8,4,8"}
+    assert float(rows["pallas:bytes:4,8,4,8"][4]) < 1e-5           # same numbers as XLA's
+    assert 0 < float(rows["pallas:dp4a:4,8,4,8"][4]) < 0.05        # q8 activations: close, not equal
+    r = run(ROOT / "benchmarks" / "gpu_decode.py", "--tiny", "--work-dir", tmp_path / "gd", "--formats", "int4",
+            "--batches", "1", "--prefill", "16", "--n-new", "4", "--repeats", "1", "--ab",
+            "STRATA_PALLAS_INT4=dp4a,bytes")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "decode STRATA_PALLAS_INT4=dp4a" in r.stdout and "decode STRATA_PALLAS_INT4=bytes" in r.stdout
+    r = run(ROOT / "benchmarks" / "gpu_profile.py", "--tiny", "--work-dir", tmp_path / "gp", "--layers", "2",
+            "--steps", "4", "--kernels", "--check")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "greedy tokens equal 32/32" in r.stdout and "kernels:" in r.stdout
