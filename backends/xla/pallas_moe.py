@@ -177,6 +177,19 @@ def _load(ref, mask):
     return plgpu.load(ref, mask=mask, other=0)
 
 
+def _store_rows(o_ref, r, row0, BN: int, n: int, values) -> None:
+    """values [BN] into o_ref[r, row0:row0 + BN], the positions at or past n masked off."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    out = o_ref.at[r, pl.ds(row0, BN)]
+    if n % BN:
+        plgpu.store(out, values, mask=row0 + jnp.arange(BN) < n)
+    else:
+        out[...] = values
+
+
 def _x_parts(p: _Proj, x_refs: tuple, r):
     """Row r of the activation as [NGP, W] block(s): (low half, high half) for int4; words: the
     8 [NGP, W/4] blocks (half, byte j) that line up with the nibbles of the words; dp4a: (low
@@ -316,7 +329,6 @@ def _gate_up_kernel(ids_ref, *refs, p: _Proj, k: int, I: int, Ip: int, BN: int, 
     expert from their top-k (no routing kernels in between); else the chosen ids [M*k]."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
 
     pair, blk = pl.program_id(0), pl.program_id(1)
     if route is None:
@@ -330,18 +342,13 @@ def _gate_up_kernel(ids_ref, *refs, p: _Proj, k: int, I: int, Ip: int, BN: int, 
     g = _rows_dot(p, qs_ref, sc_ref, e, 0, row0, BN, I, span, xs, interpret)
     u = _rows_dot(p, qs_ref, sc_ref, e, I, row0, BN, I, span, xs, interpret)
     h = g / (1.0 + jnp.exp(-g)) * u                                             # rows >= I: 0
-    out = h_ref.at[pair, pl.ds(row0, BN)]
-    if Ip % BN:
-        plgpu.store(out, h, mask=row0 + jnp.arange(BN) < Ip)
-    else:
-        out[...] = h
+    _store_rows(h_ref, pair, row0, BN, Ip, h)
 
 
 def _down_kernel(ids_ref, w_ref, *refs, p: _Proj, k: int, BN: int, route=None, interpret: bool = False):
     """route (E, norm): ids_ref holds the router's logits [M, EP] (w_ref unused), as in gate_up."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
 
     h_refs, (qs_ref, sc_ref, o_ref) = refs[:p.nx], refs[p.nx:]
     m, blk = pl.program_id(0), pl.program_id(1)
@@ -356,11 +363,7 @@ def _down_kernel(ids_ref, w_ref, *refs, p: _Proj, k: int, BN: int, route=None, i
     for j in range(k):                      # unrolled: the k experts' loads can overlap
         xs = _x_parts(p, h_refs, m * k + j)
         acc = acc + ws[j] * _rows_dot(p, qs_ref, sc_ref, es[j], 0, row0, BN, p.N, span, xs, interpret)
-    out = o_ref.at[m, pl.ds(row0, BN)]
-    if p.N % BN:
-        plgpu.store(out, acc, mask=row0 + jnp.arange(BN) < p.N)
-    else:
-        out[...] = acc
+    _store_rows(o_ref, m, row0, BN, p.N, acc)
 
 
 @functools.lru_cache(maxsize=None)
@@ -454,7 +457,6 @@ def use_linear(on_gpu: bool, spec, M: int) -> tuple[bool, bool]:
 def _linear_kernel(*refs, p: _Proj, BN: int, interpret: bool = False):
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
 
     x_refs, (qs_ref, sc_ref, o_ref) = refs[:p.nx], refs[p.nx:]
     m, blk = pl.program_id(0), pl.program_id(1)
@@ -462,11 +464,7 @@ def _linear_kernel(*refs, p: _Proj, BN: int, interpret: bool = False):
     span = -(-p.N // BN) * BN
     zero = jnp.int32(0)     # traced: interpret mode masks no python ints
     y = _rows_dot(p, qs_ref, sc_ref, zero, 0, row0, BN, p.N, span, _x_parts(p, x_refs, m), interpret)
-    out = o_ref.at[m, pl.ds(row0, BN)]
-    if p.N % BN:
-        plgpu.store(out, y, mask=row0 + jnp.arange(BN) < p.N)
-    else:
-        out[...] = y
+    _store_rows(o_ref, m, row0, BN, p.N, y)
 
 
 @functools.lru_cache(maxsize=None)
