@@ -5,6 +5,8 @@ kernels of a call from a JAX profiler trace."""
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import re
 import statistics
 import subprocess
@@ -33,6 +35,20 @@ def median_seconds(fn, repeats: int, warmup: int = 1) -> float:
         fn()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+@contextlib.contextmanager
+def env_set(name: str, value: str):
+    """Environment variable `name` set to `value` inside the block, as it was after it."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def device_kernels(fn) -> tuple[dict[str, list], float, float] | None:

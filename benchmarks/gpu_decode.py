@@ -32,7 +32,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))   # run from a checkout, installed or not
 
-from benchmarks.common import log, median_seconds  # noqa: E402
+from benchmarks.common import env_set, log, median_seconds  # noqa: E402
 
 FULL = dict(hidden=2048, layers=16, heads=16, kv_heads=16, head_dim=128, experts=64, top_k=8, moe_intermediate=1024,
             vocab=50304)
@@ -92,33 +92,34 @@ def decode_bytes(plan, dims: dict, context: int) -> int:
 def ab(exe, decode, a, fmt: str) -> list[dict]:
     """Batch-1 decode with the two settings of a.ab, alternated twice, each a fresh trace and
     compile of the decode loop (the switch is read while tracing)."""
-    import os
-
     import jax
 
-    name, _, vals = a.ab.partition("=")
-    A, B = vals.split(",") if vals else ("1", "0")
+    name, (A, B) = ab_settings(a.ab)
     got: dict[str, list[float]] = {A: [], B: []}
-    old = os.environ.get(name)
     try:
         for setting in (A, B, A, B):
-            os.environ[name] = setting
-            exe._loop = jax.jit(lambda *args: exe._decode_loop(*args), static_argnums=(5,), donate_argnums=(1, 2))
-            decode()                       # compile
-            secs = []
-            for _ in range(a.repeats):
-                decode()
-                secs.append(decode.seconds)
+            with env_set(name, setting):
+                exe._loop = jax.jit(lambda *args: exe._decode_loop(*args), static_argnums=(5,), donate_argnums=(1, 2))
+                decode()                       # compile
+                secs = []
+                for _ in range(a.repeats):
+                    decode()
+                    secs.append(decode.seconds)
             got[setting].append(a.n_new / statistics.median(secs))
             log(f"{fmt} decode B=1 {name}={setting}: {got[setting][-1]:.1f} tok/s")
     finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
         del exe._loop
     return [dict(format=fmt, phase=f"decode {name}={s}", batch=1, tokens=a.n_new, tok_s=statistics.median(v),
                  roofline_tok_s=None, ratio=None) for s, v in got.items()]
+
+
+def ab_settings(spec: str) -> tuple[str, tuple[str, str]]:
+    """'ENV' -> (ENV, ('1', '0')); 'ENV=A,B' -> (ENV, (A, B)); anything else: ValueError."""
+    name, _, vals = spec.partition("=")
+    pair = tuple(vals.split(",")) if vals else ("1", "0")
+    if not name or len(pair) != 2 or not all(pair) or pair[0] == pair[1]:
+        raise ValueError(f"--ab {spec!r}: give ENV or ENV=A,B (two different values)")
+    return name, pair
 
 
 def main() -> int:
@@ -137,6 +138,11 @@ def main() -> int:
                          "in this process, e.g. STRATA_XLA_PALLAS_ATTN or STRATA_PALLAS_INT4=dp4a,bytes: a "
                          "side-by-side A/B of a kernel switch")
     a = ap.parse_args()
+    if a.ab:
+        try:
+            ab_settings(a.ab)
+        except ValueError as e:
+            ap.error(str(e))
     dims = TINY if a.tiny else FULL
     a.work_dir.mkdir(parents=True, exist_ok=True)
     plans = build(a.work_dir, dims, a.formats.split(","))

@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import numpy as np  # noqa: E402
 
-from common import device_kernels  # noqa: E402
+from common import device_kernels, env_set  # noqa: E402
 from gpu_decode import FULL, TINY, build, log  # noqa: E402
 
 KERNEL_OPS = ("fusion", "custom-call", "copy", "dynamic-update-slice", "sort", "reduce", "scatter", "gather",
@@ -84,8 +84,6 @@ def kernel_times(exe, m, first, steps: int) -> None:
 
 def check(exe, plan, m, first) -> None:
     """Kernels on (exe) against a fresh executor with STRATA_XLA_PALLAS=0: logits, greedy tokens."""
-    import os
-
     from strata_compiler.backends.xla.executor import XLAExecutor
     from strata_compiler.runtime.kv_cache import KVCache
 
@@ -97,15 +95,8 @@ def check(exe, plan, m, first) -> None:
         return logits, e.greedy_decode(logits.argmax(-1)[None], c, 32)[0]
 
     got, got_toks = run(exe)
-    old = os.environ.get("STRATA_XLA_PALLAS")
-    os.environ["STRATA_XLA_PALLAS"] = "0"
-    try:
+    with env_set("STRATA_XLA_PALLAS", "0"):
         want, want_toks = run(XLAExecutor(plan.graph, plan.weights))
-    finally:
-        if old is None:
-            del os.environ["STRATA_XLA_PALLAS"]
-        else:
-            os.environ["STRATA_XLA_PALLAS"] = old
     err = float(np.abs(got - want).max() / want.std())
     same = int((got_toks == want_toks).sum())
     print(f"check: decode logits max |kernels - XLA| = {err:.2e} x std; greedy tokens equal {same}/32"

@@ -41,6 +41,11 @@ def main() -> int:
     ap.add_argument("--variants", default=DEFAULT)
     ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args()
+    for v in a.variants.split(";"):
+        parts = v.split(":")
+        if not (v == "xla" or (len(parts) == 3 and parts[0] == "pallas" and parts[1] in ("bytes", "words", "dp4a")
+                               and len(parts[2].split(",")) == 4 and all(t.isdigit() for t in parts[2].split(",")))):
+            ap.error(f"--variants: {v!r} is not `xla` or `pallas:bytes|words|dp4a:BN1,BN2,W1,W2`")
 
     import jax
     import jax.numpy as jnp

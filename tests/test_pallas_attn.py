@@ -116,7 +116,7 @@ def f32_plans(tmp_path_factory):
 @pytest.mark.parametrize("arch,batch", [("olmoe", 1), ("qwen3_moe", 2), ("mixtral", 1)])
 def test_model_decode_unchanged_with_kernel(f32_plans, monkeypatch, arch, batch):
     from strata_compiler.runtime.plan import load_plan
-    from strata_compiler.runtime.session import Session
+    from test_pallas_moe import _decode
 
     plan = load_plan(f32_plans[arch])
     ids = np.random.default_rng(batch).integers(0, 100, (batch, 5))
@@ -125,19 +125,10 @@ def test_model_decode_unchanged_with_kernel(f32_plans, monkeypatch, arch, batch)
     monkeypatch.setattr(pallas_attn, "attention_decode", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
 
     monkeypatch.setenv("STRATA_XLA_PALLAS_ATTN", "1")
-
-    def decode(mode):
-        monkeypatch.setenv("STRATA_XLA_PALLAS", mode)
-        s = Session(plan, "xla")
-        s.reset(batch, 80)                      # 80 rows: two cache blocks
-        first = s.step(ids)[:, -1].argmax(-1)
-        logits = s.step(first[:, None])[:, -1]
-        toks = s.executor.greedy_decode(logits.argmax(-1), s.cache, 66)   # crosses into block 2
-        return logits, toks
-
-    want, want_toks = decode("0")
+    # 80 cache rows: two blocks; 66 greedy tokens cross into the second
+    want, want_toks = _decode(plan, ids, monkeypatch, "0", capacity=80, n=66)
     assert not calls
-    got, got_toks = decode("interpret")
+    got, got_toks = _decode(plan, ids, monkeypatch, "interpret", capacity=80, n=66)
     assert calls and all(kw["interpret"] for kw in calls)
     assert np.abs(got - want).max() <= 1e-5 * want.std()
     np.testing.assert_array_equal(got_toks, want_toks)

@@ -213,16 +213,16 @@ def int_plans(tmp_path_factory):
     return out
 
 
-def _decode(plan, ids, monkeypatch, mode):
-    """Logits of one decode step after a prefill, then 6 greedy tokens in the device loop."""
+def _decode(plan, ids, monkeypatch, mode, capacity: int = 64, n: int = 6):
+    """Logits of one decode step after a prefill, then n greedy tokens in the device loop."""
     from strata_compiler.runtime.session import Session
 
     monkeypatch.setenv("STRATA_XLA_PALLAS", mode)
     s = Session(plan, "xla")
-    s.reset(ids.shape[0], 64)
+    s.reset(ids.shape[0], capacity)
     first = s.step(ids)[:, -1].argmax(-1)
     logits = s.step(first[:, None])[:, -1]
-    toks = s.executor.greedy_decode(logits.argmax(-1), s.cache, 6)
+    toks = s.executor.greedy_decode(logits.argmax(-1), s.cache, n)
     return logits, toks
 
 

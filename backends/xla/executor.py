@@ -652,22 +652,21 @@ class XLAExecutor:
         import threading
         import time
 
+        # with raw copies on, host values go in by those inside the call, as untraced (their time is
+        # the h2d span); else they are put on the device first and timed
         staging = self._staging() if input_ids.size <= RAW_MAX_TOKENS else None
-        if staging is not None:
-            # as untraced: host values go in by raw copies inside the call (their time is the h2d span)
-            b0, s0 = staging.bytes, staging.seconds
-            start = time.perf_counter_ns()
-            outs = self.run_partition(ext, input_ids, cache, input_ids.shape[1], step_in)
-            if staging.bytes > b0:
-                tr.transfer("h2d", staging.bytes - b0, staging.seconds - s0, end_ns=staging.last_end_ns)
-        else:
+        if staging is None:
             t0 = time.perf_counter()
             host_in = {i: v for i, v in ext.items() if isinstance(v, np.ndarray)}
             ext = {i: jax.device_put(v, self.device) if i in host_in else v for i, v in ext.items()}
             jax.block_until_ready(ext)
             tr.transfer("h2d", sum(int(v.nbytes) for v in host_in.values()), time.perf_counter() - t0)
-            start = time.perf_counter_ns()
-            outs = self.run_partition(ext, input_ids, cache, input_ids.shape[1], step_in)
+        else:
+            b0, s0 = staging.bytes, staging.seconds
+        start = time.perf_counter_ns()
+        outs = self.run_partition(ext, input_ids, cache, input_ids.shape[1], step_in)
+        if staging is not None and staging.bytes > b0:
+            tr.transfer("h2d", staging.bytes - b0, staging.seconds - s0, end_ns=staging.last_end_ns)
 
         def watch(outs=outs, start=start, n=len(self.nodes), tokens=int(input_ids.size)):
             jax.block_until_ready(outs)
