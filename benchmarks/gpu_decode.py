@@ -90,14 +90,14 @@ def decode_bytes(plan, dims: dict, context: int) -> int:
 
 
 def ab(exe, decode, a, fmt: str) -> list[dict]:
-    """Batch-1 decode with the two settings of a.ab, alternated twice, each a fresh trace and
-    compile of the decode loop (the switch is read while tracing)."""
+    """Batch-1 decode with each setting of a.ab, the settings alternated twice (A B C A B C), each
+    run a fresh trace and compile of the decode loop (the switch is read while tracing)."""
     import jax
 
-    name, (A, B) = ab_settings(a.ab)
-    got: dict[str, list[float]] = {A: [], B: []}
+    name, values = ab_settings(a.ab)
+    got: dict[str, list[float]] = {v: [] for v in values}
     try:
-        for setting in (A, B, A, B):
+        for setting in values * 2:
             with env_set(name, setting):
                 exe._loop = jax.jit(lambda *args: exe._decode_loop(*args), static_argnums=(5,), donate_argnums=(1, 2))
                 decode()                       # compile
@@ -113,13 +113,15 @@ def ab(exe, decode, a, fmt: str) -> list[dict]:
                  roofline_tok_s=None, ratio=None) for s, v in got.items()]
 
 
-def ab_settings(spec: str) -> tuple[str, tuple[str, str]]:
-    """'ENV' -> (ENV, ('1', '0')); 'ENV=A,B' -> (ENV, (A, B)); anything else: ValueError."""
+def ab_settings(spec: str) -> tuple[str, tuple[str, ...]]:
+    """'ENV' -> (ENV, ('1', '0')); 'ENV=A,B[,C...]' or 'ENV=A|B[|C...]' (values with commas) ->
+    (ENV, (A, B, ...)); anything else (fewer than two values, repeats, empties): ValueError."""
     name, _, vals = spec.partition("=")
-    pair = tuple(vals.split(",")) if vals else ("1", "0")
-    if not name or len(pair) != 2 or not all(pair) or pair[0] == pair[1]:
-        raise ValueError(f"--ab {spec!r}: give ENV or ENV=A,B (two different values)")
-    return name, pair
+    values = tuple(vals.split("|" if "|" in vals else ",")) if vals else ("1", "0")
+    if not name or len(values) < 2 or not all(values) or len(set(values)) != len(values):
+        raise ValueError(f"--ab {spec!r}: give ENV or ENV=A,B[,C...] (different values; | between values "
+                         f"that hold commas)")
+    return name, values
 
 
 def main() -> int:
@@ -133,10 +135,10 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="a small model on whatever device (smoke test)")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--ab", metavar="ENV[=A,B]",
-                    help="also time batch-1 decode with ENV=A and ENV=B (default 1 and 0) alternately, twice each, "
+    ap.add_argument("--ab", metavar="ENV[=A,B,...]",
+                    help="also time batch-1 decode with ENV=A, ENV=B, ... (default 1 and 0) alternately, twice each, "
                          "in this process, e.g. STRATA_XLA_PALLAS_ATTN or STRATA_PALLAS_INT4=dp4a,bytes: a "
-                         "side-by-side A/B of a kernel switch")
+                         "side-by-side A/B of a kernel switch ('ENV=A|B' when the values hold commas)")
     a = ap.parse_args()
     if a.ab:
         try:

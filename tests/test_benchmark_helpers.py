@@ -250,3 +250,15 @@ def test_kernel_benchmarks_smoke(tmp_path):
             "--steps", "4", "--kernels", "--check")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "greedy tokens equal 32/32" in r.stdout and "kernels:" in r.stdout
+
+
+def test_gpu_decode_ab_settings():
+    """--ab ENV / ENV=A,B,... / ENV=A|B|... (values holding commas, e.g. kernel tunings)."""
+    ab = _load("gpu_decode").ab_settings
+    assert ab("X") == ("X", ("1", "0"))
+    assert ab("X=dp4a,bytes") == ("X", ("dp4a", "bytes"))
+    assert ab("T=8,4|32,4") == ("T", ("8,4", "32,4"))
+    assert ab("T=1|2|3") == ("T", ("1", "2", "3"))
+    for bad in ("T=1,1", "=1,0", "T=a", "T=8,4|", "T=1,2,1"):
+        with pytest.raises(ValueError):
+            ab(bad)

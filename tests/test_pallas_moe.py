@@ -18,6 +18,13 @@ from strata_compiler.backends.xla import pallas_moe  # noqa: E402
 from strata_compiler.backends.xla.executor import _silu, matvec  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _f32_activations(monkeypatch):
+    """The kernels' f32-activation mode unless a test asks for dp4a (the default on a GPU), whose
+    q8 activations only come near the references."""
+    monkeypatch.setenv("STRATA_PALLAS_INT4", "bytes")
+
+
 def _experts(E, D, I, fmt_gu, fmt_dn, G, seed):
     rng = np.random.default_rng(seed)
     gu = rng.standard_normal((E, 2 * I, D)).astype(np.float32) / np.sqrt(D)
@@ -97,7 +104,7 @@ def _q8(x, G):
     xg = x.reshape(x.shape[0], -1, G).astype(np.float32)
     amax = np.abs(xg).max(-1, keepdims=True)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    q = np.clip(np.round(xg * inv), -127, 127)
+    q = np.clip(np.floor(xg * inv + np.float32(0.5)), -127, 127)
     return (q * (amax / np.float32(127))).reshape(x.shape)
 
 
@@ -151,20 +158,95 @@ def test_dp4a_linear_matches_q8_reference(N, K, M, monkeypatch):
     assert pallas_moe.use_linear(True, spec, M)[0] is False       # XLA's multiply-reduce is as fast
 
 
+def _rms_np(x, w, eps):
+    x = x.astype(np.float64)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+@pytest.mark.parametrize("N,K,M", [(64, 64, 1), (50, 200, 3)])
+def test_dp4a_linear_takes_the_norm_and_the_residual(N, K, M, monkeypatch):
+    """linear_decode(rms=, residual=): W q8(rms_norm(x)) + r in one kernel."""
+    monkeypatch.setenv("STRATA_PALLAS_INT4", "dp4a")
+    G, eps = 32, 1e-5
+    rng = np.random.default_rng(N * K)
+    w = rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K)
+    arrays = get_format("int4").quantize(w, G)
+    spec = WeightSpec("w", (N, K), (), 0, "int4", G)
+    x = 3 * rng.standard_normal((M, K)).astype(np.float32)
+    nw = (1 + 0.3 * rng.standard_normal(K)).astype(np.float32)
+    r = rng.standard_normal((M, N)).astype(np.float32)
+    Kp = -(-K // G) * G
+    xn = _rms_np(x, nw, eps).astype(np.float32)
+    xq = _q8(np.pad(xn, [(0, 0), (0, Kp - K)]), G)[:, :K].astype(np.float64)
+    want = xq @ get_format("int4").dequantize(arrays, K, G).astype(np.float64).T + r
+    got = np.asarray(pallas_moe.linear_decode(jnp.asarray(x), spec, {k: jnp.asarray(v) for k, v in arrays.items()},
+                                              interpret=True, rms=(jnp.asarray(nw), eps), residual=jnp.asarray(r)))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("fmt,N,K,M", [("f32", 64, 256, 1), ("bf16", 6, 200, 2)])
+def test_dense_router_kernel_takes_the_norm(fmt, N, K, M, monkeypatch):
+    """dense_decode: rms_norm(x) @ W^T for f32 / bf16 routers (ragged rows and K)."""
+    monkeypatch.setenv("STRATA_PALLAS_INT4", "dp4a")
+    rng = np.random.default_rng(N)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    arrays = get_format(fmt).quantize(w, 0)
+    wd = get_format(fmt).dequantize(arrays, K, 0).astype(np.float64)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    nw = (1 + 0.3 * rng.standard_normal(K)).astype(np.float32)
+    spec = WeightSpec("r", (N, K), (), 0, fmt, 0)
+    want = _rms_np(x, nw, 1e-6) @ wd.T
+    got = np.asarray(pallas_moe.dense_decode(jnp.asarray(x), spec, {k: jnp.asarray(v) for k, v in arrays.items()},
+                                             (jnp.asarray(nw), 1e-6), interpret=True))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert pallas_moe.use_dense(True, spec, M) == (True, False)
+    monkeypatch.setenv("STRATA_PALLAS_INT4", "bytes")
+    assert pallas_moe.use_dense(True, spec, M)[0] is False
+
+
+@pytest.mark.parametrize("I", [64, 40])
+def test_dp4a_moe_takes_the_norm_and_the_residual(I, monkeypatch):
+    """moe_decode(rms=, residual=): gate_up normalises x, down adds the residual; I = 64 hands h
+    over in q8 form (q8_between), I = 40 (not a multiple of G) as f32."""
+    monkeypatch.setenv("STRATA_PALLAS_INT4", "dp4a")
+    E, D, k, M, G, eps = 6, 128, 2, 2, 32, 1e-5
+    gs, ga, ds, da = _experts(E, D, I, "int4", "int4", G, seed=I)
+    assert pallas_moe.q8_between(gs, ds, "dp4a") == (I % G == 0)
+    rng = np.random.default_rng(I)
+    x = 2 * rng.standard_normal((M, D)).astype(np.float32)
+    nw = (1 + 0.3 * rng.standard_normal(D)).astype(np.float32)
+    r = rng.standard_normal((M, D)).astype(np.float32)
+    topi, topw = _route(rng, M, E, k)
+    xn = _rms_np(x, nw, eps).astype(np.float32)
+    dev = lambda a: {n: jnp.asarray(v) for n, v in a.items()}   # noqa: E731
+    want = np.asarray(pallas_moe.moe_decode(jnp.asarray(xn), jnp.asarray(topi), jnp.asarray(topw), gs, dev(ga), ds,
+                                            dev(da), interpret=True)) + r
+    got = np.asarray(pallas_moe.moe_decode(jnp.asarray(x), jnp.asarray(topi), jnp.asarray(topw), gs, dev(ga), ds,
+                                           dev(da), interpret=True, rms=(jnp.asarray(nw), eps),
+                                           residual=jnp.asarray(r)))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())   # q8 of a rounded-apart x
+
+
 def test_dp4a_model_logits_near_the_xla_path(int_plans, monkeypatch):
     """A tiny int4 model's decode logits with every int4 matrix product on the dp4a kernels
-    (interpret mode) stay within q8 rounding of the XLA path's."""
+    (interpret mode), norms and residual adds folded into them, stay within q8 rounding of the
+    XLA path's."""
     from strata_compiler.runtime.plan import load_plan
 
     plan = load_plan(int_plans["int4"])
     ids = np.random.default_rng(7).integers(0, 100, (1, 5))
     calls = []
-    real = pallas_moe.linear_decode
-    monkeypatch.setattr(pallas_moe, "linear_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for name in ("linear_decode", "dense_decode", "moe_decode"):
+        real = getattr(pallas_moe, name)
+        monkeypatch.setattr(pallas_moe, name, lambda *a, real=real, name=name, **kw: calls.append(
+            (name, kw.get("rms") is not None, kw.get("residual") is not None)) or real(*a, **kw))
     want, _ = _decode(plan, ids, monkeypatch, "0")
     monkeypatch.setenv("STRATA_PALLAS_INT4", "dp4a")
     got, _ = _decode(plan, ids, monkeypatch, "interpret")
-    assert calls
+    # q/k/v and lm_head with their norm, o with its residual, the router with the norm before it,
+    # the MoE with both: no norm or residual kernel of its own is left in a layer
+    assert {("linear_decode", True, False), ("linear_decode", False, True), ("dense_decode", False, False),
+            ("moe_decode", True, True)} <= set(calls)
     assert np.abs(got - want).max() <= 0.05 * want.std()
 
 

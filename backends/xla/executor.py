@@ -144,6 +144,7 @@ class _Ctx:
         self.ids, self.pos, self.B, self.T = ids, pos, B, T
         self.topk: dict[int, tuple] = {}      # route node id -> (weights, expert ids), [M, k] each
         self.logits: dict[int, tuple] = {}    # route node id -> (router logits [M, E], k, renormalise)
+        self.norms: dict[int, tuple] = {}     # rms_norm node id -> (weight, eps, its input): for fusing
         self.jnp = _jnp()
         import jax
 
@@ -178,6 +179,13 @@ def _rms(jnp, x, w, eps, group=0):
     return (y * w).reshape(shape)
 
 
+def _rms_node(c, n: Node, a: list):
+    w, eps = c.w(n, "w", c.jnp.float32), n.attr("eps")
+    if not n.attr("group", 0):      # consumers with a norm prologue read the input instead (norms)
+        c.norms[n.id] = (w, eps, a[0])
+    return _rms(c.jnp, a[0], w, eps, n.attr("group", 0))
+
+
 def _silu(jnp, x):
     return x / (1.0 + jnp.exp(-x))
 
@@ -186,32 +194,51 @@ def _linear(c: _Ctx, n: Node, a: list):
     jnp = c.jnp
     x = a[0]
     rms = n.attr("prologue", "none") == "rms_norm"
+    plain = c.w(n, "b", jnp.float32) is None and n.attr("epilogue", "none") == "none"
     if _use_matvec(x.shape[0]):
-        # the norm's 1/rms scales the product instead of x: x * w fuses into the reduction
-        name = n.weight("w")
-        if rms:
-            x = x * c.w(n, "norm", jnp.float32)
         from . import pallas_moe
 
+        name = n.weight("w")
         spec = c.exe.g.weight(name)
+        norm = (c.w(n, "norm", jnp.float32), n.attr("eps")) if rms else c.norms.get(n.args[0])
+        if norm is not None and not rms:
+            x = norm[2]                 # a standalone norm's input: the kernel normalises it itself
         kernel, interpret = pallas_moe.use_linear(c.exe.on_gpu, spec, x.shape[0])
-        if kernel:      # int4 with STRATA_PALLAS_INT4=dp4a: integer dot products on q8 activations
-            y = pallas_moe.linear_decode(x, spec, c.params[name], interpret=interpret)
-        else:
-            y = matvec(jnp, spec, c.params[name], x)
+        dense, dense_interp = pallas_moe.use_dense(c.exe.on_gpu, spec, x.shape[0])
+        if kernel and (norm is None or pallas_moe.fusable_norm(spec)):
+            # int4 with STRATA_PALLAS_INT4=dp4a: integer dot products on q8 activations, the norm
+            # and the residual add inside the kernel
+            res = a[1] if len(a) == 2 and plain else None
+            y = pallas_moe.linear_decode(x, spec, c.params[name], interpret=interpret,
+                                         rms=norm[:2] if norm is not None else None, residual=res)
+            return _linear_tail(c, n, a, y, res is not None)
+        if dense and norm is not None:     # the router after a norm: one kernel for both
+            return _linear_tail(c, n, a, pallas_moe.dense_decode(x, spec, c.params[name], norm[:2],
+                                                                 interpret=dense_interp), False)
+        x = a[0]
+        # the norm's 1/rms scales the product instead of x: x * w fuses into the reduction
+        if rms:
+            x = x * c.w(n, "norm", jnp.float32)
+        y = matvec(jnp, spec, c.params[name], x)
         if rms:
             y = y * (1.0 / jnp.sqrt(jnp.mean(a[0] * a[0], axis=-1, keepdims=True) + n.attr("eps")))
     else:
         if rms:
             x = _rms(jnp, x, c.w(n, "norm", jnp.float32), n.attr("eps"))
         y = c.matmul(x, c.w(n, "w"))
+    return _linear_tail(c, n, a, y, False)
+
+
+def _linear_tail(c: _Ctx, n: Node, a: list, y, added: bool):
+    """Bias, epilogue and residual of a linear after its product y (added: the residual is in y)."""
+    jnp = c.jnp
     b = c.w(n, "b", jnp.float32)
     if b is not None:
         y = y + b
     if n.attr("epilogue", "none") == "silu_mul":
         half = y.shape[-1] // 2
         y = _silu(jnp, y[..., :half]) * y[..., half:]
-    if len(a) == 2:
+    if len(a) == 2 and not added:
         y = y + a[1]
     return y
 
@@ -307,14 +334,21 @@ def _moe(c: _Ctx, n: Node, a: list):
         topw, topi = c.topk.get(n.args[1]) or jax.lax.top_k(comb, k)
     gu_p, dn_p = c.params[n.weight("gate_up")], c.params[n.weight("down")]
     route = None if ids or n.attr("cache", "") else c.logits.get(n.args[1])
-    out = moe_core(c, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, route=route)
+    fuse = c.norms.get(n.args[0]), (a[2] if len(a) == 3 else None)
+    out = moe_core(c, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, route=route, fuse=fuse)
+    if isinstance(out, tuple):          # the kernels took the norm and the residual
+        return out[0]
     return out + a[2] if len(a) == 3 else out
 
 
-def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok: bool = True, route=None):
+def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok: bool = True, route=None,
+             fuse=(None, None)):
     """sum_j topw[m, j] * expert_{topi[m, j]}(x[m]) over the stacked experts gu_p / dn_p (their
     arrays by name, specs' formats), f32 [M, D]. route: (logits, k, renormalise) of the route op
-    that gave topw/topi, when it ran in this computation (the decode kernels then route inside)."""
+    that gave topw/topi, when it ran in this computation (the decode kernels then route inside).
+    fuse (norm, residual): x's RMS norm (weight, eps, its input) and the residual the caller adds.
+    When the decode kernels take both over (dp4a: norm in gate_up, residual add in down), the
+    result comes as a 1-tuple (residual + the MoE,) so the caller does not add it again."""
     jnp, jax = c.jnp, c.jax
     M, D = x.shape
     k = topi.shape[1]
@@ -327,12 +361,19 @@ def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok
     if pallas:
         # decode, int4/int8 experts on a GPU: two Pallas kernels (gate/up + silu*mul; down +
         # weighted combine) over the stored packed weights (STRATA_XLA_PALLAS=0: the XLA path)
+        norm, res = fuse
+        kw = {}
+        if norm is not None and res is not None and pallas_moe.fusable_norm(gu_spec):
+            # the norm as gate_up's prologue, the residual add as down's epilogue (dp4a)
+            x, kw = norm[2], dict(rms=norm[:2], residual=res)
         if route is not None and pallas_moe.route_inside():
             # softmax and top-k in both kernels: four small routing kernels fewer per layer
             out = pallas_moe.moe_decode(x, None, None, gu_spec, gu_p, dn_spec, dn_p, interpret=interpret,
-                                        logits=route[0], k=route[1], norm=route[2])
+                                        logits=route[0], k=route[1], norm=route[2], **kw)
         else:
-            out = pallas_moe.moe_decode(x, topi, topw, gu_spec, gu_p, dn_spec, dn_p, interpret=interpret)
+            out = pallas_moe.moe_decode(x, topi, topw, gu_spec, gu_p, dn_spec, dn_p, interpret=interpret, **kw)
+        if kw:
+            return (out,)
     elif _use_matvec(M):
         # decode: one fused multiply-reduce per projection over all chosen experts (the gather of
         # their packed weights happens inside the reduction, so nothing is copied)
@@ -382,7 +423,7 @@ def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok
 
 _OPS: dict[Op, Callable[[_Ctx, Node, list], object]] = {
     Op.EMBED: _embed,
-    Op.RMS_NORM: lambda c, n, a: _rms(c.jnp, a[0], c.w(n, "w", c.jnp.float32), n.attr("eps"), n.attr("group", 0)),
+    Op.RMS_NORM: _rms_node,
     Op.LINEAR: _linear,
     Op.FUSED_ATTENTION: _attention,
     Op.ROUTE: _route,

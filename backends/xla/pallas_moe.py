@@ -93,27 +93,33 @@ def use(on_gpu: bool, gu_spec, dn_spec, M: int) -> tuple[bool, bool]:
     return on_gpu, False
 
 
-# Rows per program and warps of (gate_up, down): the fastest of a sweep on an H200 at the OLMoE
-# shape (D 2048, I 1024, k 8, int4), where gate_up took 23.0-24.6 us and down 21-29 us per layer
-# (with a 10 us harness) over rows {4..32} x warps {2..8}; STRATA_PALLAS_TUNE="bn1,bn2,w1,w2"
-# overrides (powers of two).
-TUNING = (4, 8, 4, 8)
+# Rows per program and warps of (gate_up, down): the fastest of sweeps on an H200 at the OLMoE
+# shape (D 2048, I 1024, k 8, int4). f32 activations ('bytes', 'words'): gate_up took 23.0-24.6 us
+# and down 21-29 us per layer (with a 10 us harness) over rows {4..32} x warps {2..8}. dp4a (h handed
+# over in q8, so gate_up's rows are the down weights' group): whole decode steps, in one process,
+# 32,4,4,4 1361 tok/s against 1346 for 32,8,4,8 and 1307-1350 for other warps (BENCHMARKS.md).
+# STRATA_PALLAS_TUNE="bn1,bn2,w1,w2" overrides (powers of two).
+TUNING = {"bytes": (4, 8, 4, 8), "words": (4, 8, 4, 8), "dp4a": (32, 4, 4, 4)}
 
 
 def tuning() -> tuple[int, int, int, int]:
     t = os.environ.get("STRATA_PALLAS_TUNE")
-    return tuple(int(v) for v in t.split(",")) if t else TUNING
+    return tuple(int(v) for v in t.split(",")) if t else TUNING[int4_mode()]
 
 
 def int4_mode() -> str:
     """STRATA_PALLAS_INT4: how the kernels read int4 weights.
-    'bytes' (default): u8 loads, int->float conversions, f32 products with f32 activations;
-    'words': u32 loads (8 nibbles each), floats built with the exponent trick;
-    'dp4a': u32 loads, nibbles masked into bytes, integer dot products (dp4a, 4 products per
-    instruction) against activations quantized to int8 per group of G (q8, as llama.cpp's mmvq
-    and the llvm CPU kernels): far fewer instructions per weight. Not yet measured on a GPU."""
-    m = os.environ.get("STRATA_PALLAS_INT4", "bytes").strip().lower()
-    return m if m in ("bytes", "words", "dp4a") else "bytes"
+    'dp4a' (default): u32 loads, nibbles masked into bytes, integer dot products (PTX dp4a, 4
+    products per instruction) against activations quantized to int8 per group of G (q8, as
+    llama.cpp's mmvq and the llvm CPU kernels); the kernels quantize their input themselves, take
+    the RMS norm before them and the residual add after them, and also cover the dense int4
+    projections and the router (BENCHMARKS.md: 1.3x the decode rate of 'bytes' on an H200; logits
+    within a few hundredths of their std of the f32-activation path, the same greedy tokens);
+    'bytes': u8 loads, int->float conversions, f32 products with f32 activations (the MoE kernels
+    only; the rest stays XLA's);
+    'words': as bytes, with u32 loads (8 nibbles each) and floats built by the exponent trick."""
+    m = os.environ.get("STRATA_PALLAS_INT4", "dp4a").strip().lower()
+    return m if m in ("bytes", "words", "dp4a") else "dp4a"
 
 
 class _Proj:
@@ -128,7 +134,6 @@ class _Proj:
         self.W = self.G // 2 if self.fmt == "int4" else self.G   # bytes per group
         self.dp4a = int4 == "dp4a" and self.fmt == "int4" and self.W % 4 == 0
         self.words = (int4 == "words" or self.dp4a) and self.fmt == "int4" and self.W % 4 == 0
-        self.nx = 4 if self.dp4a else 1               # activation arrays the kernels read
         self.QW = self.W // 4 if self.words else self.W          # stored elements per group as loaded
 
     def qs_view(self, qs):
@@ -139,25 +144,12 @@ class _Proj:
             return jax.lax.bitcast_convert_type(qs.reshape(self.E, self.N, self.ng, self.QW, 4), jnp.uint32)
         return qs.reshape(self.E, self.N, self.ng, self.W)
 
-    def x_in(self, x) -> tuple:
-        """The activation arrays the kernels read, from x f32[R, Kp]: (x_view(x),), or for dp4a
-        its q8 form (words i32[R, ng, G/8] of the low and of the high half: byte j of word w of
-        half h is q8(x[g G + h G/2 + 4w + j]); scales f32[R, ng]; sums i32[R, ng] of each group's
-        q8 values, for the -8 of the int4 weights)."""
-        if not self.dp4a:
-            return (self.x_view(x),)
-        import jax
+    def norm_view(self, w):
+        """A norm's weight [K] in the words view of one activation row: f32 [ng, 2, G/8, 4]."""
         import jax.numpy as jnp
 
-        R = x.shape[0]
-        xg = x.reshape(R, self.ng, self.G)
-        amax = jnp.abs(xg).max(-1)
-        inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
-        q = jnp.clip(jnp.round(xg * inv[..., None]), -127, 127).astype(jnp.int32)
-        b = (q & 0xFF).astype(jnp.uint32).reshape(R, self.ng, 2, self.QW, 4)
-        w = (b << jnp.arange(0, 32, 8, dtype=jnp.uint32)).sum(-1, dtype=jnp.uint32)   # bytes apart: sum = or
-        words = jax.lax.bitcast_convert_type(w, jnp.int32)
-        return words[:, :, 0], words[:, :, 1], amax / 127.0, q.sum(-1)
+        w = jnp.pad(w.astype(jnp.float32), [(0, self.Kp - self.K)]) if self.Kp != self.K else w.astype(jnp.float32)
+        return w.reshape(self.ng, 2, self.QW, 4)
 
     def x_view(self, x):
         """x [R, Kp] -> the layout the kernel loads: [R, ng, 2, G/2] (int4; words: [R, ng, 2, G/8,
@@ -190,10 +182,14 @@ def _store_rows(o_ref, r, row0, BN: int, n: int, values) -> None:
         out[...] = values
 
 
-def _x_parts(p: _Proj, x_refs: tuple, r):
+def _x_parts(p: _Proj, x_ref, r, norm=None):
     """Row r of the activation as [NGP, W] block(s): (low half, high half) for int4; words: the
-    8 [NGP, W/4] blocks (half, byte j) that line up with the nibbles of the words; dp4a: (low
-    words, high words [NGP, W/4], scales [NGP], sums [NGP])."""
+    8 [NGP, W/4] blocks (half, byte j) that line up with the nibbles of the words; dp4a: their q8
+    form (`_q8_parts`), quantized here by every program that reads the row (a few thousand values,
+    against the weight block it reads), or read as such when x_ref is a (words, scales, sums)
+    triple that an earlier kernel wrote (`_store_q8`).
+    norm (w_ref, eps), words layouts only: the row is RMS-normalised first (x / rms(x) * w, w
+    viewed as the row is), so no separate norm kernel runs."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
@@ -202,19 +198,89 @@ def _x_parts(p: _Proj, x_refs: tuple, r):
     if p.NGP != p.ng:
         mask = jnp.broadcast_to((jnp.arange(p.NGP) < p.ng)[:, None], (p.NGP, p.QW))
         gmask = jnp.arange(p.NGP) < p.ng
-    if p.dp4a:
-        lo, hi, d, sm = x_refs
-        return (_load(lo.at[r, gs, :], mask), _load(hi.at[r, gs, :], mask),
-                _load(d.at[r, gs], gmask).astype(jnp.float32), _load(sm.at[r, gs], gmask))
-    x_ref = x_refs[0]
+    if isinstance(x_ref, tuple):
+        wq, sq, tq = x_ref
+        return (_load(wq.at[r, gs, pl.ds(0, p.QW)], mask), _load(wq.at[r, gs, pl.ds(p.QW, p.QW)], mask),
+                _load(sq.at[r, gs], gmask), _load(tq.at[r, gs], gmask))
     if p.words:
-        return tuple(_load(x_ref.at[r, gs, jnp.int32(h), :, jnp.int32(j)], mask).astype(jnp.float32)
-                     for h in (0, 1) for j in range(4))
+        hj = [(jnp.int32(h), jnp.int32(j)) for h in (0, 1) for j in range(4)]   # traced: see below
+        blocks = [_load(x_ref.at[r, gs, h, :, j], mask).astype(jnp.float32) for h, j in hj]
+        if norm is not None:
+            w_ref, eps = norm
+            ss = None
+            for b in blocks:
+                t = (b * b).sum()
+                ss = t if ss is None else ss + t
+            inv = 1.0 / jnp.sqrt(ss / p.K + eps)
+            blocks = [b * inv * _load(w_ref.at[gs, h, :, j], mask) for b, (h, j) in zip(blocks, hj)]
+        return _q8_parts(blocks) if p.dp4a else tuple(blocks)
+    assert norm is None, "the norm prologue needs the words layout"
     if p.fmt == "int4":
         half0, half1 = jnp.int32(0), jnp.int32(1)   # traced: interpret mode masks no python ints
         return (_load(x_ref.at[r, gs, half0, :], mask).astype(jnp.float32),
                 _load(x_ref.at[r, gs, half1, :], mask).astype(jnp.float32))
     return (_load(x_ref.at[r, gs, :], mask).astype(jnp.float32),)
+
+
+def _q8_values(x, inv):
+    """floor(x inv + 1/2) as i32: the q8 rounding of every dp4a activation (|q| <= 127)."""
+    import jax.numpy as jnp
+
+    return jnp.floor(x * inv + 0.5).astype(jnp.int32)
+
+
+def _pack4(q):
+    """i32 [..., 4] of q8 values -> u32 [...] with byte j the low byte of q[..., j]."""
+    import jax
+    import jax.numpy as jnp
+
+    u = jax.lax.bitcast_convert_type(q, jnp.uint32) & jnp.uint32(0xFF)
+    return (u << (jnp.arange(4, dtype=jnp.uint32) * jnp.uint32(8))).sum(axis=-1)
+
+
+def _store_q8(out_refs, r, blk, h, G: int) -> None:
+    """The G values h (one group of the next projection's input) as its dp4a q8 form, at group
+    blk of row r of (words i32 [R, ng, G/4], scales f32 [R, ng], sums i32 [R, ng])."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    wq, sq, tq = out_refs
+    amax = jnp.abs(h).max()
+    inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
+    q = _q8_values(h.reshape(G // 4, 4), inv)
+    one = pl.ds(blk, 1)
+    wq.at[r, one, :][...] = jax.lax.bitcast_convert_type(_pack4(q), jnp.int32)[None, :]
+    sq.at[r, one][...] = jnp.full((1,), amax / 127.0, jnp.float32)
+    tq.at[r, one][...] = jnp.full((1,), q.sum(), jnp.int32)
+
+
+def _q8_parts(blocks: list):
+    """q8 of one activation row, from its 8 f32 blocks [NGP, W/4] (half h, byte j: element
+    g G + h G/2 + 4w + j at [g, w]): (low-half words, high-half words i32 [NGP, W/4], with byte j
+    of word w the q8 value of block (h, j) at w; scales f32 [NGP]; sums i32 [NGP] of each group's
+    q8 values, for the -8 of the int4 weights). q = floor(x 127 / max|x| + 1/2) per group."""
+    import jax
+    import jax.numpy as jnp
+
+    amax = None
+    for b in blocks:
+        m = jnp.abs(b).max(axis=-1)
+        amax = m if amax is None else jnp.maximum(amax, m)
+    inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)[:, None]
+    qs = [_q8_values(b, inv) for b in blocks]
+    total = None
+    for q in qs:
+        t = q.sum(axis=-1)
+        total = t if total is None else total + t
+    words = []
+    for h in (0, 1):        # byte j of word w <- block (h, j) at w (no stacking: Triton has no such op)
+        w = None
+        for j in range(4):
+            u = (jax.lax.bitcast_convert_type(qs[4 * h + j], jnp.uint32) & jnp.uint32(0xFF)) << jnp.uint32(8 * j)
+            w = u if w is None else w | u
+        words.append(jax.lax.bitcast_convert_type(w, jnp.int32))
+    return words[0], words[1], amax / 127.0, total
 
 
 def _dp4a(a, b, c, interpret: bool):
@@ -324,9 +390,12 @@ def _pick(vals: list, j):
 
 
 def _gate_up_kernel(ids_ref, *refs, p: _Proj, k: int, I: int, Ip: int, BN: int, route=None,
-                    interpret: bool = False):
+                    interpret: bool = False, eps=None, q8_out: bool = False):
     """route (E, norm): ids_ref holds the router's logits [M, EP] and each program takes its
-    expert from their top-k (no routing kernels in between); else the chosen ids [M*k]."""
+    expert from their top-k (no routing kernels in between); else the chosen ids [M*k].
+    eps: x arrives un-normalised, with the norm's weight after it (`_x_parts` norm prologue).
+    q8_out (BN = the down projection's group): h leaves in its dp4a q8 form (`_store_q8`), one
+    group per program, so the down kernel reads it as is."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
@@ -335,22 +404,35 @@ def _gate_up_kernel(ids_ref, *refs, p: _Proj, k: int, I: int, Ip: int, BN: int, 
         e = ids_ref[pair]
     else:
         e = _pick(_top_k(ids_ref, pair // k, k, *route)[1], pair % k)
-    x_refs, (qs_ref, sc_ref, h_ref) = refs[:p.nx], refs[p.nx:]
-    xs = _x_parts(p, x_refs, pair // k)
+    x_ref, refs = refs[0], refs[1:]
+    norm = None
+    if eps is not None:
+        norm, refs = (refs[0], eps), refs[1:]
+    qs_ref, sc_ref, outs = refs[0], refs[1], refs[2:]
+    xs = _x_parts(p, x_ref, pair // k, norm)
     row0 = blk * BN
     span = -(-Ip // BN) * BN
     g = _rows_dot(p, qs_ref, sc_ref, e, 0, row0, BN, I, span, xs, interpret)
     u = _rows_dot(p, qs_ref, sc_ref, e, I, row0, BN, I, span, xs, interpret)
     h = g / (1.0 + jnp.exp(-g)) * u                                             # rows >= I: 0
-    _store_rows(h_ref, pair, row0, BN, Ip, h)
+    if q8_out:
+        _store_q8(outs, pair, blk, h, BN)
+    else:
+        _store_rows(outs[0], pair, row0, BN, Ip, h)
 
 
-def _down_kernel(ids_ref, w_ref, *refs, p: _Proj, k: int, BN: int, route=None, interpret: bool = False):
-    """route (E, norm): ids_ref holds the router's logits [M, EP] (w_ref unused), as in gate_up."""
+def _down_kernel(ids_ref, w_ref, *refs, p: _Proj, k: int, BN: int, route=None, interpret: bool = False,
+                 q8_in: bool = False, residual: bool = False):
+    """route (E, norm): ids_ref holds the router's logits [M, EP] (w_ref unused), as in gate_up.
+    q8_in: h comes as gate_up's q8 triple; residual: a [M, D] array added to the output."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
-    h_refs, (qs_ref, sc_ref, o_ref) = refs[:p.nx], refs[p.nx:]
+    if q8_in:
+        h_ref, refs = tuple(refs[:3]), refs[3:]
+    else:
+        h_ref, refs = refs[0], refs[1:]
+    qs_ref, sc_ref, o_ref = refs[0], refs[1], refs[-1]
     m, blk = pl.program_id(0), pl.program_id(1)
     row0 = blk * BN
     span = -(-p.N // BN) * BN
@@ -359,16 +441,32 @@ def _down_kernel(ids_ref, w_ref, *refs, p: _Proj, k: int, BN: int, route=None, i
         es = [ids_ref[m * k + j] for j in range(k)]
     else:
         ws, es = _top_k(ids_ref, m, k, *route)
-    acc = jnp.zeros((BN,), jnp.float32)
+    acc = _row_block(refs[2], m, row0, BN, p.N) if residual else jnp.zeros((BN,), jnp.float32)
     for j in range(k):                      # unrolled: the k experts' loads can overlap
-        xs = _x_parts(p, h_refs, m * k + j)
+        xs = _x_parts(p, h_ref, m * k + j)
         acc = acc + ws[j] * _rows_dot(p, qs_ref, sc_ref, es[j], 0, row0, BN, p.N, span, xs, interpret)
     _store_rows(o_ref, m, row0, BN, p.N, acc)
 
 
+def _row_block(ref, r, row0, BN: int, n: int):
+    """ref[r, row0:row0 + BN] as f32 [BN], positions at or past n read as 0."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    mask = (row0 + jnp.arange(BN) < n) if n % BN else None
+    return _load(ref.at[r, pl.ds(row0, BN)], mask).astype(jnp.float32)
+
+
+def q8_between(gu_spec, dn_spec, int4: str) -> bool:
+    """Whether gate_up hands h to down in q8 form: dp4a down weights whose groups tile I exactly
+    (one group per gate_up program)."""
+    pd = _Proj(_Spec(*_key(dn_spec)), int4)
+    return pd.dp4a and pd.K == pd.Kp and _is_pow2(pd.G) and pd.G <= 128
+
+
 @functools.lru_cache(maxsize=None)
 def _calls(gu: tuple, dn: tuple, M: int, k: int, interpret: bool, bn1: int, bn2: int, warps1: int, warps2: int,
-           route=None, int4: str = "bytes"):
+           route=None, int4: str = "bytes", eps=None, residual: bool = False):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -377,19 +475,26 @@ def _calls(gu: tuple, dn: tuple, M: int, k: int, interpret: bool, bn1: int, bn2:
     pg, pd = _Proj(_Spec(*gu), int4), _Proj(_Spec(*dn), int4)
     I = pg.N // 2
     Ip = pd.Kp                               # h columns: down's K (= I) padded to its groups
-    bn1 = min(bn1, _pow2(I))
+    q8 = q8_between(_Spec(*gu), _Spec(*dn), int4)
+    bn1 = pd.G if q8 else min(bn1, _pow2(I))
     bn2 = min(bn2, _pow2(pd.N))
+    if q8:
+        h_shape = (jax.ShapeDtypeStruct((M * k, pd.ng, pd.G // 4), jnp.int32),
+                   jax.ShapeDtypeStruct((M * k, pd.ng), jnp.float32), jax.ShapeDtypeStruct((M * k, pd.ng), jnp.int32))
+    else:
+        h_shape = jax.ShapeDtypeStruct((M * k, Ip), jnp.float32)
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps1, num_stages=1))
     gate_up = pl.pallas_call(
-        functools.partial(_gate_up_kernel, p=pg, k=k, I=I, Ip=Ip, BN=bn1, route=route, interpret=interpret),
-        out_shape=jax.ShapeDtypeStruct((M * k, Ip), jnp.float32),
-        grid=(M * k, -(-Ip // bn1)), interpret=interpret, name="strata_moe_gate_up", **params)
+        functools.partial(_gate_up_kernel, p=pg, k=k, I=I, Ip=Ip, BN=bn1, route=route, interpret=interpret,
+                          eps=eps, q8_out=q8),
+        out_shape=h_shape, grid=(M * k, -(-Ip // bn1)), interpret=interpret, name="strata_moe_gate_up", **params)
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps2, num_stages=1))
     down = pl.pallas_call(
-        functools.partial(_down_kernel, p=pd, k=k, BN=bn2, route=route, interpret=interpret),
+        functools.partial(_down_kernel, p=pd, k=k, BN=bn2, route=route, interpret=interpret, q8_in=q8,
+                          residual=residual),
         out_shape=jax.ShapeDtypeStruct((M, pd.N), jnp.float32),
         grid=(M, -(-pd.N // bn2)), interpret=interpret, name="strata_moe_down", **params)
-    return pg, pd, gate_up, down
+    return pg, pd, q8, gate_up, down
 
 
 class _Spec:
@@ -404,13 +509,15 @@ def _key(spec) -> tuple:
 
 
 def moe_decode(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict, *, interpret: bool = False,
-               logits=None, k: int = 0, norm: bool = False):
+               logits=None, k: int = 0, norm: bool = False, rms=None, residual=None):
     """sum_j topw[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])), e = topi[m, j]: f32[M, D].
 
     x [M, D] (any float), topi int[M, k], topw [M, k]; *_arrays the stored arrays ({'qs',
     'scales'}) of the stacked expert weights gate_up [E, 2I, D] and down [E, D, I].
     Or, with `logits` [M, E] (topi/topw None): the routing itself — softmax, top-k (k), renormalised
-    when `norm` — computed inside both kernels (no routing kernels of their own)."""
+    when `norm` — computed inside both kernels (no routing kernels of their own).
+    rms (w [D], eps): x is un-normalised, gate_up normalises it (`fusable_norm` says when);
+    residual [M, D]: added to the result by the down kernel."""
     import jax.numpy as jnp
 
     if logits is not None:
@@ -418,11 +525,9 @@ def moe_decode(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict
         route = (E, bool(norm))
     else:
         (M, k), route = topi.shape, None
-    pg, pd, gate_up, down = _calls(_key(gu_spec), _key(dn_spec), M, k, bool(interpret), *tuning(), route=route,
-                                   int4=int4_mode())
-    x = x.astype(jnp.float32)
-    if pg.Kp != pg.K:
-        x = jnp.pad(x, [(0, 0), (0, pg.Kp - pg.K)])
+    eps = float(rms[1]) if rms is not None else None
+    pg, pd, q8, gate_up, down = _calls(_key(gu_spec), _key(dn_spec), M, k, bool(interpret), *tuning(), route=route,
+                                       int4=int4_mode(), eps=eps, residual=residual is not None)
     if route is None:
         ids, w = topi.reshape(-1).astype(jnp.int32), topw.reshape(-1).astype(jnp.float32)
     else:
@@ -431,15 +536,36 @@ def moe_decode(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict
         if EP != E:
             ids = jnp.pad(ids, [(0, 0), (0, EP - E)], constant_values=-jnp.inf)
         w = jnp.zeros((1,), jnp.float32)
-    h = gate_up(ids, *pg.x_in(x), pg.qs_view(gu_arrays["qs"]), gu_arrays["scales"])          # [M*k, Ip]
-    return down(ids, w, *pd.x_in(h), pd.qs_view(dn_arrays["qs"]), dn_arrays["scales"])
+    xin = [pg.x_view(_padded(x, pg))] + ([pg.norm_view(rms[0])] if rms is not None else [])
+    h = gate_up(ids, *xin, pg.qs_view(gu_arrays["qs"]), gu_arrays["scales"])          # [M*k, Ip] or its q8
+    hin = list(h) if q8 else [pd.x_view(h)]
+    res = [residual.astype(jnp.float32)] if residual is not None else []
+    return down(ids, w, *hin, pd.qs_view(dn_arrays["qs"]), dn_arrays["scales"], *res)
+
+
+def _padded(x, p: _Proj):
+    """x [R, K] as f32 [R, Kp]."""
+    import jax.numpy as jnp
+
+    x = x.astype(jnp.float32)
+    return jnp.pad(x, [(0, 0), (0, p.Kp - p.K)]) if p.Kp != p.K else x
+
+
+def fusable_norm(spec) -> bool:
+    """Whether kernels reading a weight stored as `spec` can take an RMS norm as their prologue
+    (the words layout of dp4a)."""
+    fmt, G, shape = _key(spec)
+    return _Proj(_Spec(fmt, G, shape if len(shape) == 3 else (1, *shape)), int4_mode()).words
 
 
 # Dense int4 matrix-vector products at decode (lm_head, q/k/v, o, router when int4) as one Pallas
 # kernel, with STRATA_PALLAS_INT4=dp4a only: with f32 activations XLA's fused multiply-reduce is
 # as fast as these kernels (BENCHMARKS.md), so the Pallas path is worth it only for the integer
 # dot products.
-LINEAR_TUNING = (8, 4)       # rows per program, warps; STRATA_PALLAS_LINEAR_TUNE="bn,warps"
+# rows per program, warps; STRATA_PALLAS_LINEAR_TUNE="bn,warps". Decode steps on an H200 (one
+# process, BENCHMARKS.md): 32,8 1359 tok/s; 64,8 1347; 64,4 1329; 128,8 1255; 8,4 1229 (every
+# program normalises and quantizes the whole row: few rows per program repeat that too often).
+LINEAR_TUNING = (32, 8)
 
 
 def use_linear(on_gpu: bool, spec, M: int) -> tuple[bool, bool]:
@@ -454,21 +580,29 @@ def use_linear(on_gpu: bool, spec, M: int) -> tuple[bool, bool]:
     return on_gpu, False
 
 
-def _linear_kernel(*refs, p: _Proj, BN: int, interpret: bool = False):
+def _linear_kernel(*refs, p: _Proj, BN: int, interpret: bool = False, eps=None, residual: bool = False):
+    """eps: an RMS norm prologue (its weight follows x); residual: [M, N] added to the output."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
-    x_refs, (qs_ref, sc_ref, o_ref) = refs[:p.nx], refs[p.nx:]
+    x_ref, refs = refs[0], refs[1:]
+    norm = None
+    if eps is not None:
+        norm, refs = (refs[0], eps), refs[1:]
+    qs_ref, sc_ref, o_ref = refs[0], refs[1], refs[-1]
     m, blk = pl.program_id(0), pl.program_id(1)
     row0 = blk * BN
     span = -(-p.N // BN) * BN
     zero = jnp.int32(0)     # traced: interpret mode masks no python ints
-    y = _rows_dot(p, qs_ref, sc_ref, zero, 0, row0, BN, p.N, span, _x_parts(p, x_refs, m), interpret)
+    y = _rows_dot(p, qs_ref, sc_ref, zero, 0, row0, BN, p.N, span, _x_parts(p, x_ref, m, norm), interpret)
+    if residual:
+        y = y + _row_block(refs[2], m, row0, BN, p.N)
     _store_rows(o_ref, m, row0, BN, p.N, y)
 
 
 @functools.lru_cache(maxsize=None)
-def _linear_call(key: tuple, M: int, interpret: bool, bn: int, warps: int, int4: str):
+def _linear_call(key: tuple, M: int, interpret: bool, bn: int, warps: int, int4: str, eps=None,
+                 residual: bool = False):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -478,20 +612,95 @@ def _linear_call(key: tuple, M: int, interpret: bool, bn: int, warps: int, int4:
     p = _Proj(_Spec(fmt, G, (1, N, K)), int4)
     bn = min(bn, _pow2(N))
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1))
-    call = pl.pallas_call(functools.partial(_linear_kernel, p=p, BN=bn, interpret=interpret),
+    call = pl.pallas_call(functools.partial(_linear_kernel, p=p, BN=bn, interpret=interpret, eps=eps,
+                                            residual=residual),
                           out_shape=jax.ShapeDtypeStruct((M, N), jnp.float32), grid=(M, -(-N // bn)),
                           interpret=interpret, name="strata_linear_int4", **params)
     return p, call
 
 
-def linear_decode(x, spec, arrays: dict, *, interpret: bool = False):
-    """x[M, K] @ W[N, K]^T, f32[M, N], W an int4 weight by its stored arrays ({'qs', 'scales'})."""
+def linear_decode(x, spec, arrays: dict, *, interpret: bool = False, rms=None, residual=None):
+    """x[M, K] @ W[N, K]^T, f32[M, N], W an int4 weight by its stored arrays ({'qs', 'scales'}).
+    rms (w [K], eps): x is un-normalised and the kernel normalises it; residual [M, N]: added."""
     import jax.numpy as jnp
 
     t = os.environ.get("STRATA_PALLAS_LINEAR_TUNE")
     bn, warps = (int(v) for v in t.split(",")) if t else LINEAR_TUNING
-    p, call = _linear_call(_key(spec), x.shape[0], bool(interpret), bn, warps, int4_mode())
-    x = x.astype(jnp.float32)
-    if p.Kp != p.K:
-        x = jnp.pad(x, [(0, 0), (0, p.Kp - p.K)])
-    return call(*p.x_in(x), p.qs_view(arrays["qs"]), arrays["scales"].reshape(1, p.N, p.ng))
+    eps = float(rms[1]) if rms is not None else None
+    p, call = _linear_call(_key(spec), x.shape[0], bool(interpret), bn, warps, int4_mode(), eps,
+                           residual is not None)
+    args = [p.x_view(_padded(x, p))] + ([p.norm_view(rms[0])] if rms is not None else [])
+    args += [p.qs_view(arrays["qs"]), arrays["scales"].reshape(1, p.N, p.ng)]
+    args += [residual.astype(jnp.float32)] if residual is not None else []
+    return call(*args)
+
+
+# The router at decode (f32 or bf16 [E, D], a few rows): one small kernel that also applies the RMS
+# norm before it, so the norm's own kernels go (the MoE kernels normalise x themselves).
+# rows per program, warps; STRATA_PALLAS_DENSE_TUNE="bn,warps". H200 decode steps: 2,4 1377
+# tok/s; 1,2 1366; 4,4 1350; 8,8 1332.
+DENSE_TUNING = (2, 4)
+
+
+def use_dense(on_gpu: bool, spec, M: int) -> tuple[bool, bool]:
+    """(use dense_decode, in interpret mode) for x[M, K] @ W^T with W stored as `spec`: f32/bf16,
+    with the dp4a kernels on (whose MoE and linear kernels take the norm as a prologue)."""
+    m = mode()
+    if m in ("0", "off", "false", "no") or M > MAX_ROWS or int4_mode() != "dp4a":
+        return False, False
+    if spec.fmt not in ("f32", "bf16") or len(spec.shape) != 2:
+        return False, False
+    if m == "interpret":
+        return True, True
+    return on_gpu, False
+
+
+def _dense_kernel(x_ref, nw_ref, w_ref, o_ref, *, N: int, K: int, BN: int, eps: float, bf16: bool):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    m, blk = pl.program_id(0), pl.program_id(1)
+    KP = _pow2(K)
+    kmask = (jnp.arange(KP) < K) if KP != K else None
+    x = _load(x_ref.at[m, pl.ds(0, KP)], kmask).astype(jnp.float32)
+    x = x * (1.0 / jnp.sqrt((x * x).sum() / K + eps)) * _load(nw_ref.at[pl.ds(0, KP)], kmask).astype(jnp.float32)
+    row0 = blk * BN
+    rows = row0 + jnp.arange(BN)
+    wmask = None
+    if N % BN or KP != K:
+        wmask = (rows < N)[:, None] & (jnp.arange(KP) < K)[None, :]
+    w = _load(w_ref.at[pl.ds(row0, BN), pl.ds(0, KP)], wmask)
+    if bf16:        # stored as u16 bit patterns: the high half of an f32
+        w = jax.lax.bitcast_convert_type(w.astype(jnp.uint32) << jnp.uint32(16), jnp.float32)
+    _store_rows(o_ref, m, row0, BN, N, (w.astype(jnp.float32) * x[None, :]).sum(axis=-1))
+
+
+@functools.lru_cache(maxsize=None)
+def _dense_call(N: int, K: int, M: int, bf16: bool, eps: float, interpret: bool, tune: str | None):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    bn, warps = (int(v) for v in tune.split(",")) if tune else DENSE_TUNING
+    bn = min(bn, _pow2(N))
+    params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1))
+    return pl.pallas_call(functools.partial(_dense_kernel, N=N, K=K, BN=bn, eps=eps, bf16=bf16),
+                          out_shape=jax.ShapeDtypeStruct((M, N), jnp.float32), grid=(M, -(-N // bn)),
+                          interpret=interpret, name="strata_norm_dense", **params)
+
+
+def dense_decode(x, spec, arrays: dict, rms, *, interpret: bool = False):
+    """rms_norm(x) @ W[N, K]^T, f32[M, N], W stored f32 or bf16 ({'w'}), rms = (norm weight [K], eps)."""
+    import jax.numpy as jnp
+
+    N, K = spec.shape
+    call = _dense_call(N, K, x.shape[0], spec.fmt == "bf16", float(rms[1]), bool(interpret),
+                       os.environ.get("STRATA_PALLAS_DENSE_TUNE"))
+    w = arrays["w"]
+    if spec.fmt == "bf16" and w.dtype != jnp.uint16:
+        import jax
+
+        w = jax.lax.bitcast_convert_type(w, jnp.uint16)
+    return call(x.astype(jnp.float32), rms[0].astype(jnp.float32), w)
