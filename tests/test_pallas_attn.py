@@ -83,18 +83,20 @@ def test_kernel_matches_reference(norm, H, KV, S, pos, B, clip):
 def test_use_rules(monkeypatch):
     monkeypatch.setenv("STRATA_XLA_PALLAS", "1")
     monkeypatch.delenv("STRATA_XLA_PALLAS_ATTN", raising=False)
-    assert pallas_attn.use(True, 16, 16, 128, 1) == (False, False)      # off unless asked for
+    S = pallas_attn.MAX_S
+    assert pallas_attn.use(True, 16, 16, 128, 1, S) == (True, False)       # default: short caches only
+    assert pallas_attn.use(True, 16, 16, 128, 1, S + 64) == (False, False)
+    assert pallas_attn.use(False, 16, 16, 128, 1, S) == (False, False)     # CPU: the XLA path
     monkeypatch.setenv("STRATA_XLA_PALLAS_ATTN", "1")
-    assert pallas_attn.use(False, 16, 16, 128, 1) == (False, False)      # CPU: the XLA path
-    assert pallas_attn.use(True, 16, 16, 128, 1) == (True, False)
-    assert pallas_attn.use(True, 16, 16, 128, 2)[0] is False             # prefill: XLA
-    assert pallas_attn.use(True, 12, 4, 128, 1)[0] is False              # rep 3: not 2^n
-    assert pallas_attn.use(True, 16, 16, 96, 1)[0] is False              # hd/2 = 48: not 2^n
+    assert pallas_attn.use(True, 16, 16, 128, 1, 4 * S) == (True, False)   # forced on
+    assert pallas_attn.use(True, 16, 16, 128, 2, S)[0] is False            # prefill: XLA
+    assert pallas_attn.use(True, 12, 4, 128, 1, S)[0] is False             # rep 3: not 2^n
+    assert pallas_attn.use(True, 16, 16, 96, 1, S)[0] is False             # hd/2 = 48: not 2^n
     monkeypatch.setenv("STRATA_XLA_PALLAS_ATTN", "0")
-    assert pallas_attn.use(True, 16, 16, 128, 1) == (False, False)
+    assert pallas_attn.use(True, 16, 16, 128, 1, 64) == (False, False)
     monkeypatch.setenv("STRATA_XLA_PALLAS_ATTN", "1")
     monkeypatch.setenv("STRATA_XLA_PALLAS", "interpret")
-    assert pallas_attn.use(False, 16, 16, 128, 1) == (True, True)
+    assert pallas_attn.use(False, 16, 16, 128, 1, S) == (True, True)
 
 
 @pytest.fixture(scope="module")

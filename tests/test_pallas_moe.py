@@ -21,8 +21,9 @@ from strata_compiler.backends.xla.executor import _silu, matvec  # noqa: E402
 @pytest.fixture(autouse=True)
 def _f32_activations(monkeypatch):
     """The kernels' f32-activation mode unless a test asks for dp4a (the default on a GPU), whose
-    q8 activations only come near the references."""
+    q8 activations only come near the references; XLA's attention."""
     monkeypatch.setenv("STRATA_PALLAS_INT4", "bytes")
+    monkeypatch.setenv("STRATA_XLA_PALLAS_ATTN", "0")     # its own tests: test_pallas_attn.py
 
 
 def _experts(E, D, I, fmt_gu, fmt_dn, G, seed):

@@ -264,7 +264,7 @@ def _attention(c: _Ctx, n: Node, a: list):
     layer = n.attr("layer")
     from . import pallas_attn
 
-    kernel, interpret = pallas_attn.use(c.exe.on_gpu, H, KV, hd, T)
+    kernel, interpret = pallas_attn.use(c.exe.on_gpu, H, KV, hd, T, c.ks[layer].shape[2])
     if kernel:
         # decode on a GPU: norms, RoPE, the cache write and the attention in one Pallas kernel
         out, c.ks[layer], c.vs[layer] = pallas_attn.attention_decode(

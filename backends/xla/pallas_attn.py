@@ -1,17 +1,19 @@
 """Decode attention of one layer as one Pallas (Triton) kernel: q/k norms, RoPE, the KV-cache
 write and softmax(q K^T / sqrt(hd)) V in a single launch.
 
-At batch-1 decode the XLA lowering of a layer's attention is about six small kernels (the RoPE
+At batch-1 decode the XLA lowering of a layer's attention is about seven small kernels (the RoPE
 concatenations, two cache updates, the scores, softmax times V) whose launches and tails, not
-their bytes, bound the step. Here, one kernel per layer:
+their bytes, bound the step. Here, one kernel and one small combine per layer:
 
-  grid (B, KV): one program per sequence and KV head (its `rep` = H / KV query heads):
+  grid (B, KV, S / BS): one program per sequence, KV head (its `rep` = H / KV query heads) and
+    block of BS cache rows (flash-decoding: the cache is split over programs, not walked by one):
     load the head's q rows, k and v from the fused qkv projection; apply the q/k RMS norm
     ('head': over each head; 'full': over the whole projection, read by every program) and the
-    clip; rotate-half RoPE at position `pos`; write k and v into the cache row `pos` (the cache
-    arrays are aliased to the outputs: updated in place); then, over cache blocks of BS rows up
-    to `pos` (a loop whose trip count depends on `pos`), scores, an online softmax and the
-    weighted sum of V — the row at `pos` taken from registers, not read back.
+    clip; rotate-half RoPE at position `pos`; the program whose block holds `pos` writes k and v
+    into that cache row (the cache arrays are aliased to the outputs: updated in place); each
+    program then takes scores, a softmax and the weighted sum of V over its block's rows up to
+    `pos` (rows past it masked, not loaded; the row at `pos` from registers, not read back) and
+    writes its partial (max, sum, weighted V); a small XLA fusion combines the blocks.
 
 The head dim is handled as its two rotate-half halves [2, hd/2] (a free reshape), so RoPE needs
 no shuffle. Sums are f32, as the XLA path. Triton needs power-of-two blocks: hd/2 and rep must be
@@ -20,7 +22,7 @@ for a 'full' norm are padded and masked. On the CPU the kernel runs in Pallas in
 (tests).
 
 Legend: B batch, H/KV query/KV heads, hd head dim, rep = H/KV, S cache capacity, BS cache rows
-per loop step.
+per program.
 """
 
 from __future__ import annotations
@@ -30,26 +32,37 @@ import os
 
 from .pallas_moe import _is_pow2, _load, _pow2, mode
 
-BS = 64            # cache rows per loop step
+BS = 64            # cache rows per program
 NUM_WARPS = 4
 
 
-def enabled() -> bool:
-    """STRATA_XLA_PALLAS_ATTN=1 turns the kernel on. Off by default: measured slower than XLA's
-    six small kernels on an H200 (OLMoE shape, int4, batch 1, one process, alternated twice:
-    950.6 against 1031.8 tok/s), though it runs 8.3 us of device time per layer against their
-    ~10: its 16 programs (one per KV head) each run the whole chain serially."""
-    return os.environ.get("STRATA_XLA_PALLAS_ATTN", "0").strip().lower() in ("1", "on", "true", "yes")
+# Cache capacities up to which the kernel is the default. H200, OLMoE shape, int4, batch 1, one
+# process, alternated twice (BENCHMARKS.md): S 192 1459 against 1400 tok/s for XLA's kernels,
+# S 512 1384 against 1325, S 1216 1189 against 1218 (its 4-warp programs stream long caches less
+# well than XLA's reductions); the crossover between 512 and 1216 is not measured.
+MAX_S = 512
+
+
+def enabled(S: int) -> bool:
+    """STRATA_XLA_PALLAS_ATTN: 'auto' (default): the kernel for caches of at most MAX_S rows; '1':
+    always; '0': never."""
+    v = os.environ.get("STRATA_XLA_PALLAS_ATTN", "auto").strip().lower()
+    if v in ("1", "on", "true", "yes"):
+        return True
+    if v in ("0", "off", "false", "no"):
+        return False
+    return S <= MAX_S
 
 
 def supported(H: int, KV: int, hd: int) -> bool:
     return H % KV == 0 and _is_pow2(H // KV) and hd % 2 == 0 and _is_pow2(hd // 2)
 
 
-def use(on_gpu: bool, H: int, KV: int, hd: int, T: int) -> tuple[bool, bool]:
-    """(use the kernel, in interpret mode) for an attention step of T tokens per sequence."""
+def use(on_gpu: bool, H: int, KV: int, hd: int, T: int, S: int) -> tuple[bool, bool]:
+    """(use the kernel, in interpret mode) for an attention step of T tokens per sequence over a
+    cache of S rows."""
     m = mode()
-    if m in ("0", "off", "false", "no") or not enabled() or T != 1 or not supported(H, KV, hd):
+    if m in ("0", "off", "false", "no") or not enabled(S) or T != 1 or not supported(H, KV, hd):
         return False, False
     if m == "interpret":
         return True, True
@@ -63,9 +76,8 @@ def _rms_scale(x2, n: int, eps: float):
     return 1.0 / jnp.sqrt(x2.sum() / n + eps)
 
 
-def _attn_kernel(pos_ref, qkv_ref, qn_ref, kn_ref, inv_ref, kc_ref, vc_ref, o_ref, ko_ref, vo_ref, *,
+def _attn_kernel(pos_ref, qkv_ref, qn_ref, kn_ref, inv_ref, kc_ref, vc_ref, m_ref, l_ref, a_ref, ko_ref, vo_ref, *,
                  H: int, KV: int, hd: int, S: int, norm: str, eps: float, clip, scale: float):
-    import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
@@ -102,36 +114,33 @@ def _attn_kernel(pos_ref, qkv_ref, qn_ref, kn_ref, inv_ref, kc_ref, vc_ref, o_re
     cos, sin = jnp.cos(ang), jnp.sin(ang)
     q = [q[0] * cos - q[1] * sin, q[1] * cos + q[0] * sin]
     k = [k[0] * cos - k[1] * sin, k[1] * cos + k[0] * sin]
-    for i, ii in ((0, lo), (1, hi)):      # the cache row `pos`, in place (aliased)
-        ko_ref[b, g, pos, ii, :] = k[i].astype(ko_ref.dtype)
-        vo_ref[b, g, pos, ii, :] = v[i].astype(vo_ref.dtype)
+    j = pl.program_id(2)
 
-    def block(j, carry):
-        m, l, acc0, acc1 = carry
-        rows = j * BS + jnp.arange(BS)
-        rs = pl.ds(j * BS, BS)
-        mask = None
-        if S % BS:
-            mask = jnp.broadcast_to((rows < S)[:, None], (BS, half))
-        new = (rows == pos)[:, None]
-        kb = [jnp.where(new, k[i][None, :], _load(kc_ref.at[b, g, rs, ii, :], mask).astype(f32))
-              for i, ii in ((0, lo), (1, hi))]                                            # [BS, half]
-        s = ((q[0][:, None, :] * kb[0][None]).sum(-1) + (q[1][:, None, :] * kb[1][None]).sum(-1)) * scale
-        s = jnp.where((rows <= pos)[None, :], s, -jnp.inf)                                # [rep, BS]
-        m2 = jnp.maximum(m, s.max(-1))
-        alpha = jnp.exp(m - m2)
-        p = jnp.exp(s - m2[:, None])
-        vb = [jnp.where(new, v[i][None, :], _load(vc_ref.at[b, g, rs, ii, :], mask).astype(f32))
-              for i, ii in ((0, lo), (1, hi))]
-        acc0 = acc0 * alpha[:, None] + (p[:, :, None] * vb[0][None]).sum(1)
-        acc1 = acc1 * alpha[:, None] + (p[:, :, None] * vb[1][None]).sum(1)
-        return m2, l * alpha + p.sum(-1), acc0, acc1
+    @pl.when(j == pos // BS)
+    def _():                              # the cache row `pos`, in place (aliased): its block's program
+        for i, ii in ((0, lo), (1, hi)):
+            ko_ref[b, g, pos, ii, :] = k[i].astype(ko_ref.dtype)
+            vo_ref[b, g, pos, ii, :] = v[i].astype(vo_ref.dtype)
 
-    init = (jnp.full((rep,), -jnp.inf, f32), jnp.zeros((rep,), f32),
-            jnp.zeros((rep, half), f32), jnp.zeros((rep, half), f32))
-    _, l, acc0, acc1 = jax.lax.fori_loop(0, pos // BS + 1, block, init)
-    o_ref[b, qr, lo, :] = acc0 / l[:, None]
-    o_ref[b, qr, hi, :] = acc1 / l[:, None]
+    # this program's block of the cache: rows past `pos` are masked (not even loaded)
+    rows = j * BS + jnp.arange(BS)
+    rs = pl.ds(j * BS, BS)
+    valid = rows <= pos
+    ok = valid & (rows < S) if S % BS else valid
+    mask = jnp.broadcast_to(ok[:, None], (BS, half))
+    new = (rows == pos)[:, None]
+    kb = [jnp.where(new, k[i][None, :], _load(kc_ref.at[b, g, rs, ii, :], mask).astype(f32))
+          for i, ii in ((0, lo), (1, hi))]                                                # [BS, half]
+    s = ((q[0][:, None, :] * kb[0][None]).sum(-1) + (q[1][:, None, :] * kb[1][None]).sum(-1)) * scale
+    s = jnp.where(valid[None, :], s, -jnp.inf)                                            # [rep, BS]
+    m = s.max(-1)                                                   # -inf for a block wholly past pos
+    p = jnp.where(valid[None, :], jnp.exp(s - m[:, None]), 0.0)
+    vb = [jnp.where(new, v[i][None, :], _load(vc_ref.at[b, g, rs, ii, :], mask).astype(f32))
+          for i, ii in ((0, lo), (1, hi))]
+    m_ref[b, j, qr] = m
+    l_ref[b, j, qr] = p.sum(-1)
+    a_ref[b, j, qr, lo, :] = (p[:, :, None] * vb[0][None]).sum(1)
+    a_ref[b, j, qr, hi, :] = (p[:, :, None] * vb[1][None]).sum(1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,10 +155,12 @@ def _call(B: int, H: int, KV: int, hd: int, S: int, norm: str, eps: float, clip,
     kernel = functools.partial(_attn_kernel, H=H, KV=KV, hd=hd, S=S, norm=norm, eps=eps, clip=clip,
                                scale=float(1.0 / np.sqrt(hd)))
     cache = jax.ShapeDtypeStruct((B, KV, S, 2, half), kv_dtype)
+    NS = -(-S // BS)
+    part = jax.ShapeDtypeStruct((B, NS, H), jnp.float32)
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1))
     return pl.pallas_call(
-        kernel, out_shape=(jax.ShapeDtypeStruct((B, H, 2, half), jnp.float32), cache, cache),
-        grid=(B, KV), input_output_aliases={5: 1, 6: 2}, interpret=interpret, name="strata_decode_attention",
+        kernel, out_shape=(part, part, jax.ShapeDtypeStruct((B, NS, H, 2, half), jnp.float32), cache, cache),
+        grid=(B, KV, NS), input_output_aliases={5: 3, 6: 4}, interpret=interpret, name="strata_decode_attention",
         **params)
 
 
@@ -178,6 +189,10 @@ def attention_decode(qkv, pos, K, V, *, H: int, KV: int, hd: int, norm: str = "n
     call = _call(B, H, KV, hd, S, norm, float(eps), None if clip is None else float(clip), jnp.dtype(K.dtype),
                  bool(interpret))
     p = jnp.reshape(pos, (1,)).astype(jnp.int32)
-    out, K2, V2 = call(p, qkv, qn, kn, jnp.asarray(inv_freq, f32), K.reshape(B, KV, S, 2, half),
-                       V.reshape(B, KV, S, 2, half))
+    m, l, acc, K2, V2 = call(p, qkv, qn, kn, jnp.asarray(inv_freq, f32), K.reshape(B, KV, S, 2, half),
+                             V.reshape(B, KV, S, 2, half))
+    # the blocks' partial softmaxes combined (flash-decoding): weights exp(m_j - max m), 0 for
+    # blocks wholly past pos (m_j = -inf); block 0 always holds row 0, so the max is finite
+    w = jnp.exp(m - m.max(axis=1, keepdims=True))                                        # [B, NS, H]
+    out = (w[..., None, None] * acc).sum(1) / (w * l).sum(1)[..., None, None]             # [B, H, 2, half]
     return out.reshape(B, H * hd), K2.reshape(K.shape), V2.reshape(V.shape)
