@@ -51,14 +51,17 @@ def _reference(qkv, pos, K, V, H, KV, hd, norm, qn, kn, eps, clip, inv):
     return out.reshape(B, -1), K, V
 
 
-@pytest.mark.parametrize("norm,H,KV,S,pos,B,clip", [
-    ("none", 4, 4, 64, 0, 1, None),
-    ("full", 4, 2, 150, 70, 2, None),       # GQA, S not a multiple of the block, pos in block 2
-    ("head", 8, 2, 150, 149, 1, None),      # the last row of a ragged last block
-    ("full", 3, 3, 96, 63, 1, 0.7),         # H not a power of two (masked norm loads), clip
-    ("head", 2, 1, 200, 130, 3, None),
+@pytest.mark.parametrize("norm,H,KV,S,pos,B,clip,tune", [
+    ("none", 4, 4, 64, 0, 1, None, None),
+    ("full", 4, 2, 150, 70, 2, None, None),       # GQA, S not a multiple of the block, pos in block 2
+    ("head", 8, 2, 150, 149, 1, None, None),      # the last row of a ragged last block
+    ("full", 3, 3, 96, 63, 1, 0.7, None),         # H not a power of two (masked norm loads), clip
+    ("head", 2, 1, 200, 130, 3, None, None),
+    ("full", 4, 2, 150, 70, 2, None, "32,2"),     # STRATA_PALLAS_ATTN_TUNE: 32-row blocks, pos in block 3
 ])
-def test_kernel_matches_reference(norm, H, KV, S, pos, B, clip):
+def test_kernel_matches_reference(norm, H, KV, S, pos, B, clip, tune, monkeypatch):
+    if tune:
+        monkeypatch.setenv("STRATA_PALLAS_ATTN_TUNE", tune)
     hd, eps = 16, 1e-5
     rng = np.random.default_rng(pos + S)
     qkv = rng.standard_normal((B, (H + 2 * KV) * hd)).astype(np.float32)

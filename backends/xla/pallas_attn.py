@@ -32,8 +32,12 @@ import os
 
 from .pallas_moe import _is_pow2, _load, _pow2, mode
 
-BS = 64            # cache rows per program
-NUM_WARPS = 4
+TUNING = (64, 4)   # cache rows per program, warps; STRATA_PALLAS_ATTN_TUNE="bs,warps" (powers of two)
+
+
+def tuning() -> tuple[int, int]:
+    t = os.environ.get("STRATA_PALLAS_ATTN_TUNE")
+    return tuple(int(v) for v in t.split(",")) if t else TUNING
 
 
 # Cache capacities up to which the kernel is the default. H200, OLMoE shape, int4, batch 1, one
@@ -77,7 +81,7 @@ def _rms_scale(x2, n: int, eps: float):
 
 
 def _attn_kernel(pos_ref, qkv_ref, qn_ref, kn_ref, inv_ref, kc_ref, vc_ref, m_ref, l_ref, a_ref, ko_ref, vo_ref, *,
-                 H: int, KV: int, hd: int, S: int, norm: str, eps: float, clip, scale: float):
+                 H: int, KV: int, hd: int, S: int, norm: str, eps: float, clip, scale: float, BS: int):
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
@@ -144,7 +148,8 @@ def _attn_kernel(pos_ref, qkv_ref, qn_ref, kn_ref, inv_ref, kc_ref, vc_ref, m_re
 
 
 @functools.lru_cache(maxsize=None)
-def _call(B: int, H: int, KV: int, hd: int, S: int, norm: str, eps: float, clip, kv_dtype, interpret: bool):
+def _call(B: int, H: int, KV: int, hd: int, S: int, norm: str, eps: float, clip, kv_dtype, interpret: bool,
+          BS: int, warps: int):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -153,11 +158,11 @@ def _call(B: int, H: int, KV: int, hd: int, S: int, norm: str, eps: float, clip,
 
     half = hd // 2
     kernel = functools.partial(_attn_kernel, H=H, KV=KV, hd=hd, S=S, norm=norm, eps=eps, clip=clip,
-                               scale=float(1.0 / np.sqrt(hd)))
+                               scale=float(1.0 / np.sqrt(hd)), BS=BS)
     cache = jax.ShapeDtypeStruct((B, KV, S, 2, half), kv_dtype)
     NS = -(-S // BS)
     part = jax.ShapeDtypeStruct((B, NS, H), jnp.float32)
-    params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1))
+    params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1))
     return pl.pallas_call(
         kernel, out_shape=(part, part, jax.ShapeDtypeStruct((B, NS, H, 2, half), jnp.float32), cache, cache),
         grid=(B, KV, NS), input_output_aliases={5: 3, 6: 4}, interpret=interpret, name="strata_decode_attention",
@@ -187,7 +192,7 @@ def attention_decode(qkv, pos, K, V, *, H: int, KV: int, hd: int, norm: str = "n
     else:
         qn = kn = one
     call = _call(B, H, KV, hd, S, norm, float(eps), None if clip is None else float(clip), jnp.dtype(K.dtype),
-                 bool(interpret))
+                 bool(interpret), *tuning())
     p = jnp.reshape(pos, (1,)).astype(jnp.int32)
     m, l, acc, K2, V2 = call(p, qkv, qn, kn, jnp.asarray(inv_freq, f32), K.reshape(B, KV, S, 2, half),
                              V.reshape(B, KV, S, 2, half))
