@@ -4,7 +4,9 @@ bytes or as u32 words, rows per program and warps) against XLA's multiply-reduce
     python benchmarks/pallas_moe_sweep.py [--layers 8] [--reps 20] [--variants V;V;...]
 
 A variant is `xla`, or `pallas:INT4:BN1,BN2,W1,W2` (INT4 = bytes | words | dp4a; STRATA_PALLAS_INT4
-and STRATA_PALLAS_TUNE). Each variant's output after the --layers layers is compared with the first
+and STRATA_PALLAS_TUNE). Each layer is x + MoE(rms_norm(x)); dp4a variants take the norm and the
+residual add inside their kernels (as the executor runs them; BN1 is then the group size, h
+passing between the kernels in q8), the others around them. Each variant's output after the --layers layers is compared with the first
 variant's (of what the layers add to x: max |difference| / max |value|; dp4a rounds activations to q8, the others should agree
 to f32 rounding). The model is the OLMoE shape of gpu_decode.py (D 2048, I 1024, 64 experts
 top-8, int4, group 32), batch 1, routing inside the kernels; --layers distinct random layers
@@ -30,8 +32,8 @@ sys.path.insert(0, str(HERE))
 
 from common import device_kernels, log  # noqa: E402
 
-DEFAULT = ("xla;pallas:bytes:4,8,4,8;pallas:words:8,8,4,4;pallas:dp4a:4,8,4,8;pallas:dp4a:8,8,4,4;"
-           "pallas:dp4a:16,16,4,4;pallas:dp4a:2,4,2,4;pallas:dp4a:8,16,8,8;pallas:dp4a:32,32,4,4")
+DEFAULT = ("xla;pallas:bytes:4,8,4,8;pallas:dp4a:32,4,4,4;pallas:dp4a:32,4,8,4;pallas:dp4a:32,4,16,4;"
+           "pallas:dp4a:32,2,4,2;pallas:dp4a:32,4,4,8;pallas:dp4a:32,8,8,8;pallas:dp4a:32,4,2,4")
 
 
 def main() -> int:
@@ -68,6 +70,7 @@ def main() -> int:
     # bytes of the chosen experts per layer: int4 nibbles and f16 scales of gate_up and down
     chosen = k * (2 * I * D // 2 + 2 * (2 * I) * (D // G) + D * I // 2 + 2 * D * (I // G))
     x0 = jnp.asarray(rng.standard_normal((1, D)).astype(np.float32))
+    nw = jnp.asarray((1 + 0.1 * rng.standard_normal(D)).astype(np.float32))      # the norm's weight
     rows = []
     first = None
     for v in a.variants.split(";"):
@@ -76,18 +79,24 @@ def main() -> int:
             os.environ["STRATA_PALLAS_INT4"], os.environ["STRATA_PALLAS_TUNE"] = parts[1], parts[2]
 
         def layer(x, gu, dn, logits, v=v):
+            """x + MoE(rms_norm(x)), as a decoder layer's MoE block (the norm and the residual
+            inside the dp4a kernels, as the executor runs them; around the others)."""
+            if v.startswith("pallas:dp4a"):
+                return pallas_moe.moe_decode(x, None, None, gs, gu, ds, dn, interpret=a.tiny, logits=logits, k=k,
+                                             rms=(nw, 1e-6), residual=x)
+            xn = x / jnp.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * nw
             if v == "xla":
                 topw, topi = jax.lax.top_k(jax.nn.softmax(logits, -1), k)
-                g = matvec(jnp, gs, {r: t[topi] for r, t in gu.items()}, x[:, None, :])
+                g = matvec(jnp, gs, {r: t[topi] for r, t in gu.items()}, xn[:, None, :])
                 h = _silu(jnp, g[..., :I]) * g[..., I:]
                 y = matvec(jnp, ds, {r: t[topi] for r, t in dn.items()}, h)
-                return (y * topw[..., None]).sum(axis=1)
-            return pallas_moe.moe_decode(x, None, None, gs, gu, ds, dn, interpret=a.tiny, logits=logits, k=k)
+                return x + (y * topw[..., None]).sum(axis=1)
+            return x + pallas_moe.moe_decode(xn, None, None, gs, gu, ds, dn, interpret=a.tiny, logits=logits, k=k)
 
         @jax.jit
         def run(x, layers):
             for gu, dn, logits in layers:
-                x = x + 1e-3 * layer(x, gu, dn, logits)
+                x = layer(x, gu, dn, logits)
             return x
 
         try:
