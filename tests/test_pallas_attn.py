@@ -57,7 +57,10 @@ def _reference(qkv, pos, K, V, H, KV, hd, norm, qn, kn, eps, clip, inv):
     ("head", 8, 2, 150, 149, 1, None, None),      # the last row of a ragged last block
     ("full", 3, 3, 96, 63, 1, 0.7, None),         # H not a power of two (masked norm loads), clip
     ("head", 2, 1, 200, 130, 3, None, None),
-    ("full", 4, 2, 150, 70, 2, None, "32,2"),     # STRATA_PALLAS_ATTN_TUNE: 32-row blocks, pos in block 3
+    ("full", 4, 2, 150, 70, 2, None, "32,2,256"),  # STRATA_PALLAS_ATTN_TUNE: 32-row blocks, pos in block 3
+    ("head", 4, 2, 150, 70, 2, None, "16,2,4"),    # one chunk of 160 rows per head: a loop of 5 blocks
+    ("full", 4, 2, 150, 70, 2, 0.5, "32,2,8"),     # chunks of 96 rows: pos in the first, the second empty
+    ("none", 2, 2, 300, 299, 1, None, "32,2,4"),   # chunks of 160: pos the last row of the second
 ])
 def test_kernel_matches_reference(norm, H, KV, S, pos, B, clip, tune, monkeypatch):
     if tune:

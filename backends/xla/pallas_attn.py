@@ -5,15 +5,17 @@ At batch-1 decode the XLA lowering of a layer's attention is about seven small k
 concatenations, two cache updates, the scores, softmax times V) whose launches and tails, not
 their bytes, bound the step. Here, one kernel and one small combine per layer:
 
-  grid (B, KV, S / BS): one program per sequence, KV head (its `rep` = H / KV query heads) and
-    block of BS cache rows (flash-decoding: the cache is split over programs, not walked by one):
+  grid (B, KV, S / C): one program per sequence, KV head (its `rep` = H / KV query heads) and
+    chunk of C cache rows (flash-decoding: the cache is split over programs, not walked by one):
     load the head's q rows, k and v from the fused qkv projection; apply the q/k RMS norm
     ('head': over each head; 'full': over the whole projection, read by every program) and the
-    clip; rotate-half RoPE at position `pos`; the program whose block holds `pos` writes k and v
+    clip; rotate-half RoPE at position `pos`; the program whose chunk holds `pos` writes k and v
     into that cache row (the cache arrays are aliased to the outputs: updated in place); each
-    program then takes scores, a softmax and the weighted sum of V over its block's rows up to
-    `pos` (rows past it masked, not loaded; the row at `pos` from registers, not read back) and
-    writes its partial (max, sum, weighted V); a small XLA fusion combines the blocks.
+    program then takes scores, an online softmax and the weighted sum of V over its chunk's rows
+    up to `pos`, BS rows at a time (rows past it masked, not loaded; the row at `pos` from
+    registers, not read back), and writes its partial (max, sum, weighted V); a small XLA fusion
+    combines the chunks. C is one block for short caches and several for long ones, so that about
+    `programs` programs run (`chunk_rows`).
 
 The head dim is handled as its two rotate-half halves [2, hd/2] (a free reshape), so RoPE needs
 no shuffle. Sums are f32, as the XLA path. Triton needs power-of-two blocks: hd/2 and rep must be
@@ -21,8 +23,8 @@ powers of two (else `supported` says no and the caller keeps its XLA path); the 
 for a 'full' norm are padded and masked. On the CPU the kernel runs in Pallas interpret mode
 (tests).
 
-Legend: B batch, H/KV query/KV heads, hd head dim, rep = H/KV, S cache capacity, BS cache rows
-per program.
+Legend: B batch, H/KV query/KV heads, hd head dim, rep = H/KV, S cache capacity, C cache rows
+per program, BS rows per loop step.
 """
 
 from __future__ import annotations
@@ -32,10 +34,13 @@ import os
 
 from .pallas_moe import _is_pow2, _load, _pow2, mode
 
-TUNING = (64, 4)   # cache rows per program, warps; STRATA_PALLAS_ATTN_TUNE="bs,warps" (powers of two)
+# rows per block (a power of two), warps, programs aimed at (B x KV x chunks); STRATA_PALLAS_ATTN_TUNE=
+# "bs,warps,programs". Measured with (64, 4) and one block per program up to S 1216 (BENCHMARKS.md);
+# the chunked loop for long caches (more than `programs` blocks) is not yet measured on a GPU.
+TUNING = (64, 4, 256)
 
 
-def tuning() -> tuple[int, int]:
+def tuning() -> tuple[int, int, int]:
     t = os.environ.get("STRATA_PALLAS_ATTN_TUNE")
     return tuple(int(v) for v in t.split(",")) if t else TUNING
 
@@ -81,7 +86,8 @@ def _rms_scale(x2, n: int, eps: float):
 
 
 def _attn_kernel(pos_ref, qkv_ref, qn_ref, kn_ref, inv_ref, kc_ref, vc_ref, m_ref, l_ref, a_ref, ko_ref, vo_ref, *,
-                 H: int, KV: int, hd: int, S: int, norm: str, eps: float, clip, scale: float, BS: int):
+                 H: int, KV: int, hd: int, S: int, norm: str, eps: float, clip, scale: float, BS: int, C: int):
+    import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
@@ -120,36 +126,68 @@ def _attn_kernel(pos_ref, qkv_ref, qn_ref, kn_ref, inv_ref, kc_ref, vc_ref, m_re
     k = [k[0] * cos - k[1] * sin, k[1] * cos + k[0] * sin]
     j = pl.program_id(2)
 
-    @pl.when(j == pos // BS)
-    def _():                              # the cache row `pos`, in place (aliased): its block's program
+    @pl.when(j == pos // C)
+    def _():                              # the cache row `pos`, in place (aliased): its chunk's program
         for i, ii in ((0, lo), (1, hi)):
             ko_ref[b, g, pos, ii, :] = k[i].astype(ko_ref.dtype)
             vo_ref[b, g, pos, ii, :] = v[i].astype(vo_ref.dtype)
 
-    # this program's block of the cache: rows past `pos` are masked (not even loaded)
-    rows = j * BS + jnp.arange(BS)
-    rs = pl.ds(j * BS, BS)
-    valid = rows <= pos
-    ok = valid & (rows < S) if S % BS else valid
-    mask = jnp.broadcast_to(ok[:, None], (BS, half))
-    new = (rows == pos)[:, None]
-    kb = [jnp.where(new, k[i][None, :], _load(kc_ref.at[b, g, rs, ii, :], mask).astype(f32))
-          for i, ii in ((0, lo), (1, hi))]                                                # [BS, half]
-    s = ((q[0][:, None, :] * kb[0][None]).sum(-1) + (q[1][:, None, :] * kb[1][None]).sum(-1)) * scale
-    s = jnp.where(valid[None, :], s, -jnp.inf)                                            # [rep, BS]
-    m = s.max(-1)                                                   # -inf for a block wholly past pos
-    p = jnp.where(valid[None, :], jnp.exp(s - m[:, None]), 0.0)
-    vb = [jnp.where(new, v[i][None, :], _load(vc_ref.at[b, g, rs, ii, :], mask).astype(f32))
-          for i, ii in ((0, lo), (1, hi))]
-    m_ref[b, j, qr] = m
-    l_ref[b, j, qr] = p.sum(-1)
-    a_ref[b, j, qr, lo, :] = (p[:, :, None] * vb[0][None]).sum(1)
-    a_ref[b, j, qr, hi, :] = (p[:, :, None] * vb[1][None]).sum(1)
+    def scores(r0):
+        """Rows r0 + [0, BS): (valid [BS], scores [rep, BS] (-inf where not valid), V halves)."""
+        rows = r0 + jnp.arange(BS)
+        rs = pl.ds(r0, BS)
+        valid = rows <= pos               # rows past `pos` are masked, not even loaded
+        ok = valid & (rows < S) if S % BS else valid
+        mask = jnp.broadcast_to(ok[:, None], (BS, half))
+        new = (rows == pos)[:, None]
+        kb = [jnp.where(new, k[i][None, :], _load(kc_ref.at[b, g, rs, ii, :], mask).astype(f32))
+              for i, ii in ((0, lo), (1, hi))]                                            # [BS, half]
+        s = ((q[0][:, None, :] * kb[0][None]).sum(-1) + (q[1][:, None, :] * kb[1][None]).sum(-1)) * scale
+        vb = [jnp.where(new, v[i][None, :], _load(vc_ref.at[b, g, rs, ii, :], mask).astype(f32))
+              for i, ii in ((0, lo), (1, hi))]
+        return valid, jnp.where(valid[None, :], s, -jnp.inf), vb
+
+    def weighted(p, vb):
+        return [(p[:, :, None] * vb[i][None]).sum(1) for i in (0, 1)]                     # [rep, half] x 2
+
+    if C == BS:       # one block per program (short caches): straight-line code
+        valid, sc, vb = scores(j * C)
+        m = sc.max(-1)                    # -inf for a block wholly past pos: then p, l, acc are 0
+        p = jnp.where(valid[None, :], jnp.exp(sc - m[:, None]), 0.0)
+        l = p.sum(-1)
+        acc0, acc1 = weighted(p, vb)
+    else:             # several blocks: a loop over those holding rows <= pos, online softmax
+
+        def block(t, carry):
+            m, l, acc0, acc1 = carry
+            valid, sc, vb = scores(j * C + t * BS)
+            m2 = jnp.maximum(m, sc.max(-1))   # finite: every visited block has a row <= pos
+            alpha = jnp.exp(m - m2)
+            p = jnp.where(valid[None, :], jnp.exp(sc - m2[:, None]), 0.0)
+            w0, w1 = weighted(p, vb)
+            return m2, l * alpha + p.sum(-1), acc0 * alpha[:, None] + w0, acc1 * alpha[:, None] + w1
+
+        init = (jnp.full((rep,), -jnp.inf, f32), jnp.zeros((rep,), f32),
+                jnp.zeros((rep, half), f32), jnp.zeros((rep, half), f32))
+        nblk = jnp.clip((pos - j * C) // BS + 1, 0, C // BS)     # 0 for a chunk wholly past pos
+        m, l, acc0, acc1 = jax.lax.fori_loop(0, nblk, block, init)
+    m_ref[b, j, qr] = m                   # -inf, 0, 0 for an empty chunk: weight 0 in the combine
+    l_ref[b, j, qr] = l
+    a_ref[b, j, qr, lo, :] = acc0
+    a_ref[b, j, qr, hi, :] = acc1
+
+
+def chunk_rows(B: int, KV: int, S: int, BS: int, programs: int) -> int:
+    """Cache rows per program: whole BS-row blocks, as few per program as keep about `programs`
+    programs over B x KV heads (short caches: one block each; long ones: a loop over several)."""
+    blocks = -(-S // BS)
+    ns = max(1, min(blocks, -(-programs // (B * KV))))
+    return -(-blocks // ns) * BS
 
 
 @functools.lru_cache(maxsize=None)
 def _call(B: int, H: int, KV: int, hd: int, S: int, norm: str, eps: float, clip, kv_dtype, interpret: bool,
-          BS: int, warps: int):
+          BS: int, warps: int, programs: int):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -157,10 +195,11 @@ def _call(B: int, H: int, KV: int, hd: int, S: int, norm: str, eps: float, clip,
     from jax.experimental.pallas import triton as plgpu
 
     half = hd // 2
+    C = chunk_rows(B, KV, S, BS, programs)
     kernel = functools.partial(_attn_kernel, H=H, KV=KV, hd=hd, S=S, norm=norm, eps=eps, clip=clip,
-                               scale=float(1.0 / np.sqrt(hd)), BS=BS)
+                               scale=float(1.0 / np.sqrt(hd)), BS=BS, C=C)
     cache = jax.ShapeDtypeStruct((B, KV, S, 2, half), kv_dtype)
-    NS = -(-S // BS)
+    NS = -(-S // C)
     part = jax.ShapeDtypeStruct((B, NS, H), jnp.float32)
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1))
     return pl.pallas_call(
