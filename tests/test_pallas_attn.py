@@ -140,3 +140,11 @@ def test_model_decode_unchanged_with_kernel(f32_plans, monkeypatch, arch, batch)
     assert calls and all(kw["interpret"] for kw in calls)
     assert np.abs(got - want).max() <= 1e-5 * want.std()
     np.testing.assert_array_equal(got_toks, want_toks)
+
+
+def test_chunk_rows():
+    """One 64-row block per program while the blocks are few, whole blocks per chunk after, about
+    `programs` programs over B x KV."""
+    assert [pallas_attn.chunk_rows(1, 16, S, 64, 256) for S in (64, 192, 1024, 1216, 4096)] == [64, 64, 64, 128, 256]
+    assert pallas_attn.chunk_rows(4, 16, 4096, 64, 256) == 1024            # 4 chunks per head
+    assert pallas_attn.chunk_rows(1, 1, 100, 64, 256) == 64                # never fewer rows than a block
