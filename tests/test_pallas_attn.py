@@ -124,13 +124,11 @@ def f32_plans(tmp_path_factory):
 @pytest.mark.parametrize("arch,batch", [("olmoe", 1), ("qwen3_moe", 2), ("mixtral", 1)])
 def test_model_decode_unchanged_with_kernel(f32_plans, monkeypatch, arch, batch):
     from strata_compiler.runtime.plan import load_plan
-    from test_pallas_moe import _decode
+    from test_pallas_moe import _decode, _spy
 
     plan = load_plan(f32_plans[arch])
     ids = np.random.default_rng(batch).integers(0, 100, (batch, 5))
-    calls = []
-    real = pallas_attn.attention_decode
-    monkeypatch.setattr(pallas_attn, "attention_decode", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    calls = _spy(monkeypatch, pallas_attn, "attention_decode")
 
     monkeypatch.setenv("STRATA_XLA_PALLAS_ATTN", "1")
     # 80 cache rows: two blocks; 66 greedy tokens cross into the second

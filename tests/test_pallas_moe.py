@@ -100,6 +100,14 @@ def test_routing_inside_kernels(E, k, M, norm):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
+def _spy(monkeypatch, module, name: str, calls=None, record=lambda kw: kw) -> list:
+    """Wrap module.name so each call appends record(its keyword arguments) to calls (returned)."""
+    calls = [] if calls is None else calls
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(record(kw)) or real(*a, **kw))
+    return calls
+
+
 def _q8(x, G):
     """x rounded as the dp4a kernels' activations: int8 per group of G, scale max|x| / 127."""
     xg = x.reshape(x.shape[0], -1, G).astype(np.float32)
@@ -238,9 +246,8 @@ def test_dp4a_model_logits_near_the_xla_path(int_plans, monkeypatch):
     ids = np.random.default_rng(7).integers(0, 100, (1, 5))
     calls = []
     for name in ("linear_decode", "dense_decode", "moe_decode"):
-        real = getattr(pallas_moe, name)
-        monkeypatch.setattr(pallas_moe, name, lambda *a, real=real, name=name, **kw: calls.append(
-            (name, kw.get("rms") is not None, kw.get("residual") is not None)) or real(*a, **kw))
+        _spy(monkeypatch, pallas_moe, name, calls,
+             lambda kw, name=name: (name, kw.get("rms") is not None, kw.get("residual") is not None))
     want, _ = _decode(plan, ids, monkeypatch, "0")
     monkeypatch.setenv("STRATA_PALLAS_INT4", "dp4a")
     got, _ = _decode(plan, ids, monkeypatch, "interpret")
@@ -315,9 +322,7 @@ def test_model_logits_unchanged_with_kernels(int_plans, monkeypatch, quant, batc
 
     plan = load_plan(int_plans[quant])
     ids = np.random.default_rng(batch).integers(0, 100, (batch, 5))
-    calls = []
-    real = pallas_moe.moe_decode
-    monkeypatch.setattr(pallas_moe, "moe_decode", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    calls = _spy(monkeypatch, pallas_moe, "moe_decode")
     want, want_toks = _decode(plan, ids, monkeypatch, "0")
     assert not calls
     got, got_toks = _decode(plan, ids, monkeypatch, "interpret")
