@@ -329,3 +329,14 @@ def test_model_logits_unchanged_with_kernels(int_plans, monkeypatch, quant, batc
     assert calls and all(kw["interpret"] for kw in calls)      # traced once per MoE layer and shape
     assert np.abs(got - want).max() <= 1e-5 * want.std()
     np.testing.assert_array_equal(got_toks, want_toks)
+
+
+def test_bad_tuning_is_one_clear_error(monkeypatch):
+    from strata_compiler.errors import UsageError
+
+    for bad in ("abc", "32,4", "32,3,4,4"):
+        monkeypatch.setenv("STRATA_PALLAS_TUNE", bad)
+        with pytest.raises(UsageError, match="STRATA_PALLAS_TUNE=.*powers of two"):
+            pallas_moe.tuning()
+    monkeypatch.setenv("STRATA_PALLAS_TUNE", "32,4,4,4")
+    assert pallas_moe.tuning() == (32, 4, 4, 4)

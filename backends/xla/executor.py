@@ -194,28 +194,27 @@ def _linear(c: _Ctx, n: Node, a: list):
     jnp = c.jnp
     x = a[0]
     rms = n.attr("prologue", "none") == "rms_norm"
-    plain = c.w(n, "b", jnp.float32) is None and n.attr("epilogue", "none") == "none"
     if _use_matvec(x.shape[0]):
         from . import pallas_moe
 
         name = n.weight("w")
         spec = c.exe.g.weight(name)
-        norm = (c.w(n, "norm", jnp.float32), n.attr("eps")) if rms else c.norms.get(n.args[0])
-        if norm is not None and not rms:
-            x = norm[2]                 # a standalone norm's input: the kernel normalises it itself
+        # the norm a kernel can take as its prologue: the linear's own, or a standalone norm's
+        # (then the kernel reads the norm's input: the norm itself is left unused)
+        norm = (c.w(n, "norm", jnp.float32), n.attr("eps"), x) if rms else c.norms.get(n.args[0])
         kernel, interpret = pallas_moe.use_linear(c.exe.on_gpu, spec, x.shape[0])
-        dense, dense_interp = pallas_moe.use_dense(c.exe.on_gpu, spec, x.shape[0])
         if kernel and (norm is None or pallas_moe.fusable_norm(spec)):
             # int4 with STRATA_PALLAS_INT4=dp4a: integer dot products on q8 activations, the norm
-            # and the residual add inside the kernel
+            # and (with no bias or epilogue in between) the residual add inside the kernel
+            plain = n.weight("b") is None and n.attr("epilogue", "none") == "none"
             res = a[1] if len(a) == 2 and plain else None
-            y = pallas_moe.linear_decode(x, spec, c.params[name], interpret=interpret,
+            y = pallas_moe.linear_decode(x if norm is None else norm[2], spec, c.params[name], interpret=interpret,
                                          rms=norm[:2] if norm is not None else None, residual=res)
             return _linear_tail(c, n, a, y, res is not None)
+        dense, interpret = pallas_moe.use_dense(c.exe.on_gpu, spec, x.shape[0])
         if dense and norm is not None:     # the router after a norm: one kernel for both
-            return _linear_tail(c, n, a, pallas_moe.dense_decode(x, spec, c.params[name], norm[:2],
-                                                                 interpret=dense_interp), False)
-        x = a[0]
+            y = pallas_moe.dense_decode(norm[2], spec, c.params[name], norm[:2], interpret=interpret)
+            return _linear_tail(c, n, a, y, False)
         # the norm's 1/rms scales the product instead of x: x * w fuses into the reduction
         if rms:
             x = x * c.w(n, "norm", jnp.float32)
@@ -334,21 +333,17 @@ def _moe(c: _Ctx, n: Node, a: list):
         topw, topi = c.topk.get(n.args[1]) or jax.lax.top_k(comb, k)
     gu_p, dn_p = c.params[n.weight("gate_up")], c.params[n.weight("down")]
     route = None if ids or n.attr("cache", "") else c.logits.get(n.args[1])
-    fuse = c.norms.get(n.args[0]), (a[2] if len(a) == 3 else None)
-    out = moe_core(c, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, route=route, fuse=fuse)
-    if isinstance(out, tuple):          # the kernels took the norm and the residual
-        return out[0]
-    return out + a[2] if len(a) == 3 else out
+    return moe_core(c, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, route=route, norm=c.norms.get(n.args[0]),
+                    residual=a[2] if len(a) == 3 else None)
 
 
 def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok: bool = True, route=None,
-             fuse=(None, None)):
+             norm=None, residual=None):
     """sum_j topw[m, j] * expert_{topi[m, j]}(x[m]) over the stacked experts gu_p / dn_p (their
-    arrays by name, specs' formats), f32 [M, D]. route: (logits, k, renormalise) of the route op
-    that gave topw/topi, when it ran in this computation (the decode kernels then route inside).
-    fuse (norm, residual): x's RMS norm (weight, eps, its input) and the residual the caller adds.
-    When the decode kernels take both over (dp4a: norm in gate_up, residual add in down), the
-    result comes as a 1-tuple (residual + the MoE,) so the caller does not add it again."""
+    arrays by name, specs' formats), f32 [M, D], plus `residual` when given. route: (logits, k,
+    renormalise) of the route op that gave topw/topi, when it ran in this computation (the decode
+    kernels then route inside). norm: (weight, eps, input) of the RMS norm that gave x, which the
+    decode kernels can take over with the residual add (dp4a: the norm in gate_up, the add in down)."""
     jnp, jax = c.jnp, c.jax
     M, D = x.shape
     k = topi.shape[1]
@@ -361,11 +356,10 @@ def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok
     if pallas:
         # decode, int4/int8 experts on a GPU: two Pallas kernels (gate/up + silu*mul; down +
         # weighted combine) over the stored packed weights (STRATA_XLA_PALLAS=0: the XLA path)
-        norm, res = fuse
         kw = {}
-        if norm is not None and res is not None and pallas_moe.fusable_norm(gu_spec):
+        if norm is not None and residual is not None and pallas_moe.fusable_norm(gu_spec):
             # the norm as gate_up's prologue, the residual add as down's epilogue (dp4a)
-            x, kw = norm[2], dict(rms=norm[:2], residual=res)
+            x, kw = norm[2], dict(rms=norm[:2], residual=residual)
         if route is not None and pallas_moe.route_inside():
             # softmax and top-k in both kernels: four small routing kernels fewer per layer
             out = pallas_moe.moe_decode(x, None, None, gu_spec, gu_p, dn_spec, dn_p, interpret=interpret,
@@ -373,7 +367,7 @@ def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok
         else:
             out = pallas_moe.moe_decode(x, topi, topw, gu_spec, gu_p, dn_spec, dn_p, interpret=interpret, **kw)
         if kw:
-            return (out,)
+            return out
     elif _use_matvec(M):
         # decode: one fused multiply-reduce per projection over all chosen experts (the gather of
         # their packed weights happens inside the reduction, so nothing is copied)
@@ -418,7 +412,7 @@ def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok
         ys = jax.lax.ragged_dot(h.astype(dt), dn, sizes, precision=prec, preferred_element_type=jnp.float32)
         w = topw.reshape(-1)[order]
         out = jnp.zeros((M, D), jnp.float32).at[tok].add(ys * w[:, None])
-    return out
+    return out if residual is None else out + residual
 
 
 _OPS: dict[Op, Callable[[_Ctx, Node, list], object]] = {

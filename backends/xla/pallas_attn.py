@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import os
 
-from .pallas_moe import _is_pow2, _load, _pow2, mode
+from .pallas_moe import OFF, _is_pow2, _load, _pow2, gate, tune
 
 # rows per block (a power of two), warps, programs aimed at (B x KV x chunks); STRATA_PALLAS_ATTN_TUNE=
 # "bs,warps,programs". Measured with (64, 4) and one block per program up to S 1216 (BENCHMARKS.md);
@@ -41,8 +41,7 @@ TUNING = (64, 4, 256)
 
 
 def tuning() -> tuple[int, int, int]:
-    t = os.environ.get("STRATA_PALLAS_ATTN_TUNE")
-    return tuple(int(v) for v in t.split(",")) if t else TUNING
+    return tune("STRATA_PALLAS_ATTN_TUNE", TUNING)
 
 
 # Cache capacities up to which the kernel is the default. H200, OLMoE shape, int4, batch 1, one
@@ -58,7 +57,7 @@ def enabled(S: int) -> bool:
     v = os.environ.get("STRATA_XLA_PALLAS_ATTN", "auto").strip().lower()
     if v in ("1", "on", "true", "yes"):
         return True
-    if v in ("0", "off", "false", "no"):
+    if v in OFF:
         return False
     return S <= MAX_S
 
@@ -70,12 +69,7 @@ def supported(H: int, KV: int, hd: int) -> bool:
 def use(on_gpu: bool, H: int, KV: int, hd: int, T: int, S: int) -> tuple[bool, bool]:
     """(use the kernel, in interpret mode) for an attention step of T tokens per sequence over a
     cache of S rows."""
-    m = mode()
-    if m in ("0", "off", "false", "no") or not enabled(S) or T != 1 or not supported(H, KV, hd):
-        return False, False
-    if m == "interpret":
-        return True, True
-    return on_gpu, False
+    return gate(on_gpu, T == 1 and supported(H, KV, hd) and enabled(S))
 
 
 def _rms_scale(x2, n: int, eps: float):

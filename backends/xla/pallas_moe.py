@@ -48,6 +48,8 @@ from __future__ import annotations
 import functools
 import os
 
+from strata_compiler.errors import UsageError
+
 FORMATS = ("int4", "int8")
 MAX_ROWS = 4            # tokens per step up to which the decode kernels are used
 
@@ -60,16 +62,45 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+OFF = ("0", "off", "false", "no")
+
+
 def mode() -> str:
     """STRATA_XLA_PALLAS: '0' never, 'interpret' always (Pallas interpret mode, any platform:
     tests), anything else (default '1'): on a GPU."""
     return os.environ.get("STRATA_XLA_PALLAS", "1").strip().lower()
 
 
+def gate(on_gpu: bool, applies: bool) -> tuple[bool, bool]:
+    """(use a decode kernel, in interpret mode) under STRATA_XLA_PALLAS, for a kernel that
+    `applies` to the step at hand."""
+    m = mode()
+    if m in OFF or not applies:
+        return False, False
+    if m == "interpret":
+        return True, True
+    return on_gpu, False
+
+
+def tune(env: str, default: tuple) -> tuple:
+    """A kernel tuning: env's comma-separated powers of two (as many as `default`), else default."""
+    t = os.environ.get(env)
+    if not t:
+        return tuple(default)
+    try:
+        vals = tuple(int(v) for v in t.split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) != len(default) or not all(_is_pow2(v) for v in vals):
+        raise UsageError(f"{env}={t!r}: give {len(default)} comma-separated powers of two "
+                         f"(default {','.join(map(str, default))})")
+    return vals
+
+
 def route_inside() -> bool:
     """STRATA_XLA_PALLAS_ROUTE=0: the route's own top-k feeds the kernels (A/B), instead of each
     kernel taking softmax and top-k of the router logits itself."""
-    return os.environ.get("STRATA_XLA_PALLAS_ROUTE", "1").strip().lower() not in ("0", "off", "false", "no")
+    return os.environ.get("STRATA_XLA_PALLAS_ROUTE", "1").strip().lower() not in OFF
 
 
 def supported(gu_spec, dn_spec) -> bool:
@@ -85,12 +116,7 @@ def supported(gu_spec, dn_spec) -> bool:
 
 def use(on_gpu: bool, gu_spec, dn_spec, M: int) -> tuple[bool, bool]:
     """(use the kernels, in interpret mode) for a decode MoE of M tokens."""
-    m = mode()
-    if m in ("0", "off", "false", "no") or M > MAX_ROWS or not supported(gu_spec, dn_spec):
-        return False, False
-    if m == "interpret":
-        return True, True
-    return on_gpu, False
+    return gate(on_gpu, M <= MAX_ROWS and supported(gu_spec, dn_spec))
 
 
 # Rows per program and warps of (gate_up, down): the fastest of sweeps on an H200 at the OLMoE
@@ -103,8 +129,7 @@ TUNING = {"bytes": (4, 8, 4, 8), "words": (4, 8, 4, 8), "dp4a": (32, 4, 4, 4)}
 
 
 def tuning() -> tuple[int, int, int, int]:
-    t = os.environ.get("STRATA_PALLAS_TUNE")
-    return tuple(int(v) for v in t.split(",")) if t else TUNING[int4_mode()]
+    return tune("STRATA_PALLAS_TUNE", TUNING[int4_mode()])
 
 
 def int4_mode() -> str:
@@ -222,6 +247,13 @@ def _x_parts(p: _Proj, x_ref, r, norm=None):
     return (_load(x_ref.at[r, gs, :], mask).astype(jnp.float32),)
 
 
+def _q8_inv(amax):
+    """127 / max|x| (0 for an all-zero group): the q8 scale's reciprocal."""
+    import jax.numpy as jnp
+
+    return jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
+
+
 def _q8_values(x, inv):
     """floor(x inv + 1/2) as i32: the q8 rounding of every dp4a activation (|q| <= 127)."""
     import jax.numpy as jnp
@@ -247,8 +279,7 @@ def _store_q8(out_refs, r, blk, h, G: int) -> None:
 
     wq, sq, tq = out_refs
     amax = jnp.abs(h).max()
-    inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
-    q = _q8_values(h.reshape(G // 4, 4), inv)
+    q = _q8_values(h.reshape(G // 4, 4), _q8_inv(amax))
     one = pl.ds(blk, 1)
     wq.at[r, one, :][...] = jax.lax.bitcast_convert_type(_pack4(q), jnp.int32)[None, :]
     sq.at[r, one][...] = jnp.full((1,), amax / 127.0, jnp.float32)
@@ -267,7 +298,7 @@ def _q8_parts(blocks: list):
     for b in blocks:
         m = jnp.abs(b).max(axis=-1)
         amax = m if amax is None else jnp.maximum(amax, m)
-    inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)[:, None]
+    inv = _q8_inv(amax)[:, None]
     qs = [_q8_values(b, inv) for b in blocks]
     total = None
     for q in qs:
@@ -570,14 +601,8 @@ LINEAR_TUNING = (32, 8)
 
 def use_linear(on_gpu: bool, spec, M: int) -> tuple[bool, bool]:
     """(use linear_decode, in interpret mode) for x[M, K] @ W^T with W stored as `spec`."""
-    m = mode()
-    if m in ("0", "off", "false", "no") or M > MAX_ROWS or int4_mode() != "dp4a":
-        return False, False
-    if spec.fmt != "int4" or len(spec.shape) != 2 or (spec.group_size or 32) % 8:
-        return False, False
-    if m == "interpret":
-        return True, True
-    return on_gpu, False
+    return gate(on_gpu, M <= MAX_ROWS and int4_mode() == "dp4a" and spec.fmt == "int4" and len(spec.shape) == 2
+                and (spec.group_size or 32) % 8 == 0)
 
 
 def _linear_kernel(*refs, p: _Proj, BN: int, interpret: bool = False, eps=None, residual: bool = False):
@@ -624,8 +649,7 @@ def linear_decode(x, spec, arrays: dict, *, interpret: bool = False, rms=None, r
     rms (w [K], eps): x is un-normalised and the kernel normalises it; residual [M, N]: added."""
     import jax.numpy as jnp
 
-    t = os.environ.get("STRATA_PALLAS_LINEAR_TUNE")
-    bn, warps = (int(v) for v in t.split(",")) if t else LINEAR_TUNING
+    bn, warps = tune("STRATA_PALLAS_LINEAR_TUNE", LINEAR_TUNING)
     eps = float(rms[1]) if rms is not None else None
     p, call = _linear_call(_key(spec), x.shape[0], bool(interpret), bn, warps, int4_mode(), eps,
                            residual is not None)
@@ -645,14 +669,8 @@ DENSE_TUNING = (2, 4)
 def use_dense(on_gpu: bool, spec, M: int) -> tuple[bool, bool]:
     """(use dense_decode, in interpret mode) for x[M, K] @ W^T with W stored as `spec`: f32/bf16,
     with the dp4a kernels on (whose MoE and linear kernels take the norm as a prologue)."""
-    m = mode()
-    if m in ("0", "off", "false", "no") or M > MAX_ROWS or int4_mode() != "dp4a":
-        return False, False
-    if spec.fmt not in ("f32", "bf16") or len(spec.shape) != 2:
-        return False, False
-    if m == "interpret":
-        return True, True
-    return on_gpu, False
+    return gate(on_gpu, M <= MAX_ROWS and int4_mode() == "dp4a" and spec.fmt in ("f32", "bf16")
+                and len(spec.shape) == 2)
 
 
 def _dense_kernel(x_ref, nw_ref, w_ref, o_ref, *, N: int, K: int, BN: int, eps: float, bf16: bool):
@@ -677,13 +695,12 @@ def _dense_kernel(x_ref, nw_ref, w_ref, o_ref, *, N: int, K: int, BN: int, eps: 
 
 
 @functools.lru_cache(maxsize=None)
-def _dense_call(N: int, K: int, M: int, bf16: bool, eps: float, interpret: bool, tune: str | None):
+def _dense_call(N: int, K: int, M: int, bf16: bool, eps: float, interpret: bool, bn: int, warps: int):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    bn, warps = (int(v) for v in tune.split(",")) if tune else DENSE_TUNING
     bn = min(bn, _pow2(N))
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1))
     return pl.pallas_call(functools.partial(_dense_kernel, N=N, K=K, BN=bn, eps=eps, bf16=bf16),
@@ -697,7 +714,7 @@ def dense_decode(x, spec, arrays: dict, rms, *, interpret: bool = False):
 
     N, K = spec.shape
     call = _dense_call(N, K, x.shape[0], spec.fmt == "bf16", float(rms[1]), bool(interpret),
-                       os.environ.get("STRATA_PALLAS_DENSE_TUNE"))
+                       *tune("STRATA_PALLAS_DENSE_TUNE", DENSE_TUNING))
     w = arrays["w"]
     if spec.fmt == "bf16" and w.dtype != jnp.uint16:
         import jax
