@@ -247,14 +247,17 @@ def test_dp4a_model_logits_near_the_xla_path(int_plans, monkeypatch):
     calls = []
     for name in ("linear_decode", "dense_decode", "moe_decode"):
         _spy(monkeypatch, pallas_moe, name, calls,
-             lambda kw, name=name: (name, kw.get("rms") is not None, kw.get("residual") is not None))
+             lambda kw, name=name: (name, kw.get("rms") is not None, kw.get("residual") is not None,
+                                    kw.get("router") is not None or kw.get("partials") is not None))
     want, _ = _decode(plan, ids, monkeypatch, "0")
     monkeypatch.setenv("STRATA_PALLAS_INT4", "dp4a")
     got, _ = _decode(plan, ids, monkeypatch, "interpret")
-    # q/k/v and lm_head with their norm, o with its residual, the router with the norm before it,
-    # the MoE with both: no norm or residual kernel of its own is left in a layer
-    assert {("linear_decode", True, False), ("linear_decode", False, True), ("dense_decode", False, False),
-            ("moe_decode", True, True)} <= set(calls)
+    # q/k/v and lm_head with their norm, o with its residual and the router after the MoE's norm,
+    # the MoE with that norm, the residual and the router's partials: no norm, residual or router
+    # kernel of its own is left in a layer
+    assert {("linear_decode", True, False, False), ("linear_decode", False, True, True),
+            ("moe_decode", True, True, True)} <= set(calls)
+    assert not [c for c in calls if c[0] == "dense_decode"]
     assert np.abs(got - want).max() <= 0.05 * want.std()
 
 
@@ -340,3 +343,47 @@ def test_bad_tuning_is_one_clear_error(monkeypatch):
             pallas_moe.tuning()
     monkeypatch.setenv("STRATA_PALLAS_TUNE", "32,4,4,4")
     assert pallas_moe.tuning() == (32, 4, 4, 4)
+
+
+@pytest.mark.parametrize("fmt,E,N,M", [("f32", 8, 64, 1), ("bf16", 6, 200, 2)])
+def test_dp4a_linear_computes_the_router_after_it(fmt, E, N, M, monkeypatch):
+    """linear_decode(router=): the projection's output (with its residual) and, from the same
+    kernel, partial router sums whose total over the row blocks divided by the output's rms is
+    the router's logits on rms_norm(output); moe_decode(partials=) routes from them as from those
+    logits (E = 6 pads the experts, N = 200 ragged row blocks)."""
+    monkeypatch.setenv("STRATA_PALLAS_INT4", "dp4a")
+    rng = np.random.default_rng(E)
+    K, eps = 64, 1e-5
+    wo = rng.standard_normal((N, K)).astype(np.float32)
+    ospec = WeightSpec("o", (N, K), (), 0, "int4", 32)
+    oarr = {n: jnp.asarray(v) for n, v in get_format("int4").quantize(wo, 32).items()}
+    wr = rng.standard_normal((E, N)).astype(np.float32)
+    rarr = get_format(fmt).quantize(wr, 0)
+    wrd = get_format(fmt).dequantize(rarr, N, 0).astype(np.float64)
+    rspec = WeightSpec("r", (E, N), (), 0, fmt, 0)
+    assert pallas_moe.router_fusable(ospec, rspec)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    res = rng.standard_normal((M, N)).astype(np.float32)
+    nw = (1 + 0.3 * rng.standard_normal(N)).astype(np.float32)
+    want_y = np.asarray(pallas_moe.linear_decode(jnp.asarray(x), ospec, oarr, interpret=True,
+                                                 residual=jnp.asarray(res)))
+    y, part = pallas_moe.linear_decode(jnp.asarray(x), ospec, oarr, interpret=True, residual=jnp.asarray(res),
+                                       router=(rspec, {n: jnp.asarray(v) for n, v in rarr.items()}, jnp.asarray(nw)))
+    np.testing.assert_array_equal(np.asarray(y), want_y)
+    part = np.asarray(part)
+    assert part.shape[0] == M and part.shape[2] == pallas_moe._pow2(E)
+    yd = want_y.astype(np.float64)
+    logits = _rms_np(yd, nw, eps) @ wrd.T
+    rms = np.sqrt((yd * yd).mean(-1, keepdims=True) + eps)
+    np.testing.assert_allclose(part.sum(1)[:, :E] / rms, logits, rtol=0, atol=1e-5 * np.abs(logits).max())
+
+    # the MoE after it: routing from the partials = routing from the logits
+    D, I, k = N, 64, 2
+    gs, ga, ds, da = _experts(E, D, I, "int4", "int4", 32, seed=E)
+    dev = lambda a: {n: jnp.asarray(v) for n, v in a.items()}   # noqa: E731
+    kw = dict(interpret=True, k=k, norm=True, rms=(jnp.asarray(nw), eps), residual=jnp.asarray(res))
+    want = pallas_moe.moe_decode(y, None, None, gs, dev(ga), ds, dev(da), logits=jnp.asarray(logits, jnp.float32),
+                                 **kw)
+    got = pallas_moe.moe_decode(y, None, None, gs, dev(ga), ds, dev(da), partials=jnp.asarray(part), n_experts=E,
+                                **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * np.abs(np.asarray(want)).max())

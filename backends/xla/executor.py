@@ -145,6 +145,7 @@ class _Ctx:
         self.topk: dict[int, tuple] = {}      # route node id -> (weights, expert ids), [M, k] each
         self.logits: dict[int, tuple] = {}    # route node id -> (router logits [M, E], k, renormalise)
         self.norms: dict[int, tuple] = {}     # rms_norm node id -> (weight, eps, its input): for fusing
+        self.partials: dict[int, object] = {}  # router node id -> its logits as an o projection's epilogue left them
         self.jnp = _jnp()
         import jax
 
@@ -208,9 +209,26 @@ def _linear(c: _Ctx, n: Node, a: list):
             # and (with no bias or epilogue in between) the residual add inside the kernel
             plain = n.weight("b") is None and n.attr("epilogue", "none") == "none"
             res = a[1] if len(a) == 2 and plain else None
+            router = c.exe.router_after.get(n.id) if res is not None and pallas_moe.route_mode() == "fused" else None
+            if router is not None:
+                rn, nn = (c.exe.g.node(i) for i in router)
+                rspec = c.exe.g.weight(rn.weight("w"))
+                if pallas_moe.router_fusable(spec, rspec) and pallas_moe.use_dense(c.exe.on_gpu, rspec, x.shape[0])[0]:
+                    # the o projection with the MoE's router as its epilogue: no router kernel
+                    y, c.partials[rn.id] = pallas_moe.linear_decode(
+                        x if norm is None else norm[2], spec, c.params[name], interpret=interpret,
+                        rms=norm[:2] if norm is not None else None, residual=res,
+                        router=(rspec, c.params[rspec.name], c.w(nn, "w", jnp.float32)))
+                    return _linear_tail(c, n, a, y, True)
             y = pallas_moe.linear_decode(x if norm is None else norm[2], spec, c.params[name], interpret=interpret,
                                          rms=norm[:2] if norm is not None else None, residual=res)
             return _linear_tail(c, n, a, y, res is not None)
+        if n.id in c.partials and norm is not None:
+            # computed as the o projection's epilogue; these logits are for the XLA routing path
+            # only (XLA drops them when the MoE kernels read the partials themselves)
+            E = spec.shape[0]
+            z = c.partials[n.id].sum(axis=1)[:, :E]
+            return z * (1.0 / jnp.sqrt(jnp.mean(norm[2] * norm[2], axis=-1, keepdims=True) + norm[1]))
         dense, interpret = pallas_moe.use_dense(c.exe.on_gpu, spec, x.shape[0])
         if dense and norm is not None:     # the router after a norm: one kernel for both
             y = pallas_moe.dense_decode(norm[2], spec, c.params[name], norm[:2], interpret=interpret)
@@ -306,7 +324,8 @@ def _route(c: _Ctx, n: Node, a: list):
     if n.attr("norm"):
         vals = vals / vals.sum(axis=-1, keepdims=True)
     c.topk[n.id] = vals, idx                             # for the moe_ffn it feeds: no second top_k
-    c.logits[n.id] = a[0], n.attr("k"), bool(n.attr("norm"))   # for decode kernels that route themselves
+    # for decode kernels that route themselves (from the o projection's partials when it made them)
+    c.logits[n.id] = a[0], n.attr("k"), bool(n.attr("norm")), c.partials.get(n.args[0])
     E = p.shape[-1]
     return (c.jax.nn.one_hot(idx, E, dtype=p.dtype) * vals[..., None]).sum(axis=-2)
 
@@ -341,8 +360,9 @@ def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok
              norm=None, residual=None):
     """sum_j topw[m, j] * expert_{topi[m, j]}(x[m]) over the stacked experts gu_p / dn_p (their
     arrays by name, specs' formats), f32 [M, D], plus `residual` when given. route: (logits, k,
-    renormalise) of the route op that gave topw/topi, when it ran in this computation (the decode
-    kernels then route inside). norm: (weight, eps, input) of the RMS norm that gave x, which the
+    renormalise, partials or None) of the route op that gave topw/topi, when it ran in this
+    computation (the decode kernels then route inside; partials: its router's logits as the o
+    projection's epilogue left them, `pallas_moe.linear_decode(router=)`). norm: (weight, eps, input) of the RMS norm that gave x, which the
     decode kernels can take over with the residual add (dp4a: the norm in gate_up, the add in down)."""
     jnp, jax = c.jnp, c.jax
     M, D = x.shape
@@ -361,9 +381,11 @@ def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok
             # the norm as gate_up's prologue, the residual add as down's epilogue (dp4a)
             x, kw = norm[2], dict(rms=norm[:2], residual=residual)
         if route is not None and pallas_moe.route_inside():
-            # softmax and top-k in both kernels: four small routing kernels fewer per layer
+            # softmax and top-k in gate_up: four small routing kernels fewer per layer; from the
+            # router's partial sums when the o projection left them (and gate_up takes the norm)
+            src = dict(partials=route[3], n_experts=E) if route[3] is not None and kw else dict(logits=route[0])
             out = pallas_moe.moe_decode(x, None, None, gu_spec, gu_p, dn_spec, dn_p, interpret=interpret,
-                                        logits=route[0], k=route[1], norm=route[2], **kw)
+                                        k=route[1], norm=route[2], **src, **kw)
         else:
             out = pallas_moe.moe_decode(x, topi, topw, gu_spec, gu_p, dn_spec, dn_p, interpret=interpret, **kw)
         if kw:
@@ -432,6 +454,29 @@ _OPS: dict[Op, Callable[[_Ctx, Node, list], object]] = {
 }
 
 
+def _routers_after(graph: Graph, users: dict, ids: set) -> dict[int, tuple[int, int]]:
+    """linear node id -> (router linear, rms_norm) for each projection whose output (with its
+    residual add) feeds, through an RMS norm, a dense router linear before a route to a MoE, all in
+    this computation: the decode kernels can then compute the router as that projection's
+    epilogue (`linear_decode(router=)`)."""
+    def plain(n: Node) -> bool:
+        return (n.op is Op.LINEAR and n.weight("b") is None and n.attr("epilogue", "none") == "none"
+                and n.attr("prologue", "none") == "none")
+
+    out = {}
+    for n in graph.nodes:
+        if n.id not in ids or not plain(n) or len(n.args) != 2:
+            continue
+        for r in (graph.node(u) for u in users[n.id] if u in ids):
+            if r.op is not Op.RMS_NORM or r.attr("group", 0):
+                continue
+            for lin in (graph.node(u) for u in users[r.id] if u in ids):
+                if plain(lin) and len(lin.args) == 1 and any(
+                        graph.node(u).op is Op.ROUTE for u in users[lin.id] if u in ids):
+                    out[n.id] = (lin.id, r.id)
+    return out
+
+
 class GPUOutOfMemory(BackendError):
     """The device could not hold a partition's weights."""
 
@@ -468,6 +513,7 @@ class XLAExecutor:
                 if r.op is not Op.ROUTE:
                     raise BackendError(f"moe_ffn %{n.id}: the xla backend needs its routing from a route op")
                 self.route_k[n.id] = r.attr("k")
+        self.router_after = _routers_after(graph, users, ids)
         self.packed: list[int] = []       # pack_for_host: results that leave as one buffer
         self._packed_T = 0
         self.cached = [n for n in self.nodes if n.op is Op.MOE_FFN and n.attr("cache", "") and n.attr("experts", ())]

@@ -12,9 +12,10 @@ tail; at batch 1 that count, not the bytes, bounds a step. Here, two launches:
            dots its block of down rows with h and accumulates the routing-weighted sum
            (no atomics: one program owns its output rows)                       -> out [M, D]
 
-Routing inside (default when the route op ran in the same computation): both kernels take the
-router logits and compute softmax and top-k themselves (k passes of argmax over E values, ties to
-the lower expert as lax.top_k), which removes the route's four small kernels (softmax, sort, two
+Routing inside (default when the route op ran in the same computation): gate_up takes the router
+logits and computes softmax and top-k itself (ranks from one comparison of all E logits, ties to
+the lower expert as lax.top_k) and hands the chosen experts and weights to down, which removes the
+route's four small kernels (softmax, sort, two
 slices) per layer. STRATA_PALLAS_INT4=words loads int4 as u32 words and builds floats with the
 exponent trick instead of int->float conversions (measured no faster: BENCHMARKS.md).
 
@@ -97,10 +98,18 @@ def tune(env: str, default: tuple) -> tuple:
     return vals
 
 
+def route_mode() -> str:
+    """STRATA_XLA_PALLAS_ROUTE: where decode routing happens with the Pallas kernels (A/Bs).
+    'fused' (default): gate_up takes softmax and top-k itself, and the router is the o
+    projection's epilogue (`linear_decode(router=)`) where the layer allows;
+    'kernel': as fused, but the router keeps its own kernel (`dense_decode`);
+    '0': the route's own top-k (XLA) feeds the kernels."""
+    m = os.environ.get("STRATA_XLA_PALLAS_ROUTE", "fused").strip().lower()
+    return "0" if m in OFF else m if m in ("fused", "kernel") else "fused"
+
+
 def route_inside() -> bool:
-    """STRATA_XLA_PALLAS_ROUTE=0: the route's own top-k feeds the kernels (A/B), instead of each
-    kernel taking softmax and top-k of the router logits itself."""
-    return os.environ.get("STRATA_XLA_PALLAS_ROUTE", "1").strip().lower() not in OFF
+    return route_mode() != "0"
 
 
 def supported(gu_spec, dn_spec) -> bool:
@@ -207,14 +216,14 @@ def _store_rows(o_ref, r, row0, BN: int, n: int, values) -> None:
         out[...] = values
 
 
-def _x_parts(p: _Proj, x_ref, r, norm=None):
+def _x_parts(p: _Proj, x_ref, r, norm=None, with_inv: bool = False):
     """Row r of the activation as [NGP, W] block(s): (low half, high half) for int4; words: the
     8 [NGP, W/4] blocks (half, byte j) that line up with the nibbles of the words; dp4a: their q8
     form (`_q8_parts`), quantized here by every program that reads the row (a few thousand values,
     against the weight block it reads), or read as such when x_ref is a (words, scales, sums)
     triple that an earlier kernel wrote (`_store_q8`).
     norm (w_ref, eps), words layouts only: the row is RMS-normalised first (x / rms(x) * w, w
-    viewed as the row is), so no separate norm kernel runs."""
+    viewed as the row is), so no separate norm kernel runs; with_inv: (parts, its 1/rms)."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
@@ -238,7 +247,8 @@ def _x_parts(p: _Proj, x_ref, r, norm=None):
                 ss = t if ss is None else ss + t
             inv = 1.0 / jnp.sqrt(ss / p.K + eps)
             blocks = [b * inv * _load(w_ref.at[gs, h, :, j], mask) for b, (h, j) in zip(blocks, hj)]
-        return _q8_parts(blocks) if p.dp4a else tuple(blocks)
+        parts = _q8_parts(blocks) if p.dp4a else tuple(blocks)
+        return (parts, inv) if with_inv else parts
     assert norm is None, "the norm prologue needs the words layout"
     if p.fmt == "int4":
         half0, half1 = jnp.int32(0), jnp.int32(1)   # traced: interpret mode masks no python ints
@@ -364,66 +374,61 @@ def _dequant_dot(p: _Proj, q, xs, interpret: bool = False):
     return (q.astype(jnp.float32) * xs[0]).sum(axis=-1)
 
 
-def _rows_dot(p: _Proj, qs_ref, sc_ref, e, start, row0, BN: int, limit: int, span: int, xs,
-              interpret: bool = False):
-    """f32[BN]: rows start + row0 + [0, BN) of expert e's dequantized weight times x; rows at or
-    past `limit` (counted from `start`) read nothing and give 0 (the grid spans `span` rows)."""
+def _rows_load(p: _Proj, qs_ref, sc_ref, e, start, row0, BN: int, limit: int, span: int):
+    """(q [BN, NGP, QW], scales f32 [BN, NGP]) of rows start + row0 + [0, BN) of expert e; rows at
+    or past `limit` (counted from `start`) read nothing and get scale 0 (the grid spans `span` rows).
+    The kernels issue these loads before they prepare their activations, so the weights' memory
+    latency overlaps that work (Triton keeps the program order of loads)."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
     rows = row0 + jnp.arange(BN)
-    ragged = span > limit
     qmask = smask = None
-    if ragged or p.NGP != p.ng:
+    if span > limit or p.NGP != p.ng:
         ok = (rows < limit)[:, None] & (jnp.arange(p.NGP) < p.ng)[None, :]     # [BN, NGP]
         smask = ok
         qmask = jnp.broadcast_to(ok[:, :, None], (BN, p.NGP, p.QW))
     rs, gs = pl.ds(start + row0, BN), pl.ds(0, p.NGP)
-    q = _load(qs_ref.at[e, rs, gs, :], qmask)                                   # [BN, NGP, QW]
-    d = _load(sc_ref.at[e, rs, gs], smask).astype(jnp.float32)                  # [BN, NGP]
+    return _load(qs_ref.at[e, rs, gs, :], qmask), _load(sc_ref.at[e, rs, gs], smask).astype(jnp.float32)
+
+
+def _rows_apply(p: _Proj, w, xs, interpret: bool = False):
+    """f32[BN]: the rows `w` (from `_rows_load`) dequantized, times the activation parts xs."""
+    q, d = w
     s = _dequant_dot(p, q, tuple(x[None] for x in xs), interpret)
     return (s * d).sum(axis=-1)                                                  # masked: d == 0
 
 
-def _top_k(l_ref, m, k: int, E: int, norm: bool):
-    """Row m of the router logits l_ref [M, EP] (EP = E padded to 2^n with -inf): softmax, then the
-    k largest probabilities (ties: the lower expert first, as lax.top_k) and their experts, in
-    order; renormalised to sum 1 when `norm`. Returns two lists of k traced scalars."""
+def _ranks(x):
+    """Rank of every logit of x [EP] (0 = the largest; ties: the lower index first, as lax.top_k),
+    from one [EP, EP] comparison (rank i = how many logits beat logit i): a few reductions, not k
+    rounds of argmax."""
     import jax.numpy as jnp
 
-    x = l_ref[m, :].astype(jnp.float32)
-    p = jnp.exp(x - x.max())
-    p = p / p.sum()
     ids = jnp.arange(x.shape[0])
-    ws, es = [], []
-    for _ in range(k):
-        best = p.max()
-        e = jnp.where(p == best, ids, E).min()
-        ws.append(best)
-        es.append(e)
-        p = jnp.where(ids == e, -1.0, p)        # probabilities are >= 0: -1 takes e out
-    if norm:
-        total = ws[0]
-        for w in ws[1:]:
-            total = total + w
-        ws = [w / total for w in ws]
-    return ws, es
+    beats = (x[None, :] > x[:, None]) | ((x[None, :] == x[:, None]) & (ids[None, :] < ids[:, None]))
+    return beats.astype(jnp.int32).sum(axis=1)
 
 
-def _pick(vals: list, j):
-    """vals[j] for a traced j."""
+def _route_weight(x, rank, mine, k: int, norm: bool):
+    """Routing weight of the expert `mine` marks: softmax of the logits x [EP] at it, renormalised
+    over the top k (rank < k) when `norm`."""
     import jax.numpy as jnp
 
-    out = vals[0]
-    for i in range(1, len(vals)):
-        out = jnp.where(j == i, vals[i], out)
-    return out
+    ex = jnp.exp(x - x.max())
+    total = jnp.where(rank < k, ex, 0.0).sum() if norm else ex.sum()
+    return jnp.where(mine, ex, 0.0).sum() / total
 
 
 def _gate_up_kernel(ids_ref, *refs, p: _Proj, k: int, I: int, Ip: int, BN: int, route=None,
                     interpret: bool = False, eps=None, q8_out: bool = False):
-    """route (E, norm): ids_ref holds the router's logits [M, EP] and each program takes its
-    expert from their top-k (no routing kernels in between); else the chosen ids [M*k].
+    """route (norm, E, partials): each program takes its expert from the top-k of the router
+    logits of its token (`_ranks`: no routing kernels in between), and the first program of each
+    (token, rank) pair also writes the pair's expert and weight for the down kernel (the last two
+    outputs). ids_ref holds the logits [M, EP] (E padded to 2^n with -inf), or, with `partials`,
+    the o projection's router epilogue [M, P, EP]: partial sums over its row blocks of the router
+    applied to the norm weight times x, not yet divided by x's rms (taken here, from the norm
+    prologue, which `partials` needs). Without route, ids_ref holds the chosen ids [M*k].
     eps: x arrives un-normalised, with the norm's weight after it (`_x_parts` norm prologue).
     q8_out (BN = the down projection's group): h leaves in its dp4a q8 form (`_store_q8`), one
     group per program, so the down kernel reads it as is."""
@@ -431,31 +436,55 @@ def _gate_up_kernel(ids_ref, *refs, p: _Proj, k: int, I: int, Ip: int, BN: int, 
     from jax.experimental import pallas as pl
 
     pair, blk = pl.program_id(0), pl.program_id(1)
+    m = pair // k
     if route is None:
         e = ids_ref[pair]
     else:
-        e = _pick(_top_k(ids_ref, pair // k, k, *route)[1], pair % k)
+        renorm, E, partials = route
+        if partials:
+            z = ids_ref[m, :, :].sum(axis=0)
+            z = jnp.where(jnp.arange(z.shape[0]) < E, z, -jnp.inf)
+        else:
+            z = ids_ref[m, :].astype(jnp.float32)
+        rank = _ranks(z)
+        mine = rank == pair % k
+        e = jnp.where(mine, jnp.arange(z.shape[0]), 0).sum()
+        refs, (e_out, w_out) = refs[:-2], refs[-2:]
     x_ref, refs = refs[0], refs[1:]
     norm = None
     if eps is not None:
         norm, refs = (refs[0], eps), refs[1:]
     qs_ref, sc_ref, outs = refs[0], refs[1], refs[2:]
-    xs = _x_parts(p, x_ref, pair // k, norm)
     row0 = blk * BN
     span = -(-Ip // BN) * BN
-    g = _rows_dot(p, qs_ref, sc_ref, e, 0, row0, BN, I, span, xs, interpret)
-    u = _rows_dot(p, qs_ref, sc_ref, e, I, row0, BN, I, span, xs, interpret)
+    wg = _rows_load(p, qs_ref, sc_ref, e, 0, row0, BN, I, span)
+    wu = _rows_load(p, qs_ref, sc_ref, e, I, row0, BN, I, span)
+    if route is not None and partials:
+        xs, inv = _x_parts(p, x_ref, m, norm, with_inv=True)
+        z = z * inv
+    else:
+        xs = _x_parts(p, x_ref, m, norm)
+    g, u = _rows_apply(p, wg, xs, interpret), _rows_apply(p, wu, xs, interpret)
     h = g / (1.0 + jnp.exp(-g)) * u                                             # rows >= I: 0
     if q8_out:
         _store_q8(outs, pair, blk, h, BN)
     else:
         _store_rows(outs[0], pair, row0, BN, Ip, h)
+    if route is not None:
+        w = _route_weight(z, rank, mine, k, renorm)
+
+        @pl.when(blk == 0)
+        def _():
+            one = pl.ds(pair, 1)
+            e_out.at[one][...] = jnp.full((1,), e, jnp.int32)
+            w_out.at[one][...] = jnp.full((1,), w, jnp.float32)
 
 
-def _down_kernel(ids_ref, w_ref, *refs, p: _Proj, k: int, BN: int, route=None, interpret: bool = False,
+def _down_kernel(ids_ref, w_ref, *refs, p: _Proj, k: int, BN: int, interpret: bool = False,
                  q8_in: bool = False, residual: bool = False):
-    """route (E, norm): ids_ref holds the router's logits [M, EP] (w_ref unused), as in gate_up.
-    q8_in: h comes as gate_up's q8 triple; residual: a [M, D] array added to the output."""
+    """ids_ref, w_ref [M*k]: the chosen experts and their weights (the route's, or gate_up's when
+    it routed). q8_in: h comes as gate_up's q8 triple; residual: a [M, D] array added to the
+    output."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
@@ -467,15 +496,12 @@ def _down_kernel(ids_ref, w_ref, *refs, p: _Proj, k: int, BN: int, route=None, i
     m, blk = pl.program_id(0), pl.program_id(1)
     row0 = blk * BN
     span = -(-p.N // BN) * BN
-    if route is None:
-        ws = [w_ref[m * k + j] for j in range(k)]
-        es = [ids_ref[m * k + j] for j in range(k)]
-    else:
-        ws, es = _top_k(ids_ref, m, k, *route)
+    ws = [w_ref[m * k + j] for j in range(k)]
+    # unrolled, every expert's weights requested before any arithmetic: the loads overlap
+    rows = [_rows_load(p, qs_ref, sc_ref, ids_ref[m * k + j], 0, row0, BN, p.N, span) for j in range(k)]
     acc = _row_block(refs[2], m, row0, BN, p.N) if residual else jnp.zeros((BN,), jnp.float32)
-    for j in range(k):                      # unrolled: the k experts' loads can overlap
-        xs = _x_parts(p, h_ref, m * k + j)
-        acc = acc + ws[j] * _rows_dot(p, qs_ref, sc_ref, es[j], 0, row0, BN, p.N, span, xs, interpret)
+    for j in range(k):
+        acc = acc + ws[j] * _rows_apply(p, rows[j], _x_parts(p, h_ref, m * k + j), interpret)
     _store_rows(o_ref, m, row0, BN, p.N, acc)
 
 
@@ -513,7 +539,9 @@ def _calls(gu: tuple, dn: tuple, M: int, k: int, interpret: bool, bn1: int, bn2:
         h_shape = (jax.ShapeDtypeStruct((M * k, pd.ng, pd.G // 4), jnp.int32),
                    jax.ShapeDtypeStruct((M * k, pd.ng), jnp.float32), jax.ShapeDtypeStruct((M * k, pd.ng), jnp.int32))
     else:
-        h_shape = jax.ShapeDtypeStruct((M * k, Ip), jnp.float32)
+        h_shape = (jax.ShapeDtypeStruct((M * k, Ip), jnp.float32),)
+    if route is not None:       # gate_up routes and hands the choice on: experts, weights [M*k]
+        h_shape += (jax.ShapeDtypeStruct((M * k,), jnp.int32), jax.ShapeDtypeStruct((M * k,), jnp.float32))
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps1, num_stages=1))
     gate_up = pl.pallas_call(
         functools.partial(_gate_up_kernel, p=pg, k=k, I=I, Ip=Ip, BN=bn1, route=route, interpret=interpret,
@@ -521,8 +549,7 @@ def _calls(gu: tuple, dn: tuple, M: int, k: int, interpret: bool, bn1: int, bn2:
         out_shape=h_shape, grid=(M * k, -(-Ip // bn1)), interpret=interpret, name="strata_moe_gate_up", **params)
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps2, num_stages=1))
     down = pl.pallas_call(
-        functools.partial(_down_kernel, p=pd, k=k, BN=bn2, route=route, interpret=interpret, q8_in=q8,
-                          residual=residual),
+        functools.partial(_down_kernel, p=pd, k=k, BN=bn2, interpret=interpret, q8_in=q8, residual=residual),
         out_shape=jax.ShapeDtypeStruct((M, pd.N), jnp.float32),
         grid=(M, -(-pd.N // bn2)), interpret=interpret, name="strata_moe_down", **params)
     return pg, pd, q8, gate_up, down
@@ -540,36 +567,48 @@ def _key(spec) -> tuple:
 
 
 def moe_decode(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict, *, interpret: bool = False,
-               logits=None, k: int = 0, norm: bool = False, rms=None, residual=None):
+               logits=None, k: int = 0, norm: bool = False, rms=None, residual=None, partials=None,
+               n_experts: int = 0):
     """sum_j topw[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])), e = topi[m, j]: f32[M, D].
 
     x [M, D] (any float), topi int[M, k], topw [M, k]; *_arrays the stored arrays ({'qs',
     'scales'}) of the stacked expert weights gate_up [E, 2I, D] and down [E, D, I].
     Or, with `logits` [M, E] (topi/topw None): the routing itself — softmax, top-k (k), renormalised
-    when `norm` — computed inside both kernels (no routing kernels of their own).
+    when `norm` — computed inside gate_up (no routing kernels of their own). Or, with `partials`
+    [M, P, EP] (and n_experts, rms): the logits as `linear_decode(router=)` leaves them, summed
+    and divided by x's rms in gate_up (the router has no kernel of its own either).
     rms (w [D], eps): x is un-normalised, gate_up normalises it (`fusable_norm` says when);
     residual [M, D]: added to the result by the down kernel."""
     import jax.numpy as jnp
 
-    if logits is not None:
+    if partials is not None:
+        M, E = partials.shape[0], int(n_experts)
+        route = (bool(norm), E, True)
+        assert rms is not None, "router partials need the norm prologue (its 1/rms divides them)"
+    elif logits is not None:
         M, E = logits.shape
-        route = (E, bool(norm))
+        route = (bool(norm), E, False)
     else:
         (M, k), route = topi.shape, None
     eps = float(rms[1]) if rms is not None else None
     pg, pd, q8, gate_up, down = _calls(_key(gu_spec), _key(dn_spec), M, k, bool(interpret), *tuning(), route=route,
                                        int4=int4_mode(), eps=eps, residual=residual is not None)
     if route is None:
-        ids, w = topi.reshape(-1).astype(jnp.int32), topw.reshape(-1).astype(jnp.float32)
+        ids = topi.reshape(-1).astype(jnp.int32)
+    elif partials is not None:
+        ids = partials
     else:
         EP = _pow2(E)
         ids = logits.astype(jnp.float32)
         if EP != E:
             ids = jnp.pad(ids, [(0, 0), (0, EP - E)], constant_values=-jnp.inf)
-        w = jnp.zeros((1,), jnp.float32)
     xin = [pg.x_view(_padded(x, pg))] + ([pg.norm_view(rms[0])] if rms is not None else [])
-    h = gate_up(ids, *xin, pg.qs_view(gu_arrays["qs"]), gu_arrays["scales"])          # [M*k, Ip] or its q8
-    hin = list(h) if q8 else [pd.x_view(h)]
+    out = gate_up(ids, *xin, pg.qs_view(gu_arrays["qs"]), gu_arrays["scales"])   # h [M*k, Ip] or its q8 (+ ids, w)
+    if route is None:
+        h, w = out, topw.reshape(-1).astype(jnp.float32)
+    else:
+        h, ids, w = out[:-2], out[-2], out[-1]
+    hin = list(h) if q8 else [pd.x_view(h[0])]
     res = [residual.astype(jnp.float32)] if residual is not None else []
     return down(ids, w, *hin, pd.qs_view(dn_arrays["qs"]), dn_arrays["scales"], *res)
 
@@ -605,8 +644,13 @@ def use_linear(on_gpu: bool, spec, M: int) -> tuple[bool, bool]:
                 and (spec.group_size or 32) % 8 == 0)
 
 
-def _linear_kernel(*refs, p: _Proj, BN: int, interpret: bool = False, eps=None, residual: bool = False):
-    """eps: an RMS norm prologue (its weight follows x); residual: [M, N] added to the output."""
+def _linear_kernel(*refs, p: _Proj, BN: int, interpret: bool = False, eps=None, residual: bool = False,
+                   router=None):
+    """eps: an RMS norm prologue (its weight follows x); residual: [M, N] added to the output.
+    router (E, bf16): an epilogue for the projection before a router (o, whose output y is the
+    residual stream the MoE's norm and router read): the router's columns of this program's rows
+    times the norm's weight times y, summed over the rows -> partials [M, programs, EP] (the norm's
+    1/rms, which needs the whole row, is left to the consumer: `_gate_up_kernel`)."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
@@ -614,20 +658,45 @@ def _linear_kernel(*refs, p: _Proj, BN: int, interpret: bool = False, eps=None, 
     norm = None
     if eps is not None:
         norm, refs = (refs[0], eps), refs[1:]
-    qs_ref, sc_ref, o_ref = refs[0], refs[1], refs[-1]
+    qs_ref, sc_ref, refs = refs[0], refs[1], refs[2:]
     m, blk = pl.program_id(0), pl.program_id(1)
     row0 = blk * BN
     span = -(-p.N // BN) * BN
     zero = jnp.int32(0)     # traced: interpret mode masks no python ints
-    y = _rows_dot(p, qs_ref, sc_ref, zero, 0, row0, BN, p.N, span, _x_parts(p, x_ref, m, norm), interpret)
+    w = _rows_load(p, qs_ref, sc_ref, zero, 0, row0, BN, p.N, span)
+    y = _rows_apply(p, w, _x_parts(p, x_ref, m, norm), interpret)
     if residual:
-        y = y + _row_block(refs[2], m, row0, BN, p.N)
+        y = y + _row_block(refs[0], m, row0, BN, p.N)
+        refs = refs[1:]
+    if router is None:
+        _store_rows(refs[0], m, row0, BN, p.N, y)
+        return
+    E, bf16 = router
+    wr_ref, nw_ref, o_ref, z_ref = refs
     _store_rows(o_ref, m, row0, BN, p.N, y)
+    EP = _pow2(E)
+    rows = row0 + jnp.arange(BN)
+    mask = None
+    if EP != E or p.N % BN:
+        mask = (jnp.arange(EP) < E)[:, None] & (rows < p.N)[None, :]
+    wr = _widen(_load(wr_ref.at[pl.ds(0, EP), pl.ds(row0, BN)], mask), bf16)            # [EP, BN]
+    yw = y * _row_block(nw_ref, zero, row0, BN, p.N)
+    z_ref.at[m, pl.ds(blk, 1), :][...] = (wr * yw[None, :]).sum(axis=1)[None, :]
+
+
+def _widen(w, bf16: bool):
+    """Router weights as loaded -> f32 (bf16 is stored as u16 bit patterns: an f32's high half)."""
+    import jax
+    import jax.numpy as jnp
+
+    if bf16:
+        return jax.lax.bitcast_convert_type(w.astype(jnp.uint32) << jnp.uint32(16), jnp.float32)
+    return w.astype(jnp.float32)
 
 
 @functools.lru_cache(maxsize=None)
 def _linear_call(key: tuple, M: int, interpret: bool, bn: int, warps: int, int4: str, eps=None,
-                 residual: bool = False):
+                 residual: bool = False, router=None):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -636,27 +705,43 @@ def _linear_call(key: tuple, M: int, interpret: bool, bn: int, warps: int, int4:
     fmt, G, (N, K) = key
     p = _Proj(_Spec(fmt, G, (1, N, K)), int4)
     bn = min(bn, _pow2(N))
+    out = jax.ShapeDtypeStruct((M, N), jnp.float32)
+    if router is not None:
+        out = (out, jax.ShapeDtypeStruct((M, -(-N // bn), _pow2(router[0])), jnp.float32))
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1))
     call = pl.pallas_call(functools.partial(_linear_kernel, p=p, BN=bn, interpret=interpret, eps=eps,
-                                            residual=residual),
-                          out_shape=jax.ShapeDtypeStruct((M, N), jnp.float32), grid=(M, -(-N // bn)),
-                          interpret=interpret, name="strata_linear_int4", **params)
+                                            residual=residual, router=router),
+                          out_shape=out, grid=(M, -(-N // bn)), interpret=interpret, name="strata_linear_int4",
+                          **params)
     return p, call
 
 
-def linear_decode(x, spec, arrays: dict, *, interpret: bool = False, rms=None, residual=None):
+def linear_decode(x, spec, arrays: dict, *, interpret: bool = False, rms=None, residual=None, router=None):
     """x[M, K] @ W[N, K]^T, f32[M, N], W an int4 weight by its stored arrays ({'qs', 'scales'}).
-    rms (w [K], eps): x is un-normalised and the kernel normalises it; residual [M, N]: added."""
+    rms (w [K], eps): x is un-normalised and the kernel normalises it; residual [M, N]: added.
+    router (spec, arrays, norm weight [N]) of an f32/bf16 router [E, N] that reads rms_norm of the
+    output: returns (output, partials [M, P, EP]) for `moe_decode(partials=)`, so the router
+    needs no kernel of its own."""
     import jax.numpy as jnp
 
     bn, warps = tune("STRATA_PALLAS_LINEAR_TUNE", LINEAR_TUNING)
     eps = float(rms[1]) if rms is not None else None
+    rkey = (router[0].shape[0], router[0].fmt == "bf16") if router is not None else None
     p, call = _linear_call(_key(spec), x.shape[0], bool(interpret), bn, warps, int4_mode(), eps,
-                           residual is not None)
+                           residual is not None, rkey)
     args = [p.x_view(_padded(x, p))] + ([p.norm_view(rms[0])] if rms is not None else [])
     args += [p.qs_view(arrays["qs"]), arrays["scales"].reshape(1, p.N, p.ng)]
     args += [residual.astype(jnp.float32)] if residual is not None else []
+    if router is not None:
+        args += [_dense_bits(router[0], router[1]), router[2].astype(jnp.float32).reshape(1, p.N)]
     return call(*args)
+
+
+def router_fusable(spec, router_spec) -> bool:
+    """Whether linear_decode of a weight stored as `spec` can take the router `router_spec`
+    (f32/bf16 [E, N]) as its epilogue."""
+    return (router_spec.fmt in ("f32", "bf16") and len(router_spec.shape) == 2
+            and router_spec.shape[1] == spec.shape[0])
 
 
 # The router at decode (f32 or bf16 [E, D], a few rows): one small kernel that also applies the RMS
@@ -674,7 +759,6 @@ def use_dense(on_gpu: bool, spec, M: int) -> tuple[bool, bool]:
 
 
 def _dense_kernel(x_ref, nw_ref, w_ref, o_ref, *, N: int, K: int, BN: int, eps: float, bf16: bool):
-    import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
@@ -688,10 +772,8 @@ def _dense_kernel(x_ref, nw_ref, w_ref, o_ref, *, N: int, K: int, BN: int, eps: 
     wmask = None
     if N % BN or KP != K:
         wmask = (rows < N)[:, None] & (jnp.arange(KP) < K)[None, :]
-    w = _load(w_ref.at[pl.ds(row0, BN), pl.ds(0, KP)], wmask)
-    if bf16:        # stored as u16 bit patterns: the high half of an f32
-        w = jax.lax.bitcast_convert_type(w.astype(jnp.uint32) << jnp.uint32(16), jnp.float32)
-    _store_rows(o_ref, m, row0, BN, N, (w.astype(jnp.float32) * x[None, :]).sum(axis=-1))
+    w = _widen(_load(w_ref.at[pl.ds(row0, BN), pl.ds(0, KP)], wmask), bf16)
+    _store_rows(o_ref, m, row0, BN, N, (w * x[None, :]).sum(axis=-1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -715,9 +797,15 @@ def dense_decode(x, spec, arrays: dict, rms, *, interpret: bool = False):
     N, K = spec.shape
     call = _dense_call(N, K, x.shape[0], spec.fmt == "bf16", float(rms[1]), bool(interpret),
                        *tune("STRATA_PALLAS_DENSE_TUNE", DENSE_TUNING))
+    return call(x.astype(jnp.float32), rms[0].astype(jnp.float32), _dense_bits(spec, arrays))
+
+
+def _dense_bits(spec, arrays: dict):
+    """An f32/bf16 weight's array as the kernels load it (bf16 as its u16 bit patterns)."""
+    import jax
+    import jax.numpy as jnp
+
     w = arrays["w"]
     if spec.fmt == "bf16" and w.dtype != jnp.uint16:
-        import jax
-
         w = jax.lax.bitcast_convert_type(w, jnp.uint16)
-    return call(x.astype(jnp.float32), rms[0].astype(jnp.float32), w)
+    return w
