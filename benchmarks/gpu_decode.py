@@ -89,8 +89,8 @@ def decode_bytes(plan, dims: dict, context: int) -> int:
     return total + kv
 
 
-def ab(exe, decode, a, fmt: str) -> list[dict]:
-    """Batch-1 decode with each setting of a.ab, the settings alternated twice (A B C A B C), each
+def ab(exe, decode, a, fmt: str, B: int = 1) -> list[dict]:
+    """Batch-B decode with each setting of a.ab, the settings alternated twice (A B C A B C), each
     run a fresh trace and compile of the decode loop (the switch is read while tracing)."""
     import jax
 
@@ -105,11 +105,11 @@ def ab(exe, decode, a, fmt: str) -> list[dict]:
                 for _ in range(a.repeats):
                     decode()
                     secs.append(decode.seconds)
-            got[setting].append(a.n_new / statistics.median(secs))
-            log(f"{fmt} decode B=1 {name}={setting}: {got[setting][-1]:.1f} tok/s")
+            got[setting].append(B * a.n_new / statistics.median(secs))
+            log(f"{fmt} decode B={B} {name}={setting}: {got[setting][-1]:.1f} tok/s")
     finally:
         del exe._loop
-    return [dict(format=fmt, phase=f"decode {name}={s}", batch=1, tokens=a.n_new, tok_s=statistics.median(v),
+    return [dict(format=fmt, phase=f"decode {name}={s}", batch=B, tokens=a.n_new, tok_s=statistics.median(v),
                  roofline_tok_s=None, ratio=None) for s, v in got.items()]
 
 
@@ -136,7 +136,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="a small model on whatever device (smoke test)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--ab", metavar="ENV[=A,B,...]",
-                    help="also time batch-1 decode with ENV=A, ENV=B, ... (default 1 and 0) alternately, twice each, "
+                    help="also time decode (each batch) with ENV=A, ENV=B, ... (default 1 and 0) alternately, twice each, "
                          "in this process, e.g. STRATA_XLA_PALLAS_ATTN or STRATA_PALLAS_INT4=dp4a,bytes: a "
                          "side-by-side A/B of a kernel switch ('ENV=A|B' when the values hold commas)")
     a = ap.parse_args()
@@ -191,8 +191,8 @@ def main() -> int:
                 decode()
                 secs.append(decode.seconds)
             tps = B * a.n_new / statistics.median(secs)
-            if a.ab and B == 1:
-                ab_rows = ab(exe, decode, a, fmt)
+            if a.ab:
+                ab_rows = ab(exe, decode, a, fmt, B)
                 rows.extend(ab_rows)
             roof = bw * 1e9 / decode_bytes(plan, dims, a.prompt_len + a.n_new // 2) if B == 1 else None
             rows.append(dict(format=fmt, phase="decode", batch=B, tokens=a.n_new, tok_s=tps,

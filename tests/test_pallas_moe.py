@@ -79,7 +79,7 @@ def test_kernels_match_reference(E, D, I, k, M, fmts, G):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("E,k,M,norm", [(8, 2, 1, False), (6, 3, 2, True), (64, 8, 1, False)])
+@pytest.mark.parametrize("E,k,M,norm", [(8, 2, 1, False), (6, 3, 2, True), (64, 8, 1, False), (8, 2, 16, True)])
 def test_routing_inside_kernels(E, k, M, norm):
     """The kernels' own softmax + top-k over the router logits (E not 2^n: padded) pick the experts
     and weights lax.top_k does, ties included (the lower expert first)."""
@@ -282,6 +282,9 @@ def test_use_switch(monkeypatch):
     assert pallas_moe.use(False, gs, ds, 1) == (False, False)      # CPU: the XLA path
     assert pallas_moe.use(True, gs, ds, 1) == (True, False)
     assert pallas_moe.use(True, gs, ds, pallas_moe.MAX_ROWS + 1)[0] is False
+    monkeypatch.setenv("STRATA_PALLAS_MAX_ROWS", "4")
+    assert pallas_moe.use(True, gs, ds, 4) == (True, False) and pallas_moe.use(True, gs, ds, 5)[0] is False
+    monkeypatch.delenv("STRATA_PALLAS_MAX_ROWS")
     monkeypatch.setenv("STRATA_XLA_PALLAS", "0")
     assert pallas_moe.use(True, gs, ds, 1) == (False, False)
     monkeypatch.setenv("STRATA_XLA_PALLAS", "interpret")

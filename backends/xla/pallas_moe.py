@@ -52,7 +52,15 @@ import os
 from strata_compiler.errors import UsageError
 
 FORMATS = ("int4", "int8")
-MAX_ROWS = 4            # tokens per step up to which the decode kernels are used
+# Tokens per step up to which the MoE kernels are used (STRATA_PALLAS_MAX_ROWS, a power of two,
+# overrides): above it, the XLA path that groups tokens by expert (it dequantizes every expert).
+# H200, int4, batch-16 decode, one process (BENCHMARKS.md): 4434 tok/s with 16 against 1181 with
+# 4. The dense projections' kernels stop at executor.MATVEC_ROWS rows before this.
+MAX_ROWS = 16
+
+
+def max_rows() -> int:
+    return tune("STRATA_PALLAS_MAX_ROWS", (MAX_ROWS,))[0]
 
 
 def _pow2(n: int) -> int:
@@ -125,7 +133,7 @@ def supported(gu_spec, dn_spec) -> bool:
 
 def use(on_gpu: bool, gu_spec, dn_spec, M: int) -> tuple[bool, bool]:
     """(use the kernels, in interpret mode) for a decode MoE of M tokens."""
-    return gate(on_gpu, M <= MAX_ROWS and supported(gu_spec, dn_spec))
+    return gate(on_gpu, M <= max_rows() and supported(gu_spec, dn_spec))
 
 
 # Rows per program and warps of (gate_up, down): the fastest of sweeps on an H200 at the OLMoE
@@ -640,7 +648,7 @@ LINEAR_TUNING = (32, 8)
 
 def use_linear(on_gpu: bool, spec, M: int) -> tuple[bool, bool]:
     """(use linear_decode, in interpret mode) for x[M, K] @ W^T with W stored as `spec`."""
-    return gate(on_gpu, M <= MAX_ROWS and int4_mode() == "dp4a" and spec.fmt == "int4" and len(spec.shape) == 2
+    return gate(on_gpu, M <= max_rows() and int4_mode() == "dp4a" and spec.fmt == "int4" and len(spec.shape) == 2
                 and (spec.group_size or 32) % 8 == 0)
 
 
@@ -754,7 +762,7 @@ DENSE_TUNING = (2, 4)
 def use_dense(on_gpu: bool, spec, M: int) -> tuple[bool, bool]:
     """(use dense_decode, in interpret mode) for x[M, K] @ W^T with W stored as `spec`: f32/bf16,
     with the dp4a kernels on (whose MoE and linear kernels take the norm as a prologue)."""
-    return gate(on_gpu, M <= MAX_ROWS and int4_mode() == "dp4a" and spec.fmt in ("f32", "bf16")
+    return gate(on_gpu, M <= max_rows() and int4_mode() == "dp4a" and spec.fmt in ("f32", "bf16")
                 and len(spec.shape) == 2)
 
 
