@@ -143,7 +143,7 @@ class _Ctx:
         self.exe, self.params, self.ks, self.vs = exe, params, ks, vs
         self.ids, self.pos, self.B, self.T = ids, pos, B, T
         self.topk: dict[int, tuple] = {}      # route node id -> (weights, expert ids), [M, k] each
-        self.logits: dict[int, tuple] = {}    # route node id -> (router logits [M, E], k, renormalise)
+        self.logits: dict[int, tuple] = {}    # route node id -> (router logits [M, E], k, renormalise, partials)
         self.norms: dict[int, tuple] = {}     # rms_norm node id -> (weight, eps, its input): for fusing
         self.partials: dict[int, object] = {}  # router node id -> its logits as an o projection's epilogue left them
         self.jnp = _jnp()
@@ -362,8 +362,9 @@ def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok
     arrays by name, specs' formats), f32 [M, D], plus `residual` when given. route: (logits, k,
     renormalise, partials or None) of the route op that gave topw/topi, when it ran in this
     computation (the decode kernels then route inside; partials: its router's logits as the o
-    projection's epilogue left them, `pallas_moe.linear_decode(router=)`). norm: (weight, eps, input) of the RMS norm that gave x, which the
-    decode kernels can take over with the residual add (dp4a: the norm in gate_up, the add in down)."""
+    projection's epilogue left them, `pallas_moe.linear_decode(router=)`). norm: (weight, eps,
+    input) of the RMS norm that gave x, which the decode kernels can take over with the residual
+    add (dp4a: the norm in gate_up, the add in down)."""
     jnp, jax = c.jnp, c.jax
     M, D = x.shape
     k = topi.shape[1]
