@@ -82,25 +82,29 @@ def kernel_times(exe, m, first, steps: int) -> None:
         print(f"  {name[:50]:50s} {n / steps:8.2f} {dur / steps:8.2f} {dur / n:8.2f}")
 
 
-def check(exe, plan, m, first) -> None:
-    """Kernels on (exe) against a fresh executor with STRATA_XLA_PALLAS=0: logits, greedy tokens."""
+def check(exe, plan, m, batch: int = 1) -> None:
+    """Kernels on (exe) against a fresh executor with STRATA_XLA_PALLAS=0, for `batch` sequences
+    of 32 prompt tokens: one decode step's logits, then 32 greedy tokens each."""
     from strata_compiler.backends.xla.executor import XLAExecutor
     from strata_compiler.runtime.kv_cache import KVCache
 
+    ids = (np.arange(1, 33)[None] + 7 * np.arange(batch)[:, None]) % m["vocab_size"]
+
     def run(e):
-        c = KVCache(m["n_layers"], 1, m["n_kv_heads"], m["head_dim"], 256)
+        c = KVCache(m["n_layers"], batch, m["n_kv_heads"], m["head_dim"], 256)
         e.new_cache(c)
-        e.run(np.arange(1, 33)[None], c)
-        logits = e.run(np.asarray(first)[:, None], c)[plan.graph.outputs[0]][0, -1]
-        return logits, e.greedy_decode(logits.argmax(-1)[None], c, 32)[0]
+        first = e.run(ids, c)[plan.graph.outputs[0]][:, -1].argmax(-1)
+        logits = e.run(np.asarray(first)[:, None], c)[plan.graph.outputs[0]][:, -1]
+        return logits, e.greedy_decode(logits.argmax(-1), c, 32)
 
     got, got_toks = run(exe)
     with env_set("STRATA_XLA_PALLAS", "0"):
         want, want_toks = run(XLAExecutor(plan.graph, plan.weights))
     err = float(np.abs(got - want).max() / want.std())
-    same = int((got_toks == want_toks).sum())
-    print(f"check: decode logits max |kernels - XLA| = {err:.2e} x std; greedy tokens equal {same}/32"
-          f"{'' if same == 32 else ' (first difference at ' + str(int(np.argmin(got_toks == want_toks))) + ')'}")
+    same = got_toks == want_toks
+    first = "" if same.all() else f" (first difference at step {int(np.argmin(same.all(0)))})"
+    print(f"check: batch {batch}, decode logits max |kernels - XLA| = {err:.2e} x std; greedy tokens equal "
+          f"{int(same.sum())}/{same.size}{first}")
 
 
 def main() -> int:
@@ -117,6 +121,7 @@ def main() -> int:
     ap.add_argument("--check", action="store_true",
                     help="also compare one decode step's logits and 32 greedy tokens with the Pallas kernels "
                          "on against STRATA_XLA_PALLAS=0 (the XLA path)")
+    ap.add_argument("--check-batch", type=int, default=1, help="sequences per --check run (default 1)")
     a = ap.parse_args()
     rates = {}
     for layers in (1, a.layers):
@@ -163,7 +168,7 @@ def main() -> int:
         if a.kernels and layers == a.layers:
             kernel_times(exe, m, first, a.steps)
         if a.check and layers == a.layers:
-            check(exe, plan, m, first)
+            check(exe, plan, m, a.check_batch)
         del exe
     per_layer = (rates[a.layers] - rates[1]) / (a.layers - 1)
     print(f"per layer: {1e6 * per_layer:.1f} us; the rest (embedding, lm_head, loop): "

@@ -247,9 +247,9 @@ def test_kernel_benchmarks_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "decode STRATA_PALLAS_INT4=dp4a" in r.stdout and "decode STRATA_PALLAS_INT4=bytes" in r.stdout
     r = run(ROOT / "benchmarks" / "gpu_profile.py", "--tiny", "--work-dir", tmp_path / "gp", "--layers", "2",
-            "--steps", "4", "--kernels", "--check")
+            "--steps", "4", "--kernels", "--check", "--check-batch", "3")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "greedy tokens equal 32/32" in r.stdout and "kernels:" in r.stdout
+    assert "check: batch 3," in r.stdout and "greedy tokens equal 96/96" in r.stdout and "kernels:" in r.stdout
 
 
 def test_gpu_decode_ab_settings():
