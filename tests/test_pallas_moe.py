@@ -346,6 +346,14 @@ def test_bad_tuning_is_one_clear_error(monkeypatch):
             pallas_moe.tuning()
     monkeypatch.setenv("STRATA_PALLAS_TUNE", "32,4,4,4")
     assert pallas_moe.tuning() == (32, 4, 4, 4)
+    for env, bad in (("STRATA_PALLAS_INT4", "dp4"), ("STRATA_XLA_PALLAS_ROUTE", "inside"),
+                     ("STRATA_PALLAS_MAX_ROWS", "12")):
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(UsageError, match=f"{env}="):
+            (pallas_moe.int4_mode(), pallas_moe.route_mode(), pallas_moe.max_rows())
+        monkeypatch.delenv(env)
+    monkeypatch.setenv("STRATA_XLA_PALLAS_ROUTE", "off")
+    assert pallas_moe.route_mode() == "0" and not pallas_moe.route_inside()
 
 
 @pytest.mark.parametrize("fmt,E,N,M", [("f32", 8, 64, 1), ("bf16", 6, 200, 2)])

@@ -94,6 +94,16 @@ def gate(on_gpu: bool, applies: bool) -> tuple[bool, bool]:
     return on_gpu, False
 
 
+def choice(env: str, values: tuple, default: str, aliases: dict | None = None) -> str:
+    """env's value, one of `values` (case-insensitive; `aliases` map other spellings), else default
+    when unset; anything else is one clear error."""
+    m = os.environ.get(env, "").strip().lower() or default
+    m = (aliases or {}).get(m, m)
+    if m not in values:
+        raise UsageError(f"{env}={os.environ.get(env)!r}: give one of {', '.join(values)} (default {default})")
+    return m
+
+
 def tune(env: str, default: tuple) -> tuple:
     """A kernel tuning: env's comma-separated powers of two (as many as `default`), else default."""
     t = os.environ.get(env)
@@ -115,8 +125,7 @@ def route_mode() -> str:
     projection's epilogue (`linear_decode(router=)`) where the layer allows;
     'kernel': as fused, but the router keeps its own kernel (`dense_decode`);
     '0': the route's own top-k (XLA) feeds the kernels."""
-    m = os.environ.get("STRATA_XLA_PALLAS_ROUTE", "fused").strip().lower()
-    return "0" if m in OFF else m if m in ("fused", "kernel") else "fused"
+    return choice("STRATA_XLA_PALLAS_ROUTE", ("fused", "kernel", "0"), "fused", {v: "0" for v in OFF})
 
 
 def route_inside() -> bool:
@@ -163,8 +172,7 @@ def int4_mode() -> str:
     'bytes': u8 loads, int->float conversions, f32 products with f32 activations (the MoE kernels
     only; the rest stays XLA's);
     'words': as bytes, with u32 loads (8 nibbles each) and floats built by the exponent trick."""
-    m = os.environ.get("STRATA_PALLAS_INT4", "dp4a").strip().lower()
-    return m if m in ("bytes", "words", "dp4a") else "dp4a"
+    return choice("STRATA_PALLAS_INT4", ("dp4a", "bytes", "words"), "dp4a")
 
 
 class _Proj:
