@@ -398,3 +398,26 @@ def test_dp4a_linear_computes_the_router_after_it(fmt, E, N, M, monkeypatch):
     got = pallas_moe.moe_decode(y, None, None, gs, dev(ga), ds, dev(da), partials=jnp.asarray(part), n_experts=E,
                                 **kw)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * np.abs(np.asarray(want)).max())
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_dp4a_router_in_o_other_architectures(arch, tmp_path, monkeypatch):
+    """The router as the o projection's epilogue on the other MoE families: renormalised top-k
+    (mixtral, qwen3), a shared expert beside the routed ones whose gate is the router's last
+    column (qwen2: the route reads a slice), GQA. The MoE kernels route from the o projection's
+    partial sums; logits within q8 rounding of the XLA path."""
+    from hf_models import build_model
+    from strata_compiler.cli import stratac
+    from strata_compiler.cli_common import run_cli
+    from strata_compiler.runtime.plan import load_plan
+
+    d = build_model(arch, tmp_path / "model")
+    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "plan"), "--quant", "int4"]) == 0
+    plan = load_plan(tmp_path / "plan")
+    ids = np.random.default_rng(5).integers(0, 100, (2, 5))
+    routed = _spy(monkeypatch, pallas_moe, "moe_decode", record=lambda kw: kw.get("partials") is not None)
+    want, _ = _decode(plan, ids, monkeypatch, "0")
+    monkeypatch.setenv("STRATA_PALLAS_INT4", "dp4a")
+    got, _ = _decode(plan, ids, monkeypatch, "interpret")
+    assert True in routed
+    assert np.abs(got - want).max() <= 0.05 * want.std()

@@ -325,7 +325,7 @@ def _route(c: _Ctx, n: Node, a: list):
         vals = vals / vals.sum(axis=-1, keepdims=True)
     c.topk[n.id] = vals, idx                             # for the moe_ffn it feeds: no second top_k
     # for decode kernels that route themselves (from the o projection's partials when it made them)
-    c.logits[n.id] = a[0], n.attr("k"), bool(n.attr("norm")), c.partials.get(n.args[0])
+    c.logits[n.id] = a[0], n.attr("k"), bool(n.attr("norm")), c.partials.get(_router_of(c.exe.g, n))
     E = p.shape[-1]
     return (c.jax.nn.one_hot(idx, E, dtype=p.dtype) * vals[..., None]).sum(axis=-2)
 
@@ -378,8 +378,9 @@ def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok
         # decode, int4/int8 experts on a GPU: two Pallas kernels (gate/up + silu*mul; down +
         # weighted combine) over the stored packed weights (STRATA_XLA_PALLAS=0: the XLA path)
         kw = {}
-        if norm is not None and residual is not None and pallas_moe.fusable_norm(gu_spec):
-            # the norm as gate_up's prologue, the residual add as down's epilogue (dp4a)
+        if norm is not None and pallas_moe.fusable_norm(gu_spec):
+            # the norm as gate_up's prologue, the residual add (when it is the MoE's) as down's
+            # epilogue (dp4a)
             x, kw = norm[2], dict(rms=norm[:2], residual=residual)
         if route is not None and pallas_moe.route_inside():
             # softmax and top-k in gate_up: four small routing kernels fewer per layer; from the
@@ -389,7 +390,7 @@ def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok
                                         k=route[1], norm=route[2], **src, **kw)
         else:
             out = pallas_moe.moe_decode(x, topi, topw, gu_spec, gu_p, dn_spec, dn_p, interpret=interpret, **kw)
-        if kw:
+        if residual is not None and kw:
             return out
     elif _use_matvec(M):
         # decode: one fused multiply-reduce per projection over all chosen experts (the gather of
@@ -457,13 +458,14 @@ _OPS: dict[Op, Callable[[_Ctx, Node, list], object]] = {
 
 def _routers_after(graph: Graph, users: dict, ids: set) -> dict[int, tuple[int, int]]:
     """linear node id -> (router linear, rms_norm) for each projection whose output (with its
-    residual add) feeds, through an RMS norm, a dense router linear before a route to a MoE, all in
-    this computation: the decode kernels can then compute the router as that projection's
-    epilogue (`linear_decode(router=)`)."""
+    residual add) feeds, through an RMS norm, a dense router linear whose logits a route ranks
+    (`_router_of`), all in this computation: the decode kernels can then compute the router as
+    that projection's epilogue (`linear_decode(router=)`)."""
     def plain(n: Node) -> bool:
         return (n.op is Op.LINEAR and n.weight("b") is None and n.attr("epilogue", "none") == "none"
                 and n.attr("prologue", "none") == "none")
 
+    routers = {_router_of(graph, n) for n in graph.nodes if n.id in ids and n.op is Op.ROUTE}
     out = {}
     for n in graph.nodes:
         if n.id not in ids or not plain(n) or len(n.args) != 2:
@@ -472,10 +474,18 @@ def _routers_after(graph: Graph, users: dict, ids: set) -> dict[int, tuple[int, 
             if r.op is not Op.RMS_NORM or r.attr("group", 0):
                 continue
             for lin in (graph.node(u) for u in users[r.id] if u in ids):
-                if plain(lin) and len(lin.args) == 1 and any(
-                        graph.node(u).op is Op.ROUTE for u in users[lin.id] if u in ids):
+                if plain(lin) and len(lin.args) == 1 and lin.id in routers:
                     out[n.id] = (lin.id, r.id)
     return out
+
+
+def _router_of(graph: Graph, route: Node) -> int:
+    """The node whose logits a route op ranks: its argument, or the argument of a slice from column
+    0 before it (a router fused with a shared expert's gate, as Qwen2-MoE's: [E + 1] columns)."""
+    src = graph.node(route.args[0])
+    if src.op is Op.SLICE and src.attr("start") == 0:
+        return src.args[0]
+    return src.id
 
 
 class GPUOutOfMemory(BackendError):
