@@ -421,3 +421,23 @@ def test_dp4a_router_in_o_other_architectures(arch, tmp_path, monkeypatch):
     got, _ = _decode(plan, ids, monkeypatch, "interpret")
     assert True in routed
     assert np.abs(got - want).max() <= 0.05 * want.std()
+
+
+def test_dp4a_linear_kernel_for_more_rows(int_plans, monkeypatch):
+    """STRATA_PALLAS_LINEAR_ROWS=16: the dense int4 projections of a 5-token prefill (padded to the
+    16-row bucket) also run on the linear kernel (with the router in o); logits within q8 rounding
+    of the XLA path."""
+    from strata_compiler.runtime.plan import load_plan
+
+    plan = load_plan(int_plans["int4"])
+    ids = np.random.default_rng(11).integers(0, 100, (1, 5))
+    want, _ = _decode(plan, ids, monkeypatch, "0")
+    rows = _spy(monkeypatch, pallas_moe, "linear_decode", record=lambda kw: kw.get("router") is not None)
+    monkeypatch.setenv("STRATA_PALLAS_INT4", "dp4a")
+    monkeypatch.setenv("STRATA_PALLAS_LINEAR_ROWS", "16")
+    real = pallas_moe.linear_decode
+    shapes = []
+    monkeypatch.setattr(pallas_moe, "linear_decode", lambda x, *a, **kw: shapes.append(x.shape[0]) or real(x, *a, **kw))
+    got, _ = _decode(plan, ids, monkeypatch, "interpret")
+    assert 16 in shapes and True in rows
+    assert np.abs(got - want).max() <= 0.05 * want.std()

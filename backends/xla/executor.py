@@ -195,41 +195,24 @@ def _linear(c: _Ctx, n: Node, a: list):
     jnp = c.jnp
     x = a[0]
     rms = n.attr("prologue", "none") == "rms_norm"
-    if _use_matvec(x.shape[0]):
-        from . import pallas_moe
+    rows = x.shape[0]
+    from . import pallas_moe
 
-        name = n.weight("w")
-        spec = c.exe.g.weight(name)
-        # the norm a kernel can take as its prologue: the linear's own, or a standalone norm's
-        # (then the kernel reads the norm's input: the norm itself is left unused)
-        norm = (c.w(n, "norm", jnp.float32), n.attr("eps"), x) if rms else c.norms.get(n.args[0])
-        kernel, interpret = pallas_moe.use_linear(c.exe.on_gpu, spec, x.shape[0])
-        if kernel and (norm is None or pallas_moe.fusable_norm(spec)):
-            # int4 with STRATA_PALLAS_INT4=dp4a: integer dot products on q8 activations, the norm
-            # and (with no bias or epilogue in between) the residual add inside the kernel
-            plain = n.weight("b") is None and n.attr("epilogue", "none") == "none"
-            res = a[1] if len(a) == 2 and plain else None
-            router = c.exe.router_after.get(n.id) if res is not None and pallas_moe.route_mode() == "fused" else None
-            if router is not None:
-                rn, nn = (c.exe.g.node(i) for i in router)
-                rspec = c.exe.g.weight(rn.weight("w"))
-                if pallas_moe.router_fusable(spec, rspec) and pallas_moe.use_dense(c.exe.on_gpu, rspec, x.shape[0])[0]:
-                    # the o projection with the MoE's router as its epilogue: no router kernel
-                    y, c.partials[rn.id] = pallas_moe.linear_decode(
-                        x if norm is None else norm[2], spec, c.params[name], interpret=interpret,
-                        rms=norm[:2] if norm is not None else None, residual=res,
-                        router=(rspec, c.params[rspec.name], c.w(nn, "w", jnp.float32)))
-                    return _linear_tail(c, n, a, y, True)
-            y = pallas_moe.linear_decode(x if norm is None else norm[2], spec, c.params[name], interpret=interpret,
-                                         rms=norm[:2] if norm is not None else None, residual=res)
-            return _linear_tail(c, n, a, y, res is not None)
-        if n.id in c.partials and norm is not None:
-            # computed as the o projection's epilogue; these logits are for the XLA routing path
-            # only (XLA drops them when the MoE kernels read the partials themselves)
-            E = spec.shape[0]
-            z = c.partials[n.id].sum(axis=1)[:, :E]
-            return z * (1.0 / jnp.sqrt(jnp.mean(norm[2] * norm[2], axis=-1, keepdims=True) + norm[1]))
-        dense, interpret = pallas_moe.use_dense(c.exe.on_gpu, spec, x.shape[0])
+    name = n.weight("w")
+    spec = c.exe.g.weight(name)
+    # the norm a kernel can take as its prologue: the linear's own, or a standalone norm's (then
+    # the kernel reads the norm's input: the norm itself is left unused)
+    norm = (c.w(n, "norm", jnp.float32), n.attr("eps"), x) if rms else c.norms.get(n.args[0])
+    y = _linear_kernel(c, n, a, spec, norm)
+    if y is not None:
+        return y
+    if n.id in c.partials and norm is not None:
+        # computed as the o projection's epilogue; these logits are for the XLA routing path only
+        # (XLA drops them when the MoE kernels read the partials themselves)
+        z = c.partials[n.id].sum(axis=1)[:, :spec.shape[0]]
+        return z * (1.0 / jnp.sqrt(jnp.mean(norm[2] * norm[2], axis=-1, keepdims=True) + norm[1]))
+    if _use_matvec(rows):
+        dense, interpret = pallas_moe.use_dense(c.exe.on_gpu, spec, rows)
         if dense and norm is not None:     # the router after a norm: one kernel for both
             y = pallas_moe.dense_decode(norm[2], spec, c.params[name], norm[:2], interpret=interpret)
             return _linear_tail(c, n, a, y, False)
@@ -244,6 +227,34 @@ def _linear(c: _Ctx, n: Node, a: list):
             x = _rms(jnp, x, c.w(n, "norm", jnp.float32), n.attr("eps"))
         y = c.matmul(x, c.w(n, "w"))
     return _linear_tail(c, n, a, y, False)
+
+
+def _linear_kernel(c: _Ctx, n: Node, a: list, spec, norm):
+    """The linear through `pallas_moe.linear_decode` when it applies (int4, dp4a, few rows: the
+    kernel takes the norm as its prologue and, with no bias or epilogue in between, the residual
+    add as its epilogue, and for the projection before a MoE the router too), else None."""
+    from . import pallas_moe
+
+    jnp, x = c.jnp, a[0]
+    kernel, interpret = pallas_moe.use_linear(c.exe.on_gpu, spec, x.shape[0])
+    if not kernel or not (norm is None or pallas_moe.fusable_norm(spec)):
+        return None
+    plain = n.weight("b") is None and n.attr("epilogue", "none") == "none"
+    res = a[1] if len(a) == 2 and plain else None
+    args = dict(interpret=interpret, rms=norm[:2] if norm is not None else None, residual=res)
+    xin = x if norm is None else norm[2]
+    router = c.exe.router_after.get(n.id) if res is not None and pallas_moe.route_mode() == "fused" else None
+    if router is not None:
+        rn, nn = (c.exe.g.node(i) for i in router)
+        rspec = c.exe.g.weight(rn.weight("w"))
+        if pallas_moe.router_fusable(spec, rspec) and pallas_moe.use_dense(c.exe.on_gpu, rspec, x.shape[0])[0]:
+            # the o projection with the MoE's router as its epilogue: no router kernel
+            y, c.partials[rn.id] = pallas_moe.linear_decode(
+                xin, spec, c.params[spec.name], router=(rspec, c.params[rspec.name], c.w(nn, "w", jnp.float32)),
+                **args)
+            return _linear_tail(c, n, a, y, True)
+    y = pallas_moe.linear_decode(xin, spec, c.params[spec.name], **args)
+    return _linear_tail(c, n, a, y, res is not None)
 
 
 def _linear_tail(c: _Ctx, n: Node, a: list, y, added: bool):

@@ -657,9 +657,16 @@ def fusable_norm(spec) -> bool:
 LINEAR_TUNING = (32, 8)
 
 
+# Rows up to which dense int4 projections use linear_decode (STRATA_PALLAS_LINEAR_ROWS, a power of
+# two; default 4, where XLA's multiply-reduce stops too: executor.MATVEC_ROWS); above it, XLA's
+# dequantize + dot. Each row is a program row of its own that reads the weight block again (from
+# the L2 when the rows' programs run together); not yet measured above 4 rows.
+LINEAR_ROWS = 4
+
+
 def use_linear(on_gpu: bool, spec, M: int) -> tuple[bool, bool]:
     """(use linear_decode, in interpret mode) for x[M, K] @ W^T with W stored as `spec`."""
-    return gate(on_gpu, M <= max_rows() and int4_mode() == "dp4a" and spec.fmt == "int4" and len(spec.shape) == 2
+    return gate(on_gpu, M <= tune("STRATA_PALLAS_LINEAR_ROWS", (LINEAR_ROWS,))[0] and int4_mode() == "dp4a" and spec.fmt == "int4" and len(spec.shape) == 2
                 and (spec.group_size or 32) % 8 == 0)
 
 
