@@ -441,7 +441,7 @@ def _route_weight(x, rank, mine, k: int, norm: bool):
 
 def _gate_up_kernel(ids_ref, *refs, p: _Proj, k: int, I: int, Ip: int, BN: int, route=None,
                     interpret: bool = False, eps=None, q8_out: bool = False):
-    """route (norm, E, partials): each program takes its expert from the top-k of the router
+    """route (norm, E, partials: P or 0): each program takes its expert from the top-k of the router
     logits of its token (`_ranks`: no routing kernels in between), and the first program of each
     (token, rank) pair also writes the pair's expert and weight for the down kernel (the last two
     outputs). ids_ref holds the logits [M, EP] (E padded to 2^n with -inf), or, with `partials`,
@@ -460,9 +460,11 @@ def _gate_up_kernel(ids_ref, *refs, p: _Proj, k: int, I: int, Ip: int, BN: int, 
         e = ids_ref[pair]
     else:
         renorm, E, partials = route
-        if partials:
-            z = ids_ref[m, :, :].sum(axis=0)
-            z = jnp.where(jnp.arange(z.shape[0]) < E, z, -jnp.inf)
+        if partials:        # P row blocks' sums, loaded as 2^n rows (Triton's blocks), the rest masked
+            PP, EP = _pow2(partials), ids_ref.shape[2]
+            mask = jnp.broadcast_to((jnp.arange(PP) < partials)[:, None], (PP, EP)) if PP != partials else None
+            z = _load(ids_ref.at[m, pl.ds(0, PP), :], mask).sum(axis=0)
+            z = jnp.where(jnp.arange(EP) < E, z, -jnp.inf)
         else:
             z = ids_ref[m, :].astype(jnp.float32)
         rank = _ranks(z)
@@ -602,11 +604,11 @@ def moe_decode(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict
 
     if partials is not None:
         M, E = partials.shape[0], int(n_experts)
-        route = (bool(norm), E, True)
+        route = (bool(norm), E, partials.shape[1])
         assert rms is not None, "router partials need the norm prologue (its 1/rms divides them)"
     elif logits is not None:
         M, E = logits.shape
-        route = (bool(norm), E, False)
+        route = (bool(norm), E, 0)
     else:
         (M, k), route = topi.shape, None
     eps = float(rms[1]) if rms is not None else None
