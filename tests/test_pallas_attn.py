@@ -15,6 +15,13 @@ jnp = jax.numpy
 from strata_compiler.backends.xla import pallas_attn  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _pow2(monkeypatch):
+    from test_pallas_moe import pow2_blocks
+
+    pow2_blocks(monkeypatch)
+
+
 def _rms(x, w, eps):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 

@@ -24,6 +24,23 @@ def _f32_activations(monkeypatch):
     q8 activations only come near the references; XLA's attention."""
     monkeypatch.setenv("STRATA_PALLAS_INT4", "bytes")
     monkeypatch.setenv("STRATA_XLA_PALLAS_ATTN", "0")     # its own tests: test_pallas_attn.py
+    pow2_blocks(monkeypatch)
+
+
+def pow2_blocks(monkeypatch) -> None:
+    """Every block the kernels load (`_load`) must have power-of-two sizes, as Triton needs on a
+    GPU; interpret mode (these tests) would take any shape."""
+    from strata_compiler.backends.xla import pallas_attn
+
+    real = pallas_moe._load
+
+    def load(ref, mask):
+        out = real(ref, mask)
+        assert all(d > 0 and d & (d - 1) == 0 for d in out.shape), f"a block of shape {out.shape} (Triton: 2^n only)"
+        return out
+
+    monkeypatch.setattr(pallas_moe, "_load", load)
+    monkeypatch.setattr(pallas_attn, "_load", load)
 
 
 def _experts(E, D, I, fmt_gu, fmt_dn, G, seed):
