@@ -696,12 +696,11 @@ def _linear_kernel(*refs, p: _Proj, BN: int, interpret: bool = False, eps=None, 
     if residual:
         y = y + _row_block(refs[0], m, row0, BN, p.N)
         refs = refs[1:]
+    _store_rows(refs[-1] if router is None else refs[-2], m, row0, BN, p.N, y)
     if router is None:
-        _store_rows(refs[0], m, row0, BN, p.N, y)
         return
     E, bf16 = router
-    wr_ref, nw_ref, o_ref, z_ref = refs
-    _store_rows(o_ref, m, row0, BN, p.N, y)
+    wr_ref, nw_ref, _, z_ref = refs
     EP = _pow2(E)
     rows = row0 + jnp.arange(BN)
     mask = None
