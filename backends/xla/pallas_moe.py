@@ -114,8 +114,8 @@ def tune(env: str, default: tuple) -> tuple:
     except ValueError:
         vals = ()
     if len(vals) != len(default) or not all(_is_pow2(v) for v in vals):
-        raise UsageError(f"{env}={t!r}: give {len(default)} comma-separated powers of two "
-                         f"(default {','.join(map(str, default))})")
+        what = "a power of two" if len(default) == 1 else f"{len(default)} comma-separated powers of two"
+        raise UsageError(f"{env}={t!r}: give {what} (default {','.join(map(str, default))})")
     return vals
 
 
