@@ -8,6 +8,7 @@ its partition runs (device arrays for xla, host arrays otherwise).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from itertools import groupby
@@ -118,6 +119,14 @@ class MixedExecutor:
         # turn them on: backends/xla/cuda_rt.py)
         self.raw_copy = not self.mesh and cuda_rt.mode is not None and any(k == "xla" for k, _, _ in self.parts)
         self.step_inputs_on_device = False  # try_hand_off: ids and position once per step and GPU
+        # with raw copies, the decode results only CPU kernels read leave each GPU partition as one
+        # buffer: one device->host copy per switch instead of one per value (STRATA_PACK_HOST=0: off)
+        self._pack(self.raw_copy and os.environ.get("STRATA_PACK_HOST", "1") != "0")
+
+    def _pack(self, on: bool) -> None:
+        for i, (kind, exe, _) in enumerate(self.parts):
+            if kind == "xla" and hasattr(exe, "pack_for_host"):
+                exe.pack_for_host(self._llvm_only.get(i, []) if on else [])
 
     def legacy_hand_off(self) -> None:
         """The GPU hand-off as it was before 2026-11-29 evening, for side-by-side benchmarks: CPU
@@ -130,6 +139,7 @@ class MixedExecutor:
         """Hand-offs through JAX's own transfers instead of raw copies (side-by-side benchmarks)."""
         cuda_rt.disable()
         self.raw_copy = False
+        self._pack(False)
 
     def try_hand_off(self, step_inputs: bool = True, pack: bool = True) -> None:
         """Two hand-off changes, off by default: side by side on an H200 (2026-11-29, before raw
@@ -140,9 +150,7 @@ class MixedExecutor:
         only CPU kernels read leave each partition as one buffer, one device->host copy instead
         of one per result (decode steps). Call before the first step."""
         self.step_inputs_on_device = step_inputs
-        for i, (kind, exe, _) in enumerate(self.parts):
-            if kind == "xla":
-                exe.pack_for_host(self._llvm_only.get(i, []) if pack else [])
+        self._pack(pack)
 
     def _gpu_plan(self, device: str, shrink: bool) -> dict[int, int]:
         """Slots per expert-cache GPU share so that the xla partitions' weights fit the device's
@@ -318,7 +326,8 @@ class MixedExecutor:
             # (a repeated set costs nothing); CPU-only executors put the default back.
             from strata_compiler.backends.llvm_cpu.pool import set_spin
 
-            set_spin(spin_us=HAND_OFF_SPIN_US, yield_us=HAND_OFF_SPIN_US, caller_spin_us=HAND_OFF_SPIN_US)
+            us = float(os.environ.get("STRATA_HAND_OFF_SPIN_US", HAND_OFF_SPIN_US))   # (A/B runs)
+            set_spin(spin_us=us, yield_us=us, caller_spin_us=us)
         step_in: dict = {}      # per GPU: this step's ids and position, put there once
         for i, (kind, exe, ids) in enumerate(self.parts):
             if kind == "reference":

@@ -214,6 +214,14 @@ def test_device_benchmarks_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert [ln.split()[0] for ln in r.stdout.splitlines()[-5:]] == ["runtime", "no-donation", "compiled",
                                                                      "trivial-body", "tiny"]
+    # the host-time breakdown, with raw copies (memmove on the CPU) and an A/B of the packed
+    # hand-off: packing moves values, it never changes them
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "switch_breakdown.py"), str(tmp_path / "pb" / "strata-25"),
+                        "--device", "cpu", "--n-new", "5", "--ab", "STRATA_PACK_HOST=1,0"], capture_output=True,
+                       text=True, env=dict(env, STRATA_RAW_COPY="host"), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = r.stdout.splitlines()[-2:]
+    assert last[0].startswith("strata-25 STRATA_PACK_HOST=1") and "logits max |diff| 0, argmax equal 4/4" in last[1]
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multi_gpu.py"), "--tiny", "--work-dir",
                         str(tmp_path / "mg"), "--hw", str(hw), "--device", "cpu", "--n-new", "6", "--prefill", "16",
                         "--repeats", "1", "--json", str(tmp_path / "mg.json")],

@@ -188,12 +188,16 @@ def test_mixed_plan_hand_off_variants_give_the_same_logits(tmp_path, monkeypatch
     d = build_model("olmoe", tmp_path / "model")
     compile_plan(d, tmp_path / "plan", "--place", "experts=cpu,all=gpu")
     runs = {}
-    for mode in ("default", "try", "legacy", "raw"):
-        if mode == "raw":
+    for mode in ("default", "try", "legacy", "raw", "raw-unpacked"):
+        if mode.startswith("raw"):
             monkeypatch.setenv("STRATA_RAW_COPY", "host")
+            monkeypatch.setenv("STRATA_PACK_HOST", "0" if mode == "raw-unpacked" else "1")
         s = Session(load_plan(tmp_path / "plan"), "auto", device="cpu")
-        if mode == "raw":
+        if mode.startswith("raw"):
             assert s.executor.raw_copy and cuda_rt.mode == "host"
+            # raw copies pack the CPU-bound decode results into one buffer per partition by default
+            packed = any(exe.packed for kind, exe, _ in s.executor.parts if kind == "xla")
+            assert packed == (mode == "raw")
         else:
             assert not s.executor.raw_copy
         if mode == "try":
@@ -206,11 +210,11 @@ def test_mixed_plan_hand_off_variants_give_the_same_logits(tmp_path, monkeypatch
         for t in (13, 17, 19, 23):
             out.append(s.step(np.array([[t]], np.int64)))
         runs[mode] = out
-        if mode == "raw":   # the host values the GPU partitions read went through staging arrays
+        if mode.startswith("raw"):   # the host values the GPU partitions read went through staging arrays
             staged = [k for kind, exe, _ in s.executor.parts if kind == "xla" and hasattr(exe, "_stage")
                       for k in exe._stage.bufs]
             assert "ids" in staged and "pos" in staged and any(isinstance(k, int) for k in staged)
             cuda_rt.disable()
-    for mode in ("try", "legacy", "raw"):
+    for mode in ("try", "legacy", "raw", "raw-unpacked"):
         for a, b in zip(runs[mode], runs["default"]):
             np.testing.assert_array_equal(a, b)

@@ -84,7 +84,9 @@ def available() -> bool:
 
 def enable(platform: str) -> str | None:
     """Turn raw copies on for xla partitions on `platform` ("gpu" or "cpu"); returns the mode."""
-    global mode
+    global mode, _RAW_STREAM
+    _RAW_STREAM = os.environ.get("STRATA_RAW_STREAM", "1") not in ("0", "off", "false", "no")
+    _BY_SHARDING.clear()
     if os.environ.get("STRATA_RAW_COPY", "1") == "0":
         mode = None
     elif platform == "gpu":
@@ -99,6 +101,7 @@ def enable(platform: str) -> str | None:
 def disable() -> None:
     global mode
     mode = None
+    _BY_SHARDING.clear()
 
 
 def _check(rc: int, what: str) -> None:
@@ -107,10 +110,32 @@ def _check(rc: int, what: str) -> None:
 
 
 _STREAMS: dict[int, ctypes.c_void_p] = {}
+_RAW_STREAM = True          # STRATA_RAW_STREAM, read by enable()
+# per sharding object (JAX shares one per device; kept alive here so its id is not reused): the
+# array's platform is ours and its copy stream. Looking both up through x.devices() costs a few
+# Python-level microseconds per copy, as much as the copy of a hidden state itself.
+_BY_SHARDING: dict[int, tuple] = {}
 
 
-def _stream(x):
-    """A non-blocking CUDA stream of x's device for the raw copies (default), or None with
+def _info(x) -> tuple[bool, object]:
+    """(x is a single-device array of the raw copies' platform, its copy stream or None)."""
+    sh = getattr(x, "sharding", None)
+    hit = _BY_SHARDING.get(id(sh))
+    if hit is not None and hit[0] is sh:
+        return hit[1], hit[2]
+    devs = x.devices() if hasattr(x, "devices") else ()
+    ok = mode is not None and hasattr(x, "unsafe_buffer_pointer") and len(devs) == 1 \
+        and (mode == "cuda") == (next(iter(devs)).platform == "gpu")
+    stream = _stream_of(next(iter(devs))) if ok and mode == "cuda" else None
+    if sh is not None:
+        if len(_BY_SHARDING) >= 256:     # results that each bring a sharding of their own: no caching pays
+            _BY_SHARDING.clear()
+        _BY_SHARDING[id(sh)] = (sh, ok, stream)
+    return ok, stream
+
+
+def _stream_of(d):
+    """A non-blocking CUDA stream of device d for the raw copies (default), or None with
     STRATA_RAW_STREAM=0 (the legacy default stream).
 
     cudaMemcpy on the legacy stream also waits for the work queued on XLA's stream, though the
@@ -122,9 +147,8 @@ def _stream(x):
     for the last call that read the slot's weights (`XLAExecutor.set_slot`). On an H200
     (BENCHMARKS.md, separate runs): the cached split 37.4 -> 49.7 tok/s, the static one 119.1 ->
     127.8, the same tokens."""
-    if os.environ.get("STRATA_RAW_STREAM", "1") in ("0", "off", "false", "no"):
+    if not _RAW_STREAM:
         return None
-    d = next(iter(x.devices()))
     dev = int(getattr(d, "local_hardware_id", None) or d.id)
     s = _STREAMS.get(dev)
     if s is None:
@@ -141,9 +165,8 @@ def _stream(x):
     return s
 
 
-def _copy(dst: int, src: int, n: int, kind: int, x) -> None:
-    """A raw copy that has landed when this returns."""
-    s = _stream(x)
+def _copy(dst: int, src: int, n: int, kind: int, s) -> None:
+    """A raw copy on stream s (None: the legacy stream) that has landed when this returns."""
     if s is None:
         _check(_LIB.cudaMemcpy(dst, src, n, kind), "cudaMemcpy")
         if kind == H2D:     # from pageable memory the copy may still be in flight
@@ -156,7 +179,7 @@ def _copy(dst: int, src: int, n: int, kind: int, x) -> None:
 def to_host(x, out: np.ndarray) -> None:
     """Copy finished device array x into NumPy array `out` (C-contiguous, x's byte size)."""
     if mode == "cuda":
-        _copy(out.ctypes.data, x.unsafe_buffer_pointer(), out.nbytes, D2H, x)
+        _copy(out.ctypes.data, x.unsafe_buffer_pointer(), out.nbytes, D2H, _info(x)[1])
     else:
         ctypes.memmove(out.ctypes.data, x.unsafe_buffer_pointer(), out.nbytes)
 
@@ -168,7 +191,7 @@ def to_device(src: np.ndarray, x, offset: int = 0) -> None:
         raise ValueError(f"a copy of {src.nbytes} B at offset {offset} does not fit an array of {x.nbytes} B")
     dst = x.unsafe_buffer_pointer() + offset
     if mode == "cuda":
-        _copy(dst, src.ctypes.data, src.nbytes, H2D, x)
+        _copy(dst, src.ctypes.data, src.nbytes, H2D, _info(x)[1])
     else:
         ctypes.memmove(dst, src.ctypes.data, src.nbytes)
 
@@ -178,8 +201,7 @@ def sync() -> None:
 
 
 def _raw_ok(v) -> bool:
-    return mode is not None and hasattr(v, "unsafe_buffer_pointer") and len(v.devices()) == 1 \
-        and (mode == "cuda") == (next(iter(v.devices())).platform == "gpu")
+    return mode is not None and _info(v)[0]
 
 
 def fetch_into(v, dst: np.ndarray) -> bool:
@@ -214,7 +236,9 @@ class Staging:
         self.bytes, self.seconds = 0, 0.0     # raw host->device copies so far (the trace's h2d spans)
         self.last_end_ns = 0
 
-    def stage(self, key, value: np.ndarray):
+    def stage(self, key, value: np.ndarray, write: bool = True):
+        """The staging array of `key`, holding `value`; with write=False (the callee ignores the
+        value) an existing array of its shape is returned unchanged."""
         import jax
 
         value = np.require(value, requirements="C")     # (ascontiguousarray would make a 0-d array 1-d)
@@ -222,6 +246,8 @@ class Staging:
         if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
             buf = jax.block_until_ready(jax.device_put(np.zeros(value.shape, value.dtype), self.device))
             self.bufs[key] = buf
+        elif not write:
+            return buf
         if self.guard is not None:
             self.guard.block_until_ready()
             self.guard = None

@@ -36,16 +36,20 @@ PACKED = -(1 << 40)   # the key of a partition's packed host-bound results in it
 
 class HostSlice:
     """One result inside a partition's packed device->host buffer: becomes a NumPy array when a
-    CPU kernel reads it (the buffer's host copy, started at dispatch, is made once and shared)."""
+    CPU kernel reads it. The buffer comes to the host once, for all its slices: by a raw copy
+    when those are on (cuda_rt), else through the host copy JAX started at dispatch."""
 
-    __slots__ = ("buf", "off", "n", "shape")
+    __slots__ = ("packed", "off", "n", "shape")
 
-    def __init__(self, buf, off: int, shape) -> None:
-        self.buf, self.off, self.shape = buf, off, tuple(shape)
+    def __init__(self, packed: dict, off: int, shape) -> None:
+        self.packed, self.off, self.shape = packed, off, tuple(shape)
         self.n = math.prod(self.shape)
 
     def __array__(self, dtype=None, copy=None):
-        a = np.asarray(self.buf)[self.off:self.off + self.n].reshape(self.shape)
+        host = self.packed.get("host")
+        if host is None:
+            host = self.packed["host"] = cuda_rt.fetch(self.packed["buf"])
+        a = host[self.off:self.off + self.n].reshape(self.shape)
         return a if dtype is None else a.astype(dtype)
 
 
@@ -445,8 +449,11 @@ def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok
         h = _silu(jnp, h[:, :I]) * h[:, I:]
         dn = dequantize(jnp, dn_spec, dn_p, dt).transpose(0, 2, 1)                   # [E, I, D]
         ys = jax.lax.ragged_dot(h.astype(dt), dn, sizes, precision=prec, preferred_element_type=jnp.float32)
-        w = topw.reshape(-1)[order]
-        out = jnp.zeros((M, D), jnp.float32).at[tok].add(ys * w[:, None])
+        # back to (token, choice) order, then a weighted sum over the k choices: a scatter-add
+        # into the tokens' rows would accumulate in whatever order the GPU's atomics land, so the
+        # same prompt gave different logits from run to run (H200, 2026-11-30: 4.5e-3 apart)
+        back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+        out = (ys[back].reshape(M, k, D) * topw[..., None]).sum(axis=1)
     return out if residual is None else out + residual
 
 
@@ -526,6 +533,7 @@ class XLAExecutor:
         self.inputs = sorted({a for n in self.nodes for a in n.args if a not in ids})
         self.outputs = [n.id for n in self.nodes if any(u == -1 or u not in ids for u in users[n.id])]
         self.layers = sorted({n.attr("layer") for n in self.nodes if n.op is Op.FUSED_ATTENTION})
+        self._reads_ids = any(n.op is Op.INPUT_IDS for n in self.nodes)   # else the ids argument is unused
         self.route_k = {}
         for n in self.nodes:
             if n.op is Op.MOE_FFN:
@@ -663,8 +671,10 @@ class XLAExecutor:
         if step_in is not None and T_pad == T:
             ids_arg, pos_arg = step_in
         elif staging is not None:    # raw copies into this partition's device arrays (cuda_rt)
-            ids_arg = staging.stage("ids", np.asarray(ids, np.int32))
-            pos_arg = staging.stage("pos", np.asarray(cache.length, np.int32))
+            # only what the partition reads is rewritten (ids: the embedding; pos: the attention),
+            # the other is any array of the right shape: a copy less per call
+            ids_arg = staging.stage("ids", np.asarray(ids, np.int32), self._reads_ids)
+            pos_arg = staging.stage("pos", np.asarray(cache.length, np.int32), bool(self.layers))
         else:
             ids_arg, pos_arg = np.asarray(ids, np.int32), np.int32(cache.length)
         if staging is not None:
@@ -745,10 +755,11 @@ class XLAExecutor:
             outs = self.run_partition(ext, input_ids, cache, input_ids.shape[1], step_in)
             packed = outs.pop(PACKED, None)
             if packed is not None:
-                packed.copy_to_host_async()
-                off = 0
+                if cuda_rt.mode is None:
+                    packed.copy_to_host_async()
+                off, holder = 0, {"buf": packed}
                 for o in self.packed:
-                    outs[o] = HostSlice(packed, off, outs[o].shape)
+                    outs[o] = HostSlice(holder, off, outs[o].shape)
                     off += outs[o].n
             env.update(outs)
             return

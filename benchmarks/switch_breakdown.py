@@ -1,0 +1,202 @@
+"""Where a mixed plan's decode step goes on the host, by category, in µs per token.
+
+    python benchmarks/switch_breakdown.py PLAN_DIR [PLAN_DIR ...] [--n-new 48] [--device auto|cpu]
+        [--ab VAR=V1,V2,...]
+
+A plan that splits layers between the GPU and the CPU crosses between them about twice per
+layer. This decodes --n-new greedy tokens after a 32-token prompt (one warm-up pass first) and
+times, with perf_counter wrappers around the runtime's own functions (not cProfile, whose
+per-call overhead swamps calls of a few µs):
+
+  xla call      the jitted partition calls (the dispatch: argument handling, launch)
+  xla stage     host values written into the partitions' device staging arrays (raw copies)
+  fetch wait    a CPU kernel's GPU operand: waiting for the partition that makes it
+  fetch copy    ... and its device->host copy
+  llvm          the CPU partitions' kernels (and their Python glue)
+  other         the rest of the step (the runtime's loop, sampling glue, expert-cache work)
+
+with the number of calls per token of each, and the values that cross per token (count, bytes).
+Prints one table per plan, then one row per plan side by side. With --ab, each plan runs once per
+value of the environment variable (in this process, a fresh session each: for variables the
+runtime reads when a session starts, such as STRATA_PACK_HOST), and each run's decode logits are
+compared with the first value's: max |difference| and greedy tokens equal (the hand-off variants
+move values, never change them: expect 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout, installed or not
+
+CATS = ("xla call", "xla stage", "fetch wait", "fetch copy", "llvm", "other")
+
+
+class Meter:
+    def __init__(self) -> None:
+        self.s: dict[str, float] = defaultdict(float)
+        self.n: dict[str, int] = defaultdict(int)
+        self.on = False
+
+    def add(self, cat: str, dt: float) -> None:
+        if self.on:
+            self.s[cat] += dt
+            self.n[cat] += 1
+
+
+def instrument(m: Meter):
+    """Wrap the runtime's functions; returns an undo callable."""
+    from strata_compiler.backends.llvm_cpu import executor as lx
+    from strata_compiler.backends.xla import cuda_rt
+    from strata_compiler.backends.xla import executor as xx
+
+    saved = []
+
+    def patch(obj, name, make):
+        orig = getattr(obj, name)
+        saved.append((obj, name, orig))
+        setattr(obj, name, make(orig))
+
+    def timed(cat, sub=()):
+        def make(orig):
+            def f(*a, **k):
+                before = {c: m.s[c] for c in sub}
+                t0 = time.perf_counter()
+                try:
+                    return orig(*a, **k)
+                finally:
+                    dt = time.perf_counter() - t0 - sum(m.s[c] - before[c] for c in sub)
+                    m.add(cat, dt)
+            return f
+        return make
+
+    patch(cuda_rt.Staging, "stage", timed("xla stage"))
+    patch(xx.XLAExecutor, "run_partition", timed("xla call", ("xla stage",)))
+    patch(cuda_rt, "to_host", timed("fetch copy"))
+    patch(cuda_rt, "fetch_into", timed("fetch wait", ("fetch copy",)))
+    patch(lx.LLVMExecutor, "_fetch", timed("_fetch", ("fetch wait", "fetch copy")))   # the fallback path
+    patch(lx.LLVMExecutor, "run_segment", timed("llvm", ("fetch wait", "fetch copy", "_fetch")))
+
+    def undo():
+        for obj, name, orig in reversed(saved):
+            setattr(obj, name, orig)
+    return undo
+
+
+def crossings(executor) -> tuple[int, int]:
+    """(values, bytes) per decode token that cross between partitions of different kinds."""
+    parts = getattr(executor, "parts", [])
+    if not parts:
+        return 0, 0
+    g = executor.g
+    part_of = {nid: i for i, (_, _, ids) in enumerate(parts) for nid in ids}
+    seen, nbytes = set(), 0
+    for i, (kind, _, ids) in enumerate(parts):
+        for nid in ids:
+            for a in g.node(nid).args:
+                j = part_of[a]
+                if j != i and parts[j][0] != kind and (a, i) not in seen:
+                    seen.add((a, i))
+                    nbytes += g.node(a).type.bytes_per_token()
+    return len(seen), nbytes
+
+
+def measure(plan_dir: Path, n_new: int, device: str, ref: list | None = None) -> dict:
+    from strata_compiler.runtime.plan import load_plan
+    from strata_compiler.runtime.session import Session
+
+    s = Session(load_plan(plan_dir, verify_weights="none"), "auto", device=device)
+    m = Meter()
+    undo = instrument(m)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 4096, (1, 32)).astype(np.int64)
+    logits: list[np.ndarray] = []
+    try:
+        for timed_pass in (False, True):
+            s.reset(1, prompt.shape[1] + n_new + 8)
+            tok = int(s.step(prompt)[0, -1].argmax())
+            m.on = timed_pass
+            t0 = time.perf_counter()
+            for _ in range(n_new - 1):
+                out = s.step(np.array([[tok]], np.int64))[0, -1]
+                tok = int(out.argmax())
+                if timed_pass:
+                    logits.append(np.array(out, np.float32))
+            dt = time.perf_counter() - t0
+            m.on = False
+    finally:
+        undo()
+    steps = n_new - 1
+    us = {c: 1e6 * m.s.get(c, 0.0) / steps for c in CATS[:-1]}
+    us["fetch copy"] += 1e6 * m.s.get("_fetch", 0.0) / steps     # np.asarray fallback copies (no raw copy)
+    us["other"] = 1e6 * dt / steps - sum(us.values())
+    calls = {c: m.n.get(c, 0) / steps for c in CATS[:-1]}
+    kinds = [k for k, _, _ in getattr(s.executor, "parts", [])]
+    nvals, nb = crossings(s.executor)
+    diff = same = None
+    if ref:         # the first A/B value's logits (teacher forcing differs once tokens do: count those)
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(logits, ref))
+        same = sum(int(a.argmax() == b.argmax()) for a, b in zip(logits, ref))
+    return {"name": plan_dir.name, "tok_s": steps / dt, "logits": logits, "diff": diff, "same": same, "us": us,
+            "calls": calls, "parts": len(kinds), "xla_parts": kinds.count("xla"), "cross": nvals, "cross_bytes": nb, "step_us": 1e6 * dt / steps}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("plans", type=Path, nargs="+")
+    ap.add_argument("--n-new", type=int, default=48)
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu"])
+    ap.add_argument("--ab", help="VAR=V1,V2,...: run each plan once per value of this environment variable")
+    a = ap.parse_args()
+    import os
+
+    from strata_compiler.errors import StrataError
+
+    var, values = None, [None]
+    if a.ab:
+        var, eq, vals = a.ab.partition("=")
+        if not eq or not var or not vals:
+            print(f"error: --ab {a.ab!r}: expected VAR=V1,V2,...", file=sys.stderr)
+            return 2
+        values = vals.split(",")
+    rows = []
+    for p in a.plans:
+        ref = None
+        for v in values:
+            if var is not None:
+                os.environ[var] = v
+            try:
+                r = measure(p, a.n_new, a.device, ref)
+            except StrataError as e:
+                print(f"error: {p}: {e}", file=sys.stderr)
+                return 2
+            if var is not None:
+                r["name"] = f"{p.name} {var}={v}"
+                ref = ref or r["logits"]
+            rows.append(r)
+            report(r)
+    print("\n" + f"{'plan':16} {'tok/s':>7} " + " ".join(f"{c:>10}" for c in CATS))
+    for r in rows:
+        print(f"{r['name']:16} {r['tok_s']:7.1f} " + " ".join(f"{r['us'][c]:10.0f}" for c in CATS)
+              + (f"   logits max |diff| {r['diff']:.3g}, argmax equal {r['same']}/{len(r['logits'])}"
+                 if r["diff"] is not None else ""))
+    return 0
+
+
+def report(r: dict) -> None:
+    print(f"\n{r['name']}: {r['tok_s']:.1f} tok/s, {r['step_us']:.0f} us per token; {r['parts']} partitions "
+          f"({r['xla_parts']} xla); {r['cross']} values cross devices per token ({r['cross_bytes']} B)")
+    print(f"{'category':12} {'us/token':>9} {'calls/token':>12} {'us/call':>8}")
+    for c in CATS:
+        n = r["calls"].get(c, 0.0)
+        print(f"{c:12} {r['us'][c]:9.0f} {n:12.1f} {r['us'][c] / n if n else float('nan'):8.1f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
