@@ -450,8 +450,10 @@ def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok
         dn = dequantize(jnp, dn_spec, dn_p, dt).transpose(0, 2, 1)                   # [E, I, D]
         ys = jax.lax.ragged_dot(h.astype(dt), dn, sizes, precision=prec, preferred_element_type=jnp.float32)
         # back to (token, choice) order, then a weighted sum over the k choices: a scatter-add
-        # into the tokens' rows would accumulate in whatever order the GPU's atomics land, so the
-        # same prompt gave different logits from run to run (H200, 2026-11-30: 4.5e-3 apart)
+        # into the tokens' rows accumulates in whatever order the GPU's atomics land, not the same
+        # from run to run. (On an H200, 2026-11-30, two sessions of one mixed plan in one process
+        # gave decode logits up to 4.5e-3 apart after the same prompt; this scatter is the likely
+        # cause, not yet re-measured on the GPU without it.)
         back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
         out = (ys[back].reshape(M, k, D) * topw[..., None]).sum(axis=1)
     return out if residual is None else out + residual
