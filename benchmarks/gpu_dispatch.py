@@ -13,6 +13,9 @@ and times the call as the runtime makes it, then with one thing changed at a tim
   compiled       the ahead-of-time compiled executable (jit(...).lower(...).compile()) called directly
   trivial-body   the same arguments and outputs, a body that computes nothing (argument handling alone)
   tiny           a 2-argument jitted call (the dispatch floor)
+  after-host-work  "runtime" right after the calling thread streamed 8 MiB (its caches evicted, as
+                 after its share of the CPU kernels in the mixed runtime's loop, where the call
+                 measured 175-380 us against ~95 here: benchmarks/switch_breakdown.py)
 each as "dispatch" (the call returns) and "wait" (block_until_ready), median us.
 """
 
@@ -64,9 +67,11 @@ def main() -> int:
     pos = jax.device_put(np.int32(cache.length), dev)
     state = [{l: jnp.array(cache.k[l]) for l in exe.layers}, {l: jnp.array(cache.v[l]) for l in exe.layers}]
 
-    def timed(call):
+    def timed(call, before=None):
         d, w = [], []
         for i in range(a.reps + 5):
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             out = call()
             t1 = time.perf_counter()
@@ -97,13 +102,15 @@ def main() -> int:
     x = jax.device_put(np.ones((1, 2048), np.float32), dev)
     tiny = jax.jit(lambda x, p: x * 2.0 + p)
     rows.append(("tiny", lambda: tiny(x, pos)))
+    junk = np.ones(1 << 21, np.float32)         # 8 MiB: more than the core's L2
+    rows.append(("after-host-work", with_kv(exe._fn, 1, 1, pos), lambda: float(junk.sum())))
     kinds = [n.op.value for n in exe.nodes]
     print(f"partition {idx} on {dev.device_kind} ({dev.platform}): {len(exe.nodes)} ops {kinds}, {leaves} weight "
           f"arrays, {len(exe.layers)} attention layer(s), {len(exe.inputs)} input(s), {len(exe.outputs)} output(s); "
           f"median of {a.reps}")
     print(f"{'call':14} {'dispatch us':>12} {'wait us':>10}")
-    for name, call in rows:
-        d, w = timed(call)
+    for name, call, *before in rows:
+        d, w = timed(call, *before)
         print(f"{name:14} {d:12.1f} {w:10.1f}", flush=True)
     return 0
 

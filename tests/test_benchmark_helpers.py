@@ -212,8 +212,8 @@ def test_device_benchmarks_smoke(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_dispatch.py"), str(tmp_path / "pb" / "hot-cache-25"),
                         "--device", "cpu", "--reps", "3"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert [ln.split()[0] for ln in r.stdout.splitlines()[-5:]] == ["runtime", "no-donation", "compiled",
-                                                                     "trivial-body", "tiny"]
+    assert [ln.split()[0] for ln in r.stdout.splitlines()[-6:]] == ["runtime", "no-donation", "compiled",
+                                                                     "trivial-body", "tiny", "after-host-work"]
     # the host-time breakdown, with raw copies (memmove on the CPU) and an A/B of the packed
     # hand-off: packing moves values, it never changes them
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "switch_breakdown.py"), str(tmp_path / "pb" / "strata-25"),
@@ -258,6 +258,7 @@ def test_kernel_benchmarks_smoke(tmp_path):
             "--steps", "4", "--kernels", "--check", "--check-batch", "3")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "check: batch 3," in r.stdout and "greedy tokens equal 96/96" in r.stdout and "kernels:" in r.stdout
+    assert "check (teacher-forced, 33 steps)" in r.stdout and "top-1 equal 99/99" in r.stdout
 
 
 def test_gpu_decode_ab_settings():
