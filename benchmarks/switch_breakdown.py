@@ -13,6 +13,8 @@ per-call overhead swamps calls of a few µs):
   fetch wait    a CPU kernel's GPU operand: waiting for the partition that makes it
   fetch copy    ... and its device->host copy
   llvm          the CPU partitions' kernels (and their Python glue)
+  cache copy    expert-cache copies into GPU slots (swaps after a miss, prefetches)
+  prefetch      the prefetch's prediction (the next layer's router on the host), without its copies
   other         the rest of the step (the runtime's loop, sampling glue, expert-cache work)
 
 with the number of calls per token of each, and the values that cross per token (count, bytes).
@@ -35,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout, installed or not
 
-CATS = ("xla call", "xla stage", "fetch wait", "fetch copy", "llvm", "other")
+CATS = ("xla call", "xla stage", "fetch wait", "fetch copy", "llvm", "cache copy", "prefetch", "other")
 
 
 class Meter:
@@ -82,6 +84,10 @@ def instrument(m: Meter):
     patch(cuda_rt, "fetch_into", timed("fetch wait", ("fetch copy",)))
     patch(lx.LLVMExecutor, "_fetch", timed("_fetch", ("fetch wait", "fetch copy")))   # the fallback path
     patch(lx.LLVMExecutor, "run_segment", timed("llvm", ("fetch wait", "fetch copy", "_fetch")))
+    from strata_compiler.runtime import partitions as rp
+
+    patch(rp.MixedExecutor, "_copy_in", timed("cache copy", ("xla stage", "fetch wait", "fetch copy")))
+    patch(rp.MixedExecutor, "_prefetch", timed("prefetch", ("cache copy", "fetch wait", "fetch copy")))
 
     def undo():
         for obj, name, orig in reversed(saved):
