@@ -122,6 +122,11 @@ class MixedExecutor:
         # with raw copies, the decode results only CPU kernels read leave each GPU partition as one
         # buffer: one device->host copy per switch instead of one per value (STRATA_PACK_HOST=0: off)
         self._pack(self.raw_copy and os.environ.get("STRATA_PACK_HOST", "1") != "0")
+        # STRATA_STEP_INPUTS=1: ids and position go to each GPU once per step (_step_inputs), not
+        # staged by every partition (off by default until measured on a GPU with raw copies)
+        self._step_stage: dict = {}
+        if os.environ.get("STRATA_STEP_INPUTS", "0") == "1":
+            self.step_inputs_on_device = True
 
     def _pack(self, on: bool) -> None:
         for i, (kind, exe, _) in enumerate(self.parts):
@@ -151,6 +156,19 @@ class MixedExecutor:
         of one per result (decode steps). Call before the first step."""
         self.step_inputs_on_device = step_inputs
         self._pack(pack)
+
+    def _step_inputs(self, exe, input_ids: np.ndarray, cache) -> tuple:
+        """This step's token ids and cache position on exe's GPU, shared by its partitions: raw
+        copies into a staging pair of the device when raw copies are on (two copies a step, not
+        two a partition), else JAX's device_put."""
+        from strata_compiler.backends.xla.executor import RAW_MAX_TOKENS
+
+        if not self.raw_copy or input_ids.size > RAW_MAX_TOKENS or not hasattr(exe, "_home"):
+            return exe.step_inputs(input_ids, cache)
+        st = self._step_stage.get(exe.device)
+        if st is None:
+            st = self._step_stage[exe.device] = cuda_rt.Staging(exe._home())
+        return (st.stage("ids", np.asarray(input_ids, np.int32)), st.stage("pos", np.asarray(cache.length, np.int32)))
 
     def _gpu_plan(self, device: str, shrink: bool) -> dict[int, int]:
         """Slots per expert-cache GPU share so that the xla partitions' weights fit the device's
@@ -329,6 +347,7 @@ class MixedExecutor:
             us = float(os.environ.get("STRATA_HAND_OFF_SPIN_US", HAND_OFF_SPIN_US))   # (A/B runs)
             set_spin(spin_us=us, yield_us=us, caller_spin_us=us)
         step_in: dict = {}      # per GPU: this step's ids and position, put there once
+        last: dict = {}         # per GPU: the step's last xla partition there
         for i, (kind, exe, ids) in enumerate(self.parts):
             if kind == "reference":
                 if trace.ACTIVE is None:
@@ -338,8 +357,9 @@ class MixedExecutor:
                         exe.run_segment(env, input_ids, cache, ids)
             elif kind == "xla":
                 if self.step_inputs_on_device and exe.device not in step_in:
-                    step_in[exe.device] = exe.step_inputs(input_ids, cache)
+                    step_in[exe.device] = self._step_inputs(exe, input_ids, cache)
                 exe.run_segment(env, input_ids, cache, step_in.get(exe.device))
+                last[exe.device] = exe
                 for nid in () if self.raw_copy else self.to_host.get(i, ()):
                     v = env.get(nid)
                     if hasattr(v, "copy_to_host_async"):
@@ -350,6 +370,11 @@ class MixedExecutor:
                 for nid in ids:
                     if nid in self.lookahead and nid in env:
                         self._prefetch(nid, env)
+        for dev, exe in last.items():   # the step staging of a GPU is rewritten once its last reader is done
+            st = self._step_stage.get(dev)
+            g = getattr(getattr(exe, "_stage", None), "guard", None)
+            if st is not None and g is not None:
+                st.guard = g
         cache.advance(T)
         if self.caches:
             self._swap_experts()

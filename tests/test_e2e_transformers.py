@@ -188,16 +188,17 @@ def test_mixed_plan_hand_off_variants_give_the_same_logits(tmp_path, monkeypatch
     d = build_model("olmoe", tmp_path / "model")
     compile_plan(d, tmp_path / "plan", "--place", "experts=cpu,all=gpu")
     runs = {}
-    for mode in ("default", "try", "legacy", "raw", "raw-unpacked"):
+    for mode in ("default", "try", "legacy", "raw", "raw-unpacked", "raw-step-inputs"):
         if mode.startswith("raw"):
             monkeypatch.setenv("STRATA_RAW_COPY", "host")
             monkeypatch.setenv("STRATA_PACK_HOST", "0" if mode == "raw-unpacked" else "1")
+            monkeypatch.setenv("STRATA_STEP_INPUTS", "1" if mode == "raw-step-inputs" else "0")
         s = Session(load_plan(tmp_path / "plan"), "auto", device="cpu")
         if mode.startswith("raw"):
             assert s.executor.raw_copy and cuda_rt.mode == "host"
             # raw copies pack the CPU-bound decode results into one buffer per partition by default
             packed = any(exe.packed for kind, exe, _ in s.executor.parts if kind == "xla")
-            assert packed == (mode == "raw")
+            assert packed == (mode != "raw-unpacked")
         else:
             assert not s.executor.raw_copy
         if mode == "try":
@@ -213,8 +214,13 @@ def test_mixed_plan_hand_off_variants_give_the_same_logits(tmp_path, monkeypatch
         if mode.startswith("raw"):   # the host values the GPU partitions read went through staging arrays
             staged = [k for kind, exe, _ in s.executor.parts if kind == "xla" and hasattr(exe, "_stage")
                       for k in exe._stage.bufs]
-            assert "ids" in staged and "pos" in staged and any(isinstance(k, int) for k in staged)
+            assert any(isinstance(k, int) for k in staged)
+            if mode == "raw-step-inputs":    # ids and position once per step, shared by the partitions
+                assert "ids" not in staged and "pos" not in staged
+                assert set(next(iter(s.executor._step_stage.values())).bufs) == {"ids", "pos"}
+            else:
+                assert "ids" in staged and "pos" in staged and not s.executor._step_stage
             cuda_rt.disable()
-    for mode in ("try", "legacy", "raw", "raw-unpacked"):
+    for mode in ("try", "legacy", "raw", "raw-unpacked", "raw-step-inputs"):
         for a, b in zip(runs[mode], runs["default"]):
             np.testing.assert_array_equal(a, b)
