@@ -98,6 +98,12 @@ class Tracer:
         tmp.write_text(json.dumps(self.document()))
         os.replace(tmp, path)
 
+    def overlap(self, a: str = "cpu", b: str = "gpu") -> float:
+        """Seconds during which tracks a and b were both busy."""
+        self.join()
+        with self._lock:
+            return overlap_seconds(self.events, TRACKS[a], TRACKS[b])
+
     def stats_lines(self, wall_seconds: float) -> list[str]:
         self.join()
         lines = [f"busy time per track over {wall_seconds:.3f} s of run:"]
@@ -105,10 +111,43 @@ class Tracer:
             if self.counts.get(t):
                 lines.append(f"  {TRACK_NAMES[t]:32s} {self.busy[t]:9.4f} s  {self.counts[t]:7d} spans  "
                              f"({100 * self.busy[t] / max(wall_seconds, 1e-12):5.1f} %)")
+        if self.counts.get("cpu") and self.counts.get("gpu"):
+            both = self.overlap("cpu", "gpu")
+            lines.append(f"  cpu kernels and gpu partitions at once: {both:.4f} s "
+                         f"({100 * both / max(self.busy['gpu'], 1e-12):.1f} % of the gpu's busy time)")
         for link in ("h2d", "d2h"):
             if self.counts.get(link):
                 lines.append(f"  bytes moved {link}: {self.bytes[link]} B in {self.counts[link]} copies")
         return lines
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def overlap_seconds(events: list[dict], tid_a: int, tid_b: int) -> float:
+    """Seconds during which a complete ("X") event of track tid_a and one of tid_b run at once
+    (each track's spans merged first, so nested or touching spans count once)."""
+    def spans(tid):
+        return _merged([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("tid") == tid])
+    A, B = spans(tid_a), spans(tid_b)
+    i = j = 0
+    total = 0.0
+    while i < len(A) and j < len(B):
+        lo, hi = max(A[i][0], B[j][0]), min(A[i][1], B[j][1])
+        if hi > lo:
+            total += hi - lo
+        if A[i][1] < B[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total / 1e6
 
 
 def validate(doc: dict) -> None:

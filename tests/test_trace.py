@@ -48,6 +48,25 @@ def test_mixed_plan_trace_has_every_track_and_validates(model, tmp_path, capsys)
     assert len(moe) == 4 * 2          # two MoE layers on the CPU, four steps
     err = capsys.readouterr().err
     assert "busy time per track" in err and "bytes moved h2d" in err
+    assert "cpu kernels and gpu partitions at once:" in err
+
+
+def test_overlap_of_two_tracks():
+    """Each track's spans are merged first (nested spans count once), then intersected."""
+    from strata_compiler.runtime.trace import overlap_seconds
+
+    def x(tid, ts, dur):
+        return {"name": "k", "ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+
+    cpu, gpu = TRACKS["cpu"], TRACKS["gpu"]
+    ev = [x(cpu, 0, 100), x(cpu, 10, 20), x(cpu, 150, 50),       # cpu busy [0,100) and [150,200)
+          x(gpu, 90, 70), x(gpu, 190, 30), x(TRACKS["h2d"], 0, 1000)]
+    assert overlap_seconds(ev, cpu, gpu) == pytest.approx((10 + 10 + 10) / 1e6)
+    assert overlap_seconds(ev, gpu, cpu) == pytest.approx(30 / 1e6)
+    assert overlap_seconds(ev, cpu, TRACKS["d2h"]) == 0.0
+    t = Tracer()
+    t.events = ev
+    assert t.overlap() == pytest.approx(30 / 1e6)
 
 
 def test_validate_rejects_malformed_events():
