@@ -144,12 +144,17 @@ def measure(plan_dir: Path, n_new: int, device: str, ref: list | None = None) ->
     us["other"] = 1e6 * dt / steps - sum(us.values())
     calls = {c: m.n.get(c, 0) / steps for c in CATS[:-1]}
     kinds = [k for k, _, _ in getattr(s.executor, "parts", [])]
+    caches = getattr(s.executor, "caches", [])
+    hits, miss = sum(c.hits for c, *_ in caches), sum(c.misses for c, *_ in caches)
+    cache = (f"; expert caches: hit rate {hits / max(hits + miss, 1):.1%}, "
+             f"{sum(c.bytes_moved for c, *_ in caches) / 2**20:.0f} MiB copied over both passes, "
+             f"{getattr(s.executor, 'pinned_bytes', 0) / 2**20:.0f} MiB pinned") if caches else ""
     nvals, nb = crossings(s.executor)
     diff = same = None
     if ref:         # the first A/B value's logits (teacher forcing differs once tokens do: count those)
         diff = max(float(np.abs(a - b).max()) for a, b in zip(logits, ref))
         same = sum(int(a.argmax() == b.argmax()) for a, b in zip(logits, ref))
-    return {"name": plan_dir.name, "tok_s": steps / dt, "logits": logits, "diff": diff, "same": same, "us": us,
+    return {"name": plan_dir.name, "cache": cache, "tok_s": steps / dt, "logits": logits, "diff": diff, "same": same, "us": us,
             "calls": calls, "parts": len(kinds), "xla_parts": kinds.count("xla"), "cross": nvals, "cross_bytes": nb, "step_us": 1e6 * dt / steps}
 
 
@@ -197,7 +202,7 @@ def main() -> int:
 
 def report(r: dict) -> None:
     print(f"\n{r['name']}: {r['tok_s']:.1f} tok/s, {r['step_us']:.0f} us per token; {r['parts']} partitions "
-          f"({r['xla_parts']} xla); {r['cross']} values cross devices per token ({r['cross_bytes']} B)")
+          f"({r['xla_parts']} xla); {r['cross']} values cross devices per token ({r['cross_bytes']} B){r['cache']}")
     print(f"{'category':12} {'us/token':>9} {'calls/token':>12} {'us/call':>8}")
     for c in CATS:
         n = r["calls"].get(c, 0.0)

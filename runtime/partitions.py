@@ -67,6 +67,8 @@ class MixedExecutor:
         self.caches: list = []      # (ExpertCache, xla executor, GPU node, host node) per cached layer
         self.lookahead: dict = {}   # node id -> the caches whose prefetch its value triggers
         self.prefetch = True
+        self.async_swaps = False    # enable_expert_cache: STRATA_PINNED_SWAPS
+        self.pinned_bytes = 0
         self.copy_share = COPY_SHARE
         self._step_s = 0.0          # moving average of a step's time (without its copies)
         self._copy_s = 0.0          # copy seconds spent this step (budget: copy_share * _step_s)
@@ -239,6 +241,11 @@ class MixedExecutor:
         expert_cache.clear(self.g)
         self.caches = []
         self.lookahead = {}
+        # STRATA_PINNED_SWAPS=1: the cached layers' host weights page-locked, and their copies into
+        # GPU slots queued without waiting (the partition reading the slots waits). Off by default
+        # until measured on a GPU.
+        self.async_swaps = os.environ.get("STRATA_PINNED_SWAPS", "0") == "1"
+        pinned = []
         part_of = {nid: (kind, exe) for kind, exe, ids in self.parts for nid in ids}
         index = {nid: i for i, (_, _, ids) in enumerate(self.parts) for nid in ids}
         for n in self.g.nodes:
@@ -251,6 +258,8 @@ class MixedExecutor:
             slots = part_of[n.id][1].slots_of[n.id]
             c = expert_cache.ExpertCache(key, E, np.array(n.attr("experts")[:slots], np.int32),
                                          max_swaps=max_swaps, policy=policy)
+            if self.async_swaps:
+                pinned += [a for role, _ in n.weights for a in self.weights.arrays(host.weight(role)).values()]
             expert_cache.CACHES[id(self.g), key] = c
             self.caches.append((c, part_of[n.id][1], n, host))
             trig = self._lookahead(n)
@@ -262,6 +271,10 @@ class MixedExecutor:
                 if kind in ("xla", "llvm") and trig[0] not in exe.outputs:
                     exe.outputs.append(trig[0])     # its partition hands the hidden state out too (set
                                                     # before the first step: jit traces outputs then)
+        from . import disk_tier
+
+        if pinned and not disk_tier.TIERS:     # (pages of the disk tier must stay evictable)
+            self.pinned_bytes = cuda_rt.pin(pinned)
         return len(self.caches)
 
     def _lookahead(self, n):
@@ -324,7 +337,7 @@ class MixedExecutor:
         rows = {role: {a: v[e] for a, v in self.weights.arrays(host.weight(role)).items()}
                 for role, _ in gpu_node.weights}
         t0 = time.perf_counter()
-        moved = xla.set_slot(gpu_node.id, slot, rows)
+        moved = xla.set_slot(gpu_node.id, slot, rows, wait=not self.async_swaps)
         dt = time.perf_counter() - t0
         self._copy_s += dt
         c.bytes_moved += moved

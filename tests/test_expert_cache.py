@@ -117,6 +117,28 @@ def test_every_decode_step_matches_with_swaps(model, tmp_path, monkeypatch, batc
     assert sum(c.prefetches for c, *_ in caches) > 0 and sum(c.pf_predicted for c, *_ in caches) > 0
 
 
+def test_pinned_swaps_keep_the_logits(model, tmp_path, monkeypatch):
+    """STRATA_PINNED_SWAPS=1 (page-locked host weights, slot copies queued without waiting: on a
+    GPU; here, without CUDA, nothing is pinned and copies land at once) changes no logit."""
+    from strata_compiler.runtime.session import Session
+
+    d, m, ids = model
+    plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
+    out = {}
+    for pinned in ("1", "0"):
+        monkeypatch.setenv("STRATA_PINNED_SWAPS", pinned)
+        s = Session(plan, "auto", device="cpu")
+        assert s.executor.async_swaps == (pinned == "1") and s.executor.pinned_bytes == 0
+        s.reset(1, 64)
+        steps = [s.step(ids)[:, -1]]
+        rng = np.random.default_rng(2)
+        for _ in range(6):
+            steps.append(s.step(rng.integers(0, m.config.vocab_size, (1, 1)))[:, -1])
+        out[pinned] = np.concatenate(steps)
+        assert sum(c.swaps + c.prefetches for c, *_ in s.executor.caches) > 0
+    np.testing.assert_array_equal(out["1"], out["0"])
+
+
 def test_copy_budget_caps_swaps_and_keeps_the_logits(model, tmp_path, monkeypatch):
     """With no copy time allowed per step (copy_share 0), only the steps before a step time is known
     (the prefill and the first decode step) copy experts; the later ones leave their copies out

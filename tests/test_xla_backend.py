@@ -99,6 +99,15 @@ def test_raw_copy_staging_round_trip(monkeypatch):
             np.testing.assert_array_equal(out, x * 2 + i)
         assert not cuda_rt.fetch_into(y, np.empty((1, 8), np.float64))
         np.testing.assert_array_equal(cuda_rt.fetch(y), np.asarray(y))
+        # a staged value rewritten without write=True stays; a bulk copy (wait=False) lands by wait_bulk
+        assert st.stage("pos", np.asarray(9, np.int32), write=False) is p and int(np.asarray(p)) == 2
+        buf = st.stage(1, np.zeros(8, np.float32))
+        cuda_rt.to_device(np.full(4, 7, np.float32), buf, offset=16, wait=False)
+        cuda_rt.wait_bulk()
+        np.testing.assert_array_equal(np.asarray(buf), [0, 0, 0, 0, 7, 7, 7, 7])
+        with pytest.raises(ValueError, match="does not fit"):
+            cuda_rt.to_device(np.zeros(4, np.float32), buf, offset=20)
+        assert cuda_rt.pin([x]) == 0          # page-locking needs CUDA
         monkeypatch.setenv("STRATA_RAW_COPY", "0")
         assert cuda_rt.enable("gpu") is None and cuda_rt.mode is None
     finally:

@@ -536,6 +536,7 @@ class XLAExecutor:
         self.outputs = [n.id for n in self.nodes if any(u == -1 or u not in ids for u in users[n.id])]
         self.layers = sorted({n.attr("layer") for n in self.nodes if n.op is Op.FUSED_ATTENTION})
         self._reads_ids = any(n.op is Op.INPUT_IDS for n in self.nodes)   # else the ids argument is unused
+        self._bulk_pending = False      # set_slot(wait=False) copies not yet waited for
         self.route_k = {}
         for n in self.nodes:
             if n.op is Op.MOE_FFN:
@@ -607,9 +608,11 @@ class XLAExecutor:
         ids = [i for i in node_ids if self.g.node(i).type.dtype is DType.F32]
         self.packed, self._packed_T = (ids, tokens) if len(ids) > 1 else ([], 0)
 
-    def set_slot(self, node_id: int, slot: int, rows: dict[str, dict[str, np.ndarray]]) -> int:
+    def set_slot(self, node_id: int, slot: int, rows: dict[str, dict[str, np.ndarray]], wait: bool = True) -> int:
         """An expert cache swap: the stored arrays of one expert (by role, then array) into slot
-        `slot` of node `node_id`'s weights, in place on the device. Returns the bytes copied."""
+        `slot` of node `node_id`'s weights, in place on the device. Returns the bytes copied.
+        wait=False: raw copies return once queued (cuda_rt bulk stream); this partition's next
+        call waits for them."""
         jax = _jax()
         if not hasattr(self, "_put_row"):
             self._put_row = jax.jit(lambda a, r, i: a.at[i].set(r), donate_argnums=0)
@@ -626,7 +629,8 @@ class XLAExecutor:
                 cur = self.params[name][arr]
                 host = np.ascontiguousarray(host, dtype=cur.dtype)
                 if raw and host.nbytes * cur.shape[0] == cur.nbytes:
-                    cuda_rt.to_device(host, cur, offset=slot * host.nbytes)
+                    cuda_rt.to_device(host, cur, offset=slot * host.nbytes, wait=wait)
+                    self._bulk_pending |= not wait
                 else:
                     dev = jax.device_put(host, self.device)
                     self.params[name][arr] = self._put_row(cur, dev, np.int32(slot))
@@ -667,6 +671,9 @@ class XLAExecutor:
             ids[:, :T] = input_ids
         ks = {l: cache.k[l] for l in self.layers}
         vs = {l: cache.v[l] for l in self.layers}
+        if self._bulk_pending:      # expert-slot copies queued without waiting (set_slot) land first
+            cuda_rt.wait_bulk()
+            self._bulk_pending = False
         # NumPy arguments go to the device inside jit's C++ dispatch; jnp.asarray here would take
         # JAX's Python path (two primitive dispatches per call: ~0.3 ms each, measured)
         staging = self._staging() if B * T_pad <= RAW_MAX_TOKENS else None
