@@ -245,6 +245,14 @@ class MixedExecutor:
         # GPU slots queued without waiting (the partition reading the slots waits). Off by default
         # until measured on a GPU.
         self.async_swaps = os.environ.get("STRATA_PINNED_SWAPS", "0") == "1"
+        # STRATA_PREFETCH_PER_LAYER: copies per layer per step the prediction may start (default 1;
+        # cheap copies — pinned, queued — may afford the whole prediction's misses)
+        raw = os.environ.get("STRATA_PREFETCH_PER_LAYER", "1")
+        if not raw.isdigit():
+            from strata_compiler.errors import UsageError
+
+            raise UsageError(f"STRATA_PREFETCH_PER_LAYER={raw!r}: give a whole number of expert copies (default 1)")
+        prefetch_per_layer = int(raw)
         pinned = []
         part_of = {nid: (kind, exe) for kind, exe, ids in self.parts for nid in ids}
         index = {nid: i for i, (_, _, ids) in enumerate(self.parts) for nid in ids}
@@ -258,6 +266,7 @@ class MixedExecutor:
             slots = part_of[n.id][1].slots_of[n.id]
             c = expert_cache.ExpertCache(key, E, np.array(n.attr("experts")[:slots], np.int32),
                                          max_swaps=max_swaps, policy=policy)
+            c.max_prefetch = prefetch_per_layer
             if self.async_swaps:
                 pinned += [a for role, _ in n.weights for a in self.weights.arrays(host.weight(role)).values()]
             expert_cache.CACHES[id(self.g), key] = c

@@ -11,6 +11,7 @@ import pytest
 from hf_models import build_model, clear_prompts, hf_greedy, hf_logits, load_model
 from strata_compiler.cli import stratac
 from strata_compiler.cli_common import run_cli
+from strata_compiler.errors import UsageError
 from strata_compiler.runtime.cli import strata_run
 from strata_compiler.runtime.expert_cache import ExpertCache
 from strata_compiler.runtime.plan import load_plan
@@ -137,6 +138,18 @@ def test_pinned_swaps_keep_the_logits(model, tmp_path, monkeypatch):
         out[pinned] = np.concatenate(steps)
         assert sum(c.swaps + c.prefetches for c, *_ in s.executor.caches) > 0
     np.testing.assert_array_equal(out["1"], out["0"])
+    monkeypatch.setenv("STRATA_PREFETCH_PER_LAYER", "4")       # more prefetches a layer: the same logits
+    s = Session(plan, "auto", device="cpu")
+    assert {c.max_prefetch for c, *_ in s.executor.caches} == {4}
+    s.reset(1, 64)
+    steps = [s.step(ids)[:, -1]]
+    rng = np.random.default_rng(2)
+    for _ in range(6):
+        steps.append(s.step(rng.integers(0, m.config.vocab_size, (1, 1)))[:, -1])
+    assert np.abs(np.concatenate(steps) - out["0"]).max() / out["0"].std() <= 1e-5
+    monkeypatch.setenv("STRATA_PREFETCH_PER_LAYER", "many")
+    with pytest.raises(UsageError, match="STRATA_PREFETCH_PER_LAYER"):
+        Session(plan, "auto", device="cpu")
 
 
 def test_copy_budget_caps_swaps_and_keeps_the_logits(model, tmp_path, monkeypatch):
