@@ -29,6 +29,22 @@ HAND_OFF_SPIN_US = 30.0     # idle CPU workers' spin in plans that hand off to t
 COPY_SHARE = 0.10
 
 
+def _spin_us() -> float:
+    """STRATA_HAND_OFF_SPIN_US (A/B runs), else HAND_OFF_SPIN_US."""
+    raw = os.environ.get("STRATA_HAND_OFF_SPIN_US")
+    if raw is None:
+        return HAND_OFF_SPIN_US
+    try:
+        us = float(raw)
+    except ValueError:
+        us = -1.0
+    if not 0 <= us < 1e7:
+        from strata_compiler.errors import UsageError
+
+        raise UsageError(f"STRATA_HAND_OFF_SPIN_US={raw!r}: give microseconds, >= 0 (default {HAND_OFF_SPIN_US:g})")
+    return us
+
+
 def partitions(g: Graph, mesh: bool = False) -> list[tuple[str, list[int]]]:
     """(backend, node ids) for each maximal run of consecutive nodes bound to one backend (and,
     for xla, one GPU, unless `mesh`: then one run spans the GPUs); an expert cache's GPU share
@@ -366,7 +382,7 @@ class MixedExecutor:
             # (a repeated set costs nothing); CPU-only executors put the default back.
             from strata_compiler.backends.llvm_cpu.pool import set_spin
 
-            us = float(os.environ.get("STRATA_HAND_OFF_SPIN_US", HAND_OFF_SPIN_US))   # (A/B runs)
+            us = _spin_us()
             set_spin(spin_us=us, yield_us=us, caller_spin_us=us)
         step_in: dict = {}      # per GPU: this step's ids and position, put there once
         last: dict = {}         # per GPU: the step's last xla partition there

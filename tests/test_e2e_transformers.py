@@ -224,3 +224,19 @@ def test_mixed_plan_hand_off_variants_give_the_same_logits(tmp_path, monkeypatch
     for mode in ("try", "legacy", "raw", "raw-unpacked", "raw-step-inputs"):
         for a, b in zip(runs[mode], runs["default"]):
             np.testing.assert_array_equal(a, b)
+
+
+def test_hand_off_spin_setting(monkeypatch):
+    """STRATA_HAND_OFF_SPIN_US (idle CPU workers' spin in plans that hand off to the GPU): the
+    default, a value, and a bad value as one clear error."""
+    from strata_compiler.errors import UsageError
+    from strata_compiler.runtime.partitions import HAND_OFF_SPIN_US, _spin_us
+
+    monkeypatch.delenv("STRATA_HAND_OFF_SPIN_US", raising=False)
+    assert _spin_us() == HAND_OFF_SPIN_US
+    monkeypatch.setenv("STRATA_HAND_OFF_SPIN_US", "250")
+    assert _spin_us() == 250.0
+    for bad in ("fast", "-1"):
+        monkeypatch.setenv("STRATA_HAND_OFF_SPIN_US", bad)
+        with pytest.raises(UsageError, match="STRATA_HAND_OFF_SPIN_US"):
+            _spin_us()
