@@ -136,7 +136,8 @@ def _info(x) -> tuple[bool, object]:
 
 def _stream_of(d, bulk: bool = False):
     """A non-blocking CUDA stream of device d for the raw copies (default), or None with
-    STRATA_RAW_STREAM=0 (the legacy default stream).
+    STRATA_RAW_STREAM=0 (the legacy default stream); `bulk`: a second one, for the expert-cache
+    copies queued without waiting (to_device(wait=False)).
 
     cudaMemcpy on the legacy stream also waits for the work queued on XLA's stream, though the
     copy's source is known ready: in a traced H200 run, a CPU share's input copy returned only when
@@ -224,7 +225,9 @@ def pin(arrays) -> int:
     it run at the pinned rate (an H200 host: 52 against 6.5 GB/s pageable, BENCHMARKS.md) and
     without a staging copy on the host. Page ranges are merged first (neighbouring arrays share
     pages; a range registered twice is an error). Returns the bytes pinned; 0 without a CUDA
-    runtime, and whatever fails to register stays pageable."""
+    runtime, and whatever fails to register stays pageable. Registrations last as long as the
+    process (the driver holds the pages), so pin only memory that lives as long: the plan's
+    weight mapping of a session."""
     if mode != "cuda" or _LIB is None:
         return 0
     import mmap
