@@ -85,6 +85,8 @@ def main() -> int:
     def with_kv(fn, *rest):
         def call():
             outs, k, v = fn(exe.params, state[0], state[1], ext, ids, *rest)
+            if isinstance(k, tuple):      # exe._fn's results are tuples in exe.layers order
+                k, v = dict(zip(exe.layers, k)), dict(zip(exe.layers, v))
             state[0], state[1] = k, v
             return outs
         return call

@@ -73,6 +73,29 @@ def test_second_run_compiles_nothing(plans, tmp_path):
     assert r.returncode == 0 and {e.name for e in (tmp_path / "cache" / "xla").iterdir()} == before
 
 
+def test_layer_partitions_of_one_shape_compile_once(tmp_path):
+    """A plan that puts every layer's experts on the CPU has one GPU partition per layer, all of
+    one structure: they lower to the same module (results as tuples, not dicts keyed by node ids),
+    so the persistent cache holds one entry per distinct partition and shape, not one per layer."""
+    d = build_model("olmoe", tmp_path / "model", num_hidden_layers=5)
+    plan = tmp_path / "plan"
+    assert run_cli(stratac, ["compile", str(d), "-o", str(plan), "--place", "experts=cpu,all=gpu"]) == 0
+    g = load_plan(plan).graph
+    from strata_compiler.runtime.partitions import partitions
+
+    n_xla = sum(b == "xla" for b, _ in partitions(g))
+    env = dict(os.environ, STRATA_CACHE_DIR=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
+    np.save(tmp_path / "ids.npy", np.array([[1, 2, 3]], np.int64))
+    r = subprocess.run([str(Path(sys.executable).parent / "strata-run"), str(plan), "--input-ids",
+                        str(tmp_path / "ids.npy"), "-n", "3", "--device", "cpu"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    entries = [e for e in (tmp_path / "cache" / "xla").iterdir() if e.name.startswith("jit__")]
+    # prefill and decode shapes of: the first partition (embedding), the middle layers' (all
+    # alike), the last one (its layer and the head)
+    assert n_xla == 6 and len(entries) <= 2 * 3, (n_xla, [e.name for e in entries])
+
+
 def test_raw_copy_staging_round_trip(monkeypatch):
     """cuda_rt's staging and fetch logic, with memmove on JAX's CPU arrays standing in for
     cudaMemcpy: a staged value reaches the jitted call (0-d arrays stay 0-d), a rewrite waits for

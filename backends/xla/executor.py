@@ -563,7 +563,8 @@ class XLAExecutor:
                 raise GPUOutOfMemory(str(e).splitlines()[0][:200]) from None
             raise
         self.kv_dtype = jnp.float32
-        self._fn = jax.jit(self._forward, static_argnums=(5, 6), donate_argnums=(1, 2))
+        self._out_keys: dict[tuple[int, int], tuple] = {}     # (B, T) -> the result keys of _flat's first tuple
+        self._fn = jax.jit(self._flat, static_argnums=(5, 6), donate_argnums=(1, 2))
 
     def _home(self):
         """Where this partition's own arrays go (device_put target): its device."""
@@ -599,6 +600,15 @@ class XLAExecutor:
         if self.packed and T == self._packed_T:    # the host-bound results as one f32 buffer: one copy
             outs[PACKED] = c.jnp.concatenate([outs[o].reshape(-1).astype(c.jnp.float32) for o in self.packed])
         return outs, ks, vs
+
+    def _flat(self, params, ks, vs, ext, ids, B, T, pos):
+        """_forward with its results as tuples (in _out_keys[B, T] and self.layers order), not dicts
+        keyed by node ids and layers: result keys are written into the lowered module, so
+        structurally equal partitions (one per layer in a split plan) lower to the same module and
+        compile once, through the persistent cache."""
+        outs, ks, vs = self._forward(params, ks, vs, ext, ids, B, T, pos)
+        self._out_keys[B, T] = tuple(outs)
+        return tuple(outs.values()), tuple(ks[l] for l in self.layers), tuple(vs[l] for l in self.layers)
 
     def pack_for_host(self, node_ids, tokens: int = 1) -> None:
         """Results `node_ids` (f32, read only by the CPU) leave the device as one buffer, at steps
@@ -688,13 +698,14 @@ class XLAExecutor:
             ids_arg, pos_arg = np.asarray(ids, np.int32), np.int32(cache.length)
         if staging is not None:
             ext = {i: staging.stage(i, v) if isinstance(v, np.ndarray) else v for i, v in ext.items()}
-        outs, ks, vs = self._fn(self.params, ks, vs, ext, ids_arg, B, T_pad, pos_arg)
+        flat, kt, vt = self._fn(self.params, ks, vs, ext, ids_arg, B, T_pad, pos_arg)
+        outs = dict(zip(self._out_keys[B, T_pad], flat))
         if staging is not None and outs:
             staging.guard = next(iter(outs.values()))   # the next rewrite waits for this call
         if self.cached:
             self._last_outs = outs      # an expert-slot rewrite (set_slot) waits for this call
-        for l in self.layers:
-            cache.k[l], cache.v[l] = ks[l], vs[l]
+        for l, k, v in zip(self.layers, kt, vt):
+            cache.k[l], cache.v[l] = k, v
         return outs
 
     def _staging(self):
