@@ -1,7 +1,7 @@
 """Where a mixed plan's decode step goes on the host, by category, in µs per token.
 
     python benchmarks/switch_breakdown.py PLAN_DIR [PLAN_DIR ...] [--n-new 48] [--device auto|cpu]
-        [--ab VAR=V1,V2,...]
+        [--ab VAR=V1,V2,... | --ab 'VAR=V1|V2|...']
 
 A plan that splits layers between the GPU and the CPU crosses between them about twice per
 layer. This decodes --n-new greedy tokens after a 32-token prompt (one warm-up pass first) and
@@ -163,7 +163,8 @@ def main() -> int:
     ap.add_argument("plans", type=Path, nargs="+")
     ap.add_argument("--n-new", type=int, default=48)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu"])
-    ap.add_argument("--ab", help="VAR=V1,V2,...: run each plan once per value of this environment variable")
+    ap.add_argument("--ab", help="VAR=V1,V2,... (or VAR=V1|V2|... for values holding commas): run each plan "
+                                 "once per value of this environment variable")
     a = ap.parse_args()
     import os
 
@@ -175,7 +176,7 @@ def main() -> int:
         if not eq or not var or not vals:
             print(f"error: --ab {a.ab!r}: expected VAR=V1,V2,...", file=sys.stderr)
             return 2
-        values = vals.split(",")
+        values = vals.split("|") if "|" in vals else vals.split(",")     # '|' for values holding commas
     rows = []
     for p in a.plans:
         ref = None

@@ -29,20 +29,24 @@ HAND_OFF_SPIN_US = 30.0     # idle CPU workers' spin in plans that hand off to t
 COPY_SHARE = 0.10
 
 
-def _spin_us() -> float:
-    """STRATA_HAND_OFF_SPIN_US (A/B runs), else HAND_OFF_SPIN_US."""
+def _spin_us() -> tuple[float, float]:
+    """(spin, yield) microseconds of idle CPU workers in plans that hand off to the GPU:
+    STRATA_HAND_OFF_SPIN_US as `US` (both) or `SPIN,YIELD` (A/B runs), else HAND_OFF_SPIN_US."""
     raw = os.environ.get("STRATA_HAND_OFF_SPIN_US")
     if raw is None:
-        return HAND_OFF_SPIN_US
+        return HAND_OFF_SPIN_US, HAND_OFF_SPIN_US
     try:
-        us = float(raw)
+        vals = [float(v) for v in raw.split(",")]
     except ValueError:
-        us = -1.0
-    if not 0 <= us < 1e7:
+        vals = []
+    if len(vals) == 1:
+        vals *= 2
+    if len(vals) != 2 or not all(0 <= v < 1e7 for v in vals):
         from strata_compiler.errors import UsageError
 
-        raise UsageError(f"STRATA_HAND_OFF_SPIN_US={raw!r}: give microseconds, >= 0 (default {HAND_OFF_SPIN_US:g})")
-    return us
+        raise UsageError(f"STRATA_HAND_OFF_SPIN_US={raw!r}: give microseconds >= 0, as US or SPIN,YIELD "
+                         f"(default {HAND_OFF_SPIN_US:g})")
+    return vals[0], vals[1]
 
 
 def partitions(g: Graph, mesh: bool = False) -> list[tuple[str, list[int]]]:
@@ -382,8 +386,8 @@ class MixedExecutor:
             # (a repeated set costs nothing); CPU-only executors put the default back.
             from strata_compiler.backends.llvm_cpu.pool import set_spin
 
-            us = _spin_us()
-            set_spin(spin_us=us, yield_us=us, caller_spin_us=us)
+            spin, yld = _spin_us()
+            set_spin(spin_us=spin, yield_us=yld, caller_spin_us=spin)
         step_in: dict = {}      # per GPU: this step's ids and position, put there once
         last: dict = {}         # per GPU: the step's last xla partition there
         for i, (kind, exe, ids) in enumerate(self.parts):

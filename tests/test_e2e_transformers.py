@@ -233,10 +233,12 @@ def test_hand_off_spin_setting(monkeypatch):
     from strata_compiler.runtime.partitions import HAND_OFF_SPIN_US, _spin_us
 
     monkeypatch.delenv("STRATA_HAND_OFF_SPIN_US", raising=False)
-    assert _spin_us() == HAND_OFF_SPIN_US
+    assert _spin_us() == (HAND_OFF_SPIN_US, HAND_OFF_SPIN_US)
     monkeypatch.setenv("STRATA_HAND_OFF_SPIN_US", "250")
-    assert _spin_us() == 250.0
-    for bad in ("fast", "-1"):
+    assert _spin_us() == (250.0, 250.0)
+    monkeypatch.setenv("STRATA_HAND_OFF_SPIN_US", "0,1000")        # no spinning, then yielding
+    assert _spin_us() == (0.0, 1000.0)
+    for bad in ("fast", "-1", "1,2,3"):
         monkeypatch.setenv("STRATA_HAND_OFF_SPIN_US", bad)
         with pytest.raises(UsageError, match="STRATA_HAND_OFF_SPIN_US"):
             _spin_us()
