@@ -137,6 +137,7 @@ class MixedExecutor:
                                      and a not in graph.outputs)
                            for i, (kind, _, _) in enumerate(self.parts) if kind == "xla"}
         self.hand_off = any(k == "xla" for k, _, _ in self.parts) and any(k == "llvm" for k, _, _ in self.parts)
+        self._spin = _spin_us() if self.hand_off else None     # (spin, yield) of idle workers at a hand-off
         # small host<->GPU hand-offs as raw copies when a CUDA runtime is there (the xla executors
         # turn them on: backends/xla/cuda_rt.py)
         self.raw_copy = not self.mesh and cuda_rt.mode is not None and any(k == "xla" for k, _, _ in self.parts)
@@ -386,7 +387,7 @@ class MixedExecutor:
             # (a repeated set costs nothing); CPU-only executors put the default back.
             from strata_compiler.backends.llvm_cpu.pool import set_spin
 
-            spin, yld = _spin_us()
+            spin, yld = self._spin
             set_spin(spin_us=spin, yield_us=yld, caller_spin_us=spin)
         step_in: dict = {}      # per GPU: this step's ids and position, put there once
         last: dict = {}         # per GPU: the step's last xla partition there

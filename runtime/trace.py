@@ -121,8 +121,9 @@ class Tracer:
         return lines
 
 
-def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
+def merged(spans) -> list[tuple]:
+    """(start, end) intervals, sorted, with overlapping or touching ones joined."""
+    out: list[list] = []
     for a, b in sorted(spans):
         if out and a <= out[-1][1]:
             out[-1][1] = max(out[-1][1], b)
@@ -135,7 +136,7 @@ def overlap_seconds(events: list[dict], tid_a: int, tid_b: int) -> float:
     """Seconds during which a complete ("X") event of track tid_a and one of tid_b run at once
     (each track's spans merged first, so nested or touching spans count once)."""
     def spans(tid):
-        return _merged([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("tid") == tid])
+        return merged([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("tid") == tid])
     A, B = spans(tid_a), spans(tid_b)
     i = j = 0
     total = 0.0

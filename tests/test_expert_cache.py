@@ -125,28 +125,27 @@ def test_pinned_swaps_keep_the_logits(model, tmp_path, monkeypatch):
 
     d, m, ids = model
     plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
-    out = {}
-    for pinned in ("1", "0"):
-        monkeypatch.setenv("STRATA_PINNED_SWAPS", pinned)
-        s = Session(plan, "auto", device="cpu")
-        assert s.executor.async_swaps == (pinned == "1") and s.executor.pinned_bytes == 0
+
+    def decode(s):
         s.reset(1, 64)
         steps = [s.step(ids)[:, -1]]
         rng = np.random.default_rng(2)
         for _ in range(6):
             steps.append(s.step(rng.integers(0, m.config.vocab_size, (1, 1)))[:, -1])
-        out[pinned] = np.concatenate(steps)
+        return np.concatenate(steps)
+
+    out = {}
+    for pinned in ("1", "0"):
+        monkeypatch.setenv("STRATA_PINNED_SWAPS", pinned)
+        s = Session(plan, "auto", device="cpu")
+        assert s.executor.async_swaps == (pinned == "1") and s.executor.pinned_bytes == 0
+        out[pinned] = decode(s)
         assert sum(c.swaps + c.prefetches for c, *_ in s.executor.caches) > 0
     np.testing.assert_array_equal(out["1"], out["0"])
     monkeypatch.setenv("STRATA_PREFETCH_PER_LAYER", "4")       # more prefetches a layer: the same logits
     s = Session(plan, "auto", device="cpu")
     assert {c.max_prefetch for c, *_ in s.executor.caches} == {4}
-    s.reset(1, 64)
-    steps = [s.step(ids)[:, -1]]
-    rng = np.random.default_rng(2)
-    for _ in range(6):
-        steps.append(s.step(rng.integers(0, m.config.vocab_size, (1, 1)))[:, -1])
-    assert np.abs(np.concatenate(steps) - out["0"]).max() / out["0"].std() <= 1e-5
+    assert np.abs(decode(s) - out["0"]).max() / out["0"].std() <= 1e-5
     monkeypatch.setenv("STRATA_PREFETCH_PER_LAYER", "many")
     with pytest.raises(UsageError, match="STRATA_PREFETCH_PER_LAYER"):
         Session(plan, "auto", device="cpu")

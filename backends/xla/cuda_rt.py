@@ -232,15 +232,11 @@ def pin(arrays) -> int:
         return 0
     import mmap
 
+    from strata_compiler.runtime.trace import merged
+
     page = mmap.PAGESIZE
-    spans = sorted((a.ctypes.data // page * page, -(-(a.ctypes.data + a.nbytes) // page) * page)
-                   for a in arrays if a.nbytes)
-    merged: list[list[int]] = []
-    for lo, hi in spans:
-        if merged and lo <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], hi)
-        else:
-            merged.append([lo, hi])
+    ranges = merged((a.ctypes.data // page * page, -(-(a.ctypes.data + a.nbytes) // page) * page)
+                    for a in arrays if a.nbytes)
     L = _LIB
     if not hasattr(L, "_host_register_typed"):
         L.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
@@ -248,7 +244,7 @@ def pin(arrays) -> int:
         L.cudaGetLastError.restype = ctypes.c_int
         L._host_register_typed = True
     done = 0
-    for lo, hi in merged:
+    for lo, hi in ranges:
         if any(lo < b and a < hi for a, b in _PINNED):
             continue                     # overlaps a range pinned earlier: leave it pageable
         if L.cudaHostRegister(lo, hi - lo, 1 | 8) == 0:     # cudaHostRegisterPortable | ReadOnly
