@@ -113,6 +113,30 @@ def crossings(executor) -> tuple[int, int]:
     return len(seen), nbytes
 
 
+def fused_summary(tl: list) -> str:
+    """A fused step's timeline (runtime/fused_step.py) in medians per step: the dispatch call,
+    dispatch to the first host call, the host calls' Python work, the gaps between host calls (the
+    GPU's share of a layer, the handler's copies and the callback's entry), last call to done."""
+    steps, cur = [], None
+    for ev, _, t in tl:
+        if ev == "dispatch":
+            cur = {"t0": t, "enter": [], "leave": []}
+            steps.append(cur)
+        elif cur is not None:
+            cur.setdefault(ev, t) if ev in ("dispatched", "done") else cur[ev].append(t)
+    rows = [st for st in steps if st["enter"] and "done" in st]
+    if not rows:
+        return ""
+    med = lambda xs: float(np.median(xs)) / 1e3 if xs else float("nan")     # noqa: E731
+    disp = med([st["dispatched"] - st["t0"] for st in rows])
+    first = med([st["enter"][0] - st["t0"] for st in rows])
+    work = med([b - a for st in rows for a, b in zip(st["enter"], st["leave"])])
+    gaps = med([b - a for st in rows for a, b in zip(st["leave"][:-1], st["enter"][1:])])
+    tail = med([st["done"] - st["leave"][-1] for st in rows])
+    return (f"; fused step: dispatch {disp:.0f} us, to first host call {first:.0f} us, host call work "
+            f"{work:.0f} us x {len(rows[0]['enter'])}, gap between host calls {gaps:.0f} us, last call to done {tail:.0f} us")
+
+
 def measure(plan_dir: Path, n_new: int, device: str, ref: list | None = None) -> dict:
     from strata_compiler.runtime.plan import load_plan
     from strata_compiler.runtime.session import Session
@@ -121,13 +145,16 @@ def measure(plan_dir: Path, n_new: int, device: str, ref: list | None = None) ->
     m = Meter()
     undo = instrument(m)
     rng = np.random.default_rng(0)
-    prompt = rng.integers(0, 4096, (1, 32)).astype(np.int64)
+    prompt = rng.integers(0, min(4096, s.plan.meta["model"]["vocab_size"]), (1, 32)).astype(np.int64)
     logits: list[np.ndarray] = []
+    fused = getattr(s.executor, "fused", None)
     try:
         for timed_pass in (False, True):
             s.reset(1, prompt.shape[1] + n_new + 8)
             tok = int(s.step(prompt)[0, -1].argmax())
             m.on = timed_pass
+            if fused is not None and timed_pass:
+                fused.timeline = []
             t0 = time.perf_counter()
             for _ in range(n_new - 1):
                 out = s.step(np.array([[tok]], np.int64))[0, -1]
@@ -139,6 +166,7 @@ def measure(plan_dir: Path, n_new: int, device: str, ref: list | None = None) ->
     finally:
         undo()
     steps = n_new - 1
+    fused_line = fused_summary(fused.timeline) if fused is not None and fused.timeline else ""
     us = {c: 1e6 * m.s.get(c, 0.0) / steps for c in CATS[:-1]}
     us["fetch copy"] += 1e6 * m.s.get("_fetch", 0.0) / steps     # np.asarray fallback copies (no raw copy)
     us["other"] = 1e6 * dt / steps - sum(us.values())
@@ -154,7 +182,7 @@ def measure(plan_dir: Path, n_new: int, device: str, ref: list | None = None) ->
     if ref:         # the first A/B value's logits (teacher forcing differs once tokens do: count those)
         diff = max(float(np.abs(a - b).max()) for a, b in zip(logits, ref))
         same = sum(int(a.argmax() == b.argmax()) for a, b in zip(logits, ref))
-    return {"name": plan_dir.name, "cache": cache, "tok_s": steps / dt, "logits": logits, "diff": diff, "same": same, "us": us,
+    return {"name": plan_dir.name, "cache": cache + fused_line, "tok_s": steps / dt, "logits": logits, "diff": diff, "same": same, "us": us,
             "calls": calls, "parts": len(kinds), "xla_parts": kinds.count("xla"), "cross": nvals, "cross_bytes": nb, "step_us": 1e6 * dt / steps}
 
 

@@ -70,6 +70,13 @@ PARTITION_S = 60e-6
 # measured 17.8 ms per token where the tiny call's 0.167 ms per switch predicted 10.5 ms, i.e.
 # 0.40 ms per switch = 2.4 x the tiny call. Plans with few switches barely depend on it.
 SWITCH_FACTOR = 2.4
+# Decode steps of a single-GPU plan run as one jitted program in which CPU partitions are host
+# calls (runtime/fused_step.py): no jitted call per switch. Fitted on the H200 (2026-11-30 09:28,
+# benchmarks/switch_breakdown.py, in one process): hot-25 (32 switches per token) measured 8.9 ms
+# per token fused where the model's other terms give 3.2 ms, i.e. 0.16 ms per switch = 0.96 x the
+# tiny call (the CPU share's Python glue, the host call's copies, the program's boundaries); the
+# KTransformers layout, predicted with it at 11.0 ms, measured 11.2.
+FUSED_SWITCH_FACTOR = 0.96
 # One all-reduce of a token's activation among the GPUs of a mesh, inside the XLA computation, with
 # what sharding adds around it. Measured on 2 H200s (2026-11-29, benchmarks/multi_gpu.py, 16
 # layers): the striped plan as one mesh decoded at 319.3 tok/s against 432.2 on one GPU, i.e.
@@ -85,12 +92,14 @@ def cpu_op_s(hw) -> float:
     return max(getattr(hw.host, "op_seconds", None) or 0.0, CPU_OP_S)
 
 
-def partition_s(hw) -> float:
+def partition_s(hw, fused: bool = False) -> float:
     """One partition switch (a jitted call, activations in and out through the host): the
-    profile's measured tiny round trip times SWITCH_FACTOR when it has one, else PARTITION_S."""
+    profile's measured tiny round trip times SWITCH_FACTOR when it has one, else PARTITION_S;
+    `fused`: a switch inside a decode step run as one program (FUSED_SWITCH_FACTOR)."""
     gpu = hw.gpu
     measured = getattr(gpu, "partition_seconds", None) if gpu is not None else None
-    return max(measured * SWITCH_FACTOR, PARTITION_S) if measured else PARTITION_S
+    factor = FUSED_SWITCH_FACTOR if fused else SWITCH_FACTOR
+    return max(measured * factor, PARTITION_S) if measured else PARTITION_S
 KERNELS = {Op.LINEAR: 1, Op.FUSED_ATTENTION: 8, Op.ROUTE: 2, Op.MOE_FFN: 5, Op.EMBED: 1, Op.RMS_NORM: 1}
 
 
@@ -250,11 +259,14 @@ class _Timeline:
         # pays a switch for its logits, one starting there for its ids (each GPU partition is a
         # jitted call whose results the host waits for)
         out = g.node(g.outputs[0])
-        self.end_switch = _switch_s(hw, g, out, max(1, prefill_tokens), nbytes=out.type.bytes_per_token())
+        # decode on one GPU runs as one program (runtime/fused_step.py); prefill and meshes do not
+        fused = not pf and mesh_devices(g) <= 1
+        self.end_switch = _switch_s(hw, g, out, max(1, prefill_tokens), nbytes=out.type.bytes_per_token(),
+                                    fused=fused)
         for n in g.nodes:
             if n.op is Op.INPUT_IDS:
                 continue
-            switch = _switch_s(hw, g, n, max(1, prefill_tokens))
+            switch = _switch_s(hw, g, n, max(1, prefill_tokens), fused=fused)
             if n.op is Op.MOE_FFN:
                 exp = experts[n.id]
                 self.steps.append((None, [(u.name, u.cpu_pf if pf else u.cpu_s, u.gpu_pf if pf else u.gpu_s)
@@ -292,14 +304,14 @@ class _Timeline:
         return {"seconds": t, "tok_s": 1.0 / t if t > 0 else 0.0, "switches": switches, "per_layer": per_layer}
 
 
-def _switch_s(hw, g: Graph, n: Node, tokens: int = 1, nbytes: int | None = None) -> float:
+def _switch_s(hw, g: Graph, n: Node, tokens: int = 1, nbytes: int | None = None, fused: bool = False) -> float:
     """A partition switch before node n: the round trip plus its input's (or nbytes per token's)
     copy, half each way on average."""
     if nbytes is None:
         nbytes = g.node(n.args[0]).type.bytes_per_token() if n.args else 0
     nbytes *= tokens
     link = hw.h2d_seconds(nbytes) + hw.d2h_seconds(nbytes) if hw.gpu is not None else 0.0
-    return partition_s(hw) + link / 2
+    return partition_s(hw, fused) + link / 2
 
 
 def kv_bytes(g: Graph, ctx_tokens: int) -> int:

@@ -150,6 +150,14 @@ class MixedExecutor:
         self._step_stage: dict = {}
         if os.environ.get("STRATA_STEP_INPUTS", "0") == "1":
             self.step_inputs_on_device = True
+        # decode steps as one jitted program with the CPU partitions as host calls inside it
+        # (runtime/fused_step.py); STRATA_FUSED_STEP=0: partition by partition
+        self.fused = None
+        if os.environ.get("STRATA_FUSED_STEP", "1") != "0":
+            from .fused_step import FusedStep
+
+            if FusedStep.applies(self):
+                self.fused = FusedStep(self)
 
     def _pack(self, on: bool) -> None:
         for i, (kind, exe, _) in enumerate(self.parts):
@@ -378,6 +386,13 @@ class MixedExecutor:
         B, T = input_ids.shape
         t_step = time.perf_counter()
         self._copy_s = 0.0
+        if T == 1 and self.fused is not None and trace.ACTIVE is None and self.fused.ready(B, cache):
+            from strata_compiler.backends.llvm_cpu.pool import set_spin
+
+            set_spin()      # no JAX copy threads to leave cores to: workers wait the default way
+            out = self.fused.run(input_ids, cache)
+            self._after_step(cache, T, t_step)
+            return out
         ids_node = next(n.id for n in self.g.nodes if n.op is Op.INPUT_IDS)
         env: dict = {ids_node: input_ids}
         if self.hand_off:
@@ -418,10 +433,13 @@ class MixedExecutor:
             g = getattr(getattr(exe, "_stage", None), "guard", None)
             if st is not None and g is not None:
                 st.guard = g
+        self._after_step(cache, T, t_step)
+        return {o: cuda_rt.fetch(env[o]).reshape(B, T, -1) for o in self.g.outputs}
+
+    def _after_step(self, cache, T: int, t_step: float) -> None:
         cache.advance(T)
         if self.caches:
             self._swap_experts()
             if T == 1:      # decode steps set the pace the copies must keep to
                 own = time.perf_counter() - t_step - self._copy_s
                 self._step_s = own if not self._step_s else 0.8 * self._step_s + 0.2 * own
-        return {o: cuda_rt.fetch(env[o]).reshape(B, T, -1) for o in self.g.outputs}

@@ -1,0 +1,241 @@
+"""Host calls inside a jitted GPU program: a native XLA FFI handler that moves a CPU share's
+operands and results over the calling stream, so that a split layer costs no jitted call of its own.
+
+The mixed runtime's hand-off between a GPU partition and a CPU partition goes through Python: a
+jitted call per partition, a raw copy out, the CPU kernels, a staging copy back in. On an H200
+host that is ~400 us per split layer (BENCHMARKS.md, "Where a split layer's time goes"), most of
+it the jitted call's dispatch. `jax.pure_callback` inside one jitted program measured ~190 us per
+round trip there (`benchmarks/host_call_bench.py`): JAX's callback machinery, not the copies.
+
+A `HostCall` is an XLA FFI target (`jax.ffi.ffi_call`) whose handler is JIT-compiled from LLVM IR.
+When the GPU program reaches it, the handler, on XLA's thread:
+
+1. copies each operand (a device buffer) into its fixed host buffer with ``cudaMemcpyAsync`` on
+   the program's own stream, then ``cudaStreamSynchronize``: the copies see every earlier kernel
+   of the program and nothing else;
+2. calls ``work(arg)``, a native function (a CPU share, or a ctypes callback into Python, which
+   takes the GIL itself);
+3. queues the copies of the host result buffers into the result buffers on the same stream, so
+   the program's next kernels see them; from pageable memory the call stages the data before it
+   returns, so the host buffers may be rewritten by the next call.
+
+On JAX's CPU platform (CI) the same handler runs with ``memcpy`` in place of the CUDA calls and no
+stream, so the call-frame decoding and the data path are tested without a GPU.
+
+The call frame is read at the byte offsets of XLA's C API (xla/ffi/api/c_api.h, which grows only
+at the end of its structs): XLA_FFI_CallFrame {size, ext, api, ctx, stage, args, rets, attrs,
+future}, XLA_FFI_Args / XLA_FFI_Rets {size, ext, n, types, ptrs}, XLA_FFI_Buffer {size, ext, dtype,
+data, rank, dims}, and XLA_FFI_Api's XLA_FFI_Stream_Get at offset 80. The handler answers XLA's
+metadata query (the call with a metadata extension) with the API version the runtime reports and
+no traits: a host call syncs its stream, so it may not be captured into a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+
+import numpy as np
+
+__all__ = ["HostCall", "WORK_CFUNC", "available"]
+
+#: ctypes prototype of a work function: ``void work(int64_t arg)``.
+WORK_CFUNC = ctypes.CFUNCTYPE(None, ctypes.c_int64)
+
+_IDS = itertools.count()
+_KEEP: list = []            # handlers, engines and callbacks live as long as the process (XLA keeps the targets)
+
+# byte offsets in XLA's C API structs (64-bit)
+_FRAME_EXT, _FRAME_API, _FRAME_CTX, _FRAME_STAGE = 8, 16, 24, 32
+_FRAME_ARGS_N, _FRAME_ARGS_PTRS = 56, 72
+_FRAME_RETS_N, _FRAME_RETS_PTRS = 96, 112
+_BUF_DATA = 24
+_API_VERSION_MAJOR, _API_VERSION_MINOR = 32, 36
+_API_STREAM_GET = 80
+_EXT_TYPE, _EXT_METADATA = 8, 24
+_META_MAJOR, _META_MINOR, _META_TRAITS = 24, 28, 32
+_STAGE_EXECUTE = 3
+_EXT_TYPE_METADATA = 1
+
+_HOST_HELPERS = """
+define void @host_memcpy(ptr %dst, ptr %src, i64 %n, i32 %kind, ptr %stream) {
+  call void @llvm.memcpy.p0.p0.i64(ptr %dst, ptr %src, i64 %n, i1 false)
+  ret void
+}
+define i32 @host_sync(ptr %stream) {
+  ret i32 0
+}
+declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
+"""
+
+
+def _handler_ir(name: str, ins: list[tuple[int, int]], outs: list[tuple[int, int]], work: int, arg: int,
+                memcpy: int | None, sync: int | None, skip_in: int = 0) -> str:
+    """IR of handler `name`: operand skip_in + i into host buffer ins[i] = (address, bytes),
+    work(arg), host buffer outs[j] into result j (operands before skip_in and results after the
+    last of outs are ordering tokens: never copied). memcpy/sync: addresses of cudaMemcpyAsync /
+    cudaStreamSynchronize, or None for the host stand-ins (JAX's CPU platform)."""
+    L = []
+    if memcpy is None:
+        L.append(_HOST_HELPERS)
+        cp, sy = "@host_memcpy", "@host_sync"
+    else:
+        cp = f"inttoptr (i64 {memcpy} to ptr)"
+        sy = f"inttoptr (i64 {sync} to ptr)"
+    L.append(f"""
+define ptr @{name}(ptr %frame) {{
+entry:
+  %extp = getelementptr i8, ptr %frame, i64 {_FRAME_EXT}
+  %ext = load ptr, ptr %extp
+  %hasext = icmp ne ptr %ext, null
+  br i1 %hasext, label %meta, label %stagechk
+meta:
+  %tyP = getelementptr i8, ptr %ext, i64 {_EXT_TYPE}
+  %ty = load i32, ptr %tyP
+  %ismeta = icmp eq i32 %ty, {_EXT_TYPE_METADATA}
+  br i1 %ismeta, label %fill, label %done
+fill:
+  %mdP = getelementptr i8, ptr %ext, i64 {_EXT_METADATA}
+  %md = load ptr, ptr %mdP
+  %apiP0 = getelementptr i8, ptr %frame, i64 {_FRAME_API}
+  %api0 = load ptr, ptr %apiP0
+  %majP = getelementptr i8, ptr %api0, i64 {_API_VERSION_MAJOR}
+  %minP = getelementptr i8, ptr %api0, i64 {_API_VERSION_MINOR}
+  %maj = load i32, ptr %majP
+  %min = load i32, ptr %minP
+  %mmajP = getelementptr i8, ptr %md, i64 {_META_MAJOR}
+  %mminP = getelementptr i8, ptr %md, i64 {_META_MINOR}
+  %mtrP = getelementptr i8, ptr %md, i64 {_META_TRAITS}
+  store i32 %maj, ptr %mmajP
+  store i32 %min, ptr %mminP
+  store i32 0, ptr %mtrP
+  br label %done
+stagechk:
+  %stP = getelementptr i8, ptr %frame, i64 {_FRAME_STAGE}
+  %st = load i32, ptr %stP
+  %exec = icmp eq i32 %st, {_STAGE_EXECUTE}
+  br i1 %exec, label %run, label %done
+run:
+  %sargs = alloca [4 x i64], align 8
+  %apiP = getelementptr i8, ptr %frame, i64 {_FRAME_API}
+  %api = load ptr, ptr %apiP
+  %ctxP = getelementptr i8, ptr %frame, i64 {_FRAME_CTX}
+  %ctx = load ptr, ptr %ctxP
+  store i64 32, ptr %sargs
+  %sa1 = getelementptr i64, ptr %sargs, i64 1
+  store i64 0, ptr %sa1
+  %sa2 = getelementptr i64, ptr %sargs, i64 2
+  store ptr %ctx, ptr %sa2
+  %sa3 = getelementptr i64, ptr %sargs, i64 3
+  store i64 0, ptr %sa3""")
+    if memcpy is not None:      # XLA_FFI_Stream_Get(&args): the program's stream into args[3]
+        L.append(f"""  %sgP = getelementptr i8, ptr %api, i64 {_API_STREAM_GET}
+  %sg = load ptr, ptr %sgP
+  %serr = call ptr %sg(ptr %sargs)""")
+    L.append(f"""  %stream = load ptr, ptr %sa3
+  %argsP = getelementptr i8, ptr %frame, i64 {_FRAME_ARGS_PTRS}
+  %args = load ptr, ptr %argsP
+  %retsP = getelementptr i8, ptr %frame, i64 {_FRAME_RETS_PTRS}
+  %rets = load ptr, ptr %retsP""")
+    for i, (addr, n) in enumerate(ins):
+        L.append(f"""  %a{i}p = getelementptr ptr, ptr %args, i64 {i + skip_in}
+  %a{i} = load ptr, ptr %a{i}p
+  %a{i}dp = getelementptr i8, ptr %a{i}, i64 {_BUF_DATA}
+  %a{i}d = load ptr, ptr %a{i}dp
+  %c{i} = call i32 {cp}(ptr inttoptr (i64 {addr} to ptr), ptr %a{i}d, i64 {n}, i32 2, ptr %stream)""")
+    if ins:
+        L.append(f"  %synced = call i32 {sy}(ptr %stream)")
+    L.append(f"  call void inttoptr (i64 {work} to ptr)(i64 {arg})")
+    for j, (addr, n) in enumerate(outs):
+        L.append(f"""  %r{j}p = getelementptr ptr, ptr %rets, i64 {j}
+  %r{j} = load ptr, ptr %r{j}p
+  %r{j}dp = getelementptr i8, ptr %r{j}, i64 {_BUF_DATA}
+  %r{j}d = load ptr, ptr %r{j}dp
+  %o{j} = call i32 {cp}(ptr %r{j}d, ptr inttoptr (i64 {addr} to ptr), i64 {n}, i32 1, ptr %stream)""")
+    L.append("""  br label %done
+done:
+  ret ptr null
+}""")
+    return "\n".join(L)
+
+
+def available(platform: str) -> bool:
+    """Whether host calls work in programs for `platform` ("gpu" needs libcudart; "cpu" always)."""
+    if platform == "cpu":
+        return True
+    from . import cuda_rt
+
+    return platform == "gpu" and cuda_rt.available()
+
+
+class HostCall:
+    """One host call site: fixed host buffers for the operands (`ins`) and results (`outs`), and the
+    native `work(arg)` that turns the one into the other. `__call__(*operands, after=None)` inside a
+    jitted function (on `platform`'s device) returns the results as arrays of the device, then an
+    ordering token (f32[1], never written).
+
+    The call declares no side effect (a side-effecting call would take JAX's dispatch off its C++
+    fast path: ~0.5 ms a step on the CPU platform). So XLA may drop a call whose results nothing
+    reads and may reorder calls that do not depend on each other: a caller whose host calls share
+    state (the CPU partitions of one step) chains them, each `after=` the previous one's token, and
+    makes the program return the last token."""
+
+    def __init__(self, ins: list[np.ndarray], outs: list[np.ndarray], work_addr: int, arg: int = 0,
+                 platform: str = "gpu", after: bool = False) -> None:
+        """after: the call takes an ordering token (another call's) before its operands."""
+        import jax
+        import llvmlite.binding as llvm
+
+        from strata_compiler.backends.llvm_cpu.jit import optimize
+        from strata_compiler.backends.llvm_cpu.target import Target
+
+        for a in (*ins, *outs):
+            if not a.flags.c_contiguous:
+                raise ValueError("host call buffers must be C-contiguous")
+        self.ins, self.outs = list(ins), list(outs)
+        self.platform = platform
+        if platform == "gpu":
+            from . import cuda_rt
+
+            L = cuda_rt.lib()
+            if L is None:
+                raise RuntimeError("host calls on a GPU need libcudart")
+            L.cudaStreamSynchronize.restype = ctypes.c_int
+            memcpy = ctypes.cast(L.cudaMemcpyAsync, ctypes.c_void_p).value
+            sync = ctypes.cast(L.cudaStreamSynchronize, ctypes.c_void_p).value
+            xla_platform = "CUDA"
+        else:
+            memcpy = sync = None
+            xla_platform = "cpu"
+        self.name = f"strata_host_call_{next(_IDS)}"
+        self.after = after
+        ir = _handler_ir(self.name, [(a.ctypes.data, a.nbytes) for a in ins],
+                         [(a.ctypes.data, a.nbytes) for a in outs], int(work_addr), int(arg), memcpy, sync,
+                         skip_in=int(after))
+        mod, tm = optimize(ir, Target.host())
+        ee = llvm.create_mcjit_compiler(mod, tm)
+        ee.finalize_object()
+        addr = self.address = ee.get_function_address(self.name)     # the handler
+        _KEEP.append((ee, tm, self.ins, self.outs))
+        jax.ffi.register_ffi_target(self.name, jax.ffi.pycapsule(addr), platform=xla_platform)
+        self._call = jax.ffi.ffi_call(self.name, [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
+                                      + [jax.ShapeDtypeStruct((1,), np.float32)])
+
+    def __call__(self, *operands, after=None):
+        if len(operands) != len(self.ins):
+            raise TypeError(f"{self.name}: {len(self.ins)} operands expected, got {len(operands)}")
+        if (after is not None) != self.after:
+            raise TypeError(f"{self.name}: made with after={self.after}, called with after={after is not None}")
+        for x, h in zip(operands, self.ins):
+            if tuple(x.shape) != h.shape or np.dtype(x.dtype) != h.dtype:
+                raise TypeError(f"{self.name}: operand {x.shape} {x.dtype} does not match its host buffer "
+                                f"{h.shape} {h.dtype}")
+        return self._call(*(((after,) if self.after else ()) + operands))
+
+
+def python_work(fn) -> tuple[int, object]:
+    """A work function that calls the Python callable fn() (the ctypes callback takes the GIL);
+    returns (address, keep-alive object)."""
+    cb = WORK_CFUNC(lambda _arg: fn())
+    _KEEP.append(cb)
+    return ctypes.cast(cb, ctypes.c_void_p).value, cb

@@ -1,0 +1,233 @@
+"""A mixed plan's decode step as one jitted program: CPU partitions run as host calls inside it.
+
+The partition-by-partition runtime (runtime/partitions.py) dispatches one jitted call per GPU
+partition and moves every value that crosses devices through Python; on an H200 host a split
+layer costs ~400 us of that hand-off (BENCHMARKS.md). Here the whole decode step is traced into
+one program for the GPU:
+
+* each xla partition's traced body (`XLAExecutor._flat`) is inlined, in plan order;
+* each llvm partition becomes a `HostCall` (backends/xla/host_call.py): its native FFI handler
+  copies the partition's GPU-made inputs straight into the LLVM executor's frame buffers on the
+  program's stream, runs the partition's kernels (a ctypes callback into the executor; the CPU
+  work itself is native), and queues the copies of the results that later GPU partitions read;
+* the step's token ids, cache position and the expert caches' slot maps go in as one int32
+  array; the xla partitions' KV caches are donated and come back updated; the llvm partitions
+  keep theirs on the host, as before.
+
+A step is then one dispatch and one wait, whatever the number of switches (benchmarks/
+host_call_bench.py: 62 us per round trip on an H200 against 430-480 for a jitted call per side).
+
+It applies to decode steps of plans whose xla partitions share one device, with no reference
+partition and no trace (`--trace` times each partition, so it keeps the partition runtime);
+prefill and the first decode step (which sets up the frames and caches) run partition by
+partition. The expert caches' swaps still happen between steps; their in-step prefetch does not
+(it needs the hidden state on the host mid-step). STRATA_FUSED_STEP=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from strata_compiler.ir import Op
+
+
+class FusedStep:
+    def __init__(self, mixed) -> None:
+        self.m = mixed
+        self.g = mixed.g
+        parts = mixed.parts
+        part_of = {nid: i for i, (_, _, ids) in enumerate(parts) for nid in ids}
+        self.part_of = part_of
+        xla = [exe for kind, exe, _ in parts if kind == "xla"]
+        self.device = xla[0].device
+        # per llvm partition: its inputs made by xla partitions (host call operands), and its
+        # results that later xla partitions read (host call results)
+        self.dev_in: dict[int, list[int]] = {}
+        self.dev_out: dict[int, list[int]] = {}
+        for i, (kind, exe, ids) in enumerate(parts):
+            if kind != "llvm":
+                continue
+            self.dev_in[i] = [a for a in exe.inputs if self.g.node(a).op is not Op.INPUT_IDS
+                              and parts[part_of[a]][0] == "xla"]
+            self.dev_out[i] = [o for o in exe.outputs
+                               if any(parts[part_of[u]][0] == "xla" for u in self._users(o))]
+        self.cached = [n for kind, exe, _ in parts if kind == "xla" for n in exe.cached]
+        self._fn = {}               # B -> jitted step
+        self._calls = {}            # (partition, B) -> HostCall
+        self._env: dict = {}        # the llvm partitions' host values during a step
+        self._cur = None            # (input_ids, cache) of the running step, for the callbacks
+        self._error = None          # an exception raised inside a callback (re-raised after the step)
+        self._stage = None
+        self.steps = 0
+        self.timeline: list | None = None   # benchmarks: (event, partition, perf_counter_ns) when a list
+
+    @staticmethod
+    def applies(mixed) -> bool:
+        kinds = {k for k, _, _ in mixed.parts}
+        if "reference" in kinds or "xla" not in kinds or "llvm" not in kinds or mixed.mesh:
+            return False
+        devs = {exe.device for k, exe, _ in mixed.parts if k == "xla"}
+        if len(devs) != 1:
+            return False
+        from strata_compiler.backends.xla.host_call import available
+
+        return available(next(iter(devs)).platform if next(iter(devs)).platform == "cpu" else "gpu")
+
+    def _users(self, nid: int) -> list[int]:
+        if not hasattr(self, "_u"):
+            self._u = self.g.users()
+        return [u for u in self._u[nid] if u != -1]
+
+    def ready(self, B: int, cache) -> bool:
+        """Whether a fused step of batch B can run now: the partition runtime has run a decode step
+        of that batch (frames, caches and result keys exist)."""
+        for kind, exe, _ in self.m.parts:
+            if kind == "llvm" and B not in exe.frames:
+                return False
+            if kind == "xla" and ((B, 1) not in exe._out_keys
+                                  or (exe.layers and not hasattr(cache.k[exe.layers[0]], "device"))):
+                return False
+        return True
+
+    # -- the host side of a CPU partition ------------------------------------------------------
+
+    def _work(self, i: int):
+        exe = self.m.parts[i][1]
+
+        def run() -> None:
+            if self._error is not None:
+                return
+            tl = self.timeline
+            if tl is not None:
+                tl.append(("enter", i, time.perf_counter_ns()))
+            try:
+                ids, cache = self._cur
+                exe.run_segment(self._env, ids, cache)
+            except BaseException as e:    # noqa: BLE001 - nothing may cross the native frame
+                self._error = e
+            if tl is not None:
+                tl.append(("leave", i, time.perf_counter_ns()))
+        return run
+
+    def _host_call(self, i: int, B: int, after: bool):
+        key = (i, B)
+        hc = self._calls.get(key)
+        if hc is None:
+            from strata_compiler.backends.xla.host_call import HostCall, python_work
+
+            exe = self.m.parts[i][1]
+            frame, _ = exe.frames[B]
+            ins = [frame.out(self.g.node(a)) for a in self.dev_in[i]]
+            outs = [frame.out(self.g.node(o)) for o in self.dev_out[i]]
+            addr, _keep = python_work(self._work(i))
+            platform = "cpu" if self.device.platform == "cpu" else "gpu"
+            hc = self._calls[key] = HostCall(ins, outs, addr, platform=platform, after=after)
+        return hc
+
+    # -- the traced step -----------------------------------------------------------------------
+
+    def _step(self, params, ks, vs, packed, B: int):
+        """The decode step of batch B; `packed`: int32 [ids (B) | position | slot maps...]."""
+        import jax.numpy as jnp
+
+        parts = self.m.parts
+        ids = packed[:B].reshape(B, 1)
+        pos = packed[B]
+        off = B + 1
+        slots = {}
+        for n in self.cached:
+            k = len(n.attr("experts"))
+            slots[n.id] = packed[off:off + k]
+            off += k
+        env: dict = {}
+        ks, vs = dict(ks), dict(vs)
+        # the host calls share the host state (values, KV caches of the CPU partitions): each runs
+        # after the one before (an ordering token), and the program returns the last token, so
+        # that its results are ready only once every host call has run
+        token = None
+        for i, (kind, exe, _) in enumerate(parts):
+            if kind == "xla":
+                ext = {a: env[a] for a in exe.inputs if self.g.node(a).op is not Op.INPUT_IDS}
+                for n in exe.cached:
+                    ext[-(n.id + 1)] = slots[n.id]
+                pk = {l: ks[l] for l in exe.layers}
+                pv = {l: vs[l] for l in exe.layers}
+                flat, kt, vt = exe._flat(params[i], pk, pv, ext, ids, B, 1, pos)
+                env.update(zip(exe._out_keys[B, 1], flat))
+                for l, k_, v_ in zip(exe.layers, kt, vt):
+                    ks[l], vs[l] = k_, v_
+            else:
+                hc = self._host_call(i, B, after=token is not None)
+                args = [env[a].astype(h.dtype).reshape(h.shape) for a, h in zip(self.dev_in[i], hc.ins)]
+                *res, token = hc(*args, after=token)
+                for o, r in zip(self.dev_out[i], res):
+                    env[o] = r
+        outs = tuple(env[o] for o in self.g.outputs if parts[self.part_of[o]][0] == "xla")
+        return outs + (token,), ks, vs
+
+    def run(self, input_ids: np.ndarray, cache) -> dict[int, np.ndarray]:
+        import jax
+
+        from strata_compiler.backends.xla import cuda_rt
+
+        B = input_ids.shape[0]
+        m = self.m
+        fn = self._fn.get(B)
+        if fn is None:
+            def fused_step(p, k, v, s):     # (named: the persistent cache's entry says what it is)
+                return self._step(p, k, v, s, B)
+
+            fn = self._fn[B] = jax.jit(fused_step, donate_argnums=(1, 2))
+        from . import expert_cache
+
+        maps = []
+        for n in self.cached:
+            live = expert_cache.lookup(self.g, n.attr("cache"))
+            maps.append(live.slots if live is not None else np.asarray(n.attr("experts"), np.int32))
+        packed = np.concatenate([np.asarray(input_ids, np.int32).reshape(-1), [np.int32(cache.length)],
+                                 *[np.asarray(s, np.int32) for s in maps]]).astype(np.int32)
+        if cuda_rt.mode is not None:
+            if self._stage is None:
+                self._stage = cuda_rt.Staging(self.device)
+            packed = self._stage.stage("step", packed)
+        for kind, exe, _ in m.parts:        # expert-slot copies queued without waiting land first
+            if kind == "xla" and exe._bulk_pending:
+                cuda_rt.wait_bulk()
+                exe._bulk_pending = False
+        params = {i: exe.params for i, (kind, exe, _) in enumerate(m.parts) if kind == "xla"}
+        layers = [l for kind, exe, _ in m.parts if kind == "xla" for l in exe.layers]
+        ks = {l: cache.k[l] for l in layers}
+        vs = {l: cache.v[l] for l in layers}
+        self._env = {}
+        for i, ins in self.dev_in.items():   # GPU-made inputs arrive in the frame buffers themselves
+            frame, _ = m.parts[i][1].frames[B]
+            for a in ins:
+                self._env[a] = frame.out(self.g.node(a))
+        self._cur = (input_ids, cache)
+        self._error = None
+        tl = self.timeline
+        if tl is not None:
+            tl.append(("dispatch", -1, time.perf_counter_ns()))
+        outs, ks, vs = fn(params, ks, vs, packed)
+        if tl is not None:
+            tl.append(("dispatched", -1, time.perf_counter_ns()))
+        for l in layers:
+            cache.k[l], cache.v[l] = ks[l], vs[l]
+        outs = jax.block_until_ready(outs)[:-1]
+        if tl is not None:
+            tl.append(("done", -1, time.perf_counter_ns()))
+        if self._stage is not None:
+            self._stage.guard = None        # the program has finished: the staging may be rewritten
+        self._cur = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+        self.steps += 1
+        res = dict(zip([o for o in self.g.outputs if m.parts[self.part_of[o]][0] == "xla"], outs))
+        out = {}
+        for o in self.g.outputs:
+            v = res[o] if o in res else self._env[o]
+            out[o] = cuda_rt.fetch(v).reshape(B, 1, -1) if o in res else np.asarray(v).reshape(B, 1, -1)
+        return out

@@ -1,0 +1,151 @@
+"""backends/xla/host_call.py and runtime/fused_step.py: host calls inside a jitted program (on JAX's
+CPU platform here: the same handler with memcpy for the CUDA copies), and a mixed plan's decode
+step as one program giving the partition runtime's logits exactly."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from hf_models import build_model, clear_prompts, load_model
+from strata_compiler.runtime.plan import load_plan
+from test_expert_cache import cached_plan
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+
+def _host_call(ins, outs, fn, after=False):
+    from strata_compiler.backends.xla.host_call import HostCall, python_work
+
+    addr, _ = python_work(fn)
+    return HostCall(ins, outs, addr, platform="cpu", after=after)
+
+
+def test_host_call_copies_in_runs_and_copies_out():
+    hin, hout = np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float32)
+    seen = []
+
+    def work():
+        seen.append(hin.copy())
+        np.multiply(hin, -2.0, out=hout)
+
+    hc = _host_call([hin], [hout], work)
+    f = jax.jit(lambda x: hc(x * 3.0)[0] + 1.0)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_array_equal(np.asarray(f(x)), x * 3.0 * -2.0 + 1.0)
+    np.testing.assert_array_equal(seen[-1], x * 3.0)       # the operand reached the host buffer
+    np.testing.assert_array_equal(np.asarray(f(x + 1)), (x + 1) * -6.0 + 1.0)   # and again, fresh
+
+
+def test_host_calls_chained_by_tokens_run_in_order_and_are_not_dropped():
+    log = []
+    a = _host_call([], [], lambda: log.append("a"))
+    hb = np.zeros(1, np.float32)
+    b = _host_call([hb], [], lambda: log.append(("b", float(hb[0]))), after=True)
+
+    @jax.jit
+    def f(x):
+        (t,) = a()
+        (t,) = b(x, after=t)
+        return x + 1, t             # b's result is only its token: returned, so it is kept
+
+    out, _ = f(jnp.full((1,), 5.0, jnp.float32))
+    jax.block_until_ready(out)
+    assert log == ["a", ("b", 5.0)]
+
+
+def test_host_call_checks_its_operands():
+    hc = _host_call([np.zeros(4, np.float32)], [], lambda: None)
+    with pytest.raises(TypeError, match="does not match"):
+        jax.jit(lambda x: hc(x)[0])(jnp.zeros(5, jnp.float32))
+    with pytest.raises(TypeError, match="operands expected"):
+        jax.jit(lambda x: hc(x, x)[0])(jnp.zeros(4, jnp.float32))
+    with pytest.raises(TypeError, match="after"):
+        jax.jit(lambda x: hc(x, after=x)[0])(jnp.zeros(4, jnp.float32))
+
+
+def test_handler_answers_the_metadata_query_and_skips_other_stages():
+    """Called by hand with a fake call frame: a metadata extension gets the API's version and no
+    traits; a frame at a stage other than execute runs nothing."""
+    from strata_compiler.backends.xla import host_call as H
+
+    ran = []
+    hc = _host_call([], [], lambda: ran.append(1))
+    fn = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(hc.address)
+    api = (ctypes.c_uint8 * 128)()
+    ctypes.c_int32.from_buffer(api, H._API_VERSION_MAJOR).value = 7
+    ctypes.c_int32.from_buffer(api, H._API_VERSION_MINOR).value = 3
+    meta = (ctypes.c_uint8 * 40)()
+    ctypes.c_int32.from_buffer(meta, H._META_TRAITS).value = 99
+    ext = (ctypes.c_uint8 * 32)()
+    ctypes.c_int32.from_buffer(ext, H._EXT_TYPE).value = H._EXT_TYPE_METADATA
+    ctypes.c_void_p.from_buffer(ext, H._EXT_METADATA).value = ctypes.addressof(meta)
+    frame = (ctypes.c_uint8 * 176)()
+    ctypes.c_void_p.from_buffer(frame, H._FRAME_EXT).value = ctypes.addressof(ext)
+    ctypes.c_void_p.from_buffer(frame, H._FRAME_API).value = ctypes.addressof(api)
+    assert fn(ctypes.addressof(frame)) is None
+    assert ctypes.c_int32.from_buffer(meta, H._META_MAJOR).value == 7
+    assert ctypes.c_int32.from_buffer(meta, H._META_MINOR).value == 3
+    assert ctypes.c_int32.from_buffer(meta, H._META_TRAITS).value == 0
+    ctypes.c_void_p.from_buffer(frame, H._FRAME_EXT).value = None
+    ctypes.c_int32.from_buffer(frame, H._FRAME_STAGE).value = 0        # instantiate
+    assert fn(ctypes.addressof(frame)) is None and not ran
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = build_model("qwen3_moe", tmp_path_factory.mktemp("fused") / "model")
+    m = load_model(d)
+    ids = clear_prompts(m, m.config.vocab_size, n_prompts=1, length=6, n_new=6, seed=6)[0]
+    return d, m, ids
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fused_decode_steps_equal_the_partition_runtime(model, tmp_path, monkeypatch, batch):
+    """A split plan with live expert caches (slot maps change between steps): every decode step
+    of the fused program gives the partition runtime's logits (to float rounding: XLA may fuse
+    across what were partition boundaries) and the same greedy tokens."""
+    from strata_compiler.runtime.session import Session
+
+    d, m, ids = model
+    plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
+    prompt = np.concatenate([ids, ids[:, ::-1]])[:batch]
+    runs = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("STRATA_FUSED_STEP", fused)
+        s = Session(plan, "auto", device="cpu")
+        assert (s.executor.fused is not None) == (fused == "1")
+        s.reset(batch, 64)
+        out = [s.step(prompt)[:, -1]]
+        rng = np.random.default_rng(1)
+        for _ in range(8):
+            out.append(s.step(rng.integers(0, m.config.vocab_size, (batch, 1)))[:, -1])
+        runs[fused] = (np.concatenate(out), s)
+    a, b = runs["1"][0], runs["0"][0]
+    assert np.abs(a - b).max() / b.std() <= 1e-5
+    np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
+    s = runs["1"][1]
+    assert s.executor.fused.steps == 7          # the first decode step runs partition by partition
+    assert sum(c.swaps for c, *_ in s.executor.caches) > 0     # experts moved between fused steps
+
+
+def test_a_failing_cpu_partition_raises_after_the_step(model, tmp_path, monkeypatch):
+    from strata_compiler.runtime.session import Session
+
+    d, m, ids = model
+    plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
+    s = Session(plan, "auto", device="cpu")
+    s.reset(1, 64)
+    s.step(ids)
+    s.step(ids[:, :1])
+    exe = next(e for k, e, _ in s.executor.parts if k == "llvm")
+
+    def boom(*a, **k):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(exe, "run_segment", boom)
+    with pytest.raises(RuntimeError, match="kernel exploded"):
+        s.step(ids[:, :1])
