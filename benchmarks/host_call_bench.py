@@ -53,7 +53,7 @@ def main() -> int:
 
     hin, hout = np.zeros((1, H), np.float32), np.zeros((1, H), np.float32)
     ir = f"""
-define void @half(i64 %arg) {{
+define void @half(i64 %arg, ptr %stream) {{
 entry:
   br label %loop
 loop:
@@ -73,7 +73,7 @@ end:
     ee = llvm.create_mcjit_compiler(mod, tm)
     ee.finalize_object()
     native = HostCall([hin], [hout], ee.get_function_address("half"), platform=platform)
-    addr, _keep = python_work(lambda: np.multiply(hin, 0.5, out=hout))
+    addr, _keep = python_work(lambda _stream: np.multiply(hin, 0.5, out=hout))
     pyhc = HostCall([hin], [hout], addr, platform=platform)
 
     spec = jax.ShapeDtypeStruct((1, H), jnp.float32)

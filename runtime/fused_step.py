@@ -20,8 +20,11 @@ host_call_bench.py: 62 us per round trip on an H200 against 430-480 for a jitted
 It applies to decode steps of plans whose xla partitions share one device, with no reference
 partition and no trace (`--trace` times each partition, so it keeps the partition runtime);
 prefill and the first decode step (which sets up the frames and caches) run partition by
-partition. The expert caches' swaps still happen between steps; their in-step prefetch does not
-(it needs the hidden state on the host mid-step). STRATA_FUSED_STEP=0 turns it off.
+partition. The expert caches' swaps happen between steps; their in-step prefetch runs inside the
+host call of the CPU partition that makes the triggering hidden state: its copies are queued on
+the program's stream, before the cached layer's GPU share, and the call hands back the changed
+slot maps as results of its own (a prefetch triggered by a GPU partition's value does not run in
+a fused step). STRATA_FUSED_STEP=0 turns it off.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class FusedStep:
         self._cur = None            # (input_ids, cache) of the running step, for the callbacks
         self._error = None          # an exception raised inside a callback (re-raised after the step)
         self._stage = None
+        self._private = False       # the CPU platform's cached GPU shares copied (run)
+        self._maps_of: dict = {}    # CPU partition -> the expert caches whose slot maps its call returns
+        self._maps_out: dict = {}   # ... and their host buffers
         self.steps = 0
         self.timeline: list | None = None   # benchmarks: (event, partition, perf_counter_ns) when a list
 
@@ -93,10 +99,22 @@ class FusedStep:
 
     # -- the host side of a CPU partition ------------------------------------------------------
 
+    def _triggers(self, i: int) -> list[int]:
+        """Values of CPU partition i that trigger an expert cache's prefetch (runtime/partitions.py
+        `lookahead`): on the host in its host call, so the copies can start there."""
+        ids = set(self.m.parts[i][2])
+        return [nid for nid in self.m.lookahead if nid in ids]
+
+    def _slot_maps(self, i: int) -> list:
+        """The GPU shares whose slot maps CPU partition i's host call hands back (those its
+        prefetch may change), in order."""
+        return [gpu_node for nid in self._triggers(i) for _c, _x, gpu_node, *_ in self.m.lookahead[nid]]
+
     def _work(self, i: int):
         exe = self.m.parts[i][1]
+        triggers = self._triggers(i)
 
-        def run() -> None:
+        def run(stream) -> None:
             if self._error is not None:
                 return
             tl = self.timeline
@@ -105,6 +123,11 @@ class FusedStep:
             try:
                 ids, cache = self._cur
                 exe.run_segment(self._env, ids, cache)
+                if triggers and self.m.prefetch:    # the next cached layers' copies, on this stream
+                    for nid in triggers:
+                        self.m._prefetch(nid, self._env, in_program=True, stream=stream)
+                for buf, c in zip(self._maps_out.get(i, ()), self._maps_of.get(i, ())):
+                    buf[:] = c.slots
             except BaseException as e:    # noqa: BLE001 - nothing may cross the native frame
                 self._error = e
             if tl is not None:
@@ -121,6 +144,13 @@ class FusedStep:
             frame, _ = exe.frames[B]
             ins = [frame.out(self.g.node(a)) for a in self.dev_in[i]]
             outs = [frame.out(self.g.node(o)) for o in self.dev_out[i]]
+            # the slot maps this call's prefetch may change go back with its results
+            from . import expert_cache
+
+            maps = self._slot_maps(i)
+            self._maps_of[i] = [expert_cache.lookup(self.g, n.attr("cache")) for n in maps]
+            self._maps_out[i] = [np.zeros(len(n.attr("experts")), np.int32) for n in maps]
+            outs += self._maps_out[i]
             addr, _keep = python_work(self._work(i))
             platform = "cpu" if self.device.platform == "cpu" else "gpu"
             hc = self._calls[key] = HostCall(ins, outs, addr, platform=platform, after=after)
@@ -164,6 +194,8 @@ class FusedStep:
                 *res, token = hc(*args, after=token)
                 for o, r in zip(self.dev_out[i], res):
                     env[o] = r
+                for n, r in zip(self._slot_maps(i), res[len(self.dev_out[i]):]):
+                    slots[n.id] = r         # the later GPU share reads the map after the prefetch
         outs = tuple(env[o] for o in self.g.outputs if parts[self.part_of[o]][0] == "xla")
         return outs + (token,), ks, vs
 
@@ -174,6 +206,16 @@ class FusedStep:
 
         B = input_ids.shape[0]
         m = self.m
+        if not self._private and self.device.platform == "cpu":
+            # in-step prefetches write the GPU shares' weights in place (XLAExecutor.set_slot): on
+            # JAX's CPU platform an array put there from the plan's read-only mapping may alias it
+            import jax.numpy as jnp
+
+            for kind, exe, _ in m.parts:
+                for n in exe.cached if kind == "xla" else ():
+                    for _, name in n.weights:
+                        exe.params[name] = {a: jnp.array(v, copy=True) for a, v in exe.params[name].items()}
+            self._private = True
         fn = self._fn.get(B)
         if fn is None:
             def fused_step(p, k, v, s):     # (named: the persistent cache's entry says what it is)

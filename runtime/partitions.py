@@ -341,7 +341,9 @@ class MixedExecutor:
         b = self.weights.get(lin.weight("b")) if lin.weight("b") else None
         return (trig, w, b, self.weights.get(norm.weight("w")), float(norm.attr("eps")), int(r.attr("k")))
 
-    def _prefetch(self, nid: int, env: dict) -> None:
+    def _prefetch(self, nid: int, env: dict, in_program: bool = False, stream: int | None = None) -> None:
+        """The copies the lookahead of value `nid` predicts; `in_program`/`stream`: from a host
+        call of a running fused step (XLAExecutor.set_slot)."""
         for c, xla, gpu_node, host, w, b, nw, eps, k in self.lookahead.get(nid, ()):
             if not self._copy_ok(c):
                 continue
@@ -352,7 +354,7 @@ class MixedExecutor:
             pred = np.zeros(c.n_experts, bool)
             pred[top.reshape(-1)] = True
             for slot, e in c.prefetch(pred):
-                self._copy_in(c, xla, gpu_node, host, slot, e, f"prefetch expert {e}")
+                self._copy_in(c, xla, gpu_node, host, slot, e, f"prefetch expert {e}", in_program, stream)
 
     def _swap_experts(self) -> None:
         for c, xla, gpu_node, host in self.caches:
@@ -370,12 +372,13 @@ class MixedExecutor:
             return False
         return True
 
-    def _copy_in(self, c, xla, gpu_node, host, slot: int, e: int, label: str) -> None:
+    def _copy_in(self, c, xla, gpu_node, host, slot: int, e: int, label: str, in_program: bool = False,
+                 stream: int | None = None) -> None:
         """Expert e's stored rows (from the host node's whole-layer weights) into GPU slot `slot`."""
         rows = {role: {a: v[e] for a, v in self.weights.arrays(host.weight(role)).items()}
                 for role, _ in gpu_node.weights}
         t0 = time.perf_counter()
-        moved = xla.set_slot(gpu_node.id, slot, rows, wait=not self.async_swaps)
+        moved = xla.set_slot(gpu_node.id, slot, rows, wait=not self.async_swaps, in_program=in_program, stream=stream)
         dt = time.perf_counter() - t0
         self._copy_s += dt
         c.bytes_moved += moved

@@ -28,7 +28,8 @@ def test_host_call_copies_in_runs_and_copies_out():
     hin, hout = np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float32)
     seen = []
 
-    def work():
+    def work(stream):
+        assert stream is None           # the CPU platform has no stream
         seen.append(hin.copy())
         np.multiply(hin, -2.0, out=hout)
 
@@ -42,9 +43,9 @@ def test_host_call_copies_in_runs_and_copies_out():
 
 def test_host_calls_chained_by_tokens_run_in_order_and_are_not_dropped():
     log = []
-    a = _host_call([], [], lambda: log.append("a"))
+    a = _host_call([], [], lambda _s: log.append("a"))
     hb = np.zeros(1, np.float32)
-    b = _host_call([hb], [], lambda: log.append(("b", float(hb[0]))), after=True)
+    b = _host_call([hb], [], lambda _s: log.append(("b", float(hb[0]))), after=True)
 
     @jax.jit
     def f(x):
@@ -58,7 +59,7 @@ def test_host_calls_chained_by_tokens_run_in_order_and_are_not_dropped():
 
 
 def test_host_call_checks_its_operands():
-    hc = _host_call([np.zeros(4, np.float32)], [], lambda: None)
+    hc = _host_call([np.zeros(4, np.float32)], [], lambda _s: None)
     with pytest.raises(TypeError, match="does not match"):
         jax.jit(lambda x: hc(x)[0])(jnp.zeros(5, jnp.float32))
     with pytest.raises(TypeError, match="operands expected"):
@@ -73,7 +74,7 @@ def test_handler_answers_the_metadata_query_and_skips_other_stages():
     from strata_compiler.backends.xla import host_call as H
 
     ran = []
-    hc = _host_call([], [], lambda: ran.append(1))
+    hc = _host_call([], [], lambda _s: ran.append(1))
     fn = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(hc.address)
     api = (ctypes.c_uint8 * 128)()
     ctypes.c_int32.from_buffer(api, H._API_VERSION_MAJOR).value = 7
@@ -105,7 +106,8 @@ def model(tmp_path_factory):
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_fused_decode_steps_equal_the_partition_runtime(model, tmp_path, monkeypatch, batch):
-    """A split plan with live expert caches (slot maps change between steps): every decode step
+    """A split plan with live expert caches (slot maps change between steps and, by the prefetch,
+    inside them): every decode step
     of the fused program gives the partition runtime's logits (to float rounding: XLA may fuse
     across what were partition boundaries) and the same greedy tokens."""
     from strata_compiler.runtime.session import Session
@@ -118,18 +120,25 @@ def test_fused_decode_steps_equal_the_partition_runtime(model, tmp_path, monkeyp
         monkeypatch.setenv("STRATA_FUSED_STEP", fused)
         s = Session(plan, "auto", device="cpu")
         assert (s.executor.fused is not None) == (fused == "1")
+        s.executor.copy_share = 1e9       # no copy budget: the same copies in both runs, whatever the timing
         s.reset(batch, 64)
         out = [s.step(prompt)[:, -1]]
         rng = np.random.default_rng(1)
-        for _ in range(8):
+        for t in range(8):
             out.append(s.step(rng.integers(0, m.config.vocab_size, (batch, 1)))[:, -1])
-        runs[fused] = (np.concatenate(out), s)
+            if t == 0:
+                before = sum(c.prefetches for c, *_ in s.executor.caches)
+        runs[fused] = (np.concatenate(out), s, before)
     a, b = runs["1"][0], runs["0"][0]
     assert np.abs(a - b).max() / b.std() <= 1e-5
     np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
     s = runs["1"][1]
     assert s.executor.fused.steps == 7          # the first decode step runs partition by partition
     assert sum(c.swaps for c, *_ in s.executor.caches) > 0     # experts moved between fused steps
+    # the prefetch runs inside the host calls (here: the embedding's), as often as partition by
+    # partition, and the GPU shares read the slot maps it changed
+    pf = {k: sum(c.prefetches for c, *_ in r[1].executor.caches) for k, r in runs.items()}
+    assert pf["1"] == pf["0"] and pf["1"] > runs["1"][2]
 
 
 def test_a_failing_cpu_partition_raises_after_the_step(model, tmp_path, monkeypatch):

@@ -13,8 +13,9 @@ When the GPU program reaches it, the handler, on XLA's thread:
 1. copies each operand (a device buffer) into its fixed host buffer with ``cudaMemcpyAsync`` on
    the program's own stream, then ``cudaStreamSynchronize``: the copies see every earlier kernel
    of the program and nothing else;
-2. calls ``work(arg)``, a native function (a CPU share, or a ctypes callback into Python, which
-   takes the GIL itself);
+2. calls ``work(arg, stream)``, a native function (a CPU share, or a ctypes callback into Python,
+   which takes the GIL itself); copies the work queues on `stream` land before the program's
+   next kernels (the expert cache's in-step prefetch);
 3. queues the copies of the host result buffers into the result buffers on the same stream, so
    the program's next kernels see them; from pageable memory the call stages the data before it
    returns, so the host buffers may be rewritten by the next call.
@@ -39,8 +40,9 @@ import numpy as np
 
 __all__ = ["HostCall", "WORK_CFUNC", "available"]
 
-#: ctypes prototype of a work function: ``void work(int64_t arg)``.
-WORK_CFUNC = ctypes.CFUNCTYPE(None, ctypes.c_int64)
+#: ctypes prototype of a work function: ``void work(int64_t arg, void* stream)`` (the program's CUDA
+#: stream, on which the work may queue copies of its own; NULL on the CPU platform).
+WORK_CFUNC = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_void_p)
 
 _IDS = itertools.count()
 _KEEP: list = []            # handlers, engines and callbacks live as long as the process (XLA keeps the targets)
@@ -145,7 +147,7 @@ run:
   %c{i} = call i32 {cp}(ptr inttoptr (i64 {addr} to ptr), ptr %a{i}d, i64 {n}, i32 2, ptr %stream)""")
     if ins:
         L.append(f"  %synced = call i32 {sy}(ptr %stream)")
-    L.append(f"  call void inttoptr (i64 {work} to ptr)(i64 {arg})")
+    L.append(f"  call void inttoptr (i64 {work} to ptr)(i64 {arg}, ptr %stream)")
     for j, (addr, n) in enumerate(outs):
         L.append(f"""  %r{j}p = getelementptr ptr, ptr %rets, i64 {j}
   %r{j} = load ptr, ptr %r{j}p
@@ -234,8 +236,9 @@ class HostCall:
 
 
 def python_work(fn) -> tuple[int, object]:
-    """A work function that calls the Python callable fn() (the ctypes callback takes the GIL);
-    returns (address, keep-alive object)."""
-    cb = WORK_CFUNC(lambda _arg: fn())
+    """A work function that calls the Python callable fn(stream) (the program's CUDA stream as an
+    int, None on the CPU platform; the ctypes callback takes the GIL); returns (address,
+    keep-alive object)."""
+    cb = WORK_CFUNC(lambda _arg, stream: fn(stream))
     _KEEP.append(cb)
     return ctypes.cast(cb, ctypes.c_void_p).value, cb
