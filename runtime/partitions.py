@@ -271,9 +271,12 @@ class MixedExecutor:
         self.caches = []
         self.lookahead = {}
         # STRATA_PINNED_SWAPS=1: the cached layers' host weights page-locked, and their copies into
-        # GPU slots queued without waiting (the partition reading the slots waits). Off by default
-        # until measured on a GPU.
-        self.async_swaps = os.environ.get("STRATA_PINNED_SWAPS", "0") == "1"
+        # GPU slots queued without waiting (the partition reading the slots waits). The default:
+        # on with fused decode steps, whose in-step prefetch queues its copies on the program's
+        # stream (H200, 2 layers, one process: 426.9 / 414.5 against 390.7 / 305.8 tok/s), off
+        # partition by partition (16 layers: 34.4 against 40.4 with 4 prefetches a layer).
+        raw = os.environ.get("STRATA_PINNED_SWAPS", "")
+        self.async_swaps = raw == "1" or (raw == "" and self.fused is not None)
         # STRATA_PREFETCH_PER_LAYER: copies per layer per step the prediction may start (default 1;
         # cheap copies — pinned, queued — may afford the whole prediction's misses)
         raw = os.environ.get("STRATA_PREFETCH_PER_LAYER", "1")
