@@ -15,12 +15,13 @@ one program for the GPU:
   keep theirs on the host, as before.
 
 A step is then one dispatch and one wait, whatever the number of switches (benchmarks/
-host_call_bench.py: 62 us per round trip on an H200 against 430-480 for a jitted call per side).
+host_call_bench.py: 47-64 us per layer on an H200, GPU work included, against 430-600 for a
+jitted call per side).
 
 It applies to decode steps of plans whose xla partitions share one device, with no reference
-partition and no trace (`--trace` times each partition, so it keeps the partition runtime);
-prefill and the first decode step (which sets up the frames and caches) run partition by
-partition. The expert caches' swaps happen between steps; their in-step prefetch runs inside the
+partition; prefill and the first decode step (which sets up the frames and caches) run partition
+by partition. Under `--trace`, the CPU partitions' ops are traced inside their host calls and the
+stretches between host calls go on the GPU track (`_trace`). The expert caches' swaps happen between steps; their in-step prefetch runs inside the
 host call of the CPU partition that makes the triggering hidden state: its copies are queued on
 the program's stream, before the cached layer's GPU share, and the call hands back the changed
 slot maps as results of its own (a prefetch triggered by a GPU partition's value does not run in
@@ -199,6 +200,24 @@ class FusedStep:
         outs = tuple(env[o] for o in self.g.outputs if parts[self.part_of[o]][0] == "xla")
         return outs + (token,), ks, vs
 
+    @staticmethod
+    def _trace(tr, tl: list, tokens: int) -> None:
+        """A traced fused step: the CPU partitions traced themselves (their ops' spans, inside the
+        host calls); the stretches between host calls go on the GPU track. Those are measured on
+        the host: from the dispatch (or a host call's return) to the next host call (or the
+        step's end), they hold the launches, the GPU's kernels and the host calls' copies."""
+        t0 = tl[0][2]
+        marks = [(t, "enter") for ev, _, t in tl if ev == "enter"]
+        leaves = [t for ev, _, t in tl if ev == "leave"]
+        done = next(t for ev, _, t in reversed(tl) if ev == "done")
+        start = t0
+        for k, (t_enter, _) in enumerate(marks):
+            if t_enter > start:
+                tr.add_span(f"fused step: gpu segment {k}", "gpu", start, t_enter, tokens=tokens)
+            start = leaves[k] if k < len(leaves) else t_enter
+        if done > start:
+            tr.add_span(f"fused step: gpu segment {len(marks)}", "gpu", start, done, tokens=tokens)
+
     def run(self, input_ids: np.ndarray, cache) -> dict[int, np.ndarray]:
         import jax
 
@@ -249,6 +268,13 @@ class FusedStep:
                 self._env[a] = frame.out(self.g.node(a))
         self._cur = (input_ids, cache)
         self._error = None
+        from . import trace
+
+        if trace.ACTIVE is not None and self.timeline is None:
+            self.timeline = []          # this step's, for the trace's GPU spans (_trace)
+            traced = True
+        else:
+            traced = False
         tl = self.timeline
         if tl is not None:
             tl.append(("dispatch", -1, time.perf_counter_ns()))
@@ -260,6 +286,9 @@ class FusedStep:
         outs = jax.block_until_ready(outs)[:-1]
         if tl is not None:
             tl.append(("done", -1, time.perf_counter_ns()))
+        if traced:
+            self._trace(trace.ACTIVE, tl, B)
+            self.timeline = None
         if self._stage is not None:
             self._stage.guard = None        # the program has finished: the staging may be rewritten
         self._cur = None

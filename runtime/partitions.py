@@ -392,7 +392,7 @@ class MixedExecutor:
         B, T = input_ids.shape
         t_step = time.perf_counter()
         self._copy_s = 0.0
-        if T == 1 and self.fused is not None and trace.ACTIVE is None and self.fused.ready(B, cache):
+        if T == 1 and self.fused is not None and self.fused.ready(B, cache):
             from strata_compiler.backends.llvm_cpu.pool import set_spin
 
             set_spin()      # no JAX copy threads to leave cores to: workers wait the default way

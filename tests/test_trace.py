@@ -46,6 +46,13 @@ def test_mixed_plan_trace_has_every_track_and_validates(model, tmp_path, capsys)
             assert any(s["ts"] <= e["ts"] + 1e-3 and e["ts"] + e["dur"] <= s["ts"] + s["dur"] + 1e-3 for s in steps)
     moe = [e for e in spans if e["tid"] == TRACKS["cpu"] and e["name"] == "moe_ffn"]
     assert len(moe) == 4 * 2          # two MoE layers on the CPU, four steps
+    # decode steps after the first run as one program (runtime/fused_step.py): the stretches
+    # between its host calls are the GPU's spans, one more than the CPU partitions
+    fused = [e for e in spans if e["name"].startswith("fused step: gpu segment")]
+    assert fused and {e["tid"] for e in fused} == {TRACKS["gpu"]}
+    last = steps[-1]
+    inside = [e for e in fused if last["ts"] <= e["ts"] <= last["ts"] + last["dur"]]
+    assert len(inside) == 3           # before, between and after the 2 MoE layers' CPU partitions
     err = capsys.readouterr().err
     assert "busy time per track" in err and "bytes moved h2d" in err
     assert "cpu kernels and gpu partitions at once:" in err
