@@ -225,6 +225,10 @@ class FusedStep:
 
         B = input_ids.shape[0]
         m = self.m
+        if cache.length + 1 > cache.capacity:
+            from strata_compiler.errors import UsageError
+
+            raise UsageError(f"sequence of {cache.length + 1} tokens exceeds the KV cache capacity {cache.capacity}")
         if not self._private and self.device.platform == "cpu":
             # in-step prefetches write the GPU shares' weights in place (XLAExecutor.set_slot): on
             # JAX's CPU platform an array put there from the plan's read-only mapping may alias it

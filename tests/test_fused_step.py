@@ -158,3 +158,19 @@ def test_a_failing_cpu_partition_raises_after_the_step(model, tmp_path, monkeypa
     monkeypatch.setattr(exe, "run_segment", boom)
     with pytest.raises(RuntimeError, match="kernel exploded"):
         s.step(ids[:, :1])
+
+
+def test_a_full_cache_is_a_clear_error_in_fused_steps(model, tmp_path, monkeypatch):
+    from strata_compiler.errors import UsageError
+    from strata_compiler.runtime.session import Session
+
+    d, m, ids = model
+    plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
+    s = Session(plan, "auto", device="cpu")
+    s.reset(1, ids.shape[1] + 2)
+    s.step(ids)
+    s.step(ids[:, :1])
+    s.step(ids[:, :1])          # a fused step fills the cache
+    assert s.executor.fused.steps == 1
+    with pytest.raises(UsageError, match="exceeds the KV cache capacity"):
+        s.step(ids[:, :1])
