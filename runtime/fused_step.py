@@ -21,15 +21,22 @@ jitted call per side).
 It applies to decode steps of plans whose xla partitions share one device, with no reference
 partition; prefill and the first decode step (which sets up the frames and caches) run partition
 by partition. Under `--trace`, the CPU partitions' ops are traced inside their host calls and the
-stretches between host calls go on the GPU track (`_trace`). The expert caches' swaps happen between steps; their in-step prefetch runs inside the
-host call of the CPU partition that makes the triggering hidden state: its copies are queued on
-the program's stream, before the cached layer's GPU share, and the call hands back the changed
-slot maps as results of its own (a prefetch triggered by a GPU partition's value does not run in
-a fused step). STRATA_FUSED_STEP=0 turns it off.
+stretches between host calls go on the GPU track (`_trace`).
+
+Expert caches: the swaps happen between steps; the in-step prefetch runs inside the host call of
+the CPU partition that makes the triggering hidden state, which hands back the changed slot maps
+as results of its own (a prefetch triggered by a GPU partition's value does not run in a fused
+step). Where a cached layer's GPU share ends a partition and the next CPU partition reads its
+result, that CPU partition runs as two host calls around the share (`_plan_splits`): the CPU side
+of the layer before the share, the combine after it. The prefetch's copies for that layer then go
+on a copy stream of their own and overlap the layer's attention and CPU side; only the GPU share
+waits for them, on the GPU (a CUDA event). Other caches' copies are queued on the program's
+stream. STRATA_FUSED_STEP=0 turns fused steps off.
 """
 
 from __future__ import annotations
 
+import ctypes
 import time
 
 import numpy as np
@@ -65,6 +72,10 @@ class FusedStep:
         self._error = None          # an exception raised inside a callback (re-raised after the step)
         self._stage = None
         self._private = False       # the CPU platform's cached GPU shares copied (run)
+        self._splits = None         # _plan_splits
+        self._split_keys: set = set()
+        self._events: dict = {}     # cache key -> CUDA event after its prefetch copies (copy stream)
+        self._pending: set = set()  # caches with copies recorded and not yet waited for
         self._maps_of: dict = {}    # CPU partition -> the expert caches whose slot maps its call returns
         self._maps_out: dict = {}   # ... and their host buffers
         self.steps = 0
@@ -111,9 +122,67 @@ class FusedStep:
         prefetch may change), in order."""
         return [gpu_node for nid in self._triggers(i) for _c, _x, gpu_node, *_ in self.m.lookahead[nid]]
 
-    def _work(self, i: int):
+    def _plan_splits(self) -> dict:
+        """CPU partitions that run in two host calls around a cached GPU share (once the expert
+        caches exist): partition i whose GPU-made inputs include the result of the expert cache's
+        GPU share that ends partition i - 1. Its first call (`start`) runs the ops before the one
+        that reads that result (the CPU side of the layer), then the share runs on the GPU, then
+        the second call (`finish`) the rest. So the expert copies the prefetch queued for that
+        layer on a copy stream of their own run beside the layer's attention and its CPU side,
+        and only the GPU share waits for them (`_stream_for`). i -> (share node, early inputs,
+        late inputs, index of the first op of the finish)."""
+        if self._splits is not None:
+            return self._splits
+        out = {}
+        parts = self.m.parts
+        for i in self.dev_in:
+            if i == 0 or parts[i - 1][0] != "xla":
+                continue
+            xexe = parts[i - 1][1]
+            last = xexe.nodes[-1]
+            if last.op is not Op.MOE_FFN or not last.attr("cache", "") or last.id not in self.dev_in[i]:
+                continue
+            exe = parts[i][1]
+            k = next(j for j, f in enumerate(exe.fetch_at) if last.id in f)
+            early = [a for a in self.dev_in[i] if a != last.id]
+            if k == 0 or not early or any(self.part_of[a] == i - 1 for a in early):
+                continue
+            out[i] = (last, early, [last.id], k)
+        self._splits = out
+        self._split_keys = {n.attr("cache") for n, *_ in out.values()}
+        return out
+
+    def _stream_for(self, stream):
+        """The prefetch's stream per cache: caches whose GPU share a split partition's start call
+        guards get a copy stream and an event the start call makes the program wait for (on the
+        GPU); the others copy on the program's stream. None on the CPU platform (copies land at
+        once)."""
+        if stream is None:
+            return None
+        from strata_compiler.backends.xla import cuda_rt
+
+        def pick(c, done: bool = False):
+            if c.key not in self._split_keys:
+                return stream
+            cs = cuda_rt.copy_stream(self.device)
+            if done:
+                ev = self._events.get(c.key)
+                if ev is None:
+                    ev = self._events[c.key] = cuda_rt.event()
+                cuda_rt.record(ev, cs)
+                self._pending.add(c.key)
+            return cs
+        return pick
+
+    def _work(self, i: int, part: str | None = None):
         exe = self.m.parts[i][1]
         triggers = self._triggers(i)
+        split = self._plan_splits().get(i)
+        lo, hi = 0, None
+        if part == "start":
+            hi = split[3]
+        elif part == "finish":
+            lo = split[3]
 
         def run(stream) -> None:
             if self._error is not None:
@@ -123,47 +192,61 @@ class FusedStep:
                 tl.append(("enter", i, time.perf_counter_ns()))
             try:
                 ids, cache = self._cur
-                exe.run_segment(self._env, ids, cache)
-                if triggers and self.m.prefetch:    # the next cached layers' copies, on this stream
-                    for nid in triggers:
-                        self.m._prefetch(nid, self._env, in_program=True, stream=stream)
-                for buf, c in zip(self._maps_out.get(i, ()), self._maps_of.get(i, ())):
-                    buf[:] = c.slots
+                exe.run_segment(self._env, ids, cache, lo, hi)
+                if part == "start":         # the GPU share after this call waits for its copies
+                    key = split[0].attr("cache")
+                    if key in self._pending and stream is not None:
+                        from strata_compiler.backends.xla import cuda_rt
+
+                        cuda_rt.wait_event(stream, self._events[key])
+                        self._pending.discard(key)
+                else:
+                    if triggers and self.m.prefetch:    # the next cached layers' copies
+                        for nid in triggers:
+                            self.m._prefetch(nid, self._env, in_program=True, stream=self._stream_for(stream))
+                    for buf, c in zip(self._maps_out.get(i, ()), self._maps_of.get(i, ())):
+                        buf[:] = c.slots
             except BaseException as e:    # noqa: BLE001 - nothing may cross the native frame
                 self._error = e
             if tl is not None:
                 tl.append(("leave", i, time.perf_counter_ns()))
         return run
 
-    def _host_call(self, i: int, B: int, after: bool):
-        key = (i, B)
+    def _host_call(self, i: int, B: int, after: bool, part: str | None = None):
+        """CPU partition i's host call (`part`: "start" / "finish" of a split one, else None)."""
+        key = (i, B, part)
         hc = self._calls.get(key)
         if hc is None:
             from strata_compiler.backends.xla.host_call import HostCall, python_work
 
             exe = self.m.parts[i][1]
             frame, _ = exe.frames[B]
-            ins = [frame.out(self.g.node(a)) for a in self.dev_in[i]]
-            outs = [frame.out(self.g.node(o)) for o in self.dev_out[i]]
-            # the slot maps this call's prefetch may change go back with its results
-            from . import expert_cache
+            split = self._plan_splits().get(i)
+            dev_in = self.dev_in[i] if part is None else split[1] if part == "start" else split[2]
+            ins = [frame.out(self.g.node(a)) for a in dev_in]
+            outs = [] if part == "start" else [frame.out(self.g.node(o)) for o in self.dev_out[i]]
+            if part != "start":
+                # the slot maps this call's prefetch may change go back with its results
+                from . import expert_cache
 
-            maps = self._slot_maps(i)
-            self._maps_of[i] = [expert_cache.lookup(self.g, n.attr("cache")) for n in maps]
-            self._maps_out[i] = [np.zeros(len(n.attr("experts")), np.int32) for n in maps]
-            outs += self._maps_out[i]
-            addr, _keep = python_work(self._work(i))
+                maps = self._slot_maps(i)
+                self._maps_of[i] = [expert_cache.lookup(self.g, n.attr("cache")) for n in maps]
+                self._maps_out[i] = [np.zeros(len(n.attr("experts")), np.int32) for n in maps]
+                outs += self._maps_out[i]
+            addr, _keep = python_work(self._work(i, part))
             platform = "cpu" if self.device.platform == "cpu" else "gpu"
             hc = self._calls[key] = HostCall(ins, outs, addr, platform=platform, after=after)
+            hc.dev_in = dev_in
         return hc
 
     # -- the traced step -----------------------------------------------------------------------
 
     def _step(self, params, ks, vs, packed, B: int):
         """The decode step of batch B; `packed`: int32 [ids (B) | position | slot maps...]."""
-        import jax.numpy as jnp
+        import jax
 
         parts = self.m.parts
+        splits = self._plan_splits()
         ids = packed[:B].reshape(B, 1)
         pos = packed[B]
         off = B + 1
@@ -177,7 +260,14 @@ class FusedStep:
         # the host calls share the host state (values, KV caches of the CPU partitions): each runs
         # after the one before (an ordering token), and the program returns the last token, so
         # that its results are ready only once every host call has run
-        token = None
+        tok = [None]
+
+        def call(i, part, sources):
+            hc = self._host_call(i, B, after=tok[0] is not None, part=part)
+            args = [sources(a).astype(h.dtype).reshape(h.shape) for a, h in zip(hc.dev_in, hc.ins)]
+            *res, tok[0] = hc(*args, after=tok[0])
+            return res
+
         for i, (kind, exe, _) in enumerate(parts):
             if kind == "xla":
                 ext = {a: env[a] for a in exe.inputs if self.g.node(a).op is not Op.INPUT_IDS}
@@ -185,18 +275,24 @@ class FusedStep:
                     ext[-(n.id + 1)] = slots[n.id]
                 pk = {l: ks[l] for l in exe.layers}
                 pv = {l: vs[l] for l in exe.layers}
-                flat, kt, vt = exe._flat(params[i], pk, pv, ext, ids, B, 1, pos)
+                hooks = None
+                if i + 1 in splits:
+                    def before_share(envj, args, i=i + 1):
+                        call(i, "start", lambda a: envj[a] if a in envj else env[a])
+                        args, tok[0] = jax.lax.optimization_barrier((args, tok[0]))     # the share after it
+                        return args
+                    hooks = {splits[i + 1][0].id: before_share}
+                flat, kt, vt = exe._flat(params[i], pk, pv, ext, ids, B, 1, pos, hooks)
                 env.update(zip(exe._out_keys[B, 1], flat))
                 for l, k_, v_ in zip(exe.layers, kt, vt):
                     ks[l], vs[l] = k_, v_
             else:
-                hc = self._host_call(i, B, after=token is not None)
-                args = [env[a].astype(h.dtype).reshape(h.shape) for a, h in zip(self.dev_in[i], hc.ins)]
-                *res, token = hc(*args, after=token)
+                res = call(i, "finish" if i in splits else None, env.__getitem__)
                 for o, r in zip(self.dev_out[i], res):
                     env[o] = r
                 for n, r in zip(self._slot_maps(i), res[len(self.dev_out[i]):]):
                     slots[n.id] = r         # the later GPU share reads the map after the prefetch
+        token = tok[0]
         outs = tuple(env[o] for o in self.g.outputs if parts[self.part_of[o]][0] == "xla")
         return outs + (token,), ks, vs
 
@@ -257,6 +353,11 @@ class FusedStep:
             if self._stage is None:
                 self._stage = cuda_rt.Staging(self.device)
             packed = self._stage.stage("step", packed)
+        if self._pending:                   # prefetch copies a failed step left unwaited
+            from strata_compiler.backends.xla import cuda_rt as _rt
+
+            _rt.lib().cudaStreamSynchronize(ctypes.c_void_p(_rt.copy_stream(self.device)))
+            self._pending.clear()
         for kind, exe, _ in m.parts:        # expert-slot copies queued without waiting land first
             if kind == "xla" and exe._bulk_pending:
                 cuda_rt.wait_bulk()

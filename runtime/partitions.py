@@ -344,20 +344,26 @@ class MixedExecutor:
         b = self.weights.get(lin.weight("b")) if lin.weight("b") else None
         return (trig, w, b, self.weights.get(norm.weight("w")), float(norm.attr("eps")), int(r.attr("k")))
 
-    def _prefetch(self, nid: int, env: dict, in_program: bool = False, stream: int | None = None) -> None:
+    def _prefetch(self, nid: int, env: dict, in_program: bool = False, stream=None) -> None:
         """The copies the lookahead of value `nid` predicts; `in_program`/`stream`: from a host
-        call of a running fused step (XLAExecutor.set_slot)."""
+        call of a running fused step (XLAExecutor.set_slot); `stream` may be a function of the
+        cache (the fused step's copy stream for some caches, the program's for others), called
+        after the cache's copies with done=True."""
         for c, xla, gpu_node, host, w, b, nw, eps, k in self.lookahead.get(nid, ()):
             if not self._copy_ok(c):
                 continue
+            s = stream(c) if callable(stream) else stream
             h = cuda_rt.fetch(env[nid]).astype(np.float32, copy=False).reshape(-1, w.shape[1])
             x = h / np.sqrt((h * h).mean(-1, keepdims=True) + eps) * nw
             logits = x @ w.T + (0 if b is None else b)
             top = np.argpartition(-logits, min(k, logits.shape[1]) - 1, axis=-1)[:, :k]
             pred = np.zeros(c.n_experts, bool)
             pred[top.reshape(-1)] = True
-            for slot, e in c.prefetch(pred):
-                self._copy_in(c, xla, gpu_node, host, slot, e, f"prefetch expert {e}", in_program, stream)
+            copies = c.prefetch(pred)
+            for slot, e in copies:
+                self._copy_in(c, xla, gpu_node, host, slot, e, f"prefetch expert {e}", in_program, s)
+            if copies and callable(stream):
+                stream(c, done=True)
 
     def _swap_experts(self) -> None:
         for c, xla, gpu_node, host in self.caches:

@@ -139,6 +139,9 @@ def test_fused_decode_steps_equal_the_partition_runtime(model, tmp_path, monkeyp
     # partition, and the GPU shares read the slot maps it changed
     pf = {k: sum(c.prefetches for c, *_ in r[1].executor.caches) for k, r in runs.items()}
     assert pf["1"] == pf["0"] and pf["1"] > runs["1"][2]
+    # the cached layer's CPU partition ran as two host calls around its GPU share
+    fused = s.executor.fused
+    assert fused._splits and {part for _, _, part in fused._calls} >= {"start", "finish"}
 
 
 def test_a_failing_cpu_partition_raises_after_the_step(model, tmp_path, monkeypatch):

@@ -195,29 +195,33 @@ class LLVMExecutor:
                                f"plans from `stratac compile` fuse it away — recompile, or use --backend reference")
         return binder(self, n)
 
-    def run_segment(self, env: dict, input_ids: np.ndarray, cache: KVCache) -> None:
-        """Run this executor's nodes; operands from other devices come from (and results go to) env."""
+    def run_segment(self, env: dict, input_ids: np.ndarray, cache: KVCache, lo: int = 0, hi: int | None = None) -> None:
+        """Run this executor's nodes; operands from other devices come from (and results go to) env.
+        lo/hi: only nodes [lo, hi) (a segment run in two parts; results go to env after the last)."""
         B, T = input_ids.shape
         M = B * T
         if M not in self.frames:
             frame = Frame(self, M)
             self.frames[M] = (frame, [b(frame) for b in self.binders])
         frame, ops = self.frames[M]
-        frame.ids[:] = input_ids.reshape(-1)
+        hi = len(ops) if hi is None else hi
+        if lo == 0:
+            frame.ids[:] = input_ids.reshape(-1)
         step = Step(B, T, cache)
         if trace.ACTIVE is None:
-            for op, fetch in zip(ops, self.fetch_at):
+            for op, fetch in zip(ops[lo:hi], self.fetch_at[lo:hi]):
                 if fetch:
                     self._fetch(env, frame, fetch, M)
                 op(step)
         else:
-            for n, op, fetch in zip(self.nodes, ops, self.fetch_at):
+            for n, op, fetch in zip(self.nodes[lo:hi], ops[lo:hi], self.fetch_at[lo:hi]):
                 if fetch:
                     self._fetch(env, frame, fetch, M)
                 with trace.ACTIVE.span(n.op.value, "cpu", node=n.id, tokens=M):
                     op(step)
-        for o in self.outputs:
-            env[o] = frame.out(self.g.node(o)).copy()
+        if hi == len(ops):
+            for o in self.outputs:
+                env[o] = frame.out(self.g.node(o)).copy()
 
     def _fetch(self, env: dict, frame, inputs: list[int], M: int) -> None:
         """Segment inputs into their frame buffers; a GPU result is waited for and copied (straight

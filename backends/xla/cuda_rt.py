@@ -70,6 +70,12 @@ def lib():
         L.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
         L.cudaStreamCreateWithFlags.restype = ctypes.c_int
         L.cudaSetDevice.argtypes = [ctypes.c_int]
+        L.cudaEventCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        L.cudaEventCreateWithFlags.restype = ctypes.c_int
+        L.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        L.cudaEventRecord.restype = ctypes.c_int
+        L.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        L.cudaStreamWaitEvent.restype = ctypes.c_int
         count = ctypes.c_int(0)
         if L.cudaGetDeviceCount(ctypes.byref(count)) != 0 or count.value < 1:
             break               # a runtime library but no usable GPU (or driver) here
@@ -109,7 +115,7 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed (CUDA error {rc})")
 
 
-_STREAMS: dict[tuple[int, bool], ctypes.c_void_p] = {}
+_STREAMS: dict[tuple, ctypes.c_void_p] = {}     # (device, bulk flag or "copy") -> stream
 _RAW_STREAM = True          # STRATA_RAW_STREAM, read by enable()
 # per sharding object (JAX shares one per device; kept alive here so its id is not reused): the
 # array's platform is ours and its copy stream. Looking both up through x.devices() costs a few
@@ -263,6 +269,44 @@ def pin(arrays) -> int:
 
 def sync() -> None:
     _check(_LIB.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+
+
+def copy_stream(device) -> int:
+    """A non-blocking stream of `device` for copies that run beside a program's kernels (the
+    fused step's prefetch: `record` an event after them, `wait_event` it on the program's stream
+    where their destination is read)."""
+    dev = int(getattr(device, "local_hardware_id", None) or device.id)
+    key = (dev, "copy")
+    s = _STREAMS.get(key)
+    if s is None:
+        L = _LIB
+        prev = ctypes.c_int(0)
+        _check(L.cudaGetDevice(ctypes.byref(prev)), "cudaGetDevice")
+        _check(L.cudaSetDevice(dev), "cudaSetDevice")
+        s = ctypes.c_void_p()
+        try:
+            _check(L.cudaStreamCreateWithFlags(ctypes.byref(s), 1), "cudaStreamCreateWithFlags")
+        finally:
+            L.cudaSetDevice(prev.value)
+        _STREAMS[key] = s
+    return s.value
+
+
+def event() -> int:
+    """A new CUDA event without timing (cudaEventDisableTiming), for ordering only."""
+    e = ctypes.c_void_p()
+    _check(_LIB.cudaEventCreateWithFlags(ctypes.byref(e), 2), "cudaEventCreateWithFlags")
+    return e.value
+
+
+def record(ev: int, stream: int) -> None:
+    """Event `ev` completes when the work queued on `stream` so far has."""
+    _check(_LIB.cudaEventRecord(ctypes.c_void_p(ev), ctypes.c_void_p(stream)), "cudaEventRecord")
+
+
+def wait_event(stream: int, ev: int) -> None:
+    """Work queued on `stream` after this waits (on the GPU) for event `ev`."""
+    _check(_LIB.cudaStreamWaitEvent(ctypes.c_void_p(stream), ctypes.c_void_p(ev), 0), "cudaStreamWaitEvent")
 
 
 def _raw_ok(v) -> bool:

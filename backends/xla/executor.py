@@ -586,7 +586,9 @@ class XLAExecutor:
             return jnp.float32
         return jnp.bfloat16
 
-    def _forward(self, params, ks, vs, ext, ids, B, T, pos):
+    def _forward(self, params, ks, vs, ext, ids, B, T, pos, hooks: dict | None = None):
+        """hooks: node id -> f(env, args) -> args, called while tracing, before that node (the fused
+        step puts a host call there and ties the node's operands to it)."""
         ks, vs = dict(ks), dict(vs)
         c = _Ctx(self, params, ks, vs, ids, pos, B, T)
         c.ext = ext
@@ -595,18 +597,21 @@ class XLAExecutor:
             if n.op is Op.INPUT_IDS:
                 env[n.id] = ids.reshape(-1)
             else:
-                env[n.id] = self._value(c, n, [env[a] for a in n.args])
+                args = [env[a] for a in n.args]
+                if hooks and n.id in hooks:
+                    args = hooks[n.id](env, args)
+                env[n.id] = self._value(c, n, args)
         outs = {o: env[o] for o in self.outputs}
         if self.packed and T == self._packed_T:    # the host-bound results as one f32 buffer: one copy
             outs[PACKED] = c.jnp.concatenate([outs[o].reshape(-1).astype(c.jnp.float32) for o in self.packed])
         return outs, ks, vs
 
-    def _flat(self, params, ks, vs, ext, ids, B, T, pos):
+    def _flat(self, params, ks, vs, ext, ids, B, T, pos, hooks: dict | None = None):
         """_forward with its results as tuples (in _out_keys[B, T] and self.layers order), not dicts
         keyed by node ids and layers: result keys are written into the lowered module, so
         structurally equal partitions (one per layer in a split plan) lower to the same module and
         compile once, through the persistent cache."""
-        outs, ks, vs = self._forward(params, ks, vs, ext, ids, B, T, pos)
+        outs, ks, vs = self._forward(params, ks, vs, ext, ids, B, T, pos, hooks)
         self._out_keys[B, T] = tuple(outs)
         return tuple(outs.values()), tuple(ks[l] for l in self.layers), tuple(vs[l] for l in self.layers)
 
