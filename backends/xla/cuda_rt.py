@@ -157,13 +157,17 @@ def _stream_of(d, bulk: bool = False):
     if not _RAW_STREAM:
         return None
     dev = int(getattr(d, "local_hardware_id", None) or d.id)
-    key = (dev, bulk)           # bulk copies on a stream of their own: a hand-off never waits behind them
+    return _stream((dev, bulk))     # bulk copies on a stream of their own: a hand-off never waits behind them
+
+
+def _stream(key: tuple) -> ctypes.c_void_p:
+    """The non-blocking stream of device key[0] kept under `key`, made on first use."""
     s = _STREAMS.get(key)
     if s is None:
         L = _LIB
         prev = ctypes.c_int(0)
         _check(L.cudaGetDevice(ctypes.byref(prev)), "cudaGetDevice")
-        _check(L.cudaSetDevice(dev), "cudaSetDevice")
+        _check(L.cudaSetDevice(key[0]), "cudaSetDevice")
         s = ctypes.c_void_p()
         try:
             _check(L.cudaStreamCreateWithFlags(ctypes.byref(s), 1), "cudaStreamCreateWithFlags")   # non-blocking
@@ -275,21 +279,7 @@ def copy_stream(device) -> int:
     """A non-blocking stream of `device` for copies that run beside a program's kernels (the
     fused step's prefetch: `record` an event after them, `wait_event` it on the program's stream
     where their destination is read)."""
-    dev = int(getattr(device, "local_hardware_id", None) or device.id)
-    key = (dev, "copy")
-    s = _STREAMS.get(key)
-    if s is None:
-        L = _LIB
-        prev = ctypes.c_int(0)
-        _check(L.cudaGetDevice(ctypes.byref(prev)), "cudaGetDevice")
-        _check(L.cudaSetDevice(dev), "cudaSetDevice")
-        s = ctypes.c_void_p()
-        try:
-            _check(L.cudaStreamCreateWithFlags(ctypes.byref(s), 1), "cudaStreamCreateWithFlags")
-        finally:
-            L.cudaSetDevice(prev.value)
-        _STREAMS[key] = s
-    return s.value
+    return _stream((int(getattr(device, "local_hardware_id", None) or device.id), "copy")).value
 
 
 def event() -> int:
