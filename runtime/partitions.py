@@ -8,6 +8,7 @@ its partition runs (device arrays for xla, host arrays otherwise).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import time
@@ -89,6 +90,7 @@ class MixedExecutor:
         self.prefetch = True
         self.async_swaps = False    # enable_expert_cache: STRATA_PINNED_SWAPS
         self.pinned_bytes = 0
+        self._copy_plans: dict = {}   # cache key -> raw copy addresses (_copy_rows)
         self.copy_share = COPY_SHARE
         self._step_s = 0.0          # moving average of a step's time (without its copies)
         self._copy_s = 0.0          # copy seconds spent this step (budget: copy_share * _step_s)
@@ -384,15 +386,44 @@ class MixedExecutor:
     def _copy_in(self, c, xla, gpu_node, host, slot: int, e: int, label: str, in_program: bool = False,
                  stream: int | None = None) -> None:
         """Expert e's stored rows (from the host node's whole-layer weights) into GPU slot `slot`."""
-        rows = {role: {a: v[e] for a, v in self.weights.arrays(host.weight(role)).items()}
-                for role, _ in gpu_node.weights}
         t0 = time.perf_counter()
-        moved = xla.set_slot(gpu_node.id, slot, rows, wait=not self.async_swaps, in_program=in_program, stream=stream)
+        moved = self._copy_rows(c, xla, gpu_node, host, slot, e, stream) if in_program else None
+        if moved is None:
+            rows = {role: {a: v[e] for a, v in self.weights.arrays(host.weight(role)).items()}
+                    for role, _ in gpu_node.weights}
+            moved = xla.set_slot(gpu_node.id, slot, rows, wait=not self.async_swaps, in_program=in_program,
+                                 stream=stream)
         dt = time.perf_counter() - t0
         self._copy_s += dt
         c.bytes_moved += moved
         if trace.ACTIVE is not None:
             trace.ACTIVE.transfer("h2d", moved, dt, name=label)
+
+    def _copy_rows(self, c, xla, gpu_node, host, slot: int, e: int, stream: int | None) -> int | None:
+        """A copy into an expert slot from inside a running fused step, by raw copies from
+        addresses worked out once per cache (the step's critical path: the general path rebuilds the
+        weights' arrays and checks each copy, ~10 us an array). None where the layout does not allow
+        it (set_slot then). Queued on `stream` on a GPU; written at once on JAX's CPU platform."""
+        plan = self._copy_plans.get(c.key)
+        if plan is None or any(xla.params[name][arr] is not cur for name, arr, cur, *_ in plan):
+            plan = []
+            for role, name in gpu_node.weights:
+                src_all = self.weights.arrays(host.weight(role))
+                for arr, cur in xla.params[name].items():
+                    src = src_all.get(arr)
+                    rb = cur.nbytes // cur.shape[0]
+                    if src is None or src.dtype != cur.dtype or src[0].nbytes != rb or not src[0].flags.c_contiguous:
+                        return None
+                    plan.append((name, arr, cur, cur.unsafe_buffer_pointer(), rb, src, src.ctypes.data, src.strides[0]))
+            self._copy_plans[c.key] = plan
+        moved = 0
+        for _name, _arr, _cur, dst, rb, _src, base, stride in plan:
+            if stream is not None and xla.on_gpu:
+                cuda_rt.copy_async(dst + slot * rb, base + e * stride, rb, stream)
+            else:
+                ctypes.memmove(dst + slot * rb, base + e * stride, rb)
+            moved += rb
+        return moved
 
     def run(self, input_ids: np.ndarray, cache) -> dict[int, np.ndarray]:
         B, T = input_ids.shape

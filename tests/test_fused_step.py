@@ -142,6 +142,7 @@ def test_fused_decode_steps_equal_the_partition_runtime(model, tmp_path, monkeyp
     # the cached layer's CPU partition ran as two host calls around its GPU share
     fused = s.executor.fused
     assert fused._splits and {part for _, _, part in fused._calls} >= {"start", "finish"}
+    assert s.executor._copy_plans         # in-step copies took the raw path (addresses worked out once)
 
 
 def test_a_failing_cpu_partition_raises_after_the_step(model, tmp_path, monkeypatch):

@@ -282,6 +282,11 @@ def copy_stream(device) -> int:
     return _stream((int(getattr(device, "local_hardware_id", None) or device.id), "copy")).value
 
 
+def copy_async(dst: int, src: int, n: int, stream: int) -> None:
+    """A host->device copy of n bytes queued on `stream` (raw addresses; the caller orders it)."""
+    _check(_LIB.cudaMemcpyAsync(dst, src, n, H2D, ctypes.c_void_p(stream)), "cudaMemcpyAsync")
+
+
 def event() -> int:
     """A new CUDA event without timing (cudaEventDisableTiming), for ordering only."""
     e = ctypes.c_void_p()
