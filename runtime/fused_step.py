@@ -366,11 +366,10 @@ class FusedStep:
         layers = [l for kind, exe, _ in m.parts if kind == "xla" for l in exe.layers]
         ks = {l: cache.k[l] for l in layers}
         vs = {l: cache.v[l] for l in layers}
-        self._env = {}
-        for i, ins in self.dev_in.items():   # GPU-made inputs arrive in the frame buffers themselves
-            frame, _ = m.parts[i][1].frames[B]
-            for a in ins:
-                self._env[a] = frame.out(self.g.node(a))
+        from strata_compiler.backends.llvm_cpu.executor import IN_FRAME
+
+        # GPU-made inputs arrive in the frame buffers themselves (the host calls copy them there)
+        self._env = {a: IN_FRAME for ins in self.dev_in.values() for a in ins}
         self._cur = (input_ids, cache)
         self._error = None
         from . import trace

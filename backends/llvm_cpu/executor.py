@@ -82,6 +82,11 @@ def _slot(v) -> int:
     return int(v)
 
 
+#: An env value meaning "already in this executor's frame buffer" (a fused step's host call copied
+#: it there from the GPU): run_segment does not fetch it.
+IN_FRAME = object()
+
+
 class Frame:
     """Buffers for one step shape (M tokens): plan-memory's slots for node results, shared scratch."""
 
@@ -230,7 +235,10 @@ class LLVMExecutor:
             node = self.g.node(i)
             if node.op is Op.INPUT_IDS:
                 continue
-            v, dst = env[i], frame.out(node)
+            v = env[i]
+            if v is IN_FRAME:
+                continue
+            dst = frame.out(node)
             if isinstance(v, np.ndarray):
                 np.copyto(dst, v.reshape(M, -1))
                 continue
