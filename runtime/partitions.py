@@ -387,41 +387,44 @@ class MixedExecutor:
                  stream: int | None = None) -> None:
         """Expert e's stored rows (from the host node's whole-layer weights) into GPU slot `slot`."""
         t0 = time.perf_counter()
-        moved = self._copy_rows(c, xla, gpu_node, host, slot, e, stream) if in_program else None
-        if moved is None:
+        if in_program:
+            moved = self._copy_rows(c, xla, gpu_node, host, slot, e, stream)
+        else:
             rows = {role: {a: v[e] for a, v in self.weights.arrays(host.weight(role)).items()}
                     for role, _ in gpu_node.weights}
-            moved = xla.set_slot(gpu_node.id, slot, rows, wait=not self.async_swaps, in_program=in_program,
-                                 stream=stream)
+            moved = xla.set_slot(gpu_node.id, slot, rows, wait=not self.async_swaps)
         dt = time.perf_counter() - t0
         self._copy_s += dt
         c.bytes_moved += moved
         if trace.ACTIVE is not None:
             trace.ACTIVE.transfer("h2d", moved, dt, name=label)
 
-    def _copy_rows(self, c, xla, gpu_node, host, slot: int, e: int, stream: int | None) -> int | None:
-        """A copy into an expert slot from inside a running fused step, by raw copies from
-        addresses worked out once per cache (the step's critical path: the general path rebuilds the
-        weights' arrays and checks each copy, ~10 us an array). None where the layout does not allow
-        it (set_slot then). Queued on `stream` on a GPU; written at once on JAX's CPU platform."""
+    def _copy_rows(self, c, xla, gpu_node, host, slot: int, e: int, stream: int | None) -> int:
+        """Expert e into slot `slot` from inside a running fused step, whose later kernels read the
+        slot: raw copies into the GPU share's own buffers, from addresses worked out once per cache
+        (the step's critical path: rebuilding the weights' arrays per copy costs ~10 us an array).
+        Queued on `stream` on a GPU (from pageable memory the data is staged before the call
+        returns); written at once on JAX's CPU platform. Returns the bytes copied."""
         plan = self._copy_plans.get(c.key)
         if plan is None or any(xla.params[name][arr] is not cur for name, arr, cur, *_ in plan):
             plan = []
             for role, name in gpu_node.weights:
                 src_all = self.weights.arrays(host.weight(role))
                 for arr, cur in xla.params[name].items():
-                    src = src_all.get(arr)
+                    src = src_all[arr]
                     rb = cur.nbytes // cur.shape[0]
-                    if src is None or src.dtype != cur.dtype or src[0].nbytes != rb or not src[0].flags.c_contiguous:
-                        return None
-                    plan.append((name, arr, cur, cur.unsafe_buffer_pointer(), rb, src, src.ctypes.data, src.strides[0]))
+                    raw = src.dtype == cur.dtype and src[0].nbytes == rb and src[0].flags.c_contiguous
+                    plan.append((name, arr, cur, cur.unsafe_buffer_pointer(), rb, src, raw))
             self._copy_plans[c.key] = plan
         moved = 0
-        for _name, _arr, _cur, dst, rb, _src, base, stride in plan:
+        for _name, _arr, cur, dst, rb, src, raw in plan:
+            row = src[e] if raw else np.ascontiguousarray(src[e], dtype=cur.dtype)
+            if row.nbytes != rb:
+                raise ValueError(f"expert cache {c.key}: a stored row of {row.nbytes} B for a slot of {rb} B")
             if stream is not None and xla.on_gpu:
-                cuda_rt.copy_async(dst + slot * rb, base + e * stride, rb, stream)
+                cuda_rt.copy_async(dst + slot * rb, row.ctypes.data, rb, stream)
             else:
-                ctypes.memmove(dst + slot * rb, base + e * stride, rb)
+                ctypes.memmove(dst + slot * rb, row.ctypes.data, rb)
             moved += rb
         return moved
 

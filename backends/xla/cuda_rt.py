@@ -196,23 +196,17 @@ def to_host(x, out: np.ndarray) -> None:
         ctypes.memmove(out.ctypes.data, x.unsafe_buffer_pointer(), out.nbytes)
 
 
-def to_device(src: np.ndarray, x, offset: int = 0, wait: bool = True, stream: int | None = None,
-              host_platform: bool = False) -> None:
+def to_device(src: np.ndarray, x, offset: int = 0, wait: bool = True) -> None:
     """Overwrite device array x's buffer from byte `offset` with `src` (C-contiguous, fits); the
     caller makes sure nothing reads x meanwhile. Returns when the copy has landed, or with
     wait=False (bulk copies: expert-cache slots) as soon as it is queued on the device's bulk
     stream: `wait_bulk()` must then run before anything reads x. (`src` may be reused at once
     either way: a copy from pageable memory is staged before the call returns, and pinned memory
-    is the plan's own mapping, which outlives the copy.) `stream`: queue the copy on that CUDA
-    stream (a running program's, from a host call) and return; `host_platform`: x is an array of
-    JAX's CPU platform, written at once."""
+    is the plan's own mapping, which outlives the copy.)"""
     if offset < 0 or offset + src.nbytes > x.nbytes:
         raise ValueError(f"a copy of {src.nbytes} B at offset {offset} does not fit an array of {x.nbytes} B")
     dst = x.unsafe_buffer_pointer() + offset
-    if stream is not None and not host_platform:    # queued on a running program's stream (host calls)
-        _check(_LIB.cudaMemcpyAsync(dst, src.ctypes.data, src.nbytes, H2D, ctypes.c_void_p(stream)), "cudaMemcpyAsync")
-        return
-    if mode != "cuda" or host_platform:
+    if mode != "cuda":
         ctypes.memmove(dst, src.ctypes.data, src.nbytes)
         return
     if wait or not _RAW_STREAM:

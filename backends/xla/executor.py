@@ -623,29 +623,12 @@ class XLAExecutor:
         ids = [i for i in node_ids if self.g.node(i).type.dtype is DType.F32]
         self.packed, self._packed_T = (ids, tokens) if len(ids) > 1 else ([], 0)
 
-    def set_slot(self, node_id: int, slot: int, rows: dict[str, dict[str, np.ndarray]], wait: bool = True,
-                 in_program: bool = False, stream: int | None = None) -> int:
+    def set_slot(self, node_id: int, slot: int, rows: dict[str, dict[str, np.ndarray]], wait: bool = True) -> int:
         """An expert cache swap: the stored arrays of one expert (by role, then array) into slot
         `slot` of node `node_id`'s weights, in place on the device. Returns the bytes copied.
         wait=False: raw copies return once queued (cuda_rt bulk stream); this partition's next
-        call waits for them. in_program: called from a host call inside a running program that
-        reads these weights later (runtime/fused_step.py): the copies go into the weights' own
-        buffers, queued on the program's CUDA `stream` (ordered before its later kernels), or on
-        JAX's CPU platform written at once."""
+        call waits for them. (A running fused step's copies: MixedExecutor._copy_rows.)"""
         jax = _jax()
-        if in_program:
-            moved = 0
-            n = self.g.node(node_id)
-            for role, name in n.weights:
-                for arr, host in rows[role].items():
-                    cur = self.params[name][arr]
-                    host = np.ascontiguousarray(host, dtype=cur.dtype)
-                    if host.nbytes * cur.shape[0] != cur.nbytes:
-                        raise BackendError(f"expert slot of {name}.{arr}: {host.nbytes} B rows do not tile {cur.nbytes} B")
-                    cuda_rt.to_device(host, cur, offset=slot * host.nbytes, stream=stream,
-                                      host_platform=not self.on_gpu)
-                    moved += host.nbytes
-            return moved
         if not hasattr(self, "_put_row"):
             self._put_row = jax.jit(lambda a, r, i: a.at[i].set(r), donate_argnums=0)
         n = self.g.node(node_id)
