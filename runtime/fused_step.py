@@ -79,6 +79,7 @@ class FusedStep:
         self._maps_of: dict = {}    # CPU partition -> the expert caches whose slot maps its call returns
         self._maps_out: dict = {}   # ... and their host buffers
         self.steps = 0
+        self.ran_host_calls = False     # (a failure after that is not one of building the program)
         self.timeline: list | None = None   # benchmarks: (event, partition, perf_counter_ns) when a list
 
     @staticmethod
@@ -187,6 +188,7 @@ class FusedStep:
         def run(stream) -> None:
             if self._error is not None:
                 return
+            self.ran_host_calls = True
             tl = self.timeline
             if tl is not None:
                 tl.append(("enter", i, time.perf_counter_ns()))

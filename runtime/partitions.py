@@ -436,7 +436,20 @@ class MixedExecutor:
             from strata_compiler.backends.llvm_cpu.pool import set_spin
 
             set_spin()      # no JAX copy threads to leave cores to: workers wait the default way
-            out = self.fused.run(input_ids, cache)
+            try:
+                out = self.fused.run(input_ids, cache)
+            except Exception as e:
+                from strata_compiler.errors import StrataError
+
+                if isinstance(e, StrataError) or self.fused.steps or self.fused.ran_host_calls:
+                    raise
+                # the first fused program failed to build (before any of it ran): say so once and
+                # decode partition by partition, as with STRATA_FUSED_STEP=0
+                print(f"strata-run: warning: decode steps as one program failed ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:160] if str(e) else ''}); running partition by partition",
+                      file=sys.stderr)
+                self.fused = None
+                return self.run(input_ids, cache)
             self._after_step(cache, T, t_step)
             return out
         ids_node = next(n.id for n in self.g.nodes if n.op is Op.INPUT_IDS)

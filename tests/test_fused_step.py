@@ -17,14 +17,17 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 
-def _host_call(ins, outs, fn, after=False):
+def _host_call(ins, outs, fn, after=False, staging=None):
     from strata_compiler.backends.xla.host_call import HostCall, python_work
 
     addr, _ = python_work(fn)
-    return HostCall(ins, outs, addr, platform="cpu", after=after)
+    return HostCall(ins, outs, addr, platform="cpu", after=after, staging=staging)
 
 
-def test_host_call_copies_in_runs_and_copies_out():
+@pytest.mark.parametrize("staging", [False, True])
+def test_host_call_copies_in_runs_and_copies_out(staging):
+    """Straight into the host buffers (the CPU platform's default) and through staging buffers
+    (a GPU's default, where they are page-locked)."""
     hin, hout = np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float32)
     seen = []
 
@@ -33,7 +36,7 @@ def test_host_call_copies_in_runs_and_copies_out():
         seen.append(hin.copy())
         np.multiply(hin, -2.0, out=hout)
 
-    hc = _host_call([hin], [hout], work)
+    hc = _host_call([hin], [hout], work, staging=staging)
     f = jax.jit(lambda x: hc(x * 3.0)[0] + 1.0)
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     np.testing.assert_array_equal(np.asarray(f(x)), x * 3.0 * -2.0 + 1.0)
@@ -178,3 +181,30 @@ def test_a_full_cache_is_a_clear_error_in_fused_steps(model, tmp_path, monkeypat
     assert s.executor.fused.steps == 1
     with pytest.raises(UsageError, match="exceeds the KV cache capacity"):
         s.step(ids[:, :1])
+
+
+def test_a_fused_program_that_fails_to_build_falls_back_with_one_warning(model, tmp_path, monkeypatch, capsys):
+    from strata_compiler.runtime.fused_step import FusedStep
+    from strata_compiler.runtime.session import Session
+
+    d, m, ids = model
+    plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
+    monkeypatch.setenv("STRATA_FUSED_STEP", "0")
+    ref = Session(plan, "auto", device="cpu")
+    monkeypatch.delenv("STRATA_FUSED_STEP")
+    s = Session(plan, "auto", device="cpu")
+
+    def broken(self, *a, **k):
+        raise NotImplementedError("no FFI here")
+
+    monkeypatch.setattr(FusedStep, "_step", broken)
+    out = {}
+    for name, sess in (("ref", ref), ("fb", s)):
+        sess.executor.copy_share = 1e9
+        sess.reset(1, 64)
+        steps = [sess.step(ids)[:, -1]] + [sess.step(ids[:, i:i + 1])[:, -1] for i in range(4)]
+        out[name] = np.concatenate(steps)
+    assert s.executor.fused is None
+    err = capsys.readouterr().err
+    assert err.count("decode steps as one program failed (NotImplementedError: no FFI here)") == 1
+    assert np.abs(out["fb"] - out["ref"]).max() / out["ref"].std() <= 1e-5

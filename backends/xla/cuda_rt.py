@@ -276,6 +276,19 @@ def copy_stream(device) -> int:
     return _stream((int(getattr(device, "local_hardware_id", None) or device.id), "copy")).value
 
 
+def host_alloc(nbytes: int) -> int:
+    """The address of `nbytes` of page-locked host memory (cudaHostAlloc), never freed: small,
+    long-lived staging (the host calls' buffers)."""
+    L = _LIB
+    if not hasattr(L, "_host_alloc_typed"):
+        L.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
+        L.cudaHostAlloc.restype = ctypes.c_int
+        L._host_alloc_typed = True
+    p = ctypes.c_void_p()
+    _check(L.cudaHostAlloc(ctypes.byref(p), nbytes, 1), "cudaHostAlloc")      # cudaHostAllocPortable
+    return p.value
+
+
 def copy_async(dst: int, src: int, n: int, stream: int) -> None:
     """A host->device copy of n bytes queued on `stream` (raw addresses; the caller orders it)."""
     _check(_LIB.cudaMemcpyAsync(dst, src, n, H2D, ctypes.c_void_p(stream)), "cudaMemcpyAsync")

@@ -71,12 +71,15 @@ declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
 """
 
 
-def _handler_ir(name: str, ins: list[tuple[int, int]], outs: list[tuple[int, int]], work: int, arg: int,
+def _handler_ir(name: str, ins: list[tuple], outs: list[tuple], work: int, arg: int,
                 memcpy: int | None, sync: int | None, skip_in: int = 0) -> str:
-    """IR of handler `name`: operand skip_in + i into host buffer ins[i] = (address, bytes),
-    work(arg), host buffer outs[j] into result j (operands before skip_in and results after the
-    last of outs are ordering tokens: never copied). memcpy/sync: addresses of cudaMemcpyAsync /
-    cudaStreamSynchronize, or None for the host stand-ins (JAX's CPU platform)."""
+    """IR of handler `name`: operand skip_in + i into host buffer ins[i] = (address, bytes,
+    staging address or 0), work(arg, stream), host buffer outs[j] (same form) into result j
+    (operands before skip_in and results after the last of outs are ordering tokens: never
+    copied). With a staging address the device copy goes through that (page-locked) buffer and a
+    host memcpy: DMA straight from and to it, where pageable memory costs the driver a bounce
+    copy. memcpy/sync: addresses of cudaMemcpyAsync / cudaStreamSynchronize, or None for the host
+    stand-ins (JAX's CPU platform)."""
     L = []
     if memcpy is None:
         L.append(_HOST_HELPERS)
@@ -139,21 +142,29 @@ run:
   %args = load ptr, ptr %argsP
   %retsP = getelementptr i8, ptr %frame, i64 {_FRAME_RETS_PTRS}
   %rets = load ptr, ptr %retsP""")
-    for i, (addr, n) in enumerate(ins):
+    L.append("declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)" if memcpy is not None else "")
+    for i, (addr, n, stg) in enumerate(ins):
         L.append(f"""  %a{i}p = getelementptr ptr, ptr %args, i64 {i + skip_in}
   %a{i} = load ptr, ptr %a{i}p
   %a{i}dp = getelementptr i8, ptr %a{i}, i64 {_BUF_DATA}
   %a{i}d = load ptr, ptr %a{i}dp
-  %c{i} = call i32 {cp}(ptr inttoptr (i64 {addr} to ptr), ptr %a{i}d, i64 {n}, i32 2, ptr %stream)""")
+  %c{i} = call i32 {cp}(ptr inttoptr (i64 {stg or addr} to ptr), ptr %a{i}d, i64 {n}, i32 2, ptr %stream)""")
     if ins:
         L.append(f"  %synced = call i32 {sy}(ptr %stream)")
+    for addr, n, stg in ins:
+        if stg:
+            L.append(f"  call void @llvm.memcpy.p0.p0.i64(ptr inttoptr (i64 {addr} to ptr), "
+                     f"ptr inttoptr (i64 {stg} to ptr), i64 {n}, i1 false)")
     L.append(f"  call void inttoptr (i64 {work} to ptr)(i64 {arg}, ptr %stream)")
-    for j, (addr, n) in enumerate(outs):
+    for j, (addr, n, stg) in enumerate(outs):
+        if stg:
+            L.append(f"  call void @llvm.memcpy.p0.p0.i64(ptr inttoptr (i64 {stg} to ptr), "
+                     f"ptr inttoptr (i64 {addr} to ptr), i64 {n}, i1 false)")
         L.append(f"""  %r{j}p = getelementptr ptr, ptr %rets, i64 {j}
   %r{j} = load ptr, ptr %r{j}p
   %r{j}dp = getelementptr i8, ptr %r{j}, i64 {_BUF_DATA}
   %r{j}d = load ptr, ptr %r{j}dp
-  %o{j} = call i32 {cp}(ptr %r{j}d, ptr inttoptr (i64 {addr} to ptr), i64 {n}, i32 1, ptr %stream)""")
+  %o{j} = call i32 {cp}(ptr %r{j}d, ptr inttoptr (i64 {stg or addr} to ptr), i64 {n}, i32 1, ptr %stream)""")
     L.append("""  br label %done
 done:
   ret ptr null
@@ -183,8 +194,10 @@ class HostCall:
     makes the program return the last token."""
 
     def __init__(self, ins: list[np.ndarray], outs: list[np.ndarray], work_addr: int, arg: int = 0,
-                 platform: str = "gpu", after: bool = False) -> None:
-        """after: the call takes an ordering token (another call's) before its operands."""
+                 platform: str = "gpu", after: bool = False, staging: bool | None = None) -> None:
+        """after: the call takes an ordering token (another call's) before its operands;
+        staging: copies go through staging buffers of their own (default: on a GPU, page-locked;
+        on the CPU platform only for tests of that path)."""
         import jax
         import llvmlite.binding as llvm
 
@@ -211,9 +224,24 @@ class HostCall:
             xla_platform = "cpu"
         self.name = f"strata_host_call_{next(_IDS)}"
         self.after = after
-        ir = _handler_ir(self.name, [(a.ctypes.data, a.nbytes) for a in ins],
-                         [(a.ctypes.data, a.nbytes) for a in outs], int(work_addr), int(arg), memcpy, sync,
-                         skip_in=int(after))
+        # on a GPU, page-locked staging for every buffer (one block, never freed: see _handler_ir)
+        stage = [0] * (len(ins) + len(outs))
+        if (platform == "gpu") if staging is None else staging:
+            sizes = [-(-a.nbytes // 64) * 64 for a in (*ins, *outs)]
+            if platform == "gpu":
+                try:
+                    base = cuda_rt.host_alloc(max(1, sum(sizes)))
+                except RuntimeError:     # no page-locked memory to spare: copy straight, via the driver's
+                    base = 0
+            else:
+                block = np.zeros(max(1, sum(sizes)) + 64, np.uint8)
+                _KEEP.append(block)
+                base = -(-block.ctypes.data // 64) * 64
+            if base:
+                stage = [base + off for off in np.cumsum([0] + sizes[:-1]).tolist()] if sizes else []
+        ir = _handler_ir(self.name, [(a.ctypes.data, a.nbytes, st) for a, st in zip(ins, stage)],
+                         [(a.ctypes.data, a.nbytes, st) for a, st in zip(outs, stage[len(ins):])],
+                         int(work_addr), int(arg), memcpy, sync, skip_in=int(after))
         mod, tm = optimize(ir, Target.host())
         ee = llvm.create_mcjit_compiler(mod, tm)
         ee.finalize_object()
