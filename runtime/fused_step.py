@@ -27,16 +27,18 @@ Expert caches: the swaps happen between steps; the in-step prefetch runs inside 
 the CPU partition that makes the triggering hidden state, which hands back the changed slot maps
 as results of its own (a prefetch triggered by a GPU partition's value does not run in a fused
 step). Where a cached layer's GPU share ends a partition and the next CPU partition reads its
-result, that CPU partition runs as two host calls around the share (`_plan_splits`): the CPU side
-of the layer before the share, the combine after it. The prefetch's copies for that layer then go
-on a copy stream of their own and overlap the layer's attention and CPU side; only the GPU share
-waits for them, on the GPU (a CUDA event). Other caches' copies are queued on the program's
-stream. STRATA_FUSED_STEP=0 turns fused steps off.
+result, that CPU partition may run as two host calls around the share (`_plan_splits`,
+STRATA_PREFETCH_STREAM=1, off until measured on a GPU): the CPU side of the layer before the
+share, the combine after it. The prefetch's copies for that layer then go on a copy stream of
+their own and overlap the layer's attention and CPU side; only the GPU share waits for them, on
+the GPU (a CUDA event). Otherwise copies are queued on the program's stream. STRATA_FUSED_STEP=0
+turns fused steps off.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 
 import numpy as np
@@ -136,7 +138,9 @@ class FusedStep:
             return self._splits
         out = {}
         parts = self.m.parts
-        for i in self.dev_in:
+        # STRATA_PREFETCH_STREAM=1: off until measured on a GPU (the copy stream and its events run
+        # only there; the split itself runs on the CPU platform too)
+        for i in self.dev_in if os.environ.get("STRATA_PREFETCH_STREAM", "0") == "1" else ():
             if i == 0 or parts[i - 1][0] != "xla":
                 continue
             xexe = parts[i - 1][1]
@@ -237,7 +241,9 @@ class FusedStep:
                 outs += self._maps_out[i]
             addr, _keep = python_work(self._work(i, part))
             platform = "cpu" if self.device.platform == "cpu" else "gpu"
-            hc = self._calls[key] = HostCall(ins, outs, addr, platform=platform, after=after)
+            # STRATA_HOST_CALL_STAGING=1: copies through page-locked staging (off until measured)
+            staging = os.environ.get("STRATA_HOST_CALL_STAGING", "0") == "1"
+            hc = self._calls[key] = HostCall(ins, outs, addr, platform=platform, after=after, staging=staging)
             hc.dev_in = dev_in
         return hc
 

@@ -17,7 +17,7 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 
-def _host_call(ins, outs, fn, after=False, staging=None):
+def _host_call(ins, outs, fn, after=False, staging=False):
     from strata_compiler.backends.xla.host_call import HostCall, python_work
 
     addr, _ = python_work(fn)
@@ -26,8 +26,8 @@ def _host_call(ins, outs, fn, after=False, staging=None):
 
 @pytest.mark.parametrize("staging", [False, True])
 def test_host_call_copies_in_runs_and_copies_out(staging):
-    """Straight into the host buffers (the CPU platform's default) and through staging buffers
-    (a GPU's default, where they are page-locked)."""
+    """Straight into the host buffers and through staging buffers of their own (page-locked on
+    a GPU: STRATA_HOST_CALL_STAGING=1)."""
     hin, hout = np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float32)
     seen = []
 
@@ -119,6 +119,8 @@ def test_fused_decode_steps_equal_the_partition_runtime(model, tmp_path, monkeyp
     plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
     prompt = np.concatenate([ids, ids[:, ::-1]])[:batch]
     runs = {}
+    monkeypatch.setenv("STRATA_PREFETCH_STREAM", "1")      # the cached layer split around its GPU share
+    monkeypatch.setenv("STRATA_HOST_CALL_STAGING", "1")
     for fused in ("1", "0"):
         monkeypatch.setenv("STRATA_FUSED_STEP", fused)
         s = Session(plan, "auto", device="cpu")

@@ -194,10 +194,10 @@ class HostCall:
     makes the program return the last token."""
 
     def __init__(self, ins: list[np.ndarray], outs: list[np.ndarray], work_addr: int, arg: int = 0,
-                 platform: str = "gpu", after: bool = False, staging: bool | None = None) -> None:
+                 platform: str = "gpu", after: bool = False, staging: bool = False) -> None:
         """after: the call takes an ordering token (another call's) before its operands;
-        staging: copies go through staging buffers of their own (default: on a GPU, page-locked;
-        on the CPU platform only for tests of that path)."""
+        staging: copies go through staging buffers of their own (on a GPU page-locked; on the CPU
+        platform, for tests of that path, plain memory)."""
         import jax
         import llvmlite.binding as llvm
 
@@ -226,7 +226,7 @@ class HostCall:
         self.after = after
         # on a GPU, page-locked staging for every buffer (one block, never freed: see _handler_ir)
         stage = [0] * (len(ins) + len(outs))
-        if (platform == "gpu") if staging is None else staging:
+        if staging:
             sizes = [-(-a.nbytes // 64) * 64 for a in (*ins, *outs)]
             if platform == "gpu":
                 try:
