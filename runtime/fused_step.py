@@ -59,16 +59,17 @@ class FusedStep:
         # results that later xla partitions read (host call results)
         self.dev_in: dict[int, list[int]] = {}
         self.dev_out: dict[int, list[int]] = {}
+        users = self.g.users()
         for i, (kind, exe, ids) in enumerate(parts):
             if kind != "llvm":
                 continue
             self.dev_in[i] = [a for a in exe.inputs if self.g.node(a).op is not Op.INPUT_IDS
                               and parts[part_of[a]][0] == "xla"]
             self.dev_out[i] = [o for o in exe.outputs
-                               if any(parts[part_of[u]][0] == "xla" for u in self._users(o))]
+                               if any(u != -1 and parts[part_of[u]][0] == "xla" for u in users[o])]
         self.cached = [n for kind, exe, _ in parts if kind == "xla" for n in exe.cached]
         self._fn = {}               # B -> jitted step
-        self._calls = {}            # (partition, B) -> HostCall
+        self._calls = {}            # (partition, B, part: None, "start" or "finish") -> HostCall
         self._env: dict = {}        # the llvm partitions' host values during a step
         self._cur = None            # (input_ids, cache) of the running step, for the callbacks
         self._error = None          # an exception raised inside a callback (re-raised after the step)
@@ -94,12 +95,7 @@ class FusedStep:
             return False
         from strata_compiler.backends.xla.host_call import available
 
-        return available(next(iter(devs)).platform if next(iter(devs)).platform == "cpu" else "gpu")
-
-    def _users(self, nid: int) -> list[int]:
-        if not hasattr(self, "_u"):
-            self._u = self.g.users()
-        return [u for u in self._u[nid] if u != -1]
+        return available("cpu" if next(iter(devs)).platform == "cpu" else "gpu")
 
     def ready(self, B: int, cache) -> bool:
         """Whether a fused step of batch B can run now: the partition runtime has run a decode step
