@@ -68,6 +68,8 @@ class FusedStep:
             self.dev_out[i] = [o for o in exe.outputs
                                if any(u != -1 and parts[part_of[u]][0] == "xla" for u in users[o])]
         self.cached = [n for kind, exe, _ in parts if kind == "xla" for n in exe.cached]
+        # slots each cached GPU share holds (fewer than its experts when the GPU ran short)
+        self.n_slots = {n.id: exe.slots_of[n.id] for kind, exe, _ in parts if kind == "xla" for n in exe.cached}
         self._fn = {}               # B -> jitted step
         self._calls = {}            # (partition, B, part: None, "start" or "finish") -> HostCall
         self._env: dict = {}        # the llvm partitions' host values during a step
@@ -233,7 +235,7 @@ class FusedStep:
 
                 maps = self._slot_maps(i)
                 self._maps_of[i] = [expert_cache.lookup(self.g, n.attr("cache")) for n in maps]
-                self._maps_out[i] = [np.zeros(len(n.attr("experts")), np.int32) for n in maps]
+                self._maps_out[i] = [np.zeros(self.n_slots[n.id], np.int32) for n in maps]
                 outs += self._maps_out[i]
             addr, _keep = python_work(self._work(i, part))
             platform = "cpu" if self.device.platform == "cpu" else "gpu"
@@ -256,7 +258,7 @@ class FusedStep:
         off = B + 1
         slots = {}
         for n in self.cached:
-            k = len(n.attr("experts"))
+            k = self.n_slots[n.id]
             slots[n.id] = packed[off:off + k]
             off += k
         env: dict = {}
@@ -350,7 +352,7 @@ class FusedStep:
         maps = []
         for n in self.cached:
             live = expert_cache.lookup(self.g, n.attr("cache"))
-            maps.append(live.slots if live is not None else np.asarray(n.attr("experts"), np.int32))
+            maps.append(live.slots if live is not None else np.asarray(n.attr("experts")[:self.n_slots[n.id]], np.int32))
         packed = np.concatenate([np.asarray(input_ids, np.int32).reshape(-1), [np.int32(cache.length)],
                                  *[np.asarray(s, np.int32) for s in maps]]).astype(np.int32)
         if cuda_rt.mode is not None:

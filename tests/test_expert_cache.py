@@ -210,3 +210,4 @@ def test_out_of_gpu_memory_shrinks_the_cache(model, tmp_path, monkeypatch, capsy
     got = [s.step(ids)[:, -1]] + [s.step(np.array([[t]], np.int64))[:, -1] for t in (3, 9, 4)]
     want, got = np.concatenate(want), np.concatenate(got)
     assert np.abs(got - want).max() / want.std() <= 1e-5
+    assert s.executor.fused is not None and s.executor.fused.steps == 2    # the shrunk slots in fused steps too
