@@ -61,6 +61,24 @@ def test_host_calls_chained_by_tokens_run_in_order_and_are_not_dropped():
     assert log == ["a", ("b", 5.0)]
 
 
+@pytest.mark.parametrize("staging", [False, True])
+def test_the_cuda_handler_ir_verifies(staging):
+    """The handler as built for a GPU (cudaMemcpyAsync / cudaStreamSynchronize at fixed addresses,
+    the stream from XLA's API): CI cannot run it, but LLVM can verify and compile it."""
+    import llvmlite.binding as llvm
+
+    from strata_compiler.backends.llvm_cpu.jit import optimize
+    from strata_compiler.backends.llvm_cpu.target import Target
+    from strata_compiler.backends.xla.host_call import _handler_ir
+
+    ir = _handler_ir("h", [(0x1000, 64, 0x9000 if staging else 0), (0x2000, 8, 0xa000 if staging else 0)],
+                     [(0x3000, 64, 0xb000 if staging else 0)], 0x4000, 7, memcpy=0x5000, sync=0x6000, skip_in=1)
+    assert ("call void @llvm.memcpy" in ir) == staging        # the host side of the staging
+    mod, tm = optimize(ir, Target.host())       # parses and verifies, else BackendError
+    assert tm.emit_object(mod)
+    llvm.parse_assembly(ir).verify()
+
+
 def test_host_call_checks_its_operands():
     hc = _host_call([np.zeros(4, np.float32)], [], lambda _s: None)
     with pytest.raises(TypeError, match="does not match"):

@@ -85,6 +85,7 @@ def _handler_ir(name: str, ins: list[tuple], outs: list[tuple], work: int, arg: 
         L.append(_HOST_HELPERS)
         cp, sy = "@host_memcpy", "@host_sync"
     else:
+        L.append("declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)")
         cp = f"inttoptr (i64 {memcpy} to ptr)"
         sy = f"inttoptr (i64 {sync} to ptr)"
     L.append(f"""
@@ -142,7 +143,6 @@ run:
   %args = load ptr, ptr %argsP
   %retsP = getelementptr i8, ptr %frame, i64 {_FRAME_RETS_PTRS}
   %rets = load ptr, ptr %retsP""")
-    L.append("declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)" if memcpy is not None else "")
     for i, (addr, n, stg) in enumerate(ins):
         L.append(f"""  %a{i}p = getelementptr ptr, ptr %args, i64 {i + skip_in}
   %a{i} = load ptr, ptr %a{i}p
