@@ -421,7 +421,9 @@ class MixedExecutor:
             row = src[e] if raw else np.ascontiguousarray(src[e], dtype=cur.dtype)
             if row.nbytes != rb:
                 raise ValueError(f"expert cache {c.key}: a stored row of {row.nbytes} B for a slot of {rb} B")
-            if stream is not None and xla.on_gpu:
+            if xla.on_gpu:
+                if stream is None:
+                    raise RuntimeError("an in-step expert copy on a GPU needs the program's stream")
                 cuda_rt.copy_async(dst + slot * rb, row.ctypes.data, rb, stream)
             else:
                 ctypes.memmove(dst + slot * rb, row.ctypes.data, rb)
