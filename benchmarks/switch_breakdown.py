@@ -18,6 +18,11 @@ per-call overhead swamps calls of a few µs):
   other         the rest of the step (the runtime's loop, sampling glue, expert-cache work)
 
 with the number of calls per token of each, and the values that cross per token (count, bytes).
+Decode steps run as one program by default (runtime/fused_step.py): there the jitted calls,
+staging and fetches are gone and the program's time shows as "other", with the CPU partitions
+still under "llvm"; the plan's line then adds the fused step's own timeline (dispatch, the host
+calls' work and the stretches between them, medians). STRATA_FUSED_STEP=0 (or --ab
+STRATA_FUSED_STEP=0,1) times the partition-by-partition runtime.
 Prints one table per plan, then one row per plan side by side. With --ab, each plan runs once per
 value of the environment variable (in this process, a fresh session each: for variables the
 runtime reads when a session starts, such as STRATA_PACK_HOST), and each run's decode logits are
