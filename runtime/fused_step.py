@@ -282,9 +282,9 @@ class FusedStep:
                 pk = {l: ks[l] for l in exe.layers}
                 pv = {l: vs[l] for l in exe.layers}
                 hooks = None
-                if i + 1 in splits:
-                    def before_share(envj, args, i=i + 1):
-                        call(i, "start", lambda a: envj[a] if a in envj else env[a])
+                if i + 1 in splits:      # the next CPU partition's first half runs before the share
+                    def before_share(envj, args, cpu=i + 1):
+                        call(cpu, "start", lambda a: envj[a] if a in envj else env[a])
                         args, tok[0] = jax.lax.optimization_barrier((args, tok[0]))     # the share after it
                         return args
                     hooks = {splits[i + 1][0].id: before_share}
@@ -308,17 +308,16 @@ class FusedStep:
         host calls); the stretches between host calls go on the GPU track. Those are measured on
         the host: from the dispatch (or a host call's return) to the next host call (or the
         step's end), they hold the launches, the GPU's kernels and the host calls' copies."""
-        t0 = tl[0][2]
-        marks = [(t, "enter") for ev, _, t in tl if ev == "enter"]
+        enters = [t for ev, _, t in tl if ev == "enter"]
         leaves = [t for ev, _, t in tl if ev == "leave"]
         done = next(t for ev, _, t in reversed(tl) if ev == "done")
-        start = t0
-        for k, (t_enter, _) in enumerate(marks):
+        start = tl[0][2]
+        for k, t_enter in enumerate(enters):
             if t_enter > start:
                 tr.add_span(f"fused step: gpu segment {k}", "gpu", start, t_enter, tokens=tokens)
             start = leaves[k] if k < len(leaves) else t_enter
         if done > start:
-            tr.add_span(f"fused step: gpu segment {len(marks)}", "gpu", start, done, tokens=tokens)
+            tr.add_span(f"fused step: gpu segment {len(enters)}", "gpu", start, done, tokens=tokens)
 
     def run(self, input_ids: np.ndarray, cache) -> dict[int, np.ndarray]:
         import jax
