@@ -222,6 +222,19 @@ def test_device_benchmarks_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     last = r.stdout.splitlines()[-2:]
     assert last[0].startswith("strata-25 STRATA_PACK_HOST=1") and "logits max |diff| 0, argmax equal 4/4" in last[1]
+    # fused decode steps against partition by partition (the fused line carries its timeline)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "switch_breakdown.py"), str(tmp_path / "pb" / "hot-cache-25"),
+                        "--device", "cpu", "--n-new", "5", "--ab", "STRATA_FUSED_STEP=0,1"], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "STRATA_FUSED_STEP=1" in r.stdout and "fused step: dispatch" in r.stdout
+    assert "argmax equal 4/4" in r.stdout.splitlines()[-1]
+    for script, args in (("host_call_bench.py", ["--layers", "2", "--hidden", "64", "--reps", "3"]),
+                         ("dispatch_args.py", ["--counts", "1,3", "--reps", "3"])):
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True,
+                           env=env, timeout=600)
+        assert r.returncode == 0, (script, r.stderr[-3000:])
+    assert r.stdout.splitlines()[-1].split()[1] == "donated"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multi_gpu.py"), "--tiny", "--work-dir",
                         str(tmp_path / "mg"), "--hw", str(hw), "--device", "cpu", "--n-new", "6", "--prefill", "16",
                         "--repeats", "1", "--json", str(tmp_path / "mg.json")],
