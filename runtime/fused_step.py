@@ -31,14 +31,17 @@ result, that CPU partition may run as two host calls around the share (`_plan_sp
 STRATA_PREFETCH_STREAM=1, off until measured on a GPU): the CPU side of the layer before the
 share, the combine after it. The prefetch's copies for that layer then go on a copy stream of
 their own and overlap the layer's attention and CPU side; only the GPU share waits for them, on
-the GPU (a CUDA event). Otherwise copies are queued on the program's stream. STRATA_FUSED_STEP=0
-turns fused steps off.
+the GPU (a CUDA event). Otherwise copies are queued on the program's stream. With
+STRATA_FUSED_OVERLAP=1 (off until measured on a GPU) every layer whose GPU expert share ends a
+partition splits so, and the first call hands the CPU side to a worker thread: the CPU computes
+its experts while the GPU computes its own. STRATA_FUSED_STEP=0 turns fused steps off.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import time
 
 import numpy as np
@@ -78,6 +81,9 @@ class FusedStep:
         self._stage = None
         self._private = False       # the CPU platform's cached GPU shares copied (run)
         self._splits = None         # _plan_splits
+        self.overlap = False        # STRATA_FUSED_OVERLAP (read by _plan_splits)
+        self._jobs = None           # the overlap worker's queue
+        self._done: dict = {}       # CPU partition -> the event its start call's job sets
         self._split_keys: set = set()
         self._events: dict = {}     # cache key -> CUDA event after its prefetch copies (copy stream)
         self._pending: set = set()  # caches with copies recorded and not yet waited for
@@ -124,36 +130,50 @@ class FusedStep:
         return [gpu_node for nid in self._triggers(i) for _c, _x, gpu_node, *_ in self.m.lookahead[nid]]
 
     def _plan_splits(self) -> dict:
-        """CPU partitions that run in two host calls around a cached GPU share (once the expert
-        caches exist): partition i whose GPU-made inputs include the result of the expert cache's
-        GPU share that ends partition i - 1. Its first call (`start`) runs the ops before the one
-        that reads that result (the CPU side of the layer), then the share runs on the GPU, then
-        the second call (`finish`) the rest. So the expert copies the prefetch queued for that
-        layer on a copy stream of their own run beside the layer's attention and its CPU side,
-        and only the GPU share waits for them (`_stream_for`). i -> (share node, early inputs,
-        late inputs, index of the first op of the finish)."""
+        """CPU partitions that run in two host calls around a GPU expert share: partition i whose
+        GPU-made inputs include the result of the MoE share that ends partition i - 1. Its first
+        call (`start`) runs the ops before the one that reads that result (the CPU side of the
+        layer), then the share runs on the GPU, then the second call (`finish`) the rest.
+        With STRATA_PREFETCH_STREAM=1 (cached shares): the expert copies the prefetch queued for
+        that layer on a copy stream of their own run beside the layer's attention and its CPU
+        side, and only the GPU share waits for them (`_stream_for`). With STRATA_FUSED_OVERLAP=1
+        (any share): the start call hands its ops to a worker thread and returns, so the GPU share
+        runs while the CPU computes its side; the finish call waits for them. Both off until
+        measured on a GPU (the split runs on the CPU platform too). i -> (share node, early
+        inputs, late inputs, index of the first op of the finish)."""
         if self._splits is not None:
             return self._splits
         out = {}
         parts = self.m.parts
-        # STRATA_PREFETCH_STREAM=1: off until measured on a GPU (the copy stream and its events run
-        # only there; the split itself runs on the CPU platform too)
-        for i in self.dev_in if os.environ.get("STRATA_PREFETCH_STREAM", "0") == "1" else ():
+        stream = os.environ.get("STRATA_PREFETCH_STREAM", "0") == "1"
+        self.overlap = os.environ.get("STRATA_FUSED_OVERLAP", "0") == "1"
+        for i in self.dev_in if stream or self.overlap else ():
             if i == 0 or parts[i - 1][0] != "xla":
                 continue
-            xexe = parts[i - 1][1]
-            last = xexe.nodes[-1]
-            if last.op is not Op.MOE_FFN or not last.attr("cache", "") or last.id not in self.dev_in[i]:
+            last = parts[i - 1][1].nodes[-1]
+            if last.op is not Op.MOE_FFN or last.id not in self.dev_in[i] or not (self.overlap or last.attr("cache", "")):
                 continue
-            exe = parts[i][1]
-            k = next(j for j, f in enumerate(exe.fetch_at) if last.id in f)
+            k = next(j for j, f in enumerate(parts[i][1].fetch_at) if last.id in f)
             early = [a for a in self.dev_in[i] if a != last.id]
-            if k == 0 or not early or any(self.part_of[a] == i - 1 for a in early):
+            if k == 0 or not early:
                 continue
             out[i] = (last, early, [last.id], k)
         self._splits = out
-        self._split_keys = {n.attr("cache") for n, *_ in out.values()}
+        self._split_keys = {n.attr("cache") for n, *_ in out.values() if n.attr("cache", "")} if stream else set()
         return out
+
+    def _worker(self) -> None:
+        """The thread that runs the start calls' CPU work with STRATA_FUSED_OVERLAP=1."""
+        while True:
+            job = self._jobs.get()
+            exe, lo, hi, done = job
+            try:
+                ids, cache = self._cur
+                exe.run_segment(self._env, ids, cache, lo, hi)
+            except BaseException as e:    # noqa: BLE001 - re-raised after the step
+                self._error = e
+            finally:
+                done.set()
 
     def _stream_for(self, stream):
         """The prefetch's stream per cache: caches whose GPU share a split partition's start call
@@ -189,6 +209,8 @@ class FusedStep:
 
         def run(stream) -> None:
             if self._error is not None:
+                if part == "finish" and i in self._done:    # never leave a worker's job behind
+                    self._done.pop(i).wait()
                 return
             self.ran_host_calls = True
             tl = self.timeline
@@ -196,9 +218,22 @@ class FusedStep:
                 tl.append(("enter", i, time.perf_counter_ns()))
             try:
                 ids, cache = self._cur
-                exe.run_segment(self._env, ids, cache, lo, hi)
+                if part == "start" and self.overlap:    # the CPU side runs while the GPU share does
+                    if self._jobs is None:
+                        import queue
+
+                        self._jobs = queue.SimpleQueue()
+                        threading.Thread(target=self._worker, name="strata-fused-overlap", daemon=True).start()
+                    self._done[i] = done = threading.Event()
+                    self._jobs.put((exe, lo, hi, done))
+                else:
+                    if part == "finish" and i in self._done:
+                        self._done.pop(i).wait()
+                        if self._error is not None:
+                            return
+                    exe.run_segment(self._env, ids, cache, lo, hi)
                 if part == "start":         # the GPU share after this call waits for its copies
-                    key = split[0].attr("cache")
+                    key = split[0].attr("cache", "")
                     if key in self._pending and stream is not None:
                         from strata_compiler.backends.xla import cuda_rt
 

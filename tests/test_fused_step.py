@@ -125,8 +125,8 @@ def model(tmp_path_factory):
     return d, m, ids
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_fused_decode_steps_equal_the_partition_runtime(model, tmp_path, monkeypatch, batch):
+@pytest.mark.parametrize("batch,settings", [(1, "stream"), (2, "stream"), (1, "overlap"), (2, "overlap")])
+def test_fused_decode_steps_equal_the_partition_runtime(model, tmp_path, monkeypatch, batch, settings):
     """A split plan with live expert caches (slot maps change between steps and, by the prefetch,
     inside them): every decode step
     of the fused program gives the partition runtime's logits (to float rounding: XLA may fuse
@@ -137,8 +137,11 @@ def test_fused_decode_steps_equal_the_partition_runtime(model, tmp_path, monkeyp
     plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
     prompt = np.concatenate([ids, ids[:, ::-1]])[:batch]
     runs = {}
-    monkeypatch.setenv("STRATA_PREFETCH_STREAM", "1")      # the cached layer split around its GPU share
-    monkeypatch.setenv("STRATA_HOST_CALL_STAGING", "1")
+    if settings == "stream":     # the cached layer split around its GPU share, copies on their own stream
+        monkeypatch.setenv("STRATA_PREFETCH_STREAM", "1")
+        monkeypatch.setenv("STRATA_HOST_CALL_STAGING", "1")
+    else:                        # the split's CPU side on a worker thread while the GPU share runs
+        monkeypatch.setenv("STRATA_FUSED_OVERLAP", "1")
     for fused in ("1", "0"):
         monkeypatch.setenv("STRATA_FUSED_STEP", fused)
         s = Session(plan, "auto", device="cpu")
@@ -228,3 +231,28 @@ def test_a_fused_program_that_fails_to_build_falls_back_with_one_warning(model, 
     err = capsys.readouterr().err
     assert err.count("decode steps as one program failed (NotImplementedError: no FFI here)") == 1
     assert np.abs(out["fb"] - out["ref"]).max() / out["ref"].std() <= 1e-5
+
+
+def test_overlap_on_a_static_hot_split(model, tmp_path, monkeypatch):
+    """Every layer split with its hot experts on the GPU (no cache): with STRATA_FUSED_OVERLAP=1 each
+    layer's CPU side runs on a worker thread beside its GPU share (the start call's inputs come
+    from the share's own partition), and the logits stay the partition runtime's."""
+    from strata_compiler.runtime.session import Session
+    from test_place import _compile, budget_decides, fake_profile, gpu_mem_for, probe_placement
+
+    d, m, ids = model
+    budget_decides(monkeypatch)
+    hw = fake_profile(tmp_path / "hw.json")
+    probe = probe_placement(d, tmp_path, hw)
+    _compile(d, tmp_path / "half", hw, gpu_mem_for(probe, probe["gpu_bytes"] * 0.5))
+    plan = load_plan(tmp_path / "half")
+    out = {}
+    for overlap in ("1", "0"):
+        monkeypatch.setenv("STRATA_FUSED_OVERLAP", overlap)
+        s = Session(plan, "auto", device="cpu")
+        s.reset(1, 64)
+        out[overlap] = np.concatenate([s.step(ids)[:, -1]] + [s.step(ids[:, i:i + 1])[:, -1] for i in range(5)])
+        if overlap == "1":
+            f = s.executor.fused
+            assert f.steps == 4 and f._splits and not any(n.attr("cache", "") for n, *_ in f._splits.values())
+    assert np.abs(out["1"] - out["0"]).max() / out["0"].std() <= 1e-6
