@@ -223,7 +223,7 @@ def test_device_benchmarks_smoke(tmp_path):
     last = r.stdout.splitlines()[-2:]
     assert last[0].startswith("strata-25 STRATA_PACK_HOST=1") and "logits max |diff| 0, argmax equal 4/4" in last[1]
     # fused decode steps against partition by partition (the fused line carries its timeline)
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "switch_breakdown.py"), str(tmp_path / "pb" / "hot-cache-25"),
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "switch_breakdown.py"), str(tmp_path / "pb" / "strata-25"),
                         "--device", "cpu", "--n-new", "5", "--ab", "STRATA_FUSED_STEP=0,1"], capture_output=True,
                        text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
