@@ -70,6 +70,10 @@ class FusedStep:
                               and parts[part_of[a]][0] == "xla"]
             self.dev_out[i] = [o for o in exe.outputs
                                if any(u != -1 and parts[part_of[u]][0] == "xla" for u in users[o])]
+        xla_parts = [(i, exe) for i, (kind, exe, _) in enumerate(parts) if kind == "xla"]
+        self._params = {i: exe.params for i, exe in xla_parts}    # (the dicts themselves: swaps show)
+        self._layers = [l for _, exe in xla_parts for l in exe.layers]
+        self._xla_outs = [o for o in self.g.outputs if parts[part_of[o]][0] == "xla"]
         self.cached = [n for kind, exe, _ in parts if kind == "xla" for n in exe.cached]
         # slots each cached GPU share holds (fewer than its experts when the GPU ran short)
         self.n_slots = {n.id: exe.slots_of[n.id] for kind, exe, _ in parts if kind == "xla" for n in exe.cached}
@@ -334,8 +338,7 @@ class FusedStep:
                 for n, r in zip(self._slot_maps(i), res[len(self.dev_out[i]):]):
                     slots[n.id] = r         # the later GPU share reads the map after the prefetch
         token = tok[0]
-        outs = tuple(env[o] for o in self.g.outputs if parts[self.part_of[o]][0] == "xla")
-        return outs + (token,), ks, vs
+        return tuple(env[o] for o in self._xla_outs) + (token,), ks, vs
 
     @staticmethod
     def _trace(tr, tl: list, tokens: int) -> None:
@@ -366,7 +369,7 @@ class FusedStep:
 
             raise UsageError(f"sequence of {cache.length + 1} tokens exceeds the KV cache capacity {cache.capacity}")
         if not self._private and self.device.platform == "cpu":
-            # in-step prefetches write the GPU shares' weights in place (XLAExecutor.set_slot): on
+            # in-step prefetches write the GPU shares' weights in place (MixedExecutor._copy_rows): on
             # JAX's CPU platform an array put there from the plan's read-only mapping may alias it
             import jax.numpy as jnp
 
@@ -394,16 +397,12 @@ class FusedStep:
                 self._stage = cuda_rt.Staging(self.device)
             packed = self._stage.stage("step", packed)
         if self._pending:                   # prefetch copies a failed step left unwaited
-            from strata_compiler.backends.xla import cuda_rt as _rt
-
-            _rt.lib().cudaStreamSynchronize(ctypes.c_void_p(_rt.copy_stream(self.device)))
+            cuda_rt.lib().cudaStreamSynchronize(ctypes.c_void_p(cuda_rt.copy_stream(self.device)))
             self._pending.clear()
-        for kind, exe, _ in m.parts:        # expert-slot copies queued without waiting land first
-            if kind == "xla" and exe._bulk_pending:
-                cuda_rt.wait_bulk()
-                exe._bulk_pending = False
-        params = {i: exe.params for i, (kind, exe, _) in enumerate(m.parts) if kind == "xla"}
-        layers = [l for kind, exe, _ in m.parts if kind == "xla" for l in exe.layers]
+        for kind, exe, _ in m.parts:
+            if kind == "xla":
+                exe.land_slot_copies()
+        layers = self._layers
         ks = {l: cache.k[l] for l in layers}
         vs = {l: cache.v[l] for l in layers}
         from strata_compiler.backends.llvm_cpu.executor import IN_FRAME
@@ -422,7 +421,7 @@ class FusedStep:
         tl = self.timeline
         if tl is not None:
             tl.append(("dispatch", -1, time.perf_counter_ns()))
-        outs, ks, vs = fn(params, ks, vs, packed)
+        outs, ks, vs = fn(self._params, ks, vs, packed)
         if tl is not None:
             tl.append(("dispatched", -1, time.perf_counter_ns()))
         for l in layers:
@@ -440,9 +439,5 @@ class FusedStep:
             e, self._error = self._error, None
             raise e
         self.steps += 1
-        res = dict(zip([o for o in self.g.outputs if m.parts[self.part_of[o]][0] == "xla"], outs))
-        out = {}
-        for o in self.g.outputs:
-            v = res[o] if o in res else self._env[o]
-            out[o] = cuda_rt.fetch(v).reshape(B, 1, -1) if o in res else np.asarray(v).reshape(B, 1, -1)
-        return out
+        res = dict(zip(self._xla_outs, outs))
+        return {o: (cuda_rt.fetch(res[o]) if o in res else self._env[o]).reshape(B, 1, -1) for o in self.g.outputs}

@@ -652,6 +652,13 @@ class XLAExecutor:
                 moved += host.nbytes
         return moved
 
+    def land_slot_copies(self) -> None:
+        """Wait for the expert-slot copies set_slot(wait=False) queued: before anything reads the
+        weights (this partition's next call, or a fused step's program)."""
+        if self._bulk_pending:
+            cuda_rt.wait_bulk()
+            self._bulk_pending = False
+
     def new_cache(self, cache) -> None:
         """Put this partition's layers of the cache on the device (zeros)."""
         jax, jnp = _jax(), _jnp()
@@ -686,9 +693,7 @@ class XLAExecutor:
             ids[:, :T] = input_ids
         ks = {l: cache.k[l] for l in self.layers}
         vs = {l: cache.v[l] for l in self.layers}
-        if self._bulk_pending:      # expert-slot copies queued without waiting (set_slot) land first
-            cuda_rt.wait_bulk()
-            self._bulk_pending = False
+        self.land_slot_copies()
         # NumPy arguments go to the device inside jit's C++ dispatch; jnp.asarray here would take
         # JAX's Python path (two primitive dispatches per call: ~0.3 ms each, measured)
         staging = self._staging() if B * T_pad <= RAW_MAX_TOKENS else None
