@@ -33,6 +33,8 @@ class Share:
     device: str = ""
     whole: bool = False    # an expert cache's host side: all the layer's experts, those resident
                            # in the cache (the layer's other shares) masked out at run time
+    prior: tuple[float, ...] = ()   # a whole share: each expert's calibrated share of the tokens
+                                    # (the cache's starting scores), else empty
 
 
 def moe_key(n: Node) -> str:
@@ -76,6 +78,8 @@ def split_experts(g: Graph, shares: dict[str, list[Share]], calib=None) -> Graph
             if cached:
                 attrs["cache"] = moe_key(n)
             if share.whole:       # the layer's own weights, every expert
+                if share.prior:
+                    attrs["prior"] = tuple(share.prior)
                 node = Node(rw.fresh(), Op.MOE_FFN, (x, route) + ((prev,) if prev is not None else ()), n.type,
                             n.weights, make_attrs(**attrs), share.device or n.device, n.backend)
                 rw.insert_after(anchor, node)

@@ -458,7 +458,10 @@ def apply(g: Graph, units: list[Unit], unit_of: dict[int, str], gpu: set[str], c
                 parts = [Share(tuple(sorted(hot[k::gpus])), device=f"gpu:{k}") for k in range(gpus) if hot[k::gpus]]
                 shares[moe_key(n)] = parts + ([Share(tuple(off), device="cpu")] if off else [])
             elif on and off and cache and not n.attr("experts", ()):
-                shares[moe_key(n)] = [Share(tuple(on), device="gpu"), Share(ids, device="cpu", whole=True)]
+                # the calibrated probabilities seed the cache's scores (runtime/expert_cache.py)
+                prob = {ids[u.expert[1]]: u.prob for u in exp}
+                prior = tuple(round(float(prob[e]), 6) for e in ids) if calib is not None else ()
+                shares[moe_key(n)] = [Share(tuple(on), device="gpu"), Share(ids, device="cpu", whole=True, prior=prior)]
             elif on and off:
                 shares[moe_key(n)] = [Share(tuple(on), device="gpu"), Share(tuple(off), device="cpu")]
             dev_of[n.id] = "gpu" if on and not off else "cpu"

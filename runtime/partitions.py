@@ -298,8 +298,10 @@ class MixedExecutor:
                         and not h.attr("experts", ()))
             E = self.g.weight(host.weight("down")).shape[0]
             slots = part_of[n.id][1].slots_of[n.id]
+            prior = host.attr("prior", ())
             c = expert_cache.ExpertCache(key, E, np.array(n.attr("experts")[:slots], np.int32),
-                                         max_swaps=max_swaps, policy=policy)
+                                         max_swaps=max_swaps, policy=policy,
+                                         prior=np.array(prior, np.float64) if len(prior) == E else None)
             c.max_prefetch = prefetch_per_layer
             if self.async_swaps:
                 pinned += [a for role, _ in n.weights for a in self.weights.arrays(host.weight(role)).values()]

@@ -209,6 +209,26 @@ def test_device_benchmarks_smoke(tmp_path):
     assert 0 < res["hot-cache-25"]["hit_rate"] <= 1 and res["hot-cache-25"]["prefetch_accuracy"] is not None
     assert all(v["tok_s"] > 0 and v["same_tokens"] for v in res.values())
     assert 0 < res["disk-half"]["peak_rss"] < 4 << 30 and res["strata-25"]["predicted"] > 0
+    # a calibrated cached plan's host side carries each expert's calibrated chance (k a token in
+    # all), which seeds the cache's scores
+    from strata_compiler.runtime.plan import load_plan
+
+    g = load_plan(tmp_path / "pb" / "hot-cache-25").graph
+    whole = [n for n in g.nodes if n.op.value == "moe_ffn" and n.attr("cache", "") and not n.attr("experts", ())]
+    k = round(sum(whole[0].attr("prior"))) if whole else 0     # top-k: the model's k experts a token
+    assert whole and all(len(n.attr("prior")) == g.weight(n.weight("down")).shape[0]
+                         and k >= 1 and abs(sum(n.attr("prior")) - k) < 1e-3 for n in whole)
+    # the cache policies replayed on a routing trace recorded from the all-CPU plan
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cache_sim.py"), str(tmp_path / "pb" / "base"),
+                        "--tokens", "40", "--calib", "12", "--prefetch", "0,1", "--json", str(tmp_path / "cs.json")],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cs = json.loads((tmp_path / "cs.json").read_text())
+    assert len(cs["rows"]) == 2 + 2 * 4 and all(0 <= x["hit_rate"] <= 1 for x in cs["rows"])
+    assert cs["rows"][0]["copies"] == 0 and any(x["copies"] > 0 for x in cs["rows"])
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cache_sim.py"), str(tmp_path / "pb" / "hot-cache-25")],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode != 0 and "whole layers" in r.stderr
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_dispatch.py"), str(tmp_path / "pb" / "hot-cache-25"),
                         "--device", "cpu", "--reps", "3"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

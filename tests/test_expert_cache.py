@@ -45,6 +45,22 @@ def test_lru_policy_evicts_the_least_recently_used():
     assert c.plan_swaps() == [(0, 2)]          # expert 0 was never used: its slot goes
 
 
+def test_calibrated_prior_keeps_hot_experts_against_one_off_misses():
+    """Scores start at prior / (1 - decay): a miss of a cold expert does not evict a hot resident
+    that this step did not use; without the prior (every score 0) it does."""
+    prior = np.array([0.9, 0.8, 0.05, 0.05, 0.1, 0.1])
+    comb = np.eye(6, dtype=np.float32)[[2]]         # only cold expert 2 is chosen
+    with_prior = ExpertCache("L0", 6, np.array([0, 1], np.int32), prior=prior)
+    np.testing.assert_allclose(with_prior.score, prior / (1 - with_prior.decay))
+    with_prior.observe(comb)
+    assert with_prior.plan_swaps() == [] and sorted(with_prior.slots) == [0, 1]
+    without = ExpertCache("L0", 6, np.array([0, 1], np.int32))
+    without.observe(comb)
+    assert len(without.plan_swaps()) == 1 and 2 in without.slots
+    # a prior of the wrong length (an old plan, another layer) is ignored, not misapplied
+    assert not ExpertCache("L0", 6, np.array([0, 1], np.int32), prior=prior[:4]).score.any()
+
+
 def cached_plan(d, tmp_path, monkeypatch, share: float) -> Path:
     """`d` compiled with --expert-cache for `share` of its weight bytes on an H200-like GPU
     (latency constants zeroed so that the budget alone decides: layers get split)."""
@@ -71,6 +87,9 @@ def test_cache_on_and_off_match_transformers(model, tmp_path, monkeypatch, capsy
     g = load_plan(plan).graph
     cached = [n for n in g.nodes if n.op.value == "moe_ffn" and n.attr("cache", "")]
     assert {n.device for n in cached} == {"gpu", "cpu"}
+    # no calibration, no prior for the cache's scores (benchmarks' plans with --calib carry one:
+    # test_benchmark_helpers.py)
+    assert not any(n.has_attr("prior") for n in cached)
     np.save(tmp_path / "ids.npy", ids)
     ref = hf_logits(m, ids)
     ref_tokens = hf_greedy(m, ids, N_NEW)[0]

@@ -1,0 +1,170 @@
+"""The GPU expert cache's policies replayed on a recorded routing trace: hit rate and copies.
+
+    python benchmarks/cache_sim.py PLAN_DIR [--tokens 1200] [--calib 256] [--slots-frac 0.25]
+        [--prefetch 0,1,2,4] [--json OUT]
+
+PLAN_DIR is a plan whose MoE layers are whole (not split, no cache): the all-CPU `base` plan of
+benchmarks/placement_bench.py, say. It decodes --tokens greedy tokens after a 32-token random
+prompt on the llvm backend and records, per token and layer, the experts the router chose and
+the experts the runtime's lookahead would predict (the layer's router applied to the residual
+stream entering the layer, normed as the router's input is: runtime/partitions.py _lookahead).
+
+The first --calib tokens stand in for calibration: their routing frequencies pick the static
+split's GPU experts (the hottest --slots-frac of each layer) and give the cache's prior. The
+remaining tokens are replayed through runtime/expert_cache.py's ExpertCache itself, per token:
+the prefetch of the predicted experts (up to N copies a layer), then the routing (hits and
+misses), then the reactive swaps after the step. No copy is timed: this measures what a policy
+keeps resident and how many expert copies it asks for, which is the same on any machine; what a
+copy costs against a CPU miss is the GPU run's business (placement_bench.py's hot-cache rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout, installed or not
+
+
+def record(plan_dir: Path, tokens: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+    """(chosen, predicted) bool[tokens, layers, E] and one expert's bytes, from a greedy decode."""
+    from strata_compiler.errors import UsageError
+    from strata_compiler.ir import Op
+    from strata_compiler.runtime.plan import load_plan
+    from strata_compiler.runtime.session import Session
+
+    plan = load_plan(plan_dir, verify_weights="none")
+    g = plan.graph
+    moes = [n for n in g.nodes if n.op is Op.MOE_FFN]
+    if not moes:
+        raise UsageError(f"{plan_dir}: the plan has no MoE layers")
+    if any(n.attr("experts", ()) or n.attr("cache", "") for n in moes):
+        raise UsageError(f"{plan_dir}: its MoE layers are split or cached; give a plan with whole layers "
+                         f"(placement_bench.py's `base`, or stratac compile without --gpu-mem)")
+    s = Session(plan, "llvm")
+    exe = s.executor
+    info = []
+    for n in moes:
+        r = g.node(n.args[1])
+        lin = g.node(r.args[0])
+        norm = g.node(lin.args[0])
+        o = g.node(norm.args[0])
+        if r.op is not Op.ROUTE or lin.op is not Op.LINEAR or norm.op is not Op.RMS_NORM or o.op is not Op.LINEAR:
+            raise UsageError(f"{plan_dir}: moe_ffn %{n.id} is not fed by norm -> router -> route; no lookahead")
+        info.append((r.id, o.args[1], plan.weights.get(lin.weight("w")), plan.weights.get(norm.weight("w")),
+                     float(norm.attr("eps")), int(r.attr("k"))))
+    E = g.weight(moes[0].weight("down")).shape[0]
+    expert_bytes = sum(sum(a[0].nbytes for a in plan.weights.arrays(w).values()) for _, w in moes[0].weights)
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, min(1000, int(plan.meta["model"]["vocab_size"])), (1, 32))
+    s.reset(1, 32 + tokens + 8)
+    tok = int(np.argmax(s.step(prompt)[0, -1]))
+    # plan-memory reuses buffers within a step: copy each route's and trigger's value as it is made
+    frame, ops = exe.frames[1] if 1 in exe.frames else (None, None)
+    if frame is None:
+        tok_logits = s.step(np.array([[tok]]))
+        tok = int(np.argmax(tok_logits[0, -1]))
+        frame, ops = exe.frames[1]
+    seen: dict[int, np.ndarray] = {}
+    pos = {n.id: i for i, n in enumerate(exe.nodes)}
+    for rid, trig, *_ in info:
+        for nid in (rid, trig):
+            i = pos[nid]
+
+            def grab(step, f=ops[i], nid=nid):
+                f(step)
+                seen[nid] = frame.out(g.node(nid))[0].copy()
+            ops[i] = grab
+    chosen = np.zeros((tokens, len(info), E), bool)
+    pred = np.zeros_like(chosen)
+    for t in range(tokens):
+        tok = int(np.argmax(s.step(np.array([[tok]]))[0, -1]))
+        for li, (rid, trig, w, nw, eps, k) in enumerate(info):
+            chosen[t, li] = seen[rid] != 0
+            h = seen[trig].astype(np.float32)
+            x = h / np.sqrt((h * h).mean() + eps) * nw
+            pred[t, li, np.argpartition(-(x @ w.T), k - 1)[:k]] = True
+    return chosen, pred, expert_bytes
+
+
+def replay(chosen: np.ndarray, pred: np.ndarray, hot: np.ndarray, prior: np.ndarray | None,
+           prefetch: int, swaps: int = 1, **cache_kw) -> tuple[float, float]:
+    """(hit rate, expert copies per layer per token) of ExpertCache on the trace."""
+    from strata_compiler.runtime.expert_cache import ExpertCache
+
+    T, L, E = chosen.shape
+    caches = [ExpertCache(f"L{i}", E, hot[i].astype(np.int32), max_swaps=swaps,
+                          prior=None if prior is None else prior[i], **cache_kw) for i in range(L)]
+    for c in caches:
+        c.max_prefetch = prefetch
+    copies = 0
+    for t in range(T):
+        for i, c in enumerate(caches):
+            if prefetch:
+                copies += len(c.prefetch(pred[t, i]))
+            c.observe(chosen[t, i][None, :].astype(np.float32))
+        for c in caches:
+            copies += len(c.plan_swaps())
+    hits = sum(c.hits for c in caches)
+    return hits / max(1, hits + sum(c.misses for c in caches)), copies / T / L
+
+
+POLICIES = [   # (label, ExpertCache keywords, uses the calibrated prior)
+    ("lru", dict(policy="lru"), False),
+    ("hybrid, decay 0.9 (before 2026-11-30)", dict(decay=0.9, recency=0.5), False),
+    ("hybrid, decay 0.99", dict(decay=0.99, recency=0.5), False),
+    ("hybrid, decay 0.99, calibrated prior (default)", dict(decay=0.99, recency=0.5), True),
+]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("plan_dir", type=Path)
+    ap.add_argument("--tokens", type=int, default=1200, help="greedy tokens to decode and record")
+    ap.add_argument("--calib", type=int, default=256, help="leading tokens used as the calibration")
+    ap.add_argument("--slots-frac", type=float, default=0.25, help="GPU slots per layer, as a share of its experts")
+    ap.add_argument("--prefetch", default="0,1,2,4", help="prefetch copies per layer per token to try")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    a = ap.parse_args()
+    if a.calib >= a.tokens:
+        ap.error("--calib must be smaller than --tokens")
+    from strata_compiler.errors import StrataError
+
+    try:
+        chosen, pred, eb = record(a.plan_dir, a.tokens)
+    except StrataError as e:
+        print(f"cache_sim.py: error: {e}", file=sys.stderr)
+        return 2
+    cal, test_c, test_p = chosen[:a.calib], chosen[a.calib:], pred[a.calib:]
+    T, L, E = test_c.shape
+    S = max(1, round(E * a.slots_frac))
+    freq = cal.sum(0).astype(np.float64)
+    hot = np.argsort(-freq, axis=1, kind="stable")[:, :S]
+    prior = freq / a.calib                         # chance per token that each expert is chosen
+    static = sum(test_c[:, i, hot[i]].sum() for i in range(L)) / test_c.sum()
+    best = sum(np.sort(test_c[:, i].sum(0))[::-1][:S].sum() for i in range(L)) / test_c.sum()
+    acc = (test_p & test_c).sum() / max(1, test_p.sum())
+    print(f"{a.plan_dir}: {L} MoE layers x {E} experts, {S} GPU slots a layer, one expert {eb / 2**20:.2f} MiB; "
+          f"{a.calib} tokens calibrate, {T} replayed; lookahead accuracy {acc:.1%}")
+    rows = [dict(policy="static split (calibrated hottest)", prefetch=0, hit_rate=static, copies=0.0),
+            dict(policy="static split, best in hindsight", prefetch=0, hit_rate=best, copies=0.0)]
+    for pf in [int(x) for x in a.prefetch.split(",")]:
+        for label, kw, use_prior in POLICIES:
+            hr, cp = replay(test_c, test_p, hot, prior if use_prior else None, pf, **kw)
+            rows.append(dict(policy=label, prefetch=pf, hit_rate=hr, copies=cp))
+    print(f"{'policy':50s} {'prefetch':>8s} {'hit rate':>9s} {'copies/layer/token':>19s} {'MiB/token':>10s}")
+    for r in rows:
+        r["mib_per_token"] = r["copies"] * L * eb / 2**20
+        print(f"{r['policy']:50s} {r['prefetch']:8d} {r['hit_rate']:9.1%} {r['copies']:19.2f} {r['mib_per_token']:10.1f}")
+    if a.json:
+        a.json.write_text(json.dumps(dict(plan=str(a.plan_dir), layers=L, experts=E, slots=S, expert_bytes=eb,
+                                          lookahead_accuracy=acc, rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
