@@ -39,6 +39,10 @@ from .target import Target
 
 _NULL = 0
 
+#: Benchmarks (benchmarks/cpu_share.py) set this to a dict to collect the MoE op's phases:
+#: phase name -> list of nanoseconds, one per call. None (the default) costs one test per call.
+PHASE_NS: dict[str, list[int]] | None = None
+
 
 class Kernel:
     """A compiled kernel and the positions of its argument slots."""
@@ -492,6 +496,8 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
         pool = exe.pool
 
         def run(step: Step) -> None:
+            if PHASE_NS is not None:
+                return timed(step)
             if gather is not None:
                 gather()
             pool.run(kp.addr, ap.addr, 0, 1)                    # routing pairs, grouped by expert
@@ -506,6 +512,39 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
             ad.set(P=P).go(pool, D, min_chunk=16)
             if disk_tier.TIERS:                  # experts on the disk tier: their pages go now
                 disk_tier.after(exe.g, weight_names)
+
+        def timed(step: Step) -> None:
+            """run's steps, each timed into PHASE_NS (and the active experts' weight bytes)."""
+            clock = time.perf_counter_ns
+            t = [clock()]
+            if gather is not None:
+                gather()
+            t.append(clock())
+            pool.run(kp.addr, ap.addr, 0, 1)
+            P, nA = int(count[0]), int(count[1])
+            t.append(clock())
+            if xin is not x and qxrun is None:
+                xin[:, :D] = x
+            if qxrun is not None:
+                qxrun()
+            t.append(clock())
+            au.go(pool, nA * I, min_chunk=8)
+            t.append(clock())
+            if qhrun is not None:
+                qhrun(P)
+            t.append(clock())
+            ad.set(P=P).go(pool, D, min_chunk=16)
+            t.append(clock())
+            if disk_tier.TIERS:
+                disk_tier.after(exe.g, weight_names)
+            names = ("moe.mask", "moe.pairs", "moe.quant_x", "moe.gate_up", "moe.quant_h", "moe.down")
+            for k, a, b in zip(names, t, t[1:]):
+                PHASE_NS.setdefault(k, []).append(b - a)
+            act = active[:nA]
+            PHASE_NS.setdefault("moe.gate_up_bytes", []).append(
+                int(sum(wu[e].nbytes + (su[e].nbytes if su is not None else 0) for e in act)))
+            PHASE_NS.setdefault("moe.down_bytes", []).append(
+                int(sum(wd[e].nbytes + (sd[e].nbytes if sd is not None else 0) for e in act)))
         return run
     return prepare
 
