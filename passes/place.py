@@ -71,12 +71,20 @@ PARTITION_S = 60e-6
 # 0.40 ms per switch = 2.4 x the tiny call. Plans with few switches barely depend on it.
 SWITCH_FACTOR = 2.4
 # Decode steps of a single-GPU plan run as one jitted program in which CPU partitions are host
-# calls (runtime/fused_step.py): no jitted call per switch. Fitted on the H200 (2026-11-30 09:28,
-# benchmarks/switch_breakdown.py, in one process): hot-25 (32 switches per token) measured 8.9 ms
-# per token fused where the model's other terms give 3.2 ms, i.e. 0.16 ms per switch = 0.96 x the
-# tiny call (the CPU share's Python glue, the host call's copies, the program's boundaries); the
-# KTransformers layout, predicted with it at 11.0 ms, measured 11.2.
-FUSED_SWITCH_FACTOR = 0.96
+# calls (runtime/fused_step.py): no jitted call per switch, 0.5 x the tiny call per switch (~84 us
+# on the H200 profile: the host call's copies and sync, the GPU's launch gaps around it).
+FUSED_SWITCH_FACTOR = 0.5
+# The CPU's share of a mixed plan runs at this fraction of the probe's rates (its GEMV on a 256 MiB
+# matrix, alone on the machine): beside the GPU runtime's threads, on a layer's few cold experts,
+# inside host calls. A plan without GPU work keeps the probe's rates. Fitted together with
+# FUSED_SWITCH_FACTOR on one H200 run (2026-11-30 09:27, placement_bench.py, 16 layers, 25 %,
+# fused steps): -ngl 110.4, KTransformers' layout 82.2, hot experts 121.9 tok/s measured against
+# 109.0 / 84.6 / 120.0 predicted (rms 2.0 % in log; the VM replayed the place pass on the same
+# model and calibration with the H200 profile over a grid of both constants); the all-CPU plan, measured at 83.8–95.3
+# tok/s there, is predicted at 96 with the probe's rates. The earlier fit (0.96 x the switch,
+# CPU at the probe's rates) put the CPU's slowness into the switches: it matched the split plan
+# but over-predicted -ngl by 22 % and chose it.
+CPU_MIXED_EFFICIENCY = 0.75
 # One all-reduce of a token's activation among the GPUs of a mesh, inside the XLA computation, with
 # what sharding adds around it. Measured on 2 H200s (2026-11-29, benchmarks/multi_gpu.py, 16
 # layers): the striped plan as one mesh decoded at 319.3 tok/s against 432.2 on one GPU, i.e.
@@ -279,16 +287,17 @@ class _Timeline:
 
     def predict(self, gpu: set[str]) -> dict:
         t, per_layer, prev, switches = 0.0, {}, "cpu", 0
+        slow = 1.0 / CPU_MIXED_EFFICIENCY if gpu else 1.0      # CPU time beside GPU work
         for name, times, switch, lay in self.steps:
             if name is None:                        # a MoE layer: its GPU share, then its CPU share
                 g_s = [gs for nm, _, gs in times if nm in gpu]
                 c_s = [cs for nm, cs, _ in times if nm not in gpu]
                 dt = (sum(g_s) + KERNELS[Op.MOE_FFN] * GPU_KERNEL_S if g_s else 0.0) + \
-                     (sum(c_s) + CPU_CALLS[Op.MOE_FFN] * self.cpu_op if c_s else 0.0)
+                     (slow * (sum(c_s) + CPU_CALLS[Op.MOE_FFN] * self.cpu_op) if c_s else 0.0)
                 devs = (["gpu"] if g_s else []) + (["cpu"] if c_s else [])
             else:
                 d = "gpu" if name in gpu else "cpu"
-                dt = times[1] if d == "gpu" else times[0]
+                dt = times[1] if d == "gpu" else slow * times[0]
                 devs = [d]
             for d in devs:
                 if prev is not None and d != prev:

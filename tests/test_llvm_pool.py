@@ -252,6 +252,25 @@ def test_every_chunk_runs_exactly_once(K, pool2, total, n_chunks):
     assert sorted((int(b), int(e)) for b, e, _ in rec[:counter.value]) == want
 
 
+def test_split_default_chunks(K, monkeypatch):
+    """STRATA_POOL_SPLIT=3: a default parallel_for cuts 3 chunks per thread (min_chunk still caps
+    it); a bad value is one clear error."""
+    monkeypatch.setenv("STRATA_POOL_SPLIT", "3")
+    p = poolmod.ThreadPool(2)
+    assert p.split == 3
+    counter = ctypes.c_int64(0)
+    rec = np.zeros((16, 3), dtype=np.int64)
+    args = (ctypes.c_int64 * 3)(ctypes.addressof(counter), rec.ctypes.data, 0)
+    p.parallel_for(K["record"], ctypes.addressof(args), 100)
+    assert sorted((int(b), int(e)) for b, e, _ in rec[:counter.value]) == expected_ranges(100, 6)
+    counter.value = 0
+    p.parallel_for(K["record"], ctypes.addressof(args), 100, min_chunk=40)
+    assert counter.value == 3
+    monkeypatch.setenv("STRATA_POOL_SPLIT", "0")
+    with pytest.raises(ValueError, match="STRATA_POOL_SPLIT"):
+        poolmod.split_from_env()
+
+
 def test_workers_take_chunks(K, pool2):
     """With two threads, chunks run on the caller and on the worker (pthread_self per chunk)."""
     libc = ctypes.CDLL(None)

@@ -34,7 +34,7 @@ from .codegen.dot import Q8_BLOCK, needs_q8, pair_layout
 from .codegen.linear import LinearSpec, generate as linear_gen
 from .codegen.moe import MoESpec, down as moe_down_gen, gate_up as moe_gate_up_gen, h_stride, pairs as moe_pairs_gen
 from .jit import KernelLibrary, library
-from .pool import get_pool, set_spin
+from .pool import get_pool, set_spin, split_from_env
 from .target import Target
 
 _NULL = 0
@@ -176,6 +176,7 @@ class LLVMExecutor:
         self.target = target or Target.host()
         self.lib = lib or library(self.target)
         self.pool = get_pool()
+        self.pool.split = split_from_env()     # STRATA_POOL_SPLIT, read per executor (benchmarks' A/Bs)
         self.act = (act or os.environ.get("STRATA_CPU_ACT") or "q8").lower()
         if self.act not in ("q8", "f32"):
             raise BackendError(f"STRATA_CPU_ACT={self.act!r}: use q8 or f32")

@@ -47,7 +47,7 @@ import llvmlite.binding as llvm
 from strata_compiler.backends.llvm_cpu.target import Target
 from strata_compiler.backends.llvm_cpu.jit import KernelLibrary, object_code
 
-__all__ = ["ThreadPool", "get_pool", "set_spin", "default_threads", "KERNEL_CFUNC"]
+__all__ = ["ThreadPool", "get_pool", "set_spin", "default_threads", "split_from_env", "KERNEL_CFUNC"]
 
 #: ctypes prototype of a kernel: ``void kernel(void* args, int64_t begin, int64_t end)``.
 KERNEL_CFUNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
@@ -320,6 +320,16 @@ define void @strata_call(ptr %fn, ptr %args, i64 %begin, i64 %end) {
 """
 
 
+def split_from_env() -> int:
+    """STRATA_POOL_SPLIT: chunks per thread of a parallel_for (default 1). More chunks than threads
+    let the others take over the chunks of a thread the OS has descheduled (GPU runtime threads share
+    the cores in a mixed run); each parallel_for then pays more claims."""
+    raw = os.environ.get("STRATA_POOL_SPLIT", "1")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"STRATA_POOL_SPLIT={raw!r}: expected a positive integer (chunks per thread)")
+    return int(raw)
+
+
 def default_threads() -> int:
     """STRATA_NUM_THREADS if set, else the number of CPUs this process may run on."""
     env = os.environ.get("STRATA_NUM_THREADS")
@@ -440,6 +450,7 @@ class ThreadPool:
         if n < 1:
             raise ValueError(f"ThreadPool: n_threads must be >= 1, got {n_threads}")
         self.n_threads = n
+        self.split = split_from_env()
         self._want_workers = n - 1
         self._nat = _get_native()
         with self._nat.lock:
@@ -457,13 +468,14 @@ class ThreadPool:
     def parallel_for(self, kernel_addr: int, args_addr: int, total: int, n_chunks: int | None = None,
                      *, min_chunk: int = 1) -> None:
         """Run ``kernel(args, begin, end)`` over ``[0, total)`` split in ``n_chunks`` contiguous ranges
-        (default ``n_threads``; never more than ``ceil(total / min_chunk)``) and return when all are
+        (default ``n_threads`` times ``STRATA_POOL_SPLIT``, 1 unless set; never more than
+        ``ceil(total / min_chunk)``) and return when all are
         done. With one chunk, the kernel is called directly on the calling thread. Addresses are Python
         ints (``ctypes.addressof``, ``ExecutionEngine.get_function_address``). Not re-entrant: a kernel
         must not call back into the pool."""
         if total <= 0:
             return
-        chunks = self.n_threads if n_chunks is None else n_chunks
+        chunks = self.n_threads * self.split if n_chunks is None else n_chunks
         if chunks > total:
             chunks = total
         if min_chunk > 1:
