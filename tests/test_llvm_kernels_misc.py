@@ -442,3 +442,39 @@ def test_avx512_codegen():
         assert "zmm" in emit_artifacts(ks.ir, t)["s"], ks.name
     for ks in [ew.embed(64, t), ew.slice_copy(0, 64, t)]:   # copies may become memcpy: compile only
         assert emit_artifacts(ks.ir, t)["s"]
+
+
+def test_hugepage_resident_weights_keep_the_logits(tmp_path, monkeypatch):
+    """STRATA_HUGEPAGES=1 copies the llvm kernels' weights out of the plan's mmap into anonymous
+    memory (2 MiB pages where the OS has them): same logits as the mapped weights, the copies
+    read-only and apart from the file's mapping."""
+    from hf_models import build_model
+    from strata_compiler.cli import stratac
+    from strata_compiler.cli_common import run_cli
+    from strata_compiler.runtime.plan import load_plan
+    from strata_compiler.runtime.session import Session
+
+    d = build_model("qwen3_moe", tmp_path / "model")
+    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "plan"), "--quant", "int4"]) == 0
+    ids = np.array([[3, 17, 42, 8, 99]], np.int64)
+    out = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("STRATA_HUGEPAGES", flag)
+        plan = load_plan(tmp_path / "plan")
+        s = Session(plan, "llvm")
+        s.reset(1, 16)
+        out[flag] = np.concatenate([s.step(ids)[:, -1], s.step(ids[:, :1])[:, -1]])
+        assert s.executor.hugepages == (flag == "1")
+        if flag == "1":
+            name = next(w.name for w in plan.graph.weights if w.fmt == "int4")
+            res, mapped = plan.weights.resident_arrays(name), plan.weights.arrays(name)
+            for k in mapped:
+                np.testing.assert_array_equal(res[k], mapped[k])
+                assert not res[k].flags.writeable and not np.shares_memory(res[k], mapped[k])
+            assert plan.weights.resident_arrays(name) is res           # copied once
+    np.testing.assert_array_equal(out["0"], out["1"])
+    monkeypatch.setenv("STRATA_HUGEPAGES", "yes")
+    from strata_compiler.backends.llvm_cpu.executor import hugepages_wanted
+    from strata_compiler.errors import UsageError
+    with pytest.raises(UsageError, match="STRATA_HUGEPAGES"):
+        hugepages_wanted()
