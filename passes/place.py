@@ -80,8 +80,8 @@ FUSED_SWITCH_FACTOR = 0.5
 # FUSED_SWITCH_FACTOR on one H200 run (2026-11-30 09:27, placement_bench.py, 16 layers, 25 %,
 # fused steps): -ngl 110.4, KTransformers' layout 82.2, hot experts 121.9 tok/s measured against
 # 109.0 / 84.6 / 120.0 predicted (rms 2.0 % in log; the VM replayed the place pass on the same
-# model and calibration with the H200 profile over a grid of both constants); the all-CPU plan, measured at 83.8–95.3
-# tok/s there, is predicted at 96 with the probe's rates. The earlier fit (0.96 x the switch,
+# model and calibration with the H200 profile over a grid of both constants); the all-CPU plan,
+# measured at 83.8–95.3 tok/s there, is predicted at 96 with the probe's rates. The earlier fit (0.96 x the switch,
 # CPU at the probe's rates) put the CPU's slowness into the switches: it matched the split plan
 # but over-predicted -ngl by 22 % and chose it.
 CPU_MIXED_EFFICIENCY = 0.75

@@ -267,7 +267,8 @@ def test_split_default_chunks(K, monkeypatch):
     p.parallel_for(K["record"], ctypes.addressof(args), 100, min_chunk=40)
     assert counter.value == 3
     monkeypatch.setenv("STRATA_POOL_SPLIT", "0")
-    with pytest.raises(ValueError, match="STRATA_POOL_SPLIT"):
+    from strata_compiler.errors import UsageError
+    with pytest.raises(UsageError, match="STRATA_POOL_SPLIT"):
         poolmod.split_from_env()
 
 

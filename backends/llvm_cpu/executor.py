@@ -44,6 +44,23 @@ _NULL = 0
 PHASE_NS: dict[str, list[int]] | None = None
 
 
+def _no_clock() -> int:
+    return 0
+
+
+_PHASES = ("moe.mask", "moe.pairs", "moe.quant_x", "moe.gate_up", "moe.quant_h", "moe.down")
+
+
+def _record_phases(t: list[int], active: np.ndarray, gate_up: tuple, down: tuple) -> None:
+    """A MoE call's phase times (t: the clock before, between and after its steps) and the weight
+    bytes of its active experts, into PHASE_NS."""
+    for k, a, b in zip(_PHASES, t, t[1:]):
+        PHASE_NS.setdefault(k, []).append(b - a)
+    for key, (w, s) in (("moe.gate_up_bytes", gate_up), ("moe.down_bytes", down)):
+        PHASE_NS.setdefault(key, []).append(int(sum(w[e].nbytes + (s[e].nbytes if s is not None else 0)
+                                                    for e in active)))
+
+
 class Kernel:
     """A compiled kernel and the positions of its argument slots."""
 
@@ -516,31 +533,12 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
         pool = exe.pool
 
         def run(step: Step) -> None:
-            if PHASE_NS is not None:
-                return timed(step)
-            if gather is not None:
-                gather()
-            pool.run(kp.addr, ap.addr, 0, 1)                    # routing pairs, grouped by expert
-            P, nA = int(count[0]), int(count[1])
-            if xin is not x and qxrun is None:
-                xin[:, :D] = x
-            if qxrun is not None:
-                qxrun()
-            au.go(pool, nA * I, min_chunk=8)
-            if qhrun is not None:
-                qhrun(P)
-            ad.set(P=P).go(pool, D, min_chunk=16)
-            if disk_tier.TIERS:                  # experts on the disk tier: their pages go now
-                disk_tier.after(exe.g, weight_names)
-
-        def timed(step: Step) -> None:
-            """run's steps, each timed into PHASE_NS (and the active experts' weight bytes)."""
-            clock = time.perf_counter_ns
+            clock = _no_clock if PHASE_NS is None else time.perf_counter_ns
             t = [clock()]
             if gather is not None:
                 gather()
             t.append(clock())
-            pool.run(kp.addr, ap.addr, 0, 1)
+            pool.run(kp.addr, ap.addr, 0, 1)                    # routing pairs, grouped by expert
             P, nA = int(count[0]), int(count[1])
             t.append(clock())
             if xin is not x and qxrun is None:
@@ -555,16 +553,10 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
             t.append(clock())
             ad.set(P=P).go(pool, D, min_chunk=16)
             t.append(clock())
-            if disk_tier.TIERS:
+            if disk_tier.TIERS:                  # experts on the disk tier: their pages go now
                 disk_tier.after(exe.g, weight_names)
-            names = ("moe.mask", "moe.pairs", "moe.quant_x", "moe.gate_up", "moe.quant_h", "moe.down")
-            for k, a, b in zip(names, t, t[1:]):
-                PHASE_NS.setdefault(k, []).append(b - a)
-            act = active[:nA]
-            PHASE_NS.setdefault("moe.gate_up_bytes", []).append(
-                int(sum(wu[e].nbytes + (su[e].nbytes if su is not None else 0) for e in act)))
-            PHASE_NS.setdefault("moe.down_bytes", []).append(
-                int(sum(wd[e].nbytes + (sd[e].nbytes if sd is not None else 0) for e in act)))
+            if PHASE_NS is not None:
+                _record_phases(t, active[:nA], (wu, su), (wd, sd))
         return run
     return prepare
 

@@ -326,7 +326,9 @@ def split_from_env() -> int:
     the cores in a mixed run); each parallel_for then pays more claims."""
     raw = os.environ.get("STRATA_POOL_SPLIT", "1")
     if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"STRATA_POOL_SPLIT={raw!r}: expected a positive integer (chunks per thread)")
+        from strata_compiler.errors import UsageError
+
+        raise UsageError(f"STRATA_POOL_SPLIT={raw!r}: expected a positive integer (chunks per thread)")
     return int(raw)
 
 
