@@ -304,7 +304,7 @@ class MixedExecutor:
                                          prior=np.array(prior, np.float64) if len(prior) == E else None)
             c.max_prefetch = prefetch_per_layer
             if self.async_swaps:
-                pinned += [a for role, _ in n.weights for a in self.weights.arrays(host.weight(role)).values()]
+                pinned += [a for role, _ in n.weights for a in self._host_arrays(host.weight(role)).values()]
             expert_cache.CACHES[id(self.g), key] = c
             self.caches.append((c, part_of[n.id][1], n, host))
             trig = self._lookahead(n)
@@ -321,6 +321,14 @@ class MixedExecutor:
         if pinned and not disk_tier.TIERS:     # (pages of the disk tier must stay evictable)
             self.pinned_bytes = cuda_rt.pin(pinned)
         return len(self.caches)
+
+    def _host_arrays(self, name: str) -> dict:
+        """A cached layer's host weights as its CPU kernels read them: their huge-page copy when
+        the llvm executor made one (so the expert copies and the page-locking use that memory,
+        not the file's pages a second time), else the plan's mapping."""
+        if any(getattr(exe, "hugepages", False) for _, exe, _ in self.parts):
+            return self.weights.resident_arrays(name)
+        return self.weights.arrays(name)
 
     def _lookahead(self, n):
         """(trigger node, router weight, router bias, norm weight, eps, k) for the prefetch of
@@ -392,7 +400,7 @@ class MixedExecutor:
         if in_program:
             moved = self._copy_rows(c, xla, gpu_node, host, slot, e, stream)
         else:
-            rows = {role: {a: v[e] for a, v in self.weights.arrays(host.weight(role)).items()}
+            rows = {role: {a: v[e] for a, v in self._host_arrays(host.weight(role)).items()}
                     for role, _ in gpu_node.weights}
             moved = xla.set_slot(gpu_node.id, slot, rows, wait=not self.async_swaps)
         dt = time.perf_counter() - t0
@@ -411,7 +419,7 @@ class MixedExecutor:
         if plan is None or any(xla.params[name][arr] is not cur for name, arr, cur, *_ in plan):
             plan = []
             for role, name in gpu_node.weights:
-                src_all = self.weights.arrays(host.weight(role))
+                src_all = self._host_arrays(host.weight(role))
                 for arr, cur in xla.params[name].items():
                     src = src_all[arr]
                     rb = cur.nbytes // cur.shape[0]
