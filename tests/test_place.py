@@ -131,6 +131,24 @@ def test_predicted_time_prefers_fewer_device_switches():
     assert t.predict(set())["switches"] == 0
 
 
+def test_cpu_work_beside_the_gpu_is_priced_at_the_mixed_efficiency():
+    """An all-CPU plan runs at the profile's rates; in a plan that also uses the GPU, each CPU op
+    takes 1 / CPU_MIXED_EFFICIENCY as long (switches and GPU ops unscaled)."""
+    from strata_compiler.passes import place
+
+    class T(place._Timeline):
+        def __init__(self):
+            self.steps = [(f"u{i}", (10e-6, 1e-6), 50e-6, i) for i in range(3)]
+            self.end_switch = 50e-6
+
+    t = T()
+    assert t.predict(set())["seconds"] == pytest.approx(30e-6)
+    mixed = t.predict({"u2"})        # u0, u1 on the CPU; one switch to the GPU and one back
+    eff = place.CPU_MIXED_EFFICIENCY
+    assert 0 < eff <= 1
+    assert mixed["seconds"] == pytest.approx(20e-6 / eff + 1e-6 + 100e-6)
+
+
 def test_gpu_mem_needs_a_target(model, tmp_path, capsys):
     d = model[0]
     assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "x"), "--gpu-mem", "1GiB"]) != 0
