@@ -63,12 +63,9 @@ def record(plan_dir: Path, tokens: int, seed: int = 0) -> tuple[np.ndarray, np.n
     prompt = rng.integers(0, min(1000, int(plan.meta["model"]["vocab_size"])), (1, 32))
     s.reset(1, 32 + tokens + 8)
     tok = int(np.argmax(s.step(prompt)[0, -1]))
+    tok = int(np.argmax(s.step(np.array([[tok]]))[0, -1]))     # one decode step makes the M = 1 frame
     # plan-memory reuses buffers within a step: copy each route's and trigger's value as it is made
-    frame, ops = exe.frames[1] if 1 in exe.frames else (None, None)
-    if frame is None:
-        tok_logits = s.step(np.array([[tok]]))
-        tok = int(np.argmax(tok_logits[0, -1]))
-        frame, ops = exe.frames[1]
+    frame, ops = exe.frames[1]
     seen: dict[int, np.ndarray] = {}
     pos = {n.id: i for i, n in enumerate(exe.nodes)}
     for rid, trig, *_ in info:

@@ -48,7 +48,13 @@ def main() -> int:
     from strata_compiler.runtime.plan import load_plan
     from strata_compiler.runtime.session import Session
 
-    s = Session(load_plan(a.plan_dir, verify_weights="none"), "auto", device=a.device, expert_cache=False)
+    from strata_compiler.errors import StrataError
+
+    try:
+        s = Session(load_plan(a.plan_dir, verify_weights="none"), "auto", device=a.device, expert_cache=False)
+    except StrataError as e:
+        print(f"cpu_share.py: error: {e}", file=sys.stderr)
+        return 2
     parts = [p[1] for p in getattr(s.executor, "parts", []) if isinstance(p[1], lx.LLVMExecutor)]
     if not parts and isinstance(s.executor, lx.LLVMExecutor):
         parts = [s.executor]
