@@ -51,10 +51,9 @@ def env_set(name: str, value: str):
             os.environ[name] = old
 
 
-def device_kernels(fn) -> tuple[dict[str, list], float, float] | None:
-    """Run fn() under the JAX profiler (CUPTI) and return ({kernel name: [count, total us]},
-    device busy us, device span us) over the GPU's events, or None without device events (no
-    GPU). Numbered duplicates of a name (fusion.3) count as one."""
+def profile_events(fn) -> tuple[list[dict], dict, dict] | None:
+    """Run fn() under the JAX profiler (CUPTI) and return (complete events, {pid: process name},
+    {(pid, tid): thread name}) from its Perfetto trace, or None when it wrote none."""
     import glob
     import gzip
     import json
@@ -73,12 +72,26 @@ def device_kernels(fn) -> tuple[dict[str, list], float, float] | None:
             return None
         events = json.loads(gzip.open(files[0]).read())
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
-    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-           and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
+    procs = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", "")) for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    return [e for e in events if e.get("ph") == "X" and "dur" in e], procs, threads
+
+
+def device_kernels(fn) -> tuple[dict[str, list], float, float] | None:
+    """Run fn() under the JAX profiler (CUPTI) and return ({kernel name: [count, total us]},
+    device busy us, device span us) over the GPU's events, or None without device events (no
+    GPU). Numbered duplicates of a name (fusion.3) count as one."""
+    got = profile_events(fn)
+    if got is None:
+        return None
+    events, procs, _ = got
+    gpu = {pid for pid, name in procs.items() if "gpu" in name.lower()}
     per: dict = collections.defaultdict(lambda: [0, 0.0])
     busy, lo, hi = 0.0, None, None
     for e in events:
-        if e.get("ph") != "X" or e.get("pid") not in gpu or "dur" not in e:
+        if e.get("pid") not in gpu:
             continue
         name = re.sub(r"\.\d+$", "", str(e.get("name", "?")))
         per[name][0] += 1
@@ -89,3 +102,34 @@ def device_kernels(fn) -> tuple[dict[str, list], float, float] | None:
     if not per:
         return None
     return dict(per), busy, hi - lo
+
+
+def host_self_times(events: list[dict], procs: dict, threads: dict) -> dict:
+    """{(thread name, event name): [count, self us]} over the host threads' events (not the
+    GPU's): an event's self time is its duration less that of the events nested in it on its
+    thread. Numbered duplicates of a name count as one."""
+    gpu = {pid for pid, name in procs.items() if "gpu" in name.lower()}
+    by_thread: dict = collections.defaultdict(list)
+    for e in events:
+        if e.get("pid") not in gpu and "profiler.py" not in str(e.get("name", "")):   # not the profiler's own
+            by_thread[(e["pid"], e.get("tid"))].append(e)
+    out: dict = collections.defaultdict(lambda: [0, 0.0])
+    for key, evs in by_thread.items():
+        evs.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+        stack: list = []        # [end, name, child time]
+        tname = threads.get(key, str(key[1]))
+
+        def close(item):
+            end, name, child, dur = item
+            out[(tname, name)][0] += 1
+            out[(tname, name)][1] += dur - child
+        for e in evs:
+            ts, dur = float(e["ts"]), float(e["dur"])
+            while stack and stack[-1][0] <= ts:
+                close(stack.pop())
+            if stack:
+                stack[-1][2] += dur
+            stack.append([ts + dur, re.sub(r"\.\d+$", "", str(e.get("name", "?"))), 0.0, dur])
+        while stack:
+            close(stack.pop())
+    return dict(out)

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -249,6 +250,8 @@ def main() -> int:
                     "(decode steps only): the host functions that take the time, top 25 by own time")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu"],
                     help="where xla partitions run (cpu: JAX's CPU platform stands in for the GPU, for a smoke test)")
+    ap.add_argument("--build-only", action="store_true",
+                    help="build the model and compile the variants (--only's), then stop: plans for other scripts")
     ap.add_argument("--rate-only", type=Path, help=argparse.SUPPRESS)   # internal: one plan, JSON out
     ap.add_argument("--prompt", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -295,7 +298,7 @@ def main() -> int:
     keep = set(a.only.split(",")) if a.only else None
 
     def want(name: str) -> bool:     # compile only what --only runs (the strata-B plans always: sizes)
-        return keep is None or any(k == name or k.startswith(name + "/") for k in keep)
+        return keep is None or any(k == name or k.startswith((name + "/", name + "@")) for k in keep)
 
     out = a.work_dir / "ktransformers"
     if want("ktransformers") and not (out / "plan.bin").exists():
@@ -369,9 +372,20 @@ def main() -> int:
                     "--host-mem", str(host))
         variants["disk-half"] = {"dir": out, "gpu_bytes": 0, "host_budget": host}
     if keep is not None:
-        # gpu-all first (the reference tokens), then in --only's order (interleave A/B pairs)
+        # gpu-all first (the reference tokens), then in --only's order (interleave A/B pairs);
+        # NAME@VAR=VALUE[@VAR=VALUE...]: variant NAME run in a process of its own with those
+        # environment variables (runtime switches, XLA_FLAGS), for A/Bs beside the defaults
+        for k in a.only.split(","):
+            base_name, *sets = k.split("@")
+            if sets and base_name in variants:
+                env = dict(kv.partition("=")[::2] for kv in sets)
+                variants[k] = dict(variants[base_name], env=env)
         variants = {k: variants[k] for k in ["gpu-all"] + [k for k in a.only.split(",") if k != "gpu-all"]
                     if k in variants}
+    if a.build_only:
+        for k, v in variants.items():
+            print(f"{k:24} {v['dir']}")
+        return 0
     prompt, gap, tried = pick_prompt(base, a.n_new, variants["gpu-all"].get("backend", "auto"), a.device)
     log(f"prompt: {'clear' if gap >= CLEAR_GAP else 'not clear'} after {tried} random 32-token prompts: smallest "
         f"top-1/top-2 gap over its {a.n_new} greedy steps {gap:.3f} x std(logits) (clear: >= {CLEAR_GAP})")
@@ -390,12 +404,17 @@ def main() -> int:
     for name, v in variants.items():
         t0 = time.time()
         tr = a.trace_dir / f"trace-{name.replace('/', '-')}.json" if a.trace_dir else None
-        if name == "disk-half":    # its own process: peak RSS is per process
+        if name == "disk-half" or "env" in v:    # its own process: peak RSS is per process; env at start
+            env = dict(os.environ, **v.get("env", {}))
             r = subprocess.run([sys.executable, __file__, "--rate-only", str(v["dir"]), "--n-new", str(a.n_new),
                                 "--repeats", str(a.repeats), "--prompt", ",".join(map(str, prompt[0].tolist()))]
-                               + (["--trace-dir", str(a.trace_dir)] if tr else []),
-                               capture_output=True, text=True, check=True)
-            got = json.loads(r.stdout.strip().splitlines()[-1])
+                               + (["--trace-dir", str(a.trace_dir)] if tr else []) + ["--device", a.device],
+                               capture_output=True, text=True, env=env)
+            if r.returncode != 0:           # one failed A/B variant does not end the run
+                log(f"{name} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+                got = {"info": {"failed": True}, "tok_s": float("nan"), "tokens": []}
+            else:
+                got = json.loads(r.stdout.strip().splitlines()[-1])
             v.update(got["info"])
             v["tok_s"], toks = got["tok_s"], got["tokens"]
         else:
@@ -435,18 +454,21 @@ def main() -> int:
         v = variants["disk-half"]
         print(f"disk-half: host budget {v['host_budget'] / 2**20:.0f} MiB, peak RSS {v['peak_rss'] / 2**20:.0f} MiB "
               f"(of which the interpreter and libraries: see the cpu-only row's process), {v['tok_s']:.1f} tok/s")
+    suffixes = [""] + sorted({k[k.index("@"):] for k in variants if "@" in k})
     for b in (int(x) for x in a.budgets.split(",")):
-        s = variants.get(f"strata-{b}")
-        if not s:
-            continue
-        k = variants.get("ktransformers", {}).get("tok_s")
-        g = variants.get(f"ngl-{b}", {}).get("tok_s")
-        cch = variants.get(f"cache-{b}", {}).get("tok_s")
-        parts = ([f"strata / ktransformers x{s['tok_s'] / k:.2f}"] if k else []) + \
-            ([f"strata / ngl x{s['tok_s'] / g:.2f}"] if g else []) + \
-            ([f"cache+prefetch / static strata x{cch / s['tok_s']:.2f}"] if cch else [])
-        print(f"budget {b}%: " + ", ".join(parts) + f"  (choice: {s['choice']})")
-        print("   predicted candidates: " + ", ".join(f"{c} {t:.0f}" for c, t in s["candidates"].items()))
+        for sfx in suffixes:        # the defaults, then each environment the variants were also run in
+            s = variants.get(f"strata-{b}{sfx}")
+            if not s or "tok_s" not in s:
+                continue
+            k = variants.get(f"ktransformers{sfx}", {}).get("tok_s")
+            g = variants.get(f"ngl-{b}{sfx}", {}).get("tok_s")
+            cch = variants.get(f"cache-{b}{sfx}", {}).get("tok_s")
+            parts = ([f"strata / ktransformers x{s['tok_s'] / k:.2f}"] if k else []) + \
+                ([f"strata / ngl x{s['tok_s'] / g:.2f}"] if g else []) + \
+                ([f"cache+prefetch / static strata x{cch / s['tok_s']:.2f}"] if cch else [])
+            print(f"budget {b}%{sfx}: " + ", ".join(parts) + f"  (choice: {s['choice']})")
+            if not sfx:
+                print("   predicted candidates: " + ", ".join(f"{c} {t:.0f}" for c, t in s["candidates"].items()))
     save_json()
     return 0
 

@@ -142,7 +142,7 @@ def fused_summary(tl: list) -> str:
             f"{work:.0f} us x {len(rows[0]['enter'])}, gap between host calls {gaps:.0f} us, last call to done {tail:.0f} us")
 
 
-def measure(plan_dir: Path, n_new: int, device: str, ref: list | None = None) -> dict:
+def measure(plan_dir: Path, n_new: int, device: str, ref: list | None = None, host_trace: int = 0) -> dict:
     from strata_compiler.runtime.plan import load_plan
     from strata_compiler.runtime.session import Session
 
@@ -155,7 +155,7 @@ def measure(plan_dir: Path, n_new: int, device: str, ref: list | None = None) ->
     fused = getattr(s.executor, "fused", None)
     try:
         for timed_pass in (False, True):
-            s.reset(1, prompt.shape[1] + n_new + 8)
+            s.reset(1, prompt.shape[1] + n_new + 8 + host_trace)
             tok = int(s.step(prompt)[0, -1].argmax())
             m.on = timed_pass
             if fused is not None and timed_pass:
@@ -168,6 +168,16 @@ def measure(plan_dir: Path, n_new: int, device: str, ref: list | None = None) ->
                     logits.append(np.array(out, np.float32))
             dt = time.perf_counter() - t0
             m.on = False
+        host = None
+        if host_trace:      # more steps under the JAX profiler: the host threads' time by event
+            from benchmarks.common import host_self_times, profile_events
+
+            def more():
+                nonlocal tok
+                for _ in range(host_trace):
+                    tok = int(s.step(np.array([[tok]], np.int64))[0, -1].argmax())
+            got = profile_events(more)
+            host = host_self_times(*got) if got else {}
     finally:
         undo()
     steps = n_new - 1
@@ -188,7 +198,7 @@ def measure(plan_dir: Path, n_new: int, device: str, ref: list | None = None) ->
         diff = max(float(np.abs(a - b).max()) for a, b in zip(logits, ref))
         same = sum(int(a.argmax() == b.argmax()) for a, b in zip(logits, ref))
     return {"name": plan_dir.name, "cache": cache + fused_line, "tok_s": steps / dt, "logits": logits, "diff": diff, "same": same, "us": us,
-            "calls": calls, "parts": len(kinds), "xla_parts": kinds.count("xla"), "cross": nvals, "cross_bytes": nb, "step_us": 1e6 * dt / steps}
+            "calls": calls, "host": host, "host_steps": host_trace, "parts": len(kinds), "xla_parts": kinds.count("xla"), "cross": nvals, "cross_bytes": nb, "step_us": 1e6 * dt / steps}
 
 
 def main() -> int:
@@ -196,6 +206,9 @@ def main() -> int:
     ap.add_argument("plans", type=Path, nargs="+")
     ap.add_argument("--n-new", type=int, default=48)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu"])
+    ap.add_argument("--host-trace", type=int, default=0, metavar="N",
+                    help="then N more decode steps under the JAX profiler: each host thread's self time by "
+                         "event (XLA's dispatch and thunks, CUDA API calls), top 30, in us per step")
     ap.add_argument("--ab", help="VAR=V1,V2,... (or VAR=V1|V2|... for values holding commas): run each plan "
                                  "once per value of this environment variable")
     a = ap.parse_args()
@@ -217,7 +230,7 @@ def main() -> int:
             if var is not None:
                 os.environ[var] = v
             try:
-                r = measure(p, a.n_new, a.device, ref)
+                r = measure(p, a.n_new, a.device, ref, a.host_trace)
             except StrataError as e:
                 print(f"error: {p}: {e}", file=sys.stderr)
                 return 2
@@ -241,6 +254,12 @@ def report(r: dict) -> None:
     for c in CATS:
         n = r["calls"].get(c, 0.0)
         print(f"{c:12} {r['us'][c]:9.0f} {n:12.1f} {r['us'][c] / n if n else float('nan'):8.1f}")
+    if r.get("host") is not None:
+        n = r["host_steps"]
+        print(f"host threads under the profiler, {n} steps: self time by event, top 30")
+        print(f"  {'thread':24} {'event':56} {'per step':>8} {'us/step':>8}")
+        for (th, name), (cnt, us) in sorted(r["host"].items(), key=lambda kv: -kv[1][1])[:30]:
+            print(f"  {th[:24]:24} {name[:56]:56} {cnt / n:8.1f} {us / n:8.1f}")
 
 
 if __name__ == "__main__":

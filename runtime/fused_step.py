@@ -49,6 +49,19 @@ import numpy as np
 from strata_compiler.ir import Op
 
 
+def wake_wanted() -> bool:
+    """STRATA_HOST_CALL_WAKE (default 1): a host call's handler wakes the CPU thread pool on entry,
+    before it waits for the GPU to finish its operands, so the workers are spinning when the CPU
+    partition's first kernel starts instead of being woken from their futex then (they sleep after
+    30 us idle in a mixed plan, and the GPU's share of a layer takes longer than that)."""
+    raw = os.environ.get("STRATA_HOST_CALL_WAKE", "1")
+    if raw not in ("0", "1"):
+        from strata_compiler.errors import UsageError
+
+        raise UsageError(f"STRATA_HOST_CALL_WAKE={raw!r}: expected 0 or 1")
+    return raw == "1"
+
+
 class FusedStep:
     def __init__(self, mixed) -> None:
         self.m = mixed
@@ -280,7 +293,8 @@ class FusedStep:
             platform = "cpu" if self.device.platform == "cpu" else "gpu"
             # STRATA_HOST_CALL_STAGING=1: copies through page-locked staging (off until measured)
             staging = os.environ.get("STRATA_HOST_CALL_STAGING", "0") == "1"
-            hc = self._calls[key] = HostCall(ins, outs, addr, platform=platform, after=after, staging=staging)
+            hc = self._calls[key] = HostCall(ins, outs, addr, platform=platform, after=after, staging=staging,
+                                             wake=exe.pool.wake_address if wake_wanted() else 0)
             hc.dev_in = dev_in
         return hc
 

@@ -72,8 +72,13 @@ def test_the_cuda_handler_ir_verifies(staging):
     from strata_compiler.backends.xla.host_call import _handler_ir
 
     ir = _handler_ir("h", [(0x1000, 64, 0x9000 if staging else 0), (0x2000, 8, 0xa000 if staging else 0)],
-                     [(0x3000, 64, 0xb000 if staging else 0)], 0x4000, 7, memcpy=0x5000, sync=0x6000, skip_in=1)
+                     [(0x3000, 64, 0xb000 if staging else 0)], 0x4000, 7, memcpy=0x5000, sync=0x6000, skip_in=1,
+                     wake=0x7000 if staging else 0)
     assert ("call void @llvm.memcpy" in ir) == staging        # the host side of the staging
+    # the pool's wake comes first in the execute stage, before the copies and the sync
+    assert (f"call void inttoptr (i64 {0x7000} to ptr)()" in ir) == staging
+    if staging:
+        assert ir.index(f"i64 {0x7000}") < ir.index(f"i64 {0x5000}")
     mod, tm = optimize(ir, Target.host())       # parses and verifies, else BackendError
     assert tm.emit_object(mod)
     llvm.parse_assembly(ir).verify()
@@ -256,3 +261,33 @@ def test_overlap_on_a_static_hot_split(model, tmp_path, monkeypatch):
             f = s.executor.fused
             assert f.steps == 4 and f._splits and not any(n.attr("cache", "") for n, *_ in f._splits.values())
     assert np.abs(out["1"] - out["0"]).max() / out["0"].std() <= 1e-6
+
+
+def test_cpu_partitions_run_as_native_programs_with_the_same_logits(model, tmp_path, monkeypatch):
+    """A static split (no cache): with STRATA_NATIVE_SEGMENTS=1 (the default) each fused step's host
+    calls run their partition as one native program (pool.py strata_run_program), giving exactly
+    the logits of the op-by-op Python path; the all-CPU plan's steps (attention included) too."""
+    from strata_compiler.backends.llvm_cpu import pool as poolmod
+    from strata_compiler.runtime.session import Session
+    from test_place import _compile, budget_decides, fake_profile, gpu_mem_for, probe_placement
+
+    d, m, ids = model
+    budget_decides(monkeypatch)
+    hw = fake_profile(tmp_path / "hw.json")
+    probe = probe_placement(d, tmp_path, hw)
+    _compile(d, tmp_path / "half", hw, gpu_mem_for(probe, probe["gpu_bytes"] * 0.5))
+    calls = []
+    real = poolmod.ThreadPool.run_program
+    monkeypatch.setattr(poolmod.ThreadPool, "run_program", lambda self, a, n: (calls.append(n), real(self, a, n)))
+    for plan_dir, backend in ((tmp_path / "half", "auto"), (tmp_path / "half", "llvm")):
+        plan = load_plan(plan_dir)
+        out, ran = {}, {}
+        for native in ("0", "1"):
+            monkeypatch.setenv("STRATA_NATIVE_SEGMENTS", native)
+            calls.clear()
+            s = Session(plan, backend, device="cpu")
+            s.reset(1, 64)
+            out[native] = np.concatenate([s.step(ids)[:, -1]] + [s.step(ids[:, i:i + 1])[:, -1] for i in range(5)])
+            ran[native] = len(calls)
+        assert ran["0"] == 0 and ran["1"] > 0, (plan_dir, ran)
+        np.testing.assert_array_equal(out["1"], out["0"])

@@ -25,6 +25,7 @@ from strata_compiler.ir import Graph, Node, Op
 from strata_compiler.rope import rope_inv_freq
 from strata_compiler.backends.xla import cuda_rt
 from strata_compiler.runtime import trace
+from strata_compiler.runtime import disk_tier
 from strata_compiler.runtime.kv_cache import KVCache
 
 from .codegen import attention as attn_gen
@@ -61,6 +62,33 @@ def _record_phases(t: list[int], active: np.ndarray, gate_up: tuple, down: tuple
                                                     for e in active)))
 
 
+# Segment programs (pool.py `strata_run_program`): a CPU partition's ops as one native call. Each
+# op's step function may carry `native(step) -> [instruction]` (built once per step shape) and
+# `pre(step)` (Python run before the program every step: per-step argument values); run_segment
+# runs the program where every op of the range has one. Instructions are 10 int64s.
+_PAR, _ONE, _SET, _COPY, _GATHER = range(5)
+
+
+def _ins(kind: int, fn: int = 0, args: int = 0, f3: int = 0, src: int = 0, f5: int = 0, f6: int = 0,
+         dst: int = 0, f8: int = 0, f9: int = 0) -> tuple:
+    return (kind, fn, args, f3, src, f5, f6, dst, f8, f9)
+
+
+def _op(run: Callable, native: Callable | None, pre: Callable | None = None) -> Callable:
+    """Step function `run`, marked with its native form (see above)."""
+    run.native, run.pre = native, pre
+    return run
+
+
+def native_wanted() -> bool:
+    """STRATA_NATIVE_SEGMENTS (default 1): run a CPU partition's ops as one native program where
+    they allow it, instead of a Python call per op (tracing and the MoE phase timer keep the latter)."""
+    raw = os.environ.get("STRATA_NATIVE_SEGMENTS", "1")
+    if raw not in ("0", "1"):
+        raise UsageError(f"STRATA_NATIVE_SEGMENTS={raw!r}: expected 0 or 1")
+    return raw == "1"
+
+
 class Kernel:
     """A compiled kernel and the positions of its argument slots."""
 
@@ -88,6 +116,18 @@ class Args:
 
     def go(self, pool, total: int, min_chunk: int = 1) -> None:
         pool.parallel_for(self.kernel.addr, self.addr, total, min_chunk=min_chunk)
+
+    def par(self, total: int, min_chunk: int = 1, src: int = 0, mult: int = 0) -> tuple:
+        """The program instruction of go(): over total (+ *src * mult, a count a kernel wrote) items."""
+        return _ins(_PAR, self.kernel.addr, self.addr, total, src, mult, min_chunk)
+
+    def slot(self, name: str) -> int:
+        """Address of argument slot `name` (a program's SET writes there)."""
+        return self.addr + 8 * self.kernel.index[name]
+
+    def go_op(self, pool, total: int, min_chunk: int = 1) -> Callable:
+        """A step function that runs go(total), with its native form."""
+        return _op(lambda step: self.go(pool, total, min_chunk=min_chunk), lambda step: [self.par(total, min_chunk)])
 
 
 def _ld(a: np.ndarray) -> int:
@@ -170,6 +210,7 @@ class Q8:
 
         def run(rows: int = M) -> None:
             a.go(pool, rows, min_chunk=4)
+        run.args = a            # for programs: a.par(rows, 4)
         return (xq, xd, xs), run
 
 
@@ -219,6 +260,11 @@ class LLVMExecutor:
         self.hugepages = hugepages_wanted() and hasattr(weights, "resident_arrays")
         self.binders = [self._bind(n) for n in self.nodes]   # every kernel compiled here, not per step
         self.frames: dict[int, tuple[Frame, list[Op_]]] = {}
+        self.native = native_wanted()   # segment programs (STRATA_NATIVE_SEGMENTS)
+        # per op, the inputs fetched before it that are values (not the token ids): a program runs
+        # only where all of them are already in the frame (a fused step's host call put them there)
+        self._fetch_vals = [[i for i in f if graph.node(i).op is not Op.INPUT_IDS] for f in self.fetch_at]
+        self._programs: dict[tuple, tuple | None] = {}
 
     def q8(self, K: int, fmt: str = "", group_size: int = 0) -> Q8:
         """The q8 quantizer of width K in the layout the kernels of weight format `fmt` read."""
@@ -254,6 +300,18 @@ class LLVMExecutor:
         if lo == 0:
             frame.ids[:] = input_ids.reshape(-1)
         step = Step(B, T, cache)
+        if trace.ACTIVE is None and self.native and PHASE_NS is None and not disk_tier.TIERS \
+                and all(env.get(i) is IN_FRAME for f in self._fetch_vals[lo:hi] for i in f):
+            prog = self._program(frame, ops, step, lo, hi)
+            if prog is not None:         # the whole range as one native call
+                for f in prog[1]:
+                    f(step)
+                if len(prog[0]):
+                    self.pool.run_program(prog[0].ctypes.data, len(prog[0]))
+                if hi == len(ops):
+                    for o in self.outputs:
+                        env[o] = frame.out(self.g.node(o)).copy()
+                return
         if trace.ACTIVE is None:
             for op, fetch in zip(ops[lo:hi], self.fetch_at[lo:hi]):
                 if fetch:
@@ -268,6 +326,24 @@ class LLVMExecutor:
         if hi == len(ops):
             for o in self.outputs:
                 env[o] = frame.out(self.g.node(o)).copy()
+
+    def _program(self, frame: Frame, ops: list, step: Step, lo: int, hi: int):
+        """(instructions int64[n, 10], pre-step functions) of ops [lo, hi) for this step shape, or
+        None where an op has no native form (made once per shape and range)."""
+        key = (frame.M, step.B, step.T, lo, hi)
+        if key not in self._programs:
+            prog, pres = [], []
+            for op in ops[lo:hi]:
+                make = getattr(op, "native", None)
+                if make is None:
+                    prog = None
+                    break
+                prog += make(step)
+                if op.pre is not None:
+                    pres.append(op.pre)
+            self._programs[key] = None if prog is None else \
+                (np.ascontiguousarray(np.array(prog, np.int64).reshape(-1, 10)), pres)
+        return self._programs[key]
 
     def _fetch(self, env: dict, frame, inputs: list[int], M: int) -> None:
         """Segment inputs into their frame buffers; a GPU result is waited for and copied (straight
@@ -341,7 +417,7 @@ def _src(frame: Frame, n: Node, i: int = 0) -> np.ndarray:
 
 
 def _bind_input(exe: LLVMExecutor, n: Node):
-    return lambda frame: (lambda step: None)
+    return lambda frame: _op(lambda step: None, lambda step: [])
 
 
 def _bind_embed(exe: LLVMExecutor, n: Node):
@@ -361,7 +437,7 @@ def _bind_embed(exe: LLVMExecutor, n: Node):
 
     def prepare(frame: Frame):
         a = k.args(ids=frame.ids, table=table, y=frame.out(n), ldy=D)
-        return lambda step: a.go(exe.pool, frame.M, min_chunk=16)
+        return a.go_op(exe.pool, frame.M, 16)
     return prepare
 
 
@@ -377,7 +453,7 @@ def _bind_rms_norm(exe: LLVMExecutor, n: Node):
 
     def prepare(frame: Frame):
         a = mk(_src(frame, n), frame.out(n))
-        return lambda step: a.go(exe.pool, frame.M, min_chunk=4)
+        return a.go_op(exe.pool, frame.M, 4)
     return prepare
 
 
@@ -402,19 +478,24 @@ def _bind_linear(exe: LLVMExecutor, n: Node):
         pool = exe.pool
         x = _src(frame, n)
         before: list[Callable[[], None]] = []    # what must run ahead of the matrix kernel
+        prog: list | None = []                   # ... as program instructions (None: not expressible)
         if norm is not None:
             xn = frame.temp("norm", (M, kp))    # columns past K stay zero (whole groups)
             na = norm(x, xn[:, :K] if kp != K else xn)
             before.append(lambda: na.go(pool, M, min_chunk=4))
+            prog.append(na.par(M, 4))
             x = xn
         elif kp != K and not q8:
             xp, src = frame.temp("pad", (M, kp)), x
             before.append(lambda: np.copyto(xp[:, :K], src))
+            prog = None
             x = xp
         xd = xs = None
         if quant is not None:
             (x, xd, xs), qrun = quant.prepare(frame, x[:, :K] if x.shape[1] != K else x, "x")
             before.append(qrun)
+            if prog is not None:
+                prog.append(qrun.args.par(M, 4))
         r = _src(frame, n, 1) if len(n.args) == 2 else None
         a = k.args(y=frame.out(n), x=x, xd=xd, xs=xs, w=w, s=s, b=b, r=r, xidx=None, M=M,
                    ldx=_ld(x), ldy=N, ldr=N)
@@ -423,7 +504,7 @@ def _bind_linear(exe: LLVMExecutor, n: Node):
             for f in before:
                 f()
             a.go(pool, N, min_chunk=16)
-        return run
+        return _op(run, None if prog is None else lambda step: prog + [a.par(N, 16)])
     return prepare
 
 
@@ -445,14 +526,19 @@ def _bind_attention(exe: LLVMExecutor, n: Node):
         ac = core.args(qout=q, o=o, ldo=H * hd)
         pool = exe.pool
 
-        def run(step: Step) -> None:
+        def pre(step: Step) -> None:
             c = step.cache
             if c.length + step.T > c.capacity:
                 raise UsageError(f"sequence of {c.length + step.T} tokens exceeds the KV cache capacity {c.capacity}")
             kc, vc = c.k[layer], c.v[layer]
-            ap.set(kc=kc, vc=vc, T=step.T, past=c.length, cap=c.capacity).go(pool, frame.M, min_chunk=2)
-            ac.set(kc=kc, vc=vc, T=step.T, past=c.length, cap=c.capacity).go(pool, step.B * H)
-        return run
+            ap.set(kc=kc, vc=vc, T=step.T, past=c.length, cap=c.capacity)
+            ac.set(kc=kc, vc=vc, T=step.T, past=c.length, cap=c.capacity)
+
+        def run(step: Step) -> None:
+            pre(step)
+            ap.go(pool, frame.M, min_chunk=2)
+            ac.go(pool, step.B * H)
+        return _op(run, lambda step: [ap.par(frame.M, 2), ac.par(step.B * H)], pre)
     return prepare
 
 
@@ -531,6 +617,21 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
                      M=M, ldy=D, ldr=D)
         ap = kp.args(comb=comb, ldc=_ld(comb), M=M, tok=tok, exp=exp, pw=pw, first=first, active=active, count=count)
         pool = exe.pool
+        # the program: count = [P pairs, nA active experts] written by the pairs kernel sizes the rest
+        prog: list | None = None
+        if not cache_key and not (xin is not x and qxrun is None):
+            prog = []
+            if gather is not None:      # the share's routing columns (32-bit values)
+                prog.append(_ins(_GATHER, f3=M, src=full.ctypes.data, f5=_ld(full), f6=_ld(comb),
+                                 dst=comb.ctypes.data, f8=idx.ctypes.data, f9=E))
+            prog.append(_ins(_ONE, kp.addr, ap.addr, 0, f8=1))
+            if qxrun is not None:
+                prog.append(qxrun.args.par(M, 4))
+            prog.append(au.par(0, 8, src=count.ctypes.data + 8, mult=I))
+            if qhrun is not None:
+                prog.append(qhrun.args.par(0, 4, src=count.ctypes.data, mult=1))
+            prog.append(_ins(_SET, src=count.ctypes.data, f5=1, dst=ad.slot("P")))
+            prog.append(ad.par(D, 16))
 
         def run(step: Step) -> None:
             clock = _no_clock if PHASE_NS is None else time.perf_counter_ns
@@ -557,7 +658,7 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
                 disk_tier.after(exe.g, weight_names)
             if PHASE_NS is not None:
                 _record_phases(t, active[:nA], (wu, su), (wd, sd))
-        return run
+        return _op(run, None if prog is None else lambda step: prog)
     return prepare
 
 
@@ -568,7 +669,7 @@ def _bind_route(exe: LLVMExecutor, n: Node):
     def prepare(frame: Frame):
         x = _src(frame, n)
         a = k.args(x=x, y=frame.out(n), ldx=_ld(x), ldy=E)
-        return lambda step: a.go(exe.pool, frame.M, min_chunk=16)
+        return a.go_op(exe.pool, frame.M, 16)
     return prepare
 
 
@@ -584,7 +685,7 @@ def _bind_binary(op: str):
             if swap:
                 a, b = b, a
             args = k.args(a=a, b=b, y=frame.out(n), lda=_ld(a), ldb=_ld(b), ldy=C)
-            return lambda step: args.go(exe.pool, frame.M, min_chunk=16)
+            return args.go_op(exe.pool, frame.M, 16)
         return prepare
     return bind
 
@@ -597,7 +698,7 @@ def _bind_unary(op: str):
         def prepare(frame: Frame):
             x = _src(frame, n)
             a = k.args(x=x, y=frame.out(n), ldx=_ld(x), ldy=C, limit=float_slot(n.attr("limit", 0.0)))
-            return lambda step: a.go(exe.pool, frame.M, min_chunk=16)
+            return a.go_op(exe.pool, frame.M, 16)
         return prepare
     return bind
 
@@ -606,7 +707,9 @@ def _bind_transfer(exe: LLVMExecutor, n: Node):
     """An activation arriving from another device: its operand was copied into place already."""
     def prepare(frame: Frame):
         dst, src = frame.out(n), _src(frame, n)
-        return lambda step: np.copyto(dst, src)
+        same = dst.flags.c_contiguous and src.flags.c_contiguous and dst.dtype == src.dtype and dst.shape == src.shape
+        return _op(lambda step: np.copyto(dst, src),
+                   (lambda step: [_ins(_COPY, f3=dst.nbytes, src=src.ctypes.data, dst=dst.ctypes.data)]) if same else None)
     return prepare
 
 
@@ -617,7 +720,7 @@ def _bind_slice(exe: LLVMExecutor, n: Node):
     def prepare(frame: Frame):
         x = _src(frame, n)
         a = k.args(x=x, y=frame.out(n), ldx=_ld(x), ldy=stop - start)
-        return lambda step: a.go(exe.pool, frame.M, min_chunk=16)
+        return a.go_op(exe.pool, frame.M, 16)
     return prepare
 
 

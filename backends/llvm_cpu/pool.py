@@ -282,6 +282,24 @@ done:
   ret i32 %cnt
 }
 
+; Wake the workers without a job: they claim nothing (the last job's chunks are all taken) and
+; start a fresh spin, so that a job published soon after finds them awake. For a caller that
+; knows work is coming (a host call in a GPU program, waiting for its operands) and must not pay
+; the futex wake-ups on the critical path. It writes no job state, so any thread may call it at any
+; time: during a job it only brings the workers to that job's chunks sooner.
+define void @strata_pool_wake() {
+entry:
+  %oldgen = atomicrmw add ptr @g_gen, i32 1 seq_cst, align 4
+  %sl = load atomic i32, ptr @g_sleepers seq_cst, align 4
+  %anysl = icmp ne i32 %sl, 0
+  br i1 %anysl, label %wake, label %ret
+wake:
+  call void @futex_wake(ptr @g_gen, i32 2147483647)
+  br label %ret
+ret:
+  ret void
+}
+
 define void @strata_pool_set_spin(i64 %spin, i64 %yield, i64 %caller_spin) {
   store atomic i64 %spin, ptr @g_spin monotonic, align 8
   store atomic i64 %yield, ptr @g_yield monotonic, align 8
@@ -311,6 +329,130 @@ define i64 @strata_rdtsc() {
   %t = call i64 @llvm.readcyclecounter()
   ret i64 %t
 }
+
+; A segment program: n instructions of 10 i64 each, run in order on the calling thread, whose
+; kernels go over the pool like parallel_for. It replaces the Python glue between a CPU
+; partition's kernels (backends/llvm_cpu/executor.py `native`). Fields (i64 index):
+;   0 kind  1 fn  2 args  3 total/begin/add/nbytes/rows  4 src  5 mult/lds  6 min_chunk/ldd
+;   7 dst  8 end/idx  9 ncols
+; kind 0 PAR:    total = field3 + (src ? *src * mult : 0); chunks = min(maxc, total,
+;                ceil(total / min_chunk)); one chunk runs on this thread, more over the pool
+; kind 1 ONE:    fn(args, field3, field8) on this thread
+; kind 2 SET:    *dst = *src * mult + field3
+; kind 3 COPY:   memcpy(dst, src, field3)
+; kind 4 GATHER: for r < field3, j < ncols: dst[r*ldd + j] = src[r*lds + idx[j]] (32-bit values)
+define void @strata_run_program(ptr %prog, i64 %n, i64 %maxc) {
+entry:
+  br label %loop
+loop:
+  %i = phi i64 [ 0, %entry ], [ %i1, %next ]
+  %more = icmp slt i64 %i, %n
+  br i1 %more, label %body, label %ret
+body:
+  %off = mul i64 %i, 10
+  %ip = getelementptr i64, ptr %prog, i64 %off
+  %kind = load i64, ptr %ip, align 8
+  %p1 = getelementptr i64, ptr %ip, i64 1
+  %p2 = getelementptr i64, ptr %ip, i64 2
+  %p3 = getelementptr i64, ptr %ip, i64 3
+  %p4 = getelementptr i64, ptr %ip, i64 4
+  %p5 = getelementptr i64, ptr %ip, i64 5
+  %p6 = getelementptr i64, ptr %ip, i64 6
+  %p7 = getelementptr i64, ptr %ip, i64 7
+  %p8 = getelementptr i64, ptr %ip, i64 8
+  %p9 = getelementptr i64, ptr %ip, i64 9
+  %fn = load ptr, ptr %p1, align 8
+  %args = load ptr, ptr %p2, align 8
+  %f3 = load i64, ptr %p3, align 8
+  %src = load ptr, ptr %p4, align 8
+  %f5 = load i64, ptr %p5, align 8
+  %f6 = load i64, ptr %p6, align 8
+  %dst = load ptr, ptr %p7, align 8
+  %f8 = load i64, ptr %p8, align 8
+  %f9 = load i64, ptr %p9, align 8
+  switch i64 %kind, label %next [ i64 0, label %par
+                                  i64 1, label %one
+                                  i64 2, label %set
+                                  i64 3, label %copy
+                                  i64 4, label %gather ]
+par:
+  %hassrc = icmp ne ptr %src, null
+  br i1 %hassrc, label %pardyn, label %pargo
+pardyn:
+  %sv = load i64, ptr %src, align 8
+  %sm = mul i64 %sv, %f5
+  br label %pargo
+pargo:
+  %dyn = phi i64 [ 0, %par ], [ %sm, %pardyn ]
+  %total = add i64 %dyn, %f3
+  %pos = icmp sgt i64 %total, 0
+  br i1 %pos, label %parc, label %next
+parc:
+  %minc = call i64 @llvm.smax.i64(i64 %f6, i64 1)
+  %mc1 = sub i64 %minc, 1
+  %tr = add i64 %total, %mc1
+  %cdiv = sdiv i64 %tr, %minc
+  %c1 = call i64 @llvm.smin.i64(i64 %maxc, i64 %total)
+  %c2 = call i64 @llvm.smin.i64(i64 %c1, i64 %cdiv)
+  %single = icmp sle i64 %c2, 1
+  br i1 %single, label %parone, label %parmulti
+parone:
+  call void %fn(ptr %args, i64 0, i64 %total)
+  br label %next
+parmulti:
+  call void @strata_parallel_for(ptr %fn, ptr %args, i64 %total, i64 %c2)
+  br label %next
+one:
+  call void %fn(ptr %args, i64 %f3, i64 %f8)
+  br label %next
+set:
+  %v = load i64, ptr %src, align 8
+  %vm = mul i64 %v, %f5
+  %va = add i64 %vm, %f3
+  store i64 %va, ptr %dst, align 8
+  br label %next
+copy:
+  call void @llvm.memcpy.p0.p0.i64(ptr %dst, ptr %src, i64 %f3, i1 false)
+  br label %next
+gather:
+  %idx = inttoptr i64 %f8 to ptr
+  br label %grow
+grow:
+  %r = phi i64 [ 0, %gather ], [ %r1, %growend ]
+  %rmore = icmp slt i64 %r, %f3
+  br i1 %rmore, label %gcols, label %next
+gcols:
+  %sbase = mul i64 %r, %f5
+  %dbase = mul i64 %r, %f6
+  br label %gcol
+gcol:
+  %j = phi i64 [ 0, %gcols ], [ %j1, %gcolbody ]
+  %jmore = icmp slt i64 %j, %f9
+  br i1 %jmore, label %gcolbody, label %growend
+gcolbody:
+  %ixp = getelementptr i64, ptr %idx, i64 %j
+  %ix = load i64, ptr %ixp, align 8
+  %so = add i64 %sbase, %ix
+  %sp = getelementptr i32, ptr %src, i64 %so
+  %val = load i32, ptr %sp, align 4
+  %do = add i64 %dbase, %j
+  %dp = getelementptr i32, ptr %dst, i64 %do
+  store i32 %val, ptr %dp, align 4
+  %j1 = add i64 %j, 1
+  br label %gcol
+growend:
+  %r1 = add i64 %r, 1
+  br label %grow
+next:
+  %i1 = add i64 %i, 1
+  br label %loop
+ret:
+  ret void
+}
+
+declare i64 @llvm.smax.i64(i64, i64)
+declare i64 @llvm.smin.i64(i64, i64)
+declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
 
 ; Direct single-threaded call of a kernel (so Python needs one ctypes object, not one per kernel).
 define void @strata_call(ptr %fn, ptr %args, i64 %begin, i64 %end) {
@@ -376,11 +518,14 @@ class _Native:
         self.parallel_for = fn("strata_parallel_for", None, vp, vp, i64, i64)
         self.start = fn("strata_pool_start", i32, i32)
         self.set_spin_ticks = fn("strata_pool_set_spin", None, i64, i64, i64)
+        self.wake = fn("strata_pool_wake", None)
+        self.wake_address = ee.get_function_address("strata_pool_wake")
         self.after_fork = fn("strata_pool_after_fork", None)
         self.sleepers = fn("strata_pool_sleepers", i32)
         self.started = fn("strata_pool_started", i32)
         self.rdtsc = fn("strata_rdtsc", ctypes.c_uint64)
         self.call = fn("strata_call", None, vp, vp, i64, i64)
+        self.run_program = fn("strata_run_program", None, vp, i64, i64)
         self.ticks_per_us = self._calibrate()
         tk = self.ticks_per_us
         self.set_spin_ticks(int(_DEFAULT_SPIN_US * tk), int(_DEFAULT_YIELD_US * tk), int(_DEFAULT_CALLER_SPIN_US * tk))
@@ -459,6 +604,17 @@ class ThreadPool:
             self._nat.ensure_workers(n - 1)
 
     @property
+    def wake_address(self) -> int:
+        """Address of the native ``void strata_pool_wake(void)``: wakes the workers without a job, so
+        that the next parallel_for finds them spinning (a host call's handler calls it before it waits
+        for its operands). It writes no job state: safe from any thread at any time."""
+        return int(self._nat.wake_address)
+
+    def wake(self) -> None:
+        """strata_pool_wake() from Python."""
+        self._nat.wake()
+
+    @property
     def workers_sleeping(self) -> int:
         """Workers (process-wide) now asleep on the futex."""
         return int(self._nat.sleepers())
@@ -495,6 +651,18 @@ class ThreadPool:
                 nat.ensure_workers(self._want_workers)
         with nat.lock:
             nat.parallel_for(kernel_addr, args_addr, total, chunks)
+
+
+    def run_program(self, prog_addr: int, n: int) -> None:
+        """Run a segment program of n instructions at prog_addr (``strata_run_program`` in the pool's
+        IR: kernels over the pool, argument slots set from values the kernels wrote, copies,
+        column gathers), as one native call; its parallel kernels split like parallel_for's."""
+        nat = self._nat
+        if nat.workers < self._want_workers:      # after fork(), in the child
+            with nat.lock:
+                nat.ensure_workers(self._want_workers)
+        with nat.lock:
+            nat.run_program(prog_addr, n, self.n_threads * self.split)
 
 
 _pool: ThreadPool | None = None

@@ -72,14 +72,17 @@ declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
 
 
 def _handler_ir(name: str, ins: list[tuple], outs: list[tuple], work: int, arg: int,
-                memcpy: int | None, sync: int | None, skip_in: int = 0) -> str:
+                memcpy: int | None, sync: int | None, skip_in: int = 0, wake: int = 0) -> str:
     """IR of handler `name`: operand skip_in + i into host buffer ins[i] = (address, bytes,
     staging address or 0), work(arg, stream), host buffer outs[j] (same form) into result j
     (operands before skip_in and results after the last of outs are ordering tokens: never
     copied). With a staging address the device copy goes through that (page-locked) buffer and a
     host memcpy: DMA straight from and to it, where pageable memory costs the driver a bounce
     copy. memcpy/sync: addresses of cudaMemcpyAsync / cudaStreamSynchronize, or None for the host
-    stand-ins (JAX's CPU platform)."""
+    stand-ins (JAX's CPU platform). wake: address of a `void wake(void)` called first, before the
+    copies and the wait for the stream (the CPU thread pool's: its workers wake while the GPU
+    finishes the call's operands), or 0."""
+    wake_call = f"\n  call void inttoptr (i64 {wake} to ptr)()" if wake else ""
     L = []
     if memcpy is None:
         L.append(_HOST_HELPERS)
@@ -122,7 +125,7 @@ stagechk:
   %exec = icmp eq i32 %st, {_STAGE_EXECUTE}
   br i1 %exec, label %run, label %done
 run:
-  %sargs = alloca [4 x i64], align 8
+  %sargs = alloca [4 x i64], align 8{wake_call}
   %apiP = getelementptr i8, ptr %frame, i64 {_FRAME_API}
   %api = load ptr, ptr %apiP
   %ctxP = getelementptr i8, ptr %frame, i64 {_FRAME_CTX}
@@ -194,10 +197,11 @@ class HostCall:
     makes the program return the last token."""
 
     def __init__(self, ins: list[np.ndarray], outs: list[np.ndarray], work_addr: int, arg: int = 0,
-                 platform: str = "gpu", after: bool = False, staging: bool = False) -> None:
+                 platform: str = "gpu", after: bool = False, staging: bool = False, wake: int = 0) -> None:
         """after: the call takes an ordering token (another call's) before its operands;
         staging: copies go through staging buffers of their own (on a GPU page-locked; on the CPU
-        platform, for tests of that path, plain memory)."""
+        platform, for tests of that path, plain memory); wake: address of a `void wake(void)` the
+        handler calls on entry (ThreadPool.wake_address), or 0."""
         import jax
         import llvmlite.binding as llvm
 
@@ -241,7 +245,7 @@ class HostCall:
                 stage = [base + off for off in np.cumsum([0] + sizes[:-1]).tolist()] if sizes else []
         ir = _handler_ir(self.name, [(a.ctypes.data, a.nbytes, st) for a, st in zip(ins, stage)],
                          [(a.ctypes.data, a.nbytes, st) for a, st in zip(outs, stage[len(ins):])],
-                         int(work_addr), int(arg), memcpy, sync, skip_in=int(after))
+                         int(work_addr), int(arg), memcpy, sync, skip_in=int(after), wake=int(wake))
         mod, tm = optimize(ir, Target.host())
         ee = llvm.create_mcjit_compiler(mod, tm)
         ee.finalize_object()
