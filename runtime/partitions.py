@@ -28,6 +28,10 @@ HAND_OFF_SPIN_US = 30.0     # idle CPU workers' spin in plans that hand off to t
 # split by more than that. (Measured on an H200 without the cap: 16 layers, one swap and one
 # prefetch per layer per step copied ~100 MB per token and decode fell from 45.6 to 12.1 tok/s.)
 COPY_SHARE = 0.10
+# Chunks per thread of the CPU kernels in plans with GPU partitions (STRATA_POOL_SPLIT overrides).
+# H200 host, 16-layer benchmark model at 25 %, one run (2026-11-30 14:04): the split plan 169.4 ->
+# 183.2 tok/s, -ngl's layout 142.2 -> 149.3 with 4 instead of 1; all-CPU plans keep 1.
+MIXED_POOL_SPLIT = 4
 
 
 def _spin_us() -> tuple[float, float]:
@@ -121,6 +125,13 @@ class MixedExecutor:
                 from strata_compiler.backends.reference.executor import ReferenceExecutor
 
                 self.parts.append(("reference", ReferenceExecutor(graph, weights), ids))
+        kinds = {k for k, _, _ in self.parts}
+        if "llvm" in kinds and "xla" in kinds:
+            # CPU kernels beside the GPU runtime's threads: more chunks than threads, so that the
+            # others take over the chunks of a worker the OS has descheduled (STRATA_POOL_SPLIT)
+            from strata_compiler.backends.llvm_cpu.pool import get_pool, split_from_env
+
+            get_pool().split = split_from_env(MIXED_POOL_SPLIT)
         # the GPU results each partition hands to a later CPU partition: their device->host copies
         # start as soon as the partition is dispatched, all at once, instead of one by one when
         # the CPU reads them (each a wait of its own)

@@ -266,7 +266,8 @@ def test_overlap_on_a_static_hot_split(model, tmp_path, monkeypatch):
 def test_cpu_partitions_run_as_native_programs_with_the_same_logits(model, tmp_path, monkeypatch):
     """A static split (no cache): with STRATA_NATIVE_SEGMENTS=1 (the default) each fused step's host
     calls run their partition as one native program (pool.py strata_run_program), giving exactly
-    the logits of the op-by-op Python path; the all-CPU plan's steps (attention included) too."""
+    the logits of the op-by-op Python path; the all-CPU plan's steps (attention included) too.
+    The mixed plan's kernels split 4 chunks per thread, the all-CPU plan's 1."""
     from strata_compiler.backends.llvm_cpu import pool as poolmod
     from strata_compiler.runtime.session import Session
     from test_place import _compile, budget_decides, fake_profile, gpu_mem_for, probe_placement
@@ -289,5 +290,7 @@ def test_cpu_partitions_run_as_native_programs_with_the_same_logits(model, tmp_p
             s.reset(1, 64)
             out[native] = np.concatenate([s.step(ids)[:, -1]] + [s.step(ids[:, i:i + 1])[:, -1] for i in range(5)])
             ran[native] = len(calls)
+            # CPU kernels beside the GPU runtime cut 4 chunks per thread (partitions.MIXED_POOL_SPLIT)
+            assert poolmod.get_pool().split == (4 if backend == "auto" else 1)
         assert ran["0"] == 0 and ran["1"] > 0, (plan_dir, ran)
         np.testing.assert_array_equal(out["1"], out["0"])

@@ -462,11 +462,12 @@ define void @strata_call(ptr %fn, ptr %args, i64 %begin, i64 %end) {
 """
 
 
-def split_from_env() -> int:
-    """STRATA_POOL_SPLIT: chunks per thread of a parallel_for (default 1). More chunks than threads
-    let the others take over the chunks of a thread the OS has descheduled (GPU runtime threads share
-    the cores in a mixed run); each parallel_for then pays more claims."""
-    raw = os.environ.get("STRATA_POOL_SPLIT", "1")
+def split_from_env(default: int = 1) -> int:
+    """STRATA_POOL_SPLIT: chunks per thread of a parallel_for (else `default`: 1, and 4 in plans with
+    GPU partitions, runtime/partitions.py). More chunks than threads let the others take over the
+    chunks of a thread the OS has descheduled (GPU runtime threads share the cores in a mixed run);
+    each parallel_for then pays more claims."""
+    raw = os.environ.get("STRATA_POOL_SPLIT", str(default))
     if not raw.isdigit() or int(raw) < 1:
         from strata_compiler.errors import UsageError
 
