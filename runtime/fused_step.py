@@ -35,6 +35,13 @@ the GPU (a CUDA event). Otherwise copies are queued on the program's stream. Wit
 STRATA_FUSED_OVERLAP=1 (off until measured on a GPU) every layer whose GPU expert share ends a
 partition splits so, and the first call hands the CPU side to a worker thread: the CPU computes
 its experts while the GPU computes its own. STRATA_FUSED_STEP=0 turns fused steps off.
+
+A CPU partition that needs no per-step Python (a split layer's cold experts: no attention cache
+arguments, token ids, expert-cache masks or prefetch) runs its segment program (pool.py
+`strata_run_program`) straight from the handler, with no Python callback (`_native_work`,
+STRATA_NATIVE_HOST_CALLS=0 turns it off); under tracing and the MoE phase timer a per-step flag
+sends those calls to the Python work, so their ops are traced as before. The benchmarks'
+timeline (`timeline`) records only the host calls that run Python.
 """
 
 from __future__ import annotations
@@ -47,6 +54,17 @@ import time
 import numpy as np
 
 from strata_compiler.ir import Op
+
+
+def native_host_calls_wanted() -> bool:
+    """STRATA_NATIVE_HOST_CALLS (default 1): host calls of CPU partitions that need no per-step
+    Python run their segment program straight from the handler (FusedStep._native_work)."""
+    raw = os.environ.get("STRATA_NATIVE_HOST_CALLS", "1")
+    if raw not in ("0", "1"):
+        from strata_compiler.errors import UsageError
+
+        raise UsageError(f"STRATA_NATIVE_HOST_CALLS={raw!r}: expected 0 or 1")
+    return raw == "1"
 
 
 def wake_wanted() -> bool:
@@ -107,6 +125,9 @@ class FusedStep:
         self._maps_of: dict = {}    # CPU partition -> the expert caches whose slot maps its call returns
         self._maps_out: dict = {}   # ... and their host buffers
         self.steps = 0
+        # [flag: host calls take their Python work this step (tracing, ...), the pool's chunk count]
+        self._cells = np.zeros(2, np.int64)
+        self.native_calls: set[int] = set()     # CPU partitions whose host call runs natively
         self.ran_host_calls = False     # (a failure after that is not one of building the program)
         self.timeline: list | None = None   # benchmarks: (event, partition, perf_counter_ns) when a list
 
@@ -290,6 +311,8 @@ class FusedStep:
                 self._maps_out[i] = [np.zeros(self.n_slots[n.id], np.int32) for n in maps]
                 outs += self._maps_out[i]
             addr, _keep = python_work(self._work(i, part))
+            if part is None:
+                addr = self._native_work(i, B, frame, addr)
             platform = "cpu" if self.device.platform == "cpu" else "gpu"
             # STRATA_HOST_CALL_STAGING=1: copies through page-locked staging (off until measured)
             staging = os.environ.get("STRATA_HOST_CALL_STAGING", "0") == "1"
@@ -297,6 +320,36 @@ class FusedStep:
                                              wake=exe.pool.wake_address if wake_wanted() else 0)
             hc.dev_in = dev_in
         return hc
+
+    def _native_work(self, i: int, B: int, frame, fallback: int) -> int:
+        """CPU partition i's host call work without Python where it can be (STRATA_NATIVE_HOST_CALLS,
+        default 1): its segment program (backends/llvm_cpu/executor.py) called straight from the
+        handler, no callback, no GIL. Only for a partition whose inputs all come from the GPU (the
+        handler copies them into its frame), whose results only GPU partitions read, with no
+        per-step Python (attention's cache arguments, the token ids, an expert cache's masks or
+        prefetch) and no worker thread of its own (STRATA_FUSED_OVERLAP). While tracing, timing
+        the MoE phases or streaming disk-tier experts, the step's flag sends every call to the
+        Python work (`fallback`) instead. Returns the work function's address."""
+        from strata_compiler.backends.llvm_cpu.executor import Step
+
+        exe = self.m.parts[i][1]
+        users = self.g.users()
+        ins = [a for a in exe.inputs if self.g.node(a).op is not Op.INPUT_IDS]
+        if (not native_host_calls_wanted() or not exe.native or self.overlap or self._triggers(i)
+                or self._slot_maps(i) or set(ins) != set(self.dev_in[i])
+                or any(n.op in (Op.EMBED, Op.INPUT_IDS) for n in exe.nodes)
+                or any(u == -1 or u not in self.part_of or self.m.parts[self.part_of[u]][0] != "xla"
+                       for o in exe.outputs for u in users[o])):
+            return fallback
+        _, ops = exe.frames[B]
+        prog = exe._program(frame, ops, Step(B, 1, None), 0, len(ops))
+        if prog is None or prog[1] or not len(prog[0]):
+            return fallback
+        from strata_compiler.backends.xla.host_call import native_work
+
+        self.native_calls.add(i)
+        return native_work(exe.pool.run_program_address, prog[0].ctypes.data, len(prog[0]),
+                           self._cells.ctypes.data + 8, self._cells.ctypes.data, fallback)
 
     # -- the traced step -----------------------------------------------------------------------
 
@@ -423,6 +476,14 @@ class FusedStep:
 
         # GPU-made inputs arrive in the frame buffers themselves (the host calls copy them there)
         self._env = {a: IN_FRAME for ins in self.dev_in.values() for a in ins}
+        from strata_compiler.backends.llvm_cpu import executor as lx
+        from strata_compiler.backends.llvm_cpu.pool import get_pool
+
+        from . import disk_tier, trace
+
+        pool = get_pool()
+        self._cells[0] = int(trace.ACTIVE is not None or lx.PHASE_NS is not None or bool(disk_tier.TIERS))
+        self._cells[1] = pool.n_threads * pool.split
         self._cur = (input_ids, cache)
         self._error = None
         from . import trace

@@ -72,7 +72,7 @@ def stratac() -> None:
                    "e.g. 'experts=cpu,all=gpu'. gpu ops run on xla, cpu ops on the CPU backend.")
 @click.option("--target", default="", metavar="auto|HW.json",
               help="Place ops and experts on the GPU or the CPU with the cost model, for this machine (auto: "
-                   "measured quickly, cached) or the one a `stratac probe-hw` profile describes.")
+                   "measured once with the full probe and cached per host) or the one a `stratac probe-hw` profile describes.")
 @click.option("--gpu-mem", default="", metavar="SIZE", help="With --target: plan for this much GPU memory (e.g. 16GiB).")
 @click.option("--host-mem", default="", metavar="SIZE",
               help="With --target: plan for this much host RAM; experts beyond it go to the disk tier.")

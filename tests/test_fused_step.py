@@ -280,17 +280,37 @@ def test_cpu_partitions_run_as_native_programs_with_the_same_logits(model, tmp_p
     calls = []
     real = poolmod.ThreadPool.run_program
     monkeypatch.setattr(poolmod.ThreadPool, "run_program", lambda self, a, n: (calls.append(n), real(self, a, n)))
+    from strata_compiler.runtime import trace
+
     for plan_dir, backend in ((tmp_path / "half", "auto"), (tmp_path / "half", "llvm")):
         plan = load_plan(plan_dir)
-        out, ran = {}, {}
-        for native in ("0", "1"):
-            monkeypatch.setenv("STRATA_NATIVE_SEGMENTS", native)
+        out, ran, native_calls = {}, {}, {}
+        # op by op in Python; segment programs called from Python; programs called by the host calls
+        for name, seg, hc in (("python", "0", "0"), ("segments", "1", "0"), ("host calls", "1", "1"), ("traced", "1", "1")):
+            monkeypatch.setenv("STRATA_NATIVE_SEGMENTS", seg)
+            monkeypatch.setenv("STRATA_NATIVE_HOST_CALLS", hc)
             calls.clear()
             s = Session(plan, backend, device="cpu")
             s.reset(1, 64)
-            out[native] = np.concatenate([s.step(ids)[:, -1]] + [s.step(ids[:, i:i + 1])[:, -1] for i in range(5)])
-            ran[native] = len(calls)
+            tr = trace.Tracer() if name == "traced" else None
+            if tr is not None:
+                trace.ACTIVE = tr
+            try:
+                out[name] = np.concatenate([s.step(ids)[:, -1]] + [s.step(ids[:, i:i + 1])[:, -1] for i in range(5)])
+            finally:
+                trace.ACTIVE = None
+            ran[name] = len(calls)
+            fused = getattr(s.executor, "fused", None)
+            native_calls[name] = len(fused.native_calls) if fused is not None else 0
             # CPU kernels beside the GPU runtime cut 4 chunks per thread (partitions.MIXED_POOL_SPLIT)
             assert poolmod.get_pool().split == (4 if backend == "auto" else 1)
-        assert ran["0"] == 0 and ran["1"] > 0, (plan_dir, ran)
-        np.testing.assert_array_equal(out["1"], out["0"])
+        assert ran["python"] == 0 and ran["segments"] > 0, (plan_dir, ran)
+        if backend == "auto":
+            # every split layer's CPU partition runs from its host call: no Python call of a program
+            # in the fused steps (only in prefill and the first decode step, partition by partition)
+            assert native_calls["host calls"] > 0 and native_calls["segments"] == 0
+            assert ran["host calls"] < ran["segments"]
+            # while tracing, the same host calls take the Python work (its ops traced one by one)
+            assert ran["traced"] == 0 and any(e["name"] == "fused step: gpu segment 1" for e in tr.events), ran
+        for name in out:
+            np.testing.assert_array_equal(out[name], out["python"], err_msg=name)

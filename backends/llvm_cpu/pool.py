@@ -527,6 +527,7 @@ class _Native:
         self.rdtsc = fn("strata_rdtsc", ctypes.c_uint64)
         self.call = fn("strata_call", None, vp, vp, i64, i64)
         self.run_program = fn("strata_run_program", None, vp, i64, i64)
+        self.run_program_address = ee.get_function_address("strata_run_program")
         self.ticks_per_us = self._calibrate()
         tk = self.ticks_per_us
         self.set_spin_ticks(int(_DEFAULT_SPIN_US * tk), int(_DEFAULT_YIELD_US * tk), int(_DEFAULT_CALLER_SPIN_US * tk))
@@ -653,6 +654,13 @@ class ThreadPool:
         with nat.lock:
             nat.parallel_for(kernel_addr, args_addr, total, chunks)
 
+
+    @property
+    def run_program_address(self) -> int:
+        """Address of ``void strata_run_program(i64* prog, i64 n, i64 max_chunks)``, for native callers
+        (a fused step's host call: backends/xla/host_call.py native_work). They bypass the pool's
+        Python lock: only where no other thread can start pool work meanwhile."""
+        return int(self._nat.run_program_address)
 
     def run_program(self, prog_addr: int, n: int) -> None:
         """Run a segment program of n instructions at prog_addr (``strata_run_program`` in the pool's

@@ -267,6 +267,39 @@ class HostCall:
         return self._call(*(((after,) if self.after else ()) + operands))
 
 
+def native_work(run_program: int, prog: int, n: int, maxc: int, flag: int, fallback: int) -> int:
+    """A work function that runs a CPU partition's segment program without Python: while the
+    int64 at `flag` is 0, ``run_program(prog, n, *maxc)`` (pool.py `strata_run_program`; `maxc`
+    points at the chunk count the pool would cut); otherwise the work function at `fallback`
+    (the Python one: tracing, timing). Returns its address (kept alive with the process)."""
+    import llvmlite.binding as llvm
+
+    from strata_compiler.backends.llvm_cpu.jit import optimize
+    from strata_compiler.backends.llvm_cpu.target import Target
+
+    name = f"strata_native_work_{next(_IDS)}"
+    ir = f"""
+define void @{name}(i64 %arg, ptr %stream) {{
+entry:
+  %f = load volatile i64, ptr inttoptr (i64 {flag} to ptr), align 8
+  %py = icmp ne i64 %f, 0
+  br i1 %py, label %python, label %native
+python:
+  call void inttoptr (i64 {fallback} to ptr)(i64 %arg, ptr %stream)
+  ret void
+native:
+  %m = load volatile i64, ptr inttoptr (i64 {maxc} to ptr), align 8
+  call void inttoptr (i64 {run_program} to ptr)(ptr inttoptr (i64 {prog} to ptr), i64 {n}, i64 %m)
+  ret void
+}}
+"""
+    mod, tm = optimize(ir, Target.host())
+    ee = llvm.create_mcjit_compiler(mod, tm)
+    ee.finalize_object()
+    _KEEP.append((ee, tm))
+    return ee.get_function_address(name)
+
+
 def python_work(fn) -> tuple[int, object]:
     """A work function that calls the Python callable fn(stream) (the program's CUDA stream as an
     int, None on the CPU platform; the ctypes callback takes the GIL); returns (address,
