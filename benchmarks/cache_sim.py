@@ -47,6 +47,7 @@ def record(plan_dir: Path, tokens: int, seed: int = 0) -> tuple[np.ndarray, np.n
                          f"(placement_bench.py's `base`, or stratac compile without --gpu-mem)")
     s = Session(plan, "llvm")
     exe = s.executor
+    exe.native = False      # op by op in Python: the wrappers below see each route's value
     info = []
     for n in moes:
         r = g.node(n.args[1])

@@ -31,6 +31,7 @@ def after(graph, weight_names) -> None:
 class DiskTier:
     def __init__(self, plan) -> None:
         self.container = plan.weights.c
+        self.graph = plan.graph     # held while registered: its id in TIERS cannot be another graph's
         self.ranges: list[tuple[int, int]] = []
         self.by_weight: dict[str, list[tuple[int, int]]] = {}
         sections: set[str] = set()

@@ -482,7 +482,7 @@ class FusedStep:
         from . import disk_tier, trace
 
         pool = get_pool()
-        self._cells[0] = int(trace.ACTIVE is not None or lx.PHASE_NS is not None or bool(disk_tier.TIERS))
+        self._cells[0] = int(trace.ACTIVE is not None or lx.PHASE_NS is not None or id(self.g) in disk_tier.TIERS)
         self._cells[1] = pool.n_threads * pool.split
         self._cur = (input_ids, cache)
         self._error = None

@@ -34,12 +34,16 @@ COPY_SHARE = 0.10
 MIXED_POOL_SPLIT = 4
 
 
-def _spin_us() -> tuple[float, float]:
+def _spin_us(var: str = "STRATA_HAND_OFF_SPIN_US", default: tuple[float, float] | None = None) -> tuple[float, float]:
     """(spin, yield) microseconds of idle CPU workers in plans that hand off to the GPU:
-    STRATA_HAND_OFF_SPIN_US as `US` (both) or `SPIN,YIELD` (A/B runs), else HAND_OFF_SPIN_US."""
-    raw = os.environ.get("STRATA_HAND_OFF_SPIN_US")
+    STRATA_HAND_OFF_SPIN_US as `US` (both) or `SPIN,YIELD` (A/B runs), else HAND_OFF_SPIN_US.
+    For fused decode steps, STRATA_FUSED_SPIN_US the same way, else the pool's defaults (100 us of
+    spin, then sched_yield to 1100 us): workers that sleep sooner leave the cores to the thread
+    that launches the GPU's work between host calls, and the host call's handler wakes them
+    (STRATA_HOST_CALL_WAKE); not yet measured on a GPU."""
+    raw = os.environ.get(var)
     if raw is None:
-        return HAND_OFF_SPIN_US, HAND_OFF_SPIN_US
+        return default or (HAND_OFF_SPIN_US, HAND_OFF_SPIN_US)
     try:
         vals = [float(v) for v in raw.split(",")]
     except ValueError:
@@ -49,8 +53,8 @@ def _spin_us() -> tuple[float, float]:
     if len(vals) != 2 or not all(0 <= v < 1e7 for v in vals):
         from strata_compiler.errors import UsageError
 
-        raise UsageError(f"STRATA_HAND_OFF_SPIN_US={raw!r}: give microseconds >= 0, as US or SPIN,YIELD "
-                         f"(default {HAND_OFF_SPIN_US:g})")
+        raise UsageError(f"{var}={raw!r}: give microseconds >= 0, as US or SPIN,YIELD "
+                         f"(default {','.join(f'{v:g}' for v in default or (HAND_OFF_SPIN_US,))})")
     return vals[0], vals[1]
 
 
@@ -151,6 +155,9 @@ class MixedExecutor:
                            for i, (kind, _, _) in enumerate(self.parts) if kind == "xla"}
         self.hand_off = any(k == "xla" for k, _, _ in self.parts) and any(k == "llvm" for k, _, _ in self.parts)
         self._spin = _spin_us() if self.hand_off else None     # (spin, yield) of idle workers at a hand-off
+        from strata_compiler.backends.llvm_cpu.pool import _DEFAULT_SPIN_US, _DEFAULT_YIELD_US
+
+        self._fused_spin = _spin_us("STRATA_FUSED_SPIN_US", (_DEFAULT_SPIN_US, _DEFAULT_YIELD_US))
         # small host<->GPU hand-offs as raw copies when a CUDA runtime is there (the xla executors
         # turn them on: backends/xla/cuda_rt.py)
         self.raw_copy = not self.mesh and cuda_rt.mode is not None and any(k == "xla" for k, _, _ in self.parts)
@@ -458,7 +465,9 @@ class MixedExecutor:
         if T == 1 and self.fused is not None and self.fused.ready(B, cache):
             from strata_compiler.backends.llvm_cpu.pool import set_spin
 
-            set_spin()      # no JAX copy threads to leave cores to: workers wait the default way
+            # no JAX copy threads to leave cores to: by default workers wait the pool's way
+            spin, yld = self._fused_spin
+            set_spin(spin_us=spin, yield_us=yld)
             try:
                 out = self.fused.run(input_ids, cache)
             except Exception as e:

@@ -242,3 +242,20 @@ def test_hand_off_spin_setting(monkeypatch):
         monkeypatch.setenv("STRATA_HAND_OFF_SPIN_US", bad)
         with pytest.raises(UsageError, match="STRATA_HAND_OFF_SPIN_US"):
             _spin_us()
+
+
+def test_fused_spin_setting(monkeypatch):
+    """STRATA_FUSED_SPIN_US (idle workers between a fused step's host calls): the pool's defaults
+    unless set, a value, and a bad value as one clear error naming the variable."""
+    from strata_compiler.backends.llvm_cpu.pool import _DEFAULT_SPIN_US, _DEFAULT_YIELD_US
+    from strata_compiler.errors import UsageError
+    from strata_compiler.runtime.partitions import _spin_us
+
+    default = (_DEFAULT_SPIN_US, _DEFAULT_YIELD_US)
+    monkeypatch.delenv("STRATA_FUSED_SPIN_US", raising=False)
+    assert _spin_us("STRATA_FUSED_SPIN_US", default) == default
+    monkeypatch.setenv("STRATA_FUSED_SPIN_US", "0")
+    assert _spin_us("STRATA_FUSED_SPIN_US", default) == (0.0, 0.0)
+    monkeypatch.setenv("STRATA_FUSED_SPIN_US", "x")
+    with pytest.raises(UsageError, match="STRATA_FUSED_SPIN_US"):
+        _spin_us("STRATA_FUSED_SPIN_US", default)

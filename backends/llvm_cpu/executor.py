@@ -300,7 +300,7 @@ class LLVMExecutor:
         if lo == 0:
             frame.ids[:] = input_ids.reshape(-1)
         step = Step(B, T, cache)
-        if trace.ACTIVE is None and self.native and PHASE_NS is None and not disk_tier.TIERS \
+        if trace.ACTIVE is None and self.native and PHASE_NS is None and id(self.g) not in disk_tier.TIERS \
                 and all(env.get(i) is IN_FRAME for f in self._fetch_vals[lo:hi] for i in f):
             prog = self._program(frame, ops, step, lo, hi)
             if prog is not None:         # the whole range as one native call

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The H200 side-by-side of issues 6 and 7 in one device call (~5 min on a fresh machine):
+# the 16-layer OLMoE-shaped int4 model, router skew 0.5, Strata's plan for the committed full
+# H200 profile against -ngl and KTransformers' layout at 25 and 50 % GPU budgets, then the
+# runtime switches still to be decided, each variant in a process of its own (NAME@VAR=VALUE).
+#   bash benchmarks/h200_placement.sh [EXTRA_VARIANTS]        (outputs under $OUT, else /tmp/pbout)
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/pbout}
+mkdir -p "$OUT"
+pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+AB="strata-25@STRATA_NATIVE_HOST_CALLS=0,strata-25@STRATA_FUSED_SPIN_US=0,ngl-25@STRATA_FUSED_SPIN_US=0,strata-25@STRATA_NUM_THREADS=15"
+timeout ${LIMIT:-540} python benchmarks/placement_bench.py --work-dir /tmp/pb --layers 16 --router-skew 0.5 \
+  --budgets 25,50 --n-new 48 --repeats 2 --calib-tokens 256 --hw benchmarks/profiles/h200-2026-11-29-raw.json \
+  --json "$OUT/pb.json" --only "strata-25,ngl-25,ktransformers,strata-50,ngl-50,${1:-$AB}" 2>&1 | tee "$OUT/pb.log"
