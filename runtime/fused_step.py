@@ -128,6 +128,9 @@ class FusedStep:
         # [flag: host calls take their Python work this step (tracing, ...), the pool's chunk count]
         self._cells = np.zeros(2, np.int64)
         self.native_calls: set[int] = set()     # CPU partitions whose host call runs natively
+        # their records while `timeline` is on: [on, count, capacity, (partition, TSC in, TSC out)...]
+        self._native_tl = np.zeros(3 + 3 * 4096, np.int64)
+        self._native_tl[2] = 4096
         self.ran_host_calls = False     # (a failure after that is not one of building the program)
         self.timeline: list | None = None   # benchmarks: (event, partition, perf_counter_ns) when a list
 
@@ -349,7 +352,8 @@ class FusedStep:
 
         self.native_calls.add(i)
         return native_work(exe.pool.run_program_address, prog[0].ctypes.data, len(prog[0]),
-                           self._cells.ctypes.data + 8, self._cells.ctypes.data, fallback)
+                           self._cells.ctypes.data + 8, self._cells.ctypes.data, fallback,
+                           timeline=self._native_tl.ctypes.data, tag=i)
 
     # -- the traced step -----------------------------------------------------------------------
 
@@ -495,6 +499,11 @@ class FusedStep:
             traced = False
         tl = self.timeline
         if tl is not None:
+            from strata_compiler.backends.llvm_cpu.pool import _get_native
+
+            nat = _get_native()
+            self._native_tl[0], self._native_tl[1] = 1, 0
+            tsc0, ns0 = nat.rdtsc(), time.perf_counter_ns()
             tl.append(("dispatch", -1, time.perf_counter_ns()))
         outs, ks, vs = fn(self._params, ks, vs, packed)
         if tl is not None:
@@ -504,6 +513,15 @@ class FusedStep:
         outs = jax.block_until_ready(outs)[:-1]
         if tl is not None:
             tl.append(("done", -1, time.perf_counter_ns()))
+            self._native_tl[0] = 0
+            k = min(int(self._native_tl[1]), int(self._native_tl[2]))
+            if k:       # the native host calls' records, in the timeline's clock, in time order
+                rec = self._native_tl[3:3 + 3 * k].reshape(k, 3)
+                to_ns = lambda t: ns0 + int((int(t) - tsc0) * 1000 / nat.ticks_per_us)   # noqa: E731
+                start = max(j for j, ev in enumerate(tl) if ev[0] == "dispatch")
+                evs = tl[start:] + [(kind, int(p), to_ns(t)) for p, a, b in rec for kind, t in (("enter", a), ("leave", b))]
+                order = {"dispatch": 0, "dispatched": 2, "done": 3}
+                tl[start:] = sorted(evs, key=lambda e: (e[2], order.get(e[0], 1)))
         if traced:
             self._trace(trace.ACTIVE, tl, B)
             self.timeline = None

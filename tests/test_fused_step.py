@@ -302,6 +302,14 @@ def test_cpu_partitions_run_as_native_programs_with_the_same_logits(model, tmp_p
             ran[name] = len(calls)
             fused = getattr(s.executor, "fused", None)
             native_calls[name] = len(fused.native_calls) if fused is not None else 0
+            if fused is not None and name == "host calls":
+                # the benchmarks' timeline gets the native calls' entry and exit too (TSC records)
+                fused.timeline = []
+                s.step(ids[:, :1])
+                tl, fused.timeline = fused.timeline, None
+                entered = {p for ev, p, _ in tl if ev == "enter"}
+                assert fused.native_calls <= entered and [ev for ev, *_ in tl][0] == "dispatch"
+                assert [ev for ev, *_ in tl][-1] == "done" and all(a[2] <= b[2] for a, b in zip(tl, tl[1:]))
             # CPU kernels beside the GPU runtime cut 4 chunks per thread (partitions.MIXED_POOL_SPLIT)
             assert poolmod.get_pool().split == (4 if backend == "auto" else 1)
         assert ran["python"] == 0 and ran["segments"] > 0, (plan_dir, ran)

@@ -267,11 +267,14 @@ class HostCall:
         return self._call(*(((after,) if self.after else ()) + operands))
 
 
-def native_work(run_program: int, prog: int, n: int, maxc: int, flag: int, fallback: int) -> int:
+def native_work(run_program: int, prog: int, n: int, maxc: int, flag: int, fallback: int,
+                timeline: int = 0, tag: int = 0) -> int:
     """A work function that runs a CPU partition's segment program without Python: while the
     int64 at `flag` is 0, ``run_program(prog, n, *maxc)`` (pool.py `strata_run_program`; `maxc`
     points at the chunk count the pool would cut); otherwise the work function at `fallback`
-    (the Python one: tracing, timing). Returns its address (kept alive with the process)."""
+    (the Python one: tracing, timing). With `timeline` (an int64 buffer: [on, count, capacity,
+    then (tag, TSC at entry, TSC at exit) per call]) and its first word set, each call appends
+    its record. Returns its address (kept alive with the process)."""
     import llvmlite.binding as llvm
 
     from strata_compiler.backends.llvm_cpu.jit import optimize
@@ -289,9 +292,36 @@ python:
   ret void
 native:
   %m = load volatile i64, ptr inttoptr (i64 {maxc} to ptr), align 8
+  %t0 = call i64 @llvm.readcyclecounter()
   call void inttoptr (i64 {run_program} to ptr)(ptr inttoptr (i64 {prog} to ptr), i64 {n}, i64 %m)
+  %t1 = call i64 @llvm.readcyclecounter()
+  br i1 {"true" if timeline else "false"}, label %tl, label %done
+tl:
+  %tlp = inttoptr i64 {timeline or 0} to ptr
+  %on = load volatile i64, ptr %tlp, align 8
+  %rec = icmp ne i64 %on, 0
+  br i1 %rec, label %add, label %done
+add:
+  %cp = getelementptr i64, ptr %tlp, i64 1
+  %capp = getelementptr i64, ptr %tlp, i64 2
+  %i = atomicrmw add ptr %cp, i64 1 seq_cst, align 8
+  %cap = load i64, ptr %capp, align 8
+  %fits = icmp slt i64 %i, %cap
+  br i1 %fits, label %store, label %done
+store:
+  %o = mul i64 %i, 3
+  %o3 = add i64 %o, 3
+  %e0 = getelementptr i64, ptr %tlp, i64 %o3
+  store i64 {tag}, ptr %e0, align 8
+  %e1 = getelementptr i64, ptr %e0, i64 1
+  store i64 %t0, ptr %e1, align 8
+  %e2 = getelementptr i64, ptr %e0, i64 2
+  store i64 %t1, ptr %e2, align 8
+  br label %done
+done:
   ret void
 }}
+declare i64 @llvm.readcyclecounter()
 """
     mod, tm = optimize(ir, Target.host())
     ee = llvm.create_mcjit_compiler(mod, tm)
