@@ -33,8 +33,9 @@ share, the combine after it. The prefetch's copies for that layer then go on a c
 their own and overlap the layer's attention and CPU side; only the GPU share waits for them, on
 the GPU (a CUDA event). Otherwise copies are queued on the program's stream. With
 STRATA_FUSED_OVERLAP=1 (off until measured on a GPU) every layer whose GPU expert share ends a
-partition splits so, and the first call hands the CPU side to a worker thread: the CPU computes
-its experts while the GPU computes its own. STRATA_FUSED_STEP=0 turns fused steps off.
+partition splits so, and the first call hands the CPU side to the pool's runner thread (native:
+pool.py `strata_async_start`; a Python worker thread where the call needs Python): the CPU
+computes its experts while the GPU computes its own. STRATA_FUSED_STEP=0 turns fused steps off.
 
 A CPU partition that needs no per-step Python (a split layer's cold experts: no attention cache
 arguments, token ids, expert-cache masks or prefetch) runs its segment program (pool.py
@@ -128,6 +129,7 @@ class FusedStep:
         # [flag: host calls take their Python work this step (tracing, ...), the pool's chunk count]
         self._cells = np.zeros(2, np.int64)
         self.native_calls: set[int] = set()     # CPU partitions whose host call runs natively
+        self._progs: dict = {}                  # (partition, B) -> _native_progs
         # their records while `timeline` is on: [on, count, capacity, (partition, TSC in, TSC out)...]
         self._native_tl = np.zeros(3 + 3 * 4096, np.int64)
         self._native_tl[2] = 4096
@@ -314,8 +316,7 @@ class FusedStep:
                 self._maps_out[i] = [np.zeros(self.n_slots[n.id], np.int32) for n in maps]
                 outs += self._maps_out[i]
             addr, _keep = python_work(self._work(i, part))
-            if part is None:
-                addr = self._native_work(i, B, frame, addr)
+            addr = self._native_work(i, B, frame, addr, part)
             platform = "cpu" if self.device.platform == "cpu" else "gpu"
             # STRATA_HOST_CALL_STAGING=1: copies through page-locked staging (off until measured)
             staging = os.environ.get("STRATA_HOST_CALL_STAGING", "0") == "1"
@@ -324,36 +325,65 @@ class FusedStep:
             hc.dev_in = dev_in
         return hc
 
-    def _native_work(self, i: int, B: int, frame, fallback: int) -> int:
+    def _native_work(self, i: int, B: int, frame, fallback: int, part: str | None = None) -> int:
         """CPU partition i's host call work without Python where it can be (STRATA_NATIVE_HOST_CALLS,
         default 1): its segment program (backends/llvm_cpu/executor.py) called straight from the
         handler, no callback, no GIL. Only for a partition whose inputs all come from the GPU (the
         handler copies them into its frame), whose results only GPU partitions read, with no
         per-step Python (attention's cache arguments, the token ids, an expert cache's masks or
-        prefetch) and no worker thread of its own (STRATA_FUSED_OVERLAP). While tracing, timing
-        the MoE phases or streaming disk-tier experts, the step's flag sends every call to the
-        Python work (`fallback`) instead. Returns the work function's address."""
+        prefetch). A partition split around its layer's GPU share (STRATA_FUSED_OVERLAP=1, `part`
+        "start" / "finish") hands its first part to the pool's runner thread (pool.py
+        `strata_async_start`) and returns, so the GPU computes its share while the CPU computes
+        the rest of the layer; the finish call waits for it, then runs the combine. While tracing,
+        timing the MoE phases or streaming disk-tier experts, the step's flag sends every call to
+        the Python work (`fallback`) instead. Returns the work function's address."""
+        from strata_compiler.backends.llvm_cpu.executor import Step
+
+        exe = self.m.parts[i][1]
+        progs = self._native_progs(i, B, frame)
+        if progs is None:
+            return fallback
+        from strata_compiler.backends.xla.host_call import native_work
+
+        prog = progs[part]
+        run = exe.pool.run_program_address
+        before = 0
+        if part == "start":
+            run = exe.pool.async_addresses[0]
+        elif part == "finish":
+            before = exe.pool.async_addresses[1]
+        self.native_calls.add(i)
+        return native_work(run, prog.ctypes.data, len(prog), self._cells.ctypes.data + 8, self._cells.ctypes.data,
+                           fallback, timeline=self._native_tl.ctypes.data, tag=i, before=before)
+
+    def _native_progs(self, i: int, B: int, frame) -> dict | None:
+        """The programs of CPU partition i's host calls ({None: all} or {"start", "finish"}), or
+        None where it needs Python (see _native_work); decided once per partition and batch, for
+        both parts of a split partition together."""
+        key = (i, B)
+        if key in self._progs:
+            return self._progs[key]
         from strata_compiler.backends.llvm_cpu.executor import Step
 
         exe = self.m.parts[i][1]
         users = self.g.users()
         ins = [a for a in exe.inputs if self.g.node(a).op is not Op.INPUT_IDS]
-        if (not native_host_calls_wanted() or not exe.native or self.overlap or self._triggers(i)
+        split = self._plan_splits().get(i)
+        out = None
+        if not (not native_host_calls_wanted() or not exe.native or self._triggers(i)
                 or self._slot_maps(i) or set(ins) != set(self.dev_in[i])
+                or (split is not None and split[0].attr("cache", ""))
                 or any(n.op in (Op.EMBED, Op.INPUT_IDS) for n in exe.nodes)
                 or any(u == -1 or u not in self.part_of or self.m.parts[self.part_of[u]][0] != "xla"
                        for o in exe.outputs for u in users[o])):
-            return fallback
-        _, ops = exe.frames[B]
-        prog = exe._program(frame, ops, Step(B, 1, None), 0, len(ops))
-        if prog is None or prog[1] or not len(prog[0]):
-            return fallback
-        from strata_compiler.backends.xla.host_call import native_work
-
-        self.native_calls.add(i)
-        return native_work(exe.pool.run_program_address, prog[0].ctypes.data, len(prog[0]),
-                           self._cells.ctypes.data + 8, self._cells.ctypes.data, fallback,
-                           timeline=self._native_tl.ctypes.data, tag=i)
+            _, ops = exe.frames[B]
+            step = Step(B, 1, None)
+            cuts = {None: (0, len(ops))} if split is None else {"start": (0, split[3]), "finish": (split[3], len(ops))}
+            progs = {k: exe._program(frame, ops, step, lo, hi) for k, (lo, hi) in cuts.items()}
+            if all(p is not None and not p[1] for p in progs.values()) and any(len(p[0]) for p in progs.values()):
+                out = {k: p[0] for k, p in progs.items()}
+        self._progs[key] = out
+        return out
 
     # -- the traced step -----------------------------------------------------------------------
 

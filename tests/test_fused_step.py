@@ -240,8 +240,8 @@ def test_a_fused_program_that_fails_to_build_falls_back_with_one_warning(model, 
 
 def test_overlap_on_a_static_hot_split(model, tmp_path, monkeypatch):
     """Every layer split with its hot experts on the GPU (no cache): with STRATA_FUSED_OVERLAP=1 each
-    layer's CPU side runs on a worker thread beside its GPU share (the start call's inputs come
-    from the share's own partition), and the logits stay the partition runtime's."""
+    layer's CPU side runs on the pool's runner thread beside its GPU share (the start call's inputs
+    come from the share's own partition), and the logits stay the partition runtime's."""
     from strata_compiler.runtime.session import Session
     from test_place import _compile, budget_decides, fake_profile, gpu_mem_for, probe_placement
 
@@ -260,6 +260,9 @@ def test_overlap_on_a_static_hot_split(model, tmp_path, monkeypatch):
         if overlap == "1":
             f = s.executor.fused
             assert f.steps == 4 and f._splits and not any(n.attr("cache", "") for n, *_ in f._splits.values())
+            # both halves of every split partition run natively: the first on the pool's runner
+            # thread (strata_async_start), the second after waiting for it
+            assert set(f._splits) <= f.native_calls
     assert np.abs(out["1"] - out["0"]).max() / out["0"].std() <= 1e-6
 
 

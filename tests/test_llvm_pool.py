@@ -509,3 +509,25 @@ def test_segment_program_instructions(K, pool2):
     assert slot[1] == 51 and slot[0] == 0
     np.testing.assert_array_equal(cp_dst, cp_src)
     np.testing.assert_array_equal(dst, src[:, idx])
+
+
+def test_segment_program_on_the_runner_thread(K, pool2):
+    """strata_async_start / strata_async_wait: the runner thread runs a program (its kernels over the
+    workers) while the poster goes on; the wait returns once it is done; many in a row."""
+    x, y, args = _affine_args(1000)
+    counter = ctypes.c_int64(0)
+    rec = np.zeros((64, 3), dtype=np.int64)
+    rargs = (ctypes.c_int64 * 3)(ctypes.addressof(counter), rec.ctypes.data, 20000)
+    prog = np.zeros((2, 10), np.int64)
+    prog[0] = (1, K["record"], ctypes.addressof(rargs), 0, 0, 0, 0, 0, 1, 0)     # one slow call first
+    prog[1] = (0, K["affine"], ctypes.addressof(args), 1000, 0, 0, 1, 0, 0, 0)
+    libc = ctypes.CDLL(None)
+    libc.pthread_self.restype = ctypes.c_ulong
+    for _ in range(50):
+        y[:] = np.nan
+        counter.value = 0
+        wait = pool2.run_async(prog.ctypes.data, 2)
+        wait()
+        np.testing.assert_array_equal(y, x * 2 + np.arange(1000, dtype=np.float32))
+        assert counter.value == 1
+        assert int(np.uint64(rec[0, 2])) != libc.pthread_self()     # the runner ran it, not this thread

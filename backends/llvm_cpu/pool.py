@@ -41,6 +41,7 @@ import ctypes
 import os
 import threading
 import time
+from typing import Callable
 
 import llvmlite.binding as llvm
 
@@ -454,6 +455,119 @@ declare i64 @llvm.smax.i64(i64, i64)
 declare i64 @llvm.smin.i64(i64, i64)
 declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
 
+; One job at a time run by a thread of its own (the "async runner"), so that the thread that
+; posts it (a fused step's host call, on XLA's thread) returns at once and launches the GPU's work
+; while the CPU computes: strata_async_start(prog, n, maxc) posts a segment program, the runner
+; runs it with strata_run_program (publishing its kernels to the workers as any caller does), and
+; strata_async_wait() returns once it is done. Starts and waits alternate (one job outstanding);
+; nothing else may publish pool jobs between them.
+@g_async_prog = internal global ptr null, align 64
+@g_async_n = internal global i64 0, align 8
+@g_async_maxc = internal global i64 0, align 8
+@g_async_req = internal global i32 0, align 64
+@g_async_done = internal global i32 0, align 64
+@g_async_started = internal global i32 0, align 64
+
+define internal ptr @async_main(ptr %unused) {
+entry:
+  br label %wait
+wait:
+  %seen = load atomic i32, ptr @g_async_done acquire, align 4
+  %t0 = call i64 @llvm.readcyclecounter()
+  %spin = load atomic i64, ptr @g_spin monotonic, align 8
+  br label %spinloop
+spinloop:
+  %r1 = load atomic i32, ptr @g_async_req acquire, align 4
+  %new1 = icmp ne i32 %r1, %seen
+  br i1 %new1, label %run, label %spinpause
+spinpause:
+  call void @llvm.x86.sse2.pause()
+  %t1 = call i64 @llvm.readcyclecounter()
+  %el = sub i64 %t1, %t0
+  %more = icmp ult i64 %el, %spin
+  br i1 %more, label %spinloop, label %sleeploop
+sleeploop:
+  %r2 = load atomic i32, ptr @g_async_req seq_cst, align 4
+  %new2 = icmp ne i32 %r2, %seen
+  br i1 %new2, label %run, label %sleepbody
+sleepbody:
+  call void @futex_wait(ptr @g_async_req, i32 %seen, ptr null)
+  br label %sleeploop
+run:
+  %req = phi i32 [ %r1, %spinloop ], [ %r2, %sleeploop ]
+  %prog = load ptr, ptr @g_async_prog, align 8
+  %n = load i64, ptr @g_async_n, align 8
+  %maxc = load i64, ptr @g_async_maxc, align 8
+  call void @strata_run_program(ptr %prog, i64 %n, i64 %maxc)
+  store atomic i32 %req, ptr @g_async_done seq_cst, align 4
+  call void @futex_wake(ptr @g_async_done, i32 1)
+  br label %wait
+}
+
+define void @strata_async_start(ptr %prog, i64 %n, i64 %maxc) {
+entry:
+  %st = load atomic i32, ptr @g_async_started seq_cst, align 4
+  %need = icmp eq i32 %st, 0
+  br i1 %need, label %create, label %post
+create:
+  %set = alloca [128 x i8], align 8
+  %old = alloca [128 x i8], align 8
+  %tid = alloca i64, align 8
+  %f = call i32 @sigfillset(ptr %set)
+  %d4 = call i32 @sigdelset(ptr %set, i32 4)
+  %d5 = call i32 @sigdelset(ptr %set, i32 5)
+  %d6 = call i32 @sigdelset(ptr %set, i32 6)
+  %d7 = call i32 @sigdelset(ptr %set, i32 7)
+  %d8 = call i32 @sigdelset(ptr %set, i32 8)
+  %d11 = call i32 @sigdelset(ptr %set, i32 11)
+  %m = call i32 @pthread_sigmask(i32 2, ptr %set, ptr %old)
+  %r = call i32 @pthread_create(ptr %tid, ptr null, ptr @async_main, ptr null)
+  %t = load i64, ptr %tid, align 8
+  %dr = call i32 @pthread_detach(i64 %t)
+  %m2 = call i32 @pthread_sigmask(i32 2, ptr %old, ptr null)
+  store atomic i32 1, ptr @g_async_started seq_cst, align 4
+  br label %post
+post:
+  store ptr %prog, ptr @g_async_prog, align 8
+  store i64 %n, ptr @g_async_n, align 8
+  store i64 %maxc, ptr @g_async_maxc, align 8
+  %g = atomicrmw add ptr @g_async_req, i32 1 seq_cst, align 4
+  call void @futex_wake(ptr @g_async_req, i32 1)
+  ret void
+}
+
+; The waiter checks, pauses, and every 64 checks yields its core (the runner and the workers may
+; need all of them).
+define void @strata_async_wait() {
+entry:
+  %want = load atomic i32, ptr @g_async_req seq_cst, align 4
+  br label %loop
+loop:
+  %i = phi i64 [ 0, %entry ], [ %i1, %pause ], [ %i1, %yield ]
+  %d = load atomic i32, ptr @g_async_done acquire, align 4
+  %ok = icmp eq i32 %d, %want
+  br i1 %ok, label %ret, label %pause
+pause:
+  call void @llvm.x86.sse2.pause()
+  %i1 = add i64 %i, 1
+  %low = and i64 %i1, 63
+  %y = icmp eq i64 %low, 0
+  br i1 %y, label %yield, label %loop
+yield:
+  %yr = call i32 @sched_yield()
+  br label %loop
+ret:
+  ret void
+}
+
+; In a child after fork(): the parent's runner does not exist here.
+define void @strata_async_after_fork() {
+  store atomic i32 0, ptr @g_async_started seq_cst, align 4
+  %d = load atomic i32, ptr @g_async_req seq_cst, align 4
+  store atomic i32 %d, ptr @g_async_done seq_cst, align 4
+  ret void
+}
+
 ; Direct single-threaded call of a kernel (so Python needs one ctypes object, not one per kernel).
 define void @strata_call(ptr %fn, ptr %args, i64 %begin, i64 %end) {
   call void %fn(ptr %args, i64 %begin, i64 %end)
@@ -528,6 +642,9 @@ class _Native:
         self.call = fn("strata_call", None, vp, vp, i64, i64)
         self.run_program = fn("strata_run_program", None, vp, i64, i64)
         self.run_program_address = ee.get_function_address("strata_run_program")
+        self.async_start_address = ee.get_function_address("strata_async_start")
+        self.async_wait_address = ee.get_function_address("strata_async_wait")
+        self.async_after_fork = fn("strata_async_after_fork", None)
         self.ticks_per_us = self._calibrate()
         tk = self.ticks_per_us
         self.set_spin_ticks(int(_DEFAULT_SPIN_US * tk), int(_DEFAULT_YIELD_US * tk), int(_DEFAULT_CALLER_SPIN_US * tk))
@@ -566,6 +683,7 @@ def _after_fork_in_child() -> None:
     _native_lock = threading.Lock()
     if _native is not None:
         _native.after_fork()
+        _native.async_after_fork()
         _native.workers = 0
         _native.lock = threading.Lock()
 
@@ -661,6 +779,21 @@ class ThreadPool:
         (a fused step's host call: backends/xla/host_call.py native_work). They bypass the pool's
         Python lock: only where no other thread can start pool work meanwhile."""
         return int(self._nat.run_program_address)
+
+    @property
+    def async_addresses(self) -> tuple[int, int]:
+        """Addresses of ``strata_async_start(prog, n, max_chunks)`` and ``strata_async_wait()``: a
+        segment program run by the pool's runner thread while the poster returns (a fused step's
+        host calls around a layer's GPU expert share). Starts and waits alternate; no other pool
+        job may be published in between."""
+        return int(self._nat.async_start_address), int(self._nat.async_wait_address)
+
+    def run_async(self, prog_addr: int, n: int) -> Callable[[], None]:
+        """strata_async_start from Python; returns the wait (tests)."""
+        start = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)(self.async_addresses[0])
+        wait = ctypes.CFUNCTYPE(None)(self.async_addresses[1])
+        start(prog_addr, n, self.n_threads * self.split)
+        return wait
 
     def run_program(self, prog_addr: int, n: int) -> None:
         """Run a segment program of n instructions at prog_addr (``strata_run_program`` in the pool's

@@ -268,13 +268,15 @@ class HostCall:
 
 
 def native_work(run_program: int, prog: int, n: int, maxc: int, flag: int, fallback: int,
-                timeline: int = 0, tag: int = 0) -> int:
+                timeline: int = 0, tag: int = 0, before: int = 0) -> int:
     """A work function that runs a CPU partition's segment program without Python: while the
-    int64 at `flag` is 0, ``run_program(prog, n, *maxc)`` (pool.py `strata_run_program`; `maxc`
-    points at the chunk count the pool would cut); otherwise the work function at `fallback`
-    (the Python one: tracing, timing). With `timeline` (an int64 buffer: [on, count, capacity,
-    then (tag, TSC at entry, TSC at exit) per call]) and its first word set, each call appends
-    its record. Returns its address (kept alive with the process)."""
+    int64 at `flag` is 0, ``before()`` when given (pool.py `strata_async_wait`: the part of the
+    partition a runner thread computes), then ``run_program(prog, n, *maxc)`` (pool.py
+    `strata_run_program`, or `strata_async_start` to hand it to the runner; `maxc` points at the
+    chunk count the pool would cut); otherwise the work function at `fallback` (the Python one:
+    tracing, timing). With `timeline` (an int64 buffer: [on, count, capacity, then (tag, TSC at
+    entry, TSC at exit) per call]) and its first word set, each call appends its record. Returns
+    its address (kept alive with the process)."""
     import llvmlite.binding as llvm
 
     from strata_compiler.backends.llvm_cpu.jit import optimize
@@ -292,7 +294,7 @@ python:
   ret void
 native:
   %m = load volatile i64, ptr inttoptr (i64 {maxc} to ptr), align 8
-  %t0 = call i64 @llvm.readcyclecounter()
+  %t0 = call i64 @llvm.readcyclecounter(){f"{chr(10)}  call void inttoptr (i64 {before} to ptr)()" if before else ""}
   call void inttoptr (i64 {run_program} to ptr)(ptr inttoptr (i64 {prog} to ptr), i64 {n}, i64 %m)
   %t1 = call i64 @llvm.readcyclecounter()
   br i1 {"true" if timeline else "false"}, label %tl, label %done
