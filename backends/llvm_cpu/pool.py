@@ -247,14 +247,14 @@ ret:
   ret void
 }
 
-; Start n more workers; returns how many were started.
-define i32 @strata_pool_start(i32 %n) {
+; A detached thread running fn, with asynchronous signals blocked in it (synchronous ones stay
+; deliverable: a crash in a kernel must still be reported); 0 when it was created.
+define internal i32 @spawn(ptr %fn) {
 entry:
   %set = alloca [128 x i8], align 8
   %old = alloca [128 x i8], align 8
   %tid = alloca i64, align 8
   %f = call i32 @sigfillset(ptr %set)
-  ; keep synchronous signals deliverable (a crash in a kernel must still be reported)
   %d4 = call i32 @sigdelset(ptr %set, i32 4)
   %d5 = call i32 @sigdelset(ptr %set, i32 5)
   %d6 = call i32 @sigdelset(ptr %set, i32 6)
@@ -262,25 +262,36 @@ entry:
   %d8 = call i32 @sigdelset(ptr %set, i32 8)
   %d11 = call i32 @sigdelset(ptr %set, i32 11)
   %m = call i32 @pthread_sigmask(i32 2, ptr %set, ptr %old)
+  %r = call i32 @pthread_create(ptr %tid, ptr null, ptr %fn, ptr null)
+  %ok = icmp eq i32 %r, 0
+  br i1 %ok, label %detach, label %done
+detach:
+  %t = load i64, ptr %tid, align 8
+  %dr = call i32 @pthread_detach(i64 %t)
+  br label %done
+done:
+  %m2 = call i32 @pthread_sigmask(i32 2, ptr %old, ptr null)
+  ret i32 %r
+}
+
+; Start n more workers; returns how many were started.
+define i32 @strata_pool_start(i32 %n) {
+entry:
   br label %loop
 loop:
   %i = phi i32 [ 0, %entry ], [ %i1, %created ]
   %more = icmp slt i32 %i, %n
   br i1 %more, label %create, label %done
 create:
-  %r = call i32 @pthread_create(ptr %tid, ptr null, ptr @worker_main, ptr null)
+  %r = call i32 @spawn(ptr @worker_main)
   %ok = icmp eq i32 %r, 0
   br i1 %ok, label %created, label %done
 created:
-  %t = load i64, ptr %tid, align 8
-  %dr = call i32 @pthread_detach(i64 %t)
   %s = atomicrmw add ptr @g_started, i32 1 seq_cst, align 4
   %i1 = add i32 %i, 1
   br label %loop
 done:
-  %cnt = phi i32 [ %i, %loop ], [ %i, %create ]
-  %m2 = call i32 @pthread_sigmask(i32 2, ptr %old, ptr null)
-  ret i32 %cnt
+  ret i32 %i
 }
 
 ; Wake the workers without a job: they claim nothing (the last job's chunks are all taken) and
@@ -510,23 +521,18 @@ entry:
   %need = icmp eq i32 %st, 0
   br i1 %need, label %create, label %post
 create:
-  %set = alloca [128 x i8], align 8
-  %old = alloca [128 x i8], align 8
-  %tid = alloca i64, align 8
-  %f = call i32 @sigfillset(ptr %set)
-  %d4 = call i32 @sigdelset(ptr %set, i32 4)
-  %d5 = call i32 @sigdelset(ptr %set, i32 5)
-  %d6 = call i32 @sigdelset(ptr %set, i32 6)
-  %d7 = call i32 @sigdelset(ptr %set, i32 7)
-  %d8 = call i32 @sigdelset(ptr %set, i32 8)
-  %d11 = call i32 @sigdelset(ptr %set, i32 11)
-  %m = call i32 @pthread_sigmask(i32 2, ptr %set, ptr %old)
-  %r = call i32 @pthread_create(ptr %tid, ptr null, ptr @async_main, ptr null)
-  %t = load i64, ptr %tid, align 8
-  %dr = call i32 @pthread_detach(i64 %t)
-  %m2 = call i32 @pthread_sigmask(i32 2, ptr %old, ptr null)
+  %r = call i32 @spawn(ptr @async_main)
+  %spawned = icmp eq i32 %r, 0
+  br i1 %spawned, label %started, label %inline
+started:
   store atomic i32 1, ptr @g_async_started seq_cst, align 4
   br label %post
+inline:                      ; no thread: run it here, and the wait finds it done
+  call void @strata_run_program(ptr %prog, i64 %n, i64 %maxc)
+  %g0 = atomicrmw add ptr @g_async_req, i32 1 seq_cst, align 4
+  %g1 = add i32 %g0, 1
+  store atomic i32 %g1, ptr @g_async_done seq_cst, align 4
+  ret void
 post:
   store ptr %prog, ptr @g_async_prog, align 8
   store i64 %n, ptr @g_async_n, align 8
