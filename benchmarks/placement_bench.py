@@ -141,10 +141,10 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, in
     times, tokens = [], []
     for r in range(repeats + 1 + (trace_out is not None)):
         traced = trace_out is not None and r == repeats + 1
-        if traced:
-            trace.ACTIVE = tracer = trace.Tracer()
         s.reset(1, prompt.shape[1] + n_new + 8)
         tok = int(s.step(prompt)[0, -1].argmax())
+        if traced:      # the decode steps only: the busy times per token are over the same steps as dt
+            trace.ACTIVE = tracer = trace.Tracer()
         seq = [tok]
         t0 = time.perf_counter()
         for _ in range(n_new - 1):
@@ -155,7 +155,7 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, in
             trace.ACTIVE = None
             tracer.write(trace_out)
             if info is not None:
-                info["trace"] = {"wall_s": dt, "busy_s": dict(tracer.busy), "spans": dict(tracer.counts),
+                info["trace"] = {"wall_s": dt, "busy_s": tracer.busy_seconds(), "spans": dict(tracer.counts),
                                  "bytes": dict(tracer.bytes), "cpu_gpu_overlap_s": tracer.overlap("cpu", "gpu")}
         elif r:                     # the first pass compiles (xla) and warms the caches
             times.append(dt)

@@ -40,9 +40,10 @@ computes its experts while the GPU computes its own. STRATA_FUSED_STEP=0 turns f
 A CPU partition that needs no per-step Python (a split layer's cold experts: no attention cache
 arguments, token ids, expert-cache masks or prefetch) runs its segment program (pool.py
 `strata_run_program`) straight from the handler, with no Python callback (`_native_work`,
-STRATA_NATIVE_HOST_CALLS=0 turns it off); under tracing and the MoE phase timer a per-step flag
-sends those calls to the Python work, so their ops are traced as before. The benchmarks'
-timeline (`timeline`) records only the host calls that run Python.
+STRATA_NATIVE_HOST_CALLS=0 turns it off); under tracing a per-step flag selects the program with
+time stamps between its ops, whose spans join the trace after the step (`_trace_native`), and
+under the MoE phase timer the Python work. The benchmarks' timeline (`timeline`) gets the native
+calls' entry and exit from their time stamps too.
 """
 
 from __future__ import annotations
@@ -335,8 +336,9 @@ class FusedStep:
         "start" / "finish") hands its first part to the pool's runner thread (pool.py
         `strata_async_start`) and returns, so the GPU computes its share while the CPU computes
         the rest of the layer; the finish call waits for it, then runs the combine. While tracing,
-        timing the MoE phases or streaming disk-tier experts, the step's flag sends every call to
-        the Python work (`fallback`) instead. Returns the work function's address."""
+        the step's flag selects the same program with time stamps between its ops
+        (`_trace_native`); while timing the MoE phases or streaming disk-tier experts, the Python
+        work (`fallback`). Returns the work function's address."""
         from strata_compiler.backends.llvm_cpu.executor import Step
 
         exe = self.m.parts[i][1]
@@ -345,7 +347,7 @@ class FusedStep:
             return fallback
         from strata_compiler.backends.xla.host_call import native_work
 
-        prog = progs[part]
+        prog, traced, _rec, _lo = progs[part]
         run = exe.pool.run_program_address
         before = 0
         if part == "start":
@@ -354,7 +356,8 @@ class FusedStep:
             before = exe.pool.async_addresses[1]
         self.native_calls.add(i)
         return native_work(run, prog.ctypes.data, len(prog), self._cells.ctypes.data + 8, self._cells.ctypes.data,
-                           fallback, timeline=self._native_tl.ctypes.data, tag=i, before=before)
+                           fallback, timeline=self._native_tl.ctypes.data, tag=i, before=before,
+                           traced=(traced.ctypes.data, len(traced)))
 
     def _native_progs(self, i: int, B: int, frame) -> dict | None:
         """The programs of CPU partition i's host calls ({None: all} or {"start", "finish"}), or
@@ -381,7 +384,9 @@ class FusedStep:
             cuts = {None: (0, len(ops))} if split is None else {"start": (0, split[3]), "finish": (split[3], len(ops))}
             progs = {k: exe._program(frame, ops, step, lo, hi) for k, (lo, hi) in cuts.items()}
             if all(p is not None and not p[1] for p in progs.values()) and any(len(p[0]) for p in progs.values()):
-                out = {k: p[0] for k, p in progs.items()}
+                # part -> (program, the same with time stamps, its stamps, index of its first op)
+                out = {k: (p[0],) + exe._program(frame, ops, step, *cuts[k], traced=True)[::2] + (cuts[k][0],)
+                       for k, p in progs.items()}
         self._progs[key] = out
         return out
 
@@ -458,6 +463,23 @@ class FusedStep:
         if done > start:
             tr.add_span(f"fused step: gpu segment {len(enters)}", "gpu", start, done, tokens=tokens)
 
+    def _trace_native(self, tr, B: int, tsc0: int, ns0: int, ticks_per_us: float) -> None:
+        """The ops of the host calls that ran natively this step, from their programs' time stamps
+        (op j from stamp j to j + 1; a split partition's first part on the pool's runner thread),
+        as spans of the cpu track; the stamps are cleared for the next step."""
+        for (i, b), progs in self._progs.items():
+            if b != B or not progs:
+                continue
+            exe = self.m.parts[i][1]
+            for _prog, _traced, rec, lo in progs.values():
+                if rec[0] == 0:
+                    continue
+                ns = [ns0 + int((int(t) - tsc0) * 1000 / ticks_per_us) for t in rec]
+                for j in range(len(rec) - 1):
+                    n = exe.nodes[lo + j]
+                    tr.add_span(n.op.value, "cpu", ns[j], ns[j + 1], node=n.id, tokens=B, native=True)
+                rec[:] = 0
+
     def run(self, input_ids: np.ndarray, cache) -> dict[int, np.ndarray]:
         import jax
 
@@ -516,7 +538,10 @@ class FusedStep:
         from . import disk_tier, trace
 
         pool = get_pool()
-        self._cells[0] = int(trace.ACTIVE is not None or lx.PHASE_NS is not None or id(self.g) in disk_tier.TIERS)
+        # 0: native host calls; 1: their Python work (the MoE phase timer, a disk tier); 2: native
+        # with time stamps between ops (tracing: their spans go into the trace after the step)
+        self._cells[0] = 1 if lx.PHASE_NS is not None or id(self.g) in disk_tier.TIERS else \
+            2 if trace.ACTIVE is not None else 0
         self._cells[1] = pool.n_threads * pool.split
         self._cur = (input_ids, cache)
         self._error = None
@@ -554,6 +579,7 @@ class FusedStep:
                 tl[start:] = sorted(evs, key=lambda e: (e[2], order.get(e[0], 1)))
         if traced:
             self._trace(trace.ACTIVE, tl, B)
+            self._trace_native(trace.ACTIVE, B, tsc0, ns0, nat.ticks_per_us)
             self.timeline = None
         if self._stage is not None:
             self._stage.guard = None        # the program has finished: the staging may be rewritten

@@ -32,7 +32,6 @@ class Tracer:
     def __init__(self) -> None:
         self.t0 = time.perf_counter_ns()
         self.events: list[dict] = []
-        self.busy: dict[str, float] = defaultdict(float)     # track -> seconds
         self.bytes: dict[str, int] = defaultdict(int)        # link -> bytes moved
         self.counts: dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()
@@ -53,7 +52,6 @@ class Tracer:
             if args:
                 ev["args"] = args
             self.events.append(ev)
-            self.busy[track] += (end - start) / 1e9
             self.counts[track] += 1
 
     def add_span(self, name: str, track: str, start_ns: int, end_ns: int, cat: str = "kernel", **args) -> None:
@@ -64,7 +62,6 @@ class Tracer:
             ev["args"] = args
         with self._lock:
             self.events.append(ev)
-            self.busy[track] += (end_ns - start_ns) / 1e9
             self.counts[track] += 1
 
     def transfer(self, direction: str, nbytes: int, seconds: float, name: str = "activation",
@@ -76,7 +73,6 @@ class Tracer:
         self.events.append({"name": name, "cat": "transfer", "ph": "X", "ts": self._us(start),
                             "dur": seconds * 1e6, "pid": PID, "tid": TRACKS[direction], "args": {"bytes": nbytes}})
         self.bytes[direction] += nbytes
-        self.busy[direction] += seconds
         self.counts[direction] += 1
 
     def join(self) -> None:
@@ -104,17 +100,32 @@ class Tracer:
         with self._lock:
             return overlap_seconds(self.events, TRACKS[a], TRACKS[b])
 
-    def stats_lines(self, wall_seconds: float) -> list[str]:
+    def busy_seconds(self) -> dict[str, float]:
+        """Per track, the seconds during which at least one of its spans ran (the union: spans of
+        one track may overlap, e.g. GPU partitions in flight at once, or nested spans), not the
+        sum of their durations."""
         self.join()
+        with self._lock:
+            out = {}
+            for t in TRACKS:
+                if self.counts.get(t):
+                    tid = TRACKS[t]
+                    m = merged([(e["ts"], e["ts"] + e["dur"]) for e in self.events
+                                if e.get("ph") == "X" and e.get("tid") == tid])
+                    out[t] = sum(b - a for a, b in m) / 1e6
+            return out
+
+    def stats_lines(self, wall_seconds: float) -> list[str]:
+        busy = self.busy_seconds()
         lines = [f"busy time per track over {wall_seconds:.3f} s of run:"]
         for t in TRACKS:
             if self.counts.get(t):
-                lines.append(f"  {TRACK_NAMES[t]:32s} {self.busy[t]:9.4f} s  {self.counts[t]:7d} spans  "
-                             f"({100 * self.busy[t] / max(wall_seconds, 1e-12):5.1f} %)")
+                lines.append(f"  {TRACK_NAMES[t]:32s} {busy[t]:9.4f} s  {self.counts[t]:7d} spans  "
+                             f"({100 * busy[t] / max(wall_seconds, 1e-12):5.1f} %)")
         if self.counts.get("cpu") and self.counts.get("gpu"):
             both = self.overlap("cpu", "gpu")
             lines.append(f"  cpu kernels and gpu partitions at once: {both:.4f} s "
-                         f"({100 * both / max(self.busy['gpu'], 1e-12):.1f} % of the gpu's busy time)")
+                         f"({100 * both / max(busy['gpu'], 1e-12):.1f} % of the gpu's busy time)")
         for link in ("h2d", "d2h"):
             if self.counts.get(link):
                 lines.append(f"  bytes moved {link}: {self.bytes[link]} B in {self.counts[link]} copies")

@@ -321,7 +321,9 @@ def test_cpu_partitions_run_as_native_programs_with_the_same_logits(model, tmp_p
             # in the fused steps (only in prefill and the first decode step, partition by partition)
             assert native_calls["host calls"] > 0 and native_calls["segments"] == 0
             assert ran["host calls"] < ran["segments"]
-            # while tracing, the same host calls take the Python work (its ops traced one by one)
+            # while tracing, the same host calls run the program with time stamps between its ops:
+            # their spans (native=True) join the trace beside the GPU's stretches
             assert ran["traced"] == 0 and any(e["name"] == "fused step: gpu segment 1" for e in tr.events), ran
+            assert any(e["name"] == "moe_ffn" and e.get("args", {}).get("native") for e in tr.events)
         for name in out:
             np.testing.assert_array_equal(out[name], out["python"], err_msg=name)

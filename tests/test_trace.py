@@ -74,6 +74,10 @@ def test_overlap_of_two_tracks():
     t = Tracer()
     t.events = ev
     assert t.overlap() == pytest.approx(30 / 1e6)
+    # busy time per track is the union of its spans (GPU partitions in flight at once, nested
+    # spans), never more than the span of the run
+    t.counts.update({"cpu": 3, "gpu": 2, "h2d": 1})
+    assert t.busy_seconds() == pytest.approx({"cpu": 150 / 1e6, "gpu": 100 / 1e6, "h2d": 1000 / 1e6})
 
 
 def test_validate_rejects_malformed_events():

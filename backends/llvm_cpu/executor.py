@@ -66,7 +66,7 @@ def _record_phases(t: list[int], active: np.ndarray, gate_up: tuple, down: tuple
 # op's step function may carry `native(step) -> [instruction]` (built once per step shape) and
 # `pre(step)` (Python run before the program every step: per-step argument values); run_segment
 # runs the program where every op of the range has one. Instructions are 10 int64s.
-_PAR, _ONE, _SET, _COPY, _GATHER = range(5)
+_PAR, _ONE, _SET, _COPY, _GATHER, _TSC = range(6)
 
 
 def _ins(kind: int, fn: int = 0, args: int = 0, f3: int = 0, src: int = 0, f5: int = 0, f6: int = 0,
@@ -327,22 +327,29 @@ class LLVMExecutor:
             for o in self.outputs:
                 env[o] = frame.out(self.g.node(o)).copy()
 
-    def _program(self, frame: Frame, ops: list, step: Step, lo: int, hi: int):
+    def _program(self, frame: Frame, ops: list, step: Step, lo: int, hi: int, traced: bool = False):
         """(instructions int64[n, 10], pre-step functions) of ops [lo, hi) for this step shape, or
-        None where an op has no native form (made once per shape and range)."""
-        key = (frame.M, step.B, step.T, lo, hi)
+        None where an op has no native form (made once per shape and range). `traced`: the same
+        program with a TSC instruction before the first op and after each, into a third item
+        (int64[hi - lo + 1]: op j ran from its j-th entry to its (j+1)-th), for native traces."""
+        key = (frame.M, step.B, step.T, lo, hi, traced)
         if key not in self._programs:
             prog, pres = [], []
-            for op in ops[lo:hi]:
+            rec = np.zeros(hi - lo + 1, np.int64) if traced else None
+            if traced:
+                prog.append(_ins(_TSC, dst=rec.ctypes.data))
+            for j, op in enumerate(ops[lo:hi]):
                 make = getattr(op, "native", None)
                 if make is None:
                     prog = None
                     break
                 prog += make(step)
+                if traced:
+                    prog.append(_ins(_TSC, dst=rec.ctypes.data + 8 * (j + 1)))
                 if op.pre is not None:
                     pres.append(op.pre)
             self._programs[key] = None if prog is None else \
-                (np.ascontiguousarray(np.array(prog, np.int64).reshape(-1, 10)), pres)
+                (np.ascontiguousarray(np.array(prog, np.int64).reshape(-1, 10)), pres) + ((rec,) if traced else ())
         return self._programs[key]
 
     def _fetch(self, env: dict, frame, inputs: list[int], M: int) -> None:

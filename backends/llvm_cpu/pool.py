@@ -353,6 +353,7 @@ define i64 @strata_rdtsc() {
 ; kind 2 SET:    *dst = *src * mult + field3
 ; kind 3 COPY:   memcpy(dst, src, field3)
 ; kind 4 GATHER: for r < field3, j < ncols: dst[r*ldd + j] = src[r*lds + idx[j]] (32-bit values)
+; kind 5 TSC:    *dst = the time-stamp counter (traces of native programs)
 define void @strata_run_program(ptr %prog, i64 %n, i64 %maxc) {
 entry:
   br label %loop
@@ -386,7 +387,8 @@ body:
                                   i64 1, label %one
                                   i64 2, label %set
                                   i64 3, label %copy
-                                  i64 4, label %gather ]
+                                  i64 4, label %gather
+                                  i64 5, label %tsc ]
 par:
   %hassrc = icmp ne ptr %src, null
   br i1 %hassrc, label %pardyn, label %pargo
@@ -455,6 +457,10 @@ gcolbody:
 growend:
   %r1 = add i64 %r, 1
   br label %grow
+tsc:
+  %now = call i64 @llvm.readcyclecounter()
+  store i64 %now, ptr %dst, align 8
+  br label %next
 next:
   %i1 = add i64 %i, 1
   br label %loop

@@ -268,15 +268,17 @@ class HostCall:
 
 
 def native_work(run_program: int, prog: int, n: int, maxc: int, flag: int, fallback: int,
-                timeline: int = 0, tag: int = 0, before: int = 0) -> int:
+                timeline: int = 0, tag: int = 0, before: int = 0, traced: tuple[int, int] = (0, 0)) -> int:
     """A work function that runs a CPU partition's segment program without Python: while the
     int64 at `flag` is 0, ``before()`` when given (pool.py `strata_async_wait`: the part of the
     partition a runner thread computes), then ``run_program(prog, n, *maxc)`` (pool.py
     `strata_run_program`, or `strata_async_start` to hand it to the runner; `maxc` points at the
-    chunk count the pool would cut); otherwise the work function at `fallback` (the Python one:
-    tracing, timing). With `timeline` (an int64 buffer: [on, count, capacity, then (tag, TSC at
-    entry, TSC at exit) per call]) and its first word set, each call appends its record. Returns
-    its address (kept alive with the process)."""
+    chunk count the pool would cut); while it is 2, the same with `traced` = (program, n) in its
+    place (the program with time stamps between its ops, for traces); otherwise the work
+    function at `fallback` (the Python one: the MoE phase timer, disk tiers). With `timeline` (an
+    int64 buffer: [on, count, capacity, then (tag, TSC at entry, TSC at exit) per call]) and its
+    first word set, each call appends its record. Returns its address (kept alive with the
+    process)."""
     import llvmlite.binding as llvm
 
     from strata_compiler.backends.llvm_cpu.jit import optimize
@@ -287,15 +289,21 @@ def native_work(run_program: int, prog: int, n: int, maxc: int, flag: int, fallb
 define void @{name}(i64 %arg, ptr %stream) {{
 entry:
   %f = load volatile i64, ptr inttoptr (i64 {flag} to ptr), align 8
-  %py = icmp ne i64 %f, 0
-  br i1 %py, label %python, label %native
+  %tr = icmp eq i64 %f, 2
+  %trok = and i1 %tr, {"true" if traced[0] else "false"}
+  %plain = icmp eq i64 %f, 0
+  %go = or i1 %plain, %trok
+  %p = select i1 %trok, i64 {traced[0]}, i64 {prog}
+  %pn = select i1 %trok, i64 {traced[1]}, i64 {n}
+  br i1 %go, label %native, label %python
 python:
   call void inttoptr (i64 {fallback} to ptr)(i64 %arg, ptr %stream)
   ret void
 native:
   %m = load volatile i64, ptr inttoptr (i64 {maxc} to ptr), align 8
   %t0 = call i64 @llvm.readcyclecounter(){f"{chr(10)}  call void inttoptr (i64 {before} to ptr)()" if before else ""}
-  call void inttoptr (i64 {run_program} to ptr)(ptr inttoptr (i64 {prog} to ptr), i64 {n}, i64 %m)
+  %pp = inttoptr i64 %p to ptr
+  call void inttoptr (i64 {run_program} to ptr)(ptr %pp, i64 %pn, i64 %m)
   %t1 = call i64 @llvm.readcyclecounter()
   br i1 {"true" if timeline else "false"}, label %tl, label %done
 tl:
