@@ -14,3 +14,6 @@ AB="strata-25@STRATA_NATIVE_HOST_CALLS=0,strata-25@STRATA_FUSED_SPIN_US=0,ngl-25
 timeout ${LIMIT:-540} python benchmarks/placement_bench.py --work-dir /tmp/pb --layers 16 --router-skew 0.5 \
   --budgets 25,50 --n-new 48 --repeats 2 --calib-tokens 256 --hw benchmarks/profiles/h200-2026-11-29-raw.json \
   --json "$OUT/pb.json" --only "strata-25,ngl-25,ktransformers,strata-50,ngl-50,${1:-$AB}" 2>&1 | tee "$OUT/pb.log"
+# the place pass's runtime constants refitted to this run (CPU only, the plans' own profile)
+timeout ${REFIT_LIMIT:-120} python benchmarks/refit_cost_model.py --json "$OUT/pb.json" --work-dir /tmp/pb \
+  --hw benchmarks/profiles/h200-2026-11-29-raw.json 2>&1 | tee "$OUT/refit.log" || true

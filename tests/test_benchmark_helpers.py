@@ -199,13 +199,22 @@ def test_device_benchmarks_smoke(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "placement_bench.py"), "--tiny", "--work-dir",
                         str(tmp_path / "pb"), "--hw", str(hw), "--device", "cpu", "--n-new", "6", "--repeats", "1",
                         "--only", "strata-25,ngl-25,cache-25/no-prefetch,strata-25/old-hand-off,disk-half,"
-                        "hot-cache-25,ktransformers/try-hand-off",
+                        "hot-cache-25,ktransformers/try-hand-off,ngl-25@STRATA_POOL_SPLIT=2",
                         "--json", str(tmp_path / "pb.json"), "--disk"],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "pb.json").read_text())["variants"]
     assert set(res) == {"gpu-all", "strata-25", "ngl-25", "cache-25/no-prefetch", "strata-25/old-hand-off",
-                        "disk-half", "hot-cache-25", "ktransformers/try-hand-off"}
+                        "disk-half", "hot-cache-25", "ktransformers/try-hand-off", "ngl-25@STRATA_POOL_SPLIT=2"}
+    assert res["ngl-25@STRATA_POOL_SPLIT=2"]["env"] == {"STRATA_POOL_SPLIT": "2"}     # its own process, that env
+    assert "ngl-25@STRATA_POOL_SPLIT=2" in r.stdout      # its row in the table
+    # the place pass's runtime constants refitted to the run (replayed up to the place pass)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "refit_cost_model.py"), "--json",
+                        str(tmp_path / "pb.json"), "--work-dir", str(tmp_path / "pb"), "--hw", str(hw),
+                        "--switch", "0.5,1", "--eff", "0.75"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    best = r.stdout.split("best:")[1].splitlines()
+    assert {ln.split()[0] for ln in best[1:] if ln.strip()} == {"ngl-25", "strata-25"}
     assert 0 < res["hot-cache-25"]["hit_rate"] <= 1 and res["hot-cache-25"]["prefetch_accuracy"] is not None
     assert all(v["tok_s"] > 0 and v["same_tokens"] for v in res.values())
     assert 0 < res["disk-half"]["peak_rss"] < 4 << 30 and res["strata-25"]["predicted"] > 0
