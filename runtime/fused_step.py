@@ -72,8 +72,8 @@ def native_host_calls_wanted() -> bool:
 def wake_wanted() -> bool:
     """STRATA_HOST_CALL_WAKE (default 1): a host call's handler wakes the CPU thread pool on entry,
     before it waits for the GPU to finish its operands, so the workers are spinning when the CPU
-    partition's first kernel starts instead of being woken from their futex then (they sleep after
-    30 us idle in a mixed plan, and the GPU's share of a layer takes longer than that)."""
+    partition's first kernel starts instead of being woken from their futex then (idle workers
+    sleep after the spin and yield of STRATA_FUSED_SPIN_US)."""
     raw = os.environ.get("STRATA_HOST_CALL_WAKE", "1")
     if raw not in ("0", "1"):
         from strata_compiler.errors import UsageError
@@ -127,7 +127,8 @@ class FusedStep:
         self._maps_of: dict = {}    # CPU partition -> the expert caches whose slot maps its call returns
         self._maps_out: dict = {}   # ... and their host buffers
         self.steps = 0
-        # [flag: host calls take their Python work this step (tracing, ...), the pool's chunk count]
+        # [this step's flag for the native host calls (0 native, 1 Python, 2 native with time
+        #  stamps: run), the pool's chunk count]
         self._cells = np.zeros(2, np.int64)
         self.native_calls: set[int] = set()     # CPU partitions whose host call runs natively
         self._progs: dict = {}                  # (partition, B) -> _native_progs
@@ -339,8 +340,6 @@ class FusedStep:
         the step's flag selects the same program with time stamps between its ops
         (`_trace_native`); while timing the MoE phases or streaming disk-tier experts, the Python
         work (`fallback`). Returns the work function's address."""
-        from strata_compiler.backends.llvm_cpu.executor import Step
-
         exe = self.m.parts[i][1]
         progs = self._native_progs(i, B, frame)
         if progs is None:
@@ -359,6 +358,23 @@ class FusedStep:
                            fallback, timeline=self._native_tl.ctypes.data, tag=i, before=before,
                            traced=(traced.ctypes.data, len(traced)))
 
+    def _needs_python(self, i: int) -> bool:
+        """Whether CPU partition i's host calls need Python work every step: native host calls
+        off (STRATA_NATIVE_HOST_CALLS=0) or programs off (STRATA_NATIVE_SEGMENTS=0); a prefetch to
+        start or slot maps to hand back; an input that the handler does not copy (another CPU
+        partition's value, the token ids); an expert cache's masked share; or a result that
+        another CPU partition or the step's outputs read (from the Python env)."""
+        exe = self.m.parts[i][1]
+        if not native_host_calls_wanted() or not exe.native or self._triggers(i) or self._slot_maps(i):
+            return True
+        ins = [a for a in exe.inputs if self.g.node(a).op is not Op.INPUT_IDS]
+        split = self._plan_splits().get(i)
+        users = self.g.users()
+        return (set(ins) != set(self.dev_in[i]) or (split is not None and bool(split[0].attr("cache", "")))
+                or any(n.op in (Op.EMBED, Op.INPUT_IDS) or n.attr("cache", "") for n in exe.nodes)
+                or any(u == -1 or u not in self.part_of or self.m.parts[self.part_of[u]][0] != "xla"
+                       for o in exe.outputs for u in users[o]))
+
     def _native_progs(self, i: int, B: int, frame) -> dict | None:
         """The programs of CPU partition i's host calls ({None: all} or {"start", "finish"}), or
         None where it needs Python (see _native_work); decided once per partition and batch, for
@@ -369,16 +385,9 @@ class FusedStep:
         from strata_compiler.backends.llvm_cpu.executor import Step
 
         exe = self.m.parts[i][1]
-        users = self.g.users()
-        ins = [a for a in exe.inputs if self.g.node(a).op is not Op.INPUT_IDS]
         split = self._plan_splits().get(i)
         out = None
-        if not (not native_host_calls_wanted() or not exe.native or self._triggers(i)
-                or self._slot_maps(i) or set(ins) != set(self.dev_in[i])
-                or (split is not None and split[0].attr("cache", ""))
-                or any(n.op in (Op.EMBED, Op.INPUT_IDS) for n in exe.nodes)
-                or any(u == -1 or u not in self.part_of or self.m.parts[self.part_of[u]][0] != "xla"
-                       for o in exe.outputs for u in users[o])):
+        if not self._needs_python(i):
             _, ops = exe.frames[B]
             step = Step(B, 1, None)
             cuts = {None: (0, len(ops))} if split is None else {"start": (0, split[3]), "finish": (split[3], len(ops))}
