@@ -71,9 +71,10 @@ PARTITION_S = 60e-6
 # 0.40 ms per switch = 2.4 x the tiny call. Plans with few switches barely depend on it.
 SWITCH_FACTOR = 2.4
 # Decode steps of a single-GPU plan run as one jitted program in which CPU partitions are host
-# calls (runtime/fused_step.py): no jitted call per switch, 0.5 x the tiny call per switch (~84 us
-# on the H200 profile: the host call's copies and sync, the GPU's launch gaps around it).
-FUSED_SWITCH_FACTOR = 0.5
+# calls (runtime/fused_step.py): no jitted call per switch; refitted (below) to 0.35 x the tiny
+# call, under PARTITION_S's floor, so a switch costs 60 us (the host call's copies and sync, the
+# GPU's launch gaps around it; any factor up to 0.36 fits the run equally).
+FUSED_SWITCH_FACTOR = 0.35
 # The CPU's share of a mixed plan runs at this fraction of the probe's rates (its GEMV on a 256 MiB
 # matrix, alone on the machine): beside the GPU runtime's threads, on a layer's few cold experts,
 # inside host calls. A plan without GPU work keeps the probe's rates. Fitted together with
@@ -83,8 +84,12 @@ FUSED_SWITCH_FACTOR = 0.5
 # model and calibration with the H200 profile over a grid of both constants); the all-CPU plan,
 # measured at 83.8–95.3 tok/s there, is predicted at 96 with the probe's rates. The earlier fit (0.96 x the switch,
 # CPU at the probe's rates) put the CPU's slowness into the switches: it matched the split plan
-# but over-predicted -ngl by 22 % and chose it.
-CPU_MIXED_EFFICIENCY = 0.75
+# but over-predicted -ngl by 22 % and chose it. Refitted after the CPU shares became native
+# programs (benchmarks/refit_cost_model.py on the H200 run of 2026-11-30 14:04, the plans'
+# committed profile: the split plan 169.4, -ngl 142.2, KTransformers' layout 98.7 tok/s at 25 %,
+# the split plan 203.3 and -ngl 169.6 at 50 %): 0.9 x the probe's rates and the 60 us switch
+# predict them within 9 % (rms 6.8 % in log; 0.75 and 84 us: 20.6 %, every one under-predicted).
+CPU_MIXED_EFFICIENCY = 0.9
 # One all-reduce of a token's activation among the GPUs of a mesh, inside the XLA computation, with
 # what sharding adds around it. Measured on 2 H200s (2026-11-29, benchmarks/multi_gpu.py, 16
 # layers): the striped plan as one mesh decoded at 319.3 tok/s against 432.2 on one GPU, i.e.
