@@ -4,7 +4,7 @@
 # H200 profile against -ngl and KTransformers' layout at 25 and 50 % GPU budgets, then the
 # runtime switches still to be decided, each variant in a process of its own (NAME@VAR=VALUE),
 # then the cost model refitted to the run. Fits one 600 s device call (LIMIT, REFIT_LIMIT).
-#   bash benchmarks/h200_placement.sh [EXTRA_VARIANTS]        (outputs under $OUT, else /tmp/pbout)
+#   bash benchmarks/h200_placement.sh [AB_VARIANTS]   (instead of the A/B list below; outputs under $OUT, else /tmp/pbout)
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
