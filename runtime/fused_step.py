@@ -61,12 +61,9 @@ from strata_compiler.ir import Op
 def native_host_calls_wanted() -> bool:
     """STRATA_NATIVE_HOST_CALLS (default 1): host calls of CPU partitions that need no per-step
     Python run their segment program straight from the handler (FusedStep._native_work)."""
-    raw = os.environ.get("STRATA_NATIVE_HOST_CALLS", "1")
-    if raw not in ("0", "1"):
-        from strata_compiler.errors import UsageError
+    from strata_compiler.env import switch
 
-        raise UsageError(f"STRATA_NATIVE_HOST_CALLS={raw!r}: expected 0 or 1")
-    return raw == "1"
+    return switch("STRATA_NATIVE_HOST_CALLS", True)
 
 
 def wake_wanted() -> bool:
@@ -74,12 +71,9 @@ def wake_wanted() -> bool:
     before it waits for the GPU to finish its operands, so the workers are spinning when the CPU
     partition's first kernel starts instead of being woken from their futex then (idle workers
     sleep after the spin and yield of STRATA_FUSED_SPIN_US)."""
-    raw = os.environ.get("STRATA_HOST_CALL_WAKE", "1")
-    if raw not in ("0", "1"):
-        from strata_compiler.errors import UsageError
+    from strata_compiler.env import switch
 
-        raise UsageError(f"STRATA_HOST_CALL_WAKE={raw!r}: expected 0 or 1")
-    return raw == "1"
+    return switch("STRATA_HOST_CALL_WAKE", True)
 
 
 class FusedStep:

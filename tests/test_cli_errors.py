@@ -827,3 +827,20 @@ def test_strata_debug_env_shows_traceback(built, tmp_path):
                                          ("re:([=gpu", "re:([")])
 def test_compile_bad_place_rules(capsys, tmp_path, built, rules, named):
     compile_fails(capsys, tmp_path, built.model, "--place", rules, names=("--place", named))
+
+
+def test_run_bad_switch_value_is_one_line(built, monkeypatch):
+    """An on/off runtime switch (strata_compiler/env.py: STRATA_NATIVE_SEGMENTS, the host-call
+    switches) with another value is one line naming it; unset or empty, the default."""
+    from strata_compiler.env import switch
+    from strata_compiler.errors import UsageError
+
+    assert_one_line_error(script(STRATA_RUN, built.plan, "--input-ids", built.ids, "-n", "2",
+                                 env={"STRATA_NATIVE_SEGMENTS": "yes"}), "STRATA_NATIVE_SEGMENTS", "expected 0 or 1")
+    monkeypatch.delenv("STRATA_HOST_CALL_WAKE", raising=False)
+    assert switch("STRATA_HOST_CALL_WAKE", True) is True
+    monkeypatch.setenv("STRATA_HOST_CALL_WAKE", "0")
+    assert switch("STRATA_HOST_CALL_WAKE", True) is False
+    monkeypatch.setenv("STRATA_HOST_CALL_WAKE", "on")
+    with pytest.raises(UsageError, match="STRATA_HOST_CALL_WAKE='on': expected 0 or 1"):
+        switch("STRATA_HOST_CALL_WAKE", True)

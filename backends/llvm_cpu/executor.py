@@ -83,10 +83,9 @@ def _op(run: Callable, native: Callable | None, pre: Callable | None = None) -> 
 def native_wanted() -> bool:
     """STRATA_NATIVE_SEGMENTS (default 1): run a CPU partition's ops as one native program where
     they allow it, instead of a Python call per op (tracing and the MoE phase timer keep the latter)."""
-    raw = os.environ.get("STRATA_NATIVE_SEGMENTS", "1")
-    if raw not in ("0", "1"):
-        raise UsageError(f"STRATA_NATIVE_SEGMENTS={raw!r}: expected 0 or 1")
-    return raw == "1"
+    from strata_compiler.env import switch
+
+    return switch("STRATA_NATIVE_SEGMENTS", True)
 
 
 class Kernel:
