@@ -146,19 +146,18 @@ exit:
   ret void
 }
 
-define internal ptr @worker_main(ptr %unused) {
+; Wait until the i32 at %word differs from %seen: spin with `pause` for g_spin ticks, then
+; sched_yield until g_spin + g_yield, then sleep on the futex, counted in the i32 at %sleepers
+; (whoever changes %word wakes the futex when that count is non-zero). Returns the new value.
+define internal i32 @wait_change(ptr %word, i32 %seen, ptr %sleepers) {
 entry:
-  %g0 = load atomic i32, ptr @g_gen acquire, align 4
-  br label %wait
-wait:
-  %seen = phi i32 [ %g0, %entry ], [ %g, %got ]
   %t0 = call i64 @llvm.readcyclecounter()
   %spin = load atomic i64, ptr @g_spin monotonic, align 8
   %yield = load atomic i64, ptr @g_yield monotonic, align 8
   %spin_yield = add i64 %spin, %yield
   br label %spinloop
 spinloop:
-  %c1 = load atomic i32, ptr @g_gen acquire, align 4
+  %c1 = load atomic i32, ptr %word acquire, align 4
   %chg1 = icmp ne i32 %c1, %seen
   br i1 %chg1, label %got, label %spinpause
 spinpause:
@@ -168,7 +167,7 @@ spinpause:
   %more1 = icmp ult i64 %el1, %spin
   br i1 %more1, label %spinloop, label %yieldloop
 yieldloop:
-  %c2 = load atomic i32, ptr @g_gen acquire, align 4
+  %c2 = load atomic i32, ptr %word acquire, align 4
   %chg2 = icmp ne i32 %c2, %seen
   br i1 %chg2, label %got, label %yieldbody
 yieldbody:
@@ -178,20 +177,30 @@ yieldbody:
   %more2 = icmp ult i64 %el2, %spin_yield
   br i1 %more2, label %yieldloop, label %sleep
 sleep:
-  %s0 = atomicrmw add ptr @g_sleepers, i32 1 seq_cst, align 4
+  %s0 = atomicrmw add ptr %sleepers, i32 1 seq_cst, align 4
   br label %sleeploop
 sleeploop:
-  %c3 = load atomic i32, ptr @g_gen seq_cst, align 4
+  %c3 = load atomic i32, ptr %word seq_cst, align 4
   %chg3 = icmp ne i32 %c3, %seen
   br i1 %chg3, label %woke, label %sleepbody
 sleepbody:
-  call void @futex_wait(ptr @g_gen, i32 %seen, ptr null)
+  call void @futex_wait(ptr %word, i32 %seen, ptr null)
   br label %sleeploop
 woke:
-  %s1 = atomicrmw sub ptr @g_sleepers, i32 1 seq_cst, align 4
+  %s1 = atomicrmw sub ptr %sleepers, i32 1 seq_cst, align 4
   br label %got
 got:
   %g = phi i32 [ %c1, %spinloop ], [ %c2, %yieldloop ], [ %c3, %woke ]
+  ret i32 %g
+}
+
+define internal ptr @worker_main(ptr %unused) {
+entry:
+  %g0 = load atomic i32, ptr @g_gen acquire, align 4
+  br label %wait
+wait:
+  %seen = phi i32 [ %g0, %entry ], [ %g, %wait ]
+  %g = call i32 @wait_change(ptr @g_gen, i32 %seen, ptr @g_sleepers)
   call void @run_chunks()
   br label %wait
 }
@@ -484,40 +493,19 @@ declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
 @g_async_req = internal global i32 0, align 64
 @g_async_done = internal global i32 0, align 64
 @g_async_started = internal global i32 0, align 64
+@g_async_sleepers = internal global i32 0, align 64
 
 define internal ptr @async_main(ptr %unused) {
 entry:
   br label %wait
 wait:
   %seen = load atomic i32, ptr @g_async_done acquire, align 4
-  %t0 = call i64 @llvm.readcyclecounter()
-  %spin = load atomic i64, ptr @g_spin monotonic, align 8
-  br label %spinloop
-spinloop:
-  %r1 = load atomic i32, ptr @g_async_req acquire, align 4
-  %new1 = icmp ne i32 %r1, %seen
-  br i1 %new1, label %run, label %spinpause
-spinpause:
-  call void @llvm.x86.sse2.pause()
-  %t1 = call i64 @llvm.readcyclecounter()
-  %el = sub i64 %t1, %t0
-  %more = icmp ult i64 %el, %spin
-  br i1 %more, label %spinloop, label %sleeploop
-sleeploop:
-  %r2 = load atomic i32, ptr @g_async_req seq_cst, align 4
-  %new2 = icmp ne i32 %r2, %seen
-  br i1 %new2, label %run, label %sleepbody
-sleepbody:
-  call void @futex_wait(ptr @g_async_req, i32 %seen, ptr null)
-  br label %sleeploop
-run:
-  %req = phi i32 [ %r1, %spinloop ], [ %r2, %sleeploop ]
+  %req = call i32 @wait_change(ptr @g_async_req, i32 %seen, ptr @g_async_sleepers)
   %prog = load ptr, ptr @g_async_prog, align 8
   %n = load i64, ptr @g_async_n, align 8
   %maxc = load i64, ptr @g_async_maxc, align 8
   call void @strata_run_program(ptr %prog, i64 %n, i64 %maxc)
   store atomic i32 %req, ptr @g_async_done seq_cst, align 4
-  call void @futex_wake(ptr @g_async_done, i32 1)
   br label %wait
 }
 
@@ -544,7 +532,13 @@ post:
   store i64 %n, ptr @g_async_n, align 8
   store i64 %maxc, ptr @g_async_maxc, align 8
   %g = atomicrmw add ptr @g_async_req, i32 1 seq_cst, align 4
+  %sl = load atomic i32, ptr @g_async_sleepers seq_cst, align 4
+  %anysl = icmp ne i32 %sl, 0
+  br i1 %anysl, label %wake, label %ret
+wake:
   call void @futex_wake(ptr @g_async_req, i32 1)
+  br label %ret
+ret:
   ret void
 }
 
@@ -575,6 +569,7 @@ ret:
 ; In a child after fork(): the parent's runner does not exist here.
 define void @strata_async_after_fork() {
   store atomic i32 0, ptr @g_async_started seq_cst, align 4
+  store atomic i32 0, ptr @g_async_sleepers seq_cst, align 4
   %d = load atomic i32, ptr @g_async_req seq_cst, align 4
   store atomic i32 %d, ptr @g_async_done seq_cst, align 4
   ret void
