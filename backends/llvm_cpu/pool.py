@@ -194,6 +194,21 @@ got:
   ret i32 %g
 }
 
+; Add 1 to the i32 at %word and wake up to %n of its futex sleepers, counted at %sleepers (the
+; other side of wait_change: both seq_cst, so a sleeper either sees the new value or is counted).
+define internal void @bump(ptr %word, ptr %sleepers, i32 %n) {
+entry:
+  %old = atomicrmw add ptr %word, i32 1 seq_cst, align 4
+  %sl = load atomic i32, ptr %sleepers seq_cst, align 4
+  %any = icmp ne i32 %sl, 0
+  br i1 %any, label %wake, label %ret
+wake:
+  call void @futex_wake(ptr %word, i32 %n)
+  br label %ret
+ret:
+  ret void
+}
+
 define internal ptr @worker_main(ptr %unused) {
 entry:
   %g0 = load atomic i32, ptr @g_gen acquire, align 4
@@ -216,14 +231,7 @@ publish:
   store atomic i32 0, ptr @g_done monotonic, align 4
   %w = shl i64 %n, 32
   store atomic i64 %w, ptr @g_work release, align 8
-  %oldgen = atomicrmw add ptr @g_gen, i32 1 seq_cst, align 4
-  %sl = load atomic i32, ptr @g_sleepers seq_cst, align 4
-  %anysl = icmp ne i32 %sl, 0
-  br i1 %anysl, label %wake, label %run
-wake:
-  call void @futex_wake(ptr @g_gen, i32 2147483647)
-  br label %run
-run:
+  call void @bump(ptr @g_gen, ptr @g_sleepers, i32 2147483647)
   call void @run_chunks()
   %n32 = trunc i64 %n to i32
   %t0 = call i64 @llvm.readcyclecounter()
@@ -309,15 +317,7 @@ done:
 ; the futex wake-ups on the critical path. It writes no job state, so any thread may call it at any
 ; time: during a job it only brings the workers to that job's chunks sooner.
 define void @strata_pool_wake() {
-entry:
-  %oldgen = atomicrmw add ptr @g_gen, i32 1 seq_cst, align 4
-  %sl = load atomic i32, ptr @g_sleepers seq_cst, align 4
-  %anysl = icmp ne i32 %sl, 0
-  br i1 %anysl, label %wake, label %ret
-wake:
-  call void @futex_wake(ptr @g_gen, i32 2147483647)
-  br label %ret
-ret:
+  call void @bump(ptr @g_gen, ptr @g_sleepers, i32 2147483647)
   ret void
 }
 
@@ -531,14 +531,7 @@ post:
   store ptr %prog, ptr @g_async_prog, align 8
   store i64 %n, ptr @g_async_n, align 8
   store i64 %maxc, ptr @g_async_maxc, align 8
-  %g = atomicrmw add ptr @g_async_req, i32 1 seq_cst, align 4
-  %sl = load atomic i32, ptr @g_async_sleepers seq_cst, align 4
-  %anysl = icmp ne i32 %sl, 0
-  br i1 %anysl, label %wake, label %ret
-wake:
-  call void @futex_wake(ptr @g_async_req, i32 1)
-  br label %ret
-ret:
+  call void @bump(ptr @g_async_req, ptr @g_async_sleepers, i32 1)
   ret void
 }
 
