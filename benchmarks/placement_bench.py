@@ -239,7 +239,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--calib-tokens", type=int, default=256,
                     help="calibration tokens (routing frequencies for the cost model); 0: none, experts equally likely")
-    ap.add_argument("--hw", type=Path, help="a stratac probe-hw profile (default: measured now, --quick)")
+    ap.add_argument("--hw", type=Path, help="a stratac probe-hw profile (default: measured now; --quick with --tiny)")
     ap.add_argument("--tiny", action="store_true", help="a small model (smoke test on any machine)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--disk", action="store_true", help="also a plan with half the experts on the disk tier")
@@ -280,7 +280,9 @@ def main() -> int:
     if hw is None:
         hw = a.work_dir / "hw.json"
         if not hw.exists():
-            stratac("probe-hw", "-o", str(hw), "--quick", "--disk-dir", str(a.work_dir))
+            # the full probe, as `--target auto` takes: the quick one's rough figures changed the
+            # chosen layout between H200 machines (BENCHMARKS.md, 2026-11-30 13:30-14:06)
+            stratac("probe-hw", "-o", str(hw), *(["--quick"] if a.tiny else []), "--disk-dir", str(a.work_dir))
     from strata_compiler.passes.place import GPU_RESERVE
     from strata_compiler.runtime.plan import load_plan
 
