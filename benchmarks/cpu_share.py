@@ -14,7 +14,9 @@ quantization of x and h, gate/up, down: backends/llvm_cpu/executor.py PHASE_NS) 
 weight GB/s of the two matrix kernels.
 
 Run it on the machine whose fused step is in question; against switch_breakdown.py's fused
-timeline, the gap between the two is what the host call's surroundings cost.
+timeline, the gap between the two is what the host call's surroundings cost. "native us" is
+the same segment run as one native program (backends/llvm_cpu/pool.py strata_run_program: what a
+fused step's host call runs; the phase timer needs the Python path, so the phases are of that).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def main() -> int:
         s.step(rng.integers(0, 1000, (1, 1)))
     ks = [int(x) for x in a.experts.split(",")]
     print(f"{a.plan_dir}: {len(parts)} CPU partitions, {get_pool().n_threads} threads, {a.reps} calls per row")
-    print(f"{'partition':>9s} {'k':>3s} {'segment us':>10s} " + " ".join(f"{p[4:]:>9s}" for p in PHASES)
+    print(f"{'partition':>9s} {'k':>3s} {'segment us':>10s} {'native us':>9s} " + " ".join(f"{p[4:]:>9s}" for p in PHASES)
           + f" {'gate_up GB/s':>12s} {'down GB/s':>9s}")
     for pi, exe in enumerate(parts[:a.partitions]):
         frame, _ = exe.frames[1]
@@ -92,8 +94,10 @@ def main() -> int:
                 moes.append((combs, mine))
         if not moes:
             continue
-        for k in ks:
-            lx.PHASE_NS = {}
+        # whether the segment runs as one program (no expert cache's mask, programs on)
+        as_program = exe.native and exe._program(frame, exe.frames[1][1], lx.Step(1, 1, s.cache), 0,
+                                                 len(exe.nodes)) is not None
+        def segment_ns(k: int) -> list[int]:
             seg = []
             for _ in range(a.reps + 5):
                 for combs, mine in moes:
@@ -104,12 +108,18 @@ def main() -> int:
                 t0 = time.perf_counter_ns()
                 exe.run_segment(env, ids, s.cache)
                 seg.append(time.perf_counter_ns() - t0)
+            return seg[5:]
+
+        for k in ks:
+            lx.PHASE_NS = {}                # op by op in Python, the MoE op's phases timed
+            seg = segment_ns(k)
             ph = {key: v[5 * len(moes):] for key, v in lx.PHASE_NS.items()}
             lx.PHASE_NS = None
+            native = statistics.median(segment_ns(k)) / 1e3 if as_program else float("nan")   # one program
             med = {key: statistics.median(v) for key, v in ph.items()}
             gu = sum(ph["moe.gate_up_bytes"]) / max(1, sum(ph["moe.gate_up"]))
             dn = sum(ph["moe.down_bytes"]) / max(1, sum(ph["moe.down"]))
-            print(f"{pi:>9d} {k:>3d} {statistics.median(seg[5:]) / 1e3:10.1f} "
+            print(f"{pi:>9d} {k:>3d} {statistics.median(seg) / 1e3:10.1f} {native:9.1f} "
                   + " ".join(f"{med[p] / 1e3:9.1f}" for p in PHASES) + f" {gu:12.2f} {dn:9.2f}")
     return 0
 
