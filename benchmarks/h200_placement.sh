@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 side-by-side of issues 6 and 7 in one device call (~5 min on a fresh machine):
+# The H200 side-by-side of issue 6 in one device call (~8 min on a fresh machine):
 # the 16-layer OLMoE-shaped int4 model, router skew 0.5, Strata's plan for the committed full
 # H200 profile against -ngl and KTransformers' layout at 25 and 50 % GPU budgets, then the
 # runtime switches still to be decided, each variant in a process of its own (NAME@VAR=VALUE),
