@@ -5,12 +5,7 @@
 # runtime switches still to be decided, each variant in a process of its own (NAME@VAR=VALUE),
 # then the cost model refitted to the run. Fits one 600 s device call (LIMIT, REFIT_LIMIT).
 #   bash benchmarks/h200_placement.sh [AB_VARIANTS]   (instead of the A/B list below; outputs under $OUT, else /tmp/pbout)
-set -euo pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/pbout}
-mkdir -p "$OUT"
-pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+source "$(dirname "$0")/h200_setup.sh" /tmp/pbout
 AB="strata-25@STRATA_NATIVE_HOST_CALLS=0,strata-25@STRATA_FUSED_SPIN_US=0,ngl-25@STRATA_FUSED_SPIN_US=0,strata-25@STRATA_NUM_THREADS=15,strata-25@XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,strata-25@STRATA_FUSED_OVERLAP=1,strata-25@STRATA_HOST_CALL_STAGING=1"
 timeout ${LIMIT:-480} python benchmarks/placement_bench.py --work-dir /tmp/pb --layers 16 --router-skew 0.5 \
   --budgets 25,50 --n-new 48 --repeats 2 --calib-tokens 256 --hw benchmarks/profiles/h200-2026-11-29-raw.json \

@@ -4,12 +4,8 @@
 # (Perfetto JSON; CPU and GPU busy at once per token) of the static split with and without the
 # native overlap of a layer's CPU and GPU experts.
 #   bash benchmarks/h200_runtime.sh      (outputs under $OUT, else /tmp/rtout; LAYERS, DEVICE, LIMIT)
-set -euo pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/rtout}
+source "$(dirname "$0")/h200_setup.sh" /tmp/rtout
 mkdir -p "$OUT/traces"
-pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 timeout ${LIMIT:-540} python benchmarks/placement_bench.py --work-dir /tmp/pb --layers ${LAYERS:-16} --router-skew 0.5 \
   --budgets 25 --n-new 48 --repeats 2 --calib-tokens 256 --hw benchmarks/profiles/h200-2026-11-29-raw.json \
   --device ${DEVICE:-auto} --trace-dir "$OUT/traces" --json "$OUT/rt.json" \

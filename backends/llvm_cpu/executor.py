@@ -299,19 +299,16 @@ class LLVMExecutor:
         if lo == 0:
             frame.ids[:] = input_ids.reshape(-1)
         step = Step(B, T, cache)
+        prog = None
         if trace.ACTIVE is None and self.native and PHASE_NS is None and id(self.g) not in disk_tier.TIERS \
                 and all(env.get(i) is IN_FRAME for f in self._fetch_vals[lo:hi] for i in f):
             prog = self._program(frame, ops, step, lo, hi)
-            if prog is not None:         # the whole range as one native call
-                for f in prog[1]:
-                    f(step)
-                if len(prog[0]):
-                    self.pool.run_program(prog[0].ctypes.data, len(prog[0]))
-                if hi == len(ops):
-                    for o in self.outputs:
-                        env[o] = frame.out(self.g.node(o)).copy()
-                return
-        if trace.ACTIVE is None:
+        if prog is not None:             # the whole range as one native call
+            for f in prog[1]:
+                f(step)
+            if len(prog[0]):
+                self.pool.run_program(prog[0].ctypes.data, len(prog[0]))
+        elif trace.ACTIVE is None:
             for op, fetch in zip(ops[lo:hi], self.fetch_at[lo:hi]):
                 if fetch:
                     self._fetch(env, frame, fetch, M)
