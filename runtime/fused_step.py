@@ -32,10 +32,11 @@ STRATA_PREFETCH_STREAM=1, off until measured on a GPU): the CPU side of the laye
 share, the combine after it. The prefetch's copies for that layer then go on a copy stream of
 their own and overlap the layer's attention and CPU side; only the GPU share waits for them, on
 the GPU (a CUDA event). Otherwise copies are queued on the program's stream. With
-STRATA_FUSED_OVERLAP=1 (off until measured on a GPU) every layer whose GPU expert share ends a
-partition splits so, and the first call hands the CPU side to the pool's runner thread (native:
-pool.py `strata_async_start`; a Python worker thread where the call needs Python): the CPU
-computes its experts while the GPU computes its own. STRATA_FUSED_STEP=0 turns fused steps off.
+STRATA_FUSED_OVERLAP (`overlap_mode`; by default where both halves run natively) every layer
+whose GPU expert share ends a partition splits so, and the first call hands the CPU side to the
+pool's runner thread (native: pool.py `strata_async_start`; a Python worker thread where the call
+needs Python, with STRATA_FUSED_OVERLAP=1 only): the CPU computes its experts while the GPU
+computes its own. STRATA_FUSED_STEP=0 turns fused steps off.
 
 A CPU partition that needs no per-step Python (a split layer's cold experts: no attention cache
 arguments, token ids, expert-cache masks or prefetch) runs its segment program (pool.py
@@ -64,6 +65,20 @@ def native_host_calls_wanted() -> bool:
     from strata_compiler.env import switch
 
     return switch("STRATA_NATIVE_HOST_CALLS", True)
+
+
+def overlap_mode() -> str:
+    """STRATA_FUSED_OVERLAP: "1" every layer whose GPU expert share ends a partition splits around
+    it and its CPU side runs beside the share (on a Python worker thread where the call needs
+    Python); "0" never; unset ("auto") only where both halves run as native programs: a static
+    (uncached) share. Measured on an H200 (BENCHMARKS.md): native overlap +10 %, the Python
+    thread -25 %."""
+    raw = os.environ.get("STRATA_FUSED_OVERLAP", "") or "auto"
+    if raw not in ("0", "1", "auto"):
+        from strata_compiler.errors import UsageError
+
+        raise UsageError(f"STRATA_FUSED_OVERLAP={raw!r}: expected 0, 1 or auto")
+    return raw
 
 
 def wake_wanted() -> bool:
@@ -112,7 +127,7 @@ class FusedStep:
         self._stage = None
         self._private = False       # the CPU platform's cached GPU shares copied (run)
         self._splits = None         # _plan_splits
-        self.overlap = False        # STRATA_FUSED_OVERLAP (read by _plan_splits)
+        self.overlap: set[int] = set()  # split CPU partitions whose start call runs beside the GPU share
         self._jobs = None           # the overlap worker's queue
         self._done: dict = {}       # CPU partition -> the event its start call's job sets
         self._split_keys: set = set()
@@ -175,22 +190,25 @@ class FusedStep:
         layer), then the share runs on the GPU, then the second call (`finish`) the rest.
         With STRATA_PREFETCH_STREAM=1 (cached shares): the expert copies the prefetch queued for
         that layer on a copy stream of their own run beside the layer's attention and its CPU
-        side, and only the GPU share waits for them (`_stream_for`). With STRATA_FUSED_OVERLAP=1
-        (any share): the start call hands its ops to a worker thread and returns, so the GPU share
-        runs while the CPU computes its side; the finish call waits for them. Both off until
-        measured on a GPU (the split runs on the CPU platform too). i -> (share node, early
-        inputs, late inputs, index of the first op of the finish)."""
+        side, and only the GPU share waits for them (`_stream_for`; off until it measures faster on
+        a GPU). With overlap (`overlap_mode`: by default static shares whose calls run natively;
+        STRATA_FUSED_OVERLAP=1 any share): the start call hands its ops to the pool's runner
+        thread (or a Python worker) and returns, so the GPU share runs while the CPU computes its
+        side; the finish call waits for them (the split runs on the CPU platform too).
+        i -> (share node, early inputs, late inputs, index of the first op of the finish)."""
         if self._splits is not None:
             return self._splits
         out = {}
         parts = self.m.parts
         stream = os.environ.get("STRATA_PREFETCH_STREAM", "0") == "1"
-        self.overlap = os.environ.get("STRATA_FUSED_OVERLAP", "0") == "1"
-        for i in self.dev_in if stream or self.overlap else ():
+        mode = overlap_mode()
+        for i in self.dev_in if stream or mode != "0" else ():
             if i == 0 or parts[i - 1][0] != "xla":
                 continue
             last = parts[i - 1][1].nodes[-1]
-            if last.op is not Op.MOE_FFN or last.id not in self.dev_in[i] or not (self.overlap or last.attr("cache", "")):
+            cached = bool(last.attr("cache", ""))
+            if last.op is not Op.MOE_FFN or last.id not in self.dev_in[i] or not (
+                    cached and stream or mode == "1" or mode == "auto" and not cached):
                 continue
             k = next(j for j, f in enumerate(parts[i][1].fetch_at) if last.id in f)
             early = [a for a in self.dev_in[i] if a != last.id]
@@ -198,6 +216,10 @@ class FusedStep:
                 continue
             out[i] = (last, early, [last.id], k)
         self._splits = out
+        if mode == "auto":      # only where both halves run natively: a Python worker thread loses
+            for i in [i for i, sp in out.items() if not sp[0].attr("cache", "") and self._needs_python(i)]:
+                del out[i]
+        self.overlap = {i for i, sp in out.items() if mode == "1" or mode == "auto" and not sp[0].attr("cache", "")}
         self._split_keys = {n.attr("cache") for n, *_ in out.values() if n.attr("cache", "")} if stream else set()
         return out
 
@@ -257,7 +279,7 @@ class FusedStep:
                 tl.append(("enter", i, time.perf_counter_ns()))
             try:
                 ids, cache = self._cur
-                if part == "start" and self.overlap:    # the CPU side runs while the GPU share does
+                if part == "start" and i in self.overlap:    # the CPU side runs while the GPU share does
                     if self._jobs is None:
                         import queue
 

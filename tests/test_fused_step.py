@@ -252,18 +252,32 @@ def test_overlap_on_a_static_hot_split(model, tmp_path, monkeypatch):
     _compile(d, tmp_path / "half", hw, gpu_mem_for(probe, probe["gpu_bytes"] * 0.5))
     plan = load_plan(tmp_path / "half")
     out = {}
-    for overlap in ("1", "0"):
+    for overlap in ("1", "", "0"):      # "": unset, the default (auto: the native splits overlap)
         monkeypatch.setenv("STRATA_FUSED_OVERLAP", overlap)
         s = Session(plan, "auto", device="cpu")
         s.reset(1, 64)
         out[overlap] = np.concatenate([s.step(ids)[:, -1]] + [s.step(ids[:, i:i + 1])[:, -1] for i in range(5)])
-        if overlap == "1":
-            f = s.executor.fused
+        f = s.executor.fused
+        if overlap != "0":
             assert f.steps == 4 and f._splits and not any(n.attr("cache", "") for n, *_ in f._splits.values())
             # both halves of every split partition run natively: the first on the pool's runner
             # thread (strata_async_start), the second after waiting for it
-            assert set(f._splits) <= f.native_calls
-    assert np.abs(out["1"] - out["0"]).max() / out["0"].std() <= 1e-6
+            assert set(f._splits) == f.overlap and set(f._splits) <= f.native_calls
+        else:
+            assert not f._splits and not f.overlap
+    for overlap in ("1", ""):
+        assert np.abs(out[overlap] - out["0"]).max() / out["0"].std() <= 1e-6
+
+
+def test_overlap_switch_rejects_other_values(monkeypatch):
+    from strata_compiler.errors import UsageError
+    from strata_compiler.runtime.fused_step import overlap_mode
+
+    monkeypatch.setenv("STRATA_FUSED_OVERLAP", "yes")
+    with pytest.raises(UsageError, match="STRATA_FUSED_OVERLAP='yes'"):
+        overlap_mode()
+    monkeypatch.delenv("STRATA_FUSED_OVERLAP")
+    assert overlap_mode() == "auto"
 
 
 def test_cpu_partitions_run_as_native_programs_with_the_same_logits(model, tmp_path, monkeypatch):
