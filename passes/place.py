@@ -90,6 +90,11 @@ FUSED_SWITCH_FACTOR = 0.35
 # the split plan 203.3 and -ngl 169.6 at 50 %): 0.9 x the probe's rates and the 60 us switch
 # predict them within 9 % (rms 6.8 % in log; 0.75 and 84 us: 20.6 %, every one under-predicted).
 CPU_MIXED_EFFICIENCY = 0.9
+# Fused decode steps overlap a split layer's CPU and GPU experts (runtime/fused_step.py,
+# STRATA_FUSED_OVERLAP auto): the layer's MoE costs the longer of its two shares. Measured on the
+# H200 (2026-11-30 16:04, placement_bench.py, 16 layers, 25 %): the split plan 197.2 tok/s with
+# the overlap against 179.7 without, in one run.
+OVERLAP = True
 # One all-reduce of a token's activation among the GPUs of a mesh, inside the XLA computation, with
 # what sharding adds around it. Measured on 2 H200s (2026-11-29, benchmarks/multi_gpu.py, 16
 # layers): the striped plan as one mesh decoded at 319.3 tok/s against 432.2 on one GPU, i.e.
@@ -274,6 +279,9 @@ class _Timeline:
         out = g.node(g.outputs[0])
         # decode on one GPU runs as one program (runtime/fused_step.py); prefill and meshes do not
         fused = not pf and mesh_devices(g) <= 1
+        # fused decode steps run a layer's CPU experts beside its GPU experts (fused_step.py
+        # overlap_mode) when the layer reaches its GPU share on the GPU: max, not sum
+        self.overlap = fused and OVERLAP
         self.end_switch = _switch_s(hw, g, out, max(1, prefill_tokens), nbytes=out.type.bytes_per_token(),
                                     fused=fused)
         for n in g.nodes:
@@ -297,8 +305,9 @@ class _Timeline:
             if name is None:                        # a MoE layer: its GPU share, then its CPU share
                 g_s = [gs for nm, _, gs in times if nm in gpu]
                 c_s = [cs for nm, cs, _ in times if nm not in gpu]
-                dt = (sum(g_s) + KERNELS[Op.MOE_FFN] * GPU_KERNEL_S if g_s else 0.0) + \
-                     (slow * (sum(c_s) + CPU_CALLS[Op.MOE_FFN] * self.cpu_op) if c_s else 0.0)
+                g_t = sum(g_s) + KERNELS[Op.MOE_FFN] * GPU_KERNEL_S if g_s else 0.0
+                c_t = slow * (sum(c_s) + CPU_CALLS[Op.MOE_FFN] * self.cpu_op) if c_s else 0.0
+                dt = max(g_t, c_t) if g_s and c_s and prev == "gpu" and self.overlap else g_t + c_t
                 devs = (["gpu"] if g_s else []) + (["cpu"] if c_s else [])
             else:
                 d = "gpu" if name in gpu else "cpu"

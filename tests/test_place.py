@@ -149,6 +149,33 @@ def test_cpu_work_beside_the_gpu_is_priced_at_the_mixed_efficiency():
     assert mixed["seconds"] == pytest.approx(20e-6 / eff + 1e-6 + 100e-6)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_split_layer_after_gpu_work_costs_the_longer_share_with_overlap(overlap):
+    """Fused decode steps run a split layer's CPU experts beside its GPU experts when the layer
+    reaches its MoE on the GPU: the layer costs max(GPU share, CPU share), not their sum; a layer
+    whose attention ran on the CPU still pays both in turn."""
+    from strata_compiler.passes import place
+
+    class T(place._Timeline):
+        def __init__(self):
+            self.cpu_op = 0.0
+            self.overlap = overlap
+            # attention, then the MoE with experts e0 (GPU 4 us / CPU 40 us) and e1 (5 / 50)
+            self.steps = [("att", (30e-6, 3e-6), 50e-6, 0),
+                          (None, [("e0", 40e-6, 4e-6), ("e1", 50e-6, 5e-6)], 50e-6, 0)]
+            self.end_switch = 50e-6
+
+    t = T()
+    eff, kern = place.CPU_MIXED_EFFICIENCY, place.KERNELS[place.Op.MOE_FFN] * place.GPU_KERNEL_S
+    g_t, c_t = 4e-6 + kern, 50e-6 / eff
+    split = t.predict({"att", "e0"})     # host -> att, e0 on the GPU -> e1 on the CPU: two switches
+    assert split["switches"] == 2
+    moe = max(g_t, c_t) if overlap else g_t + c_t
+    assert split["seconds"] == pytest.approx(3e-6 + 100e-6 + moe)
+    cpu_att = t.predict({"e0"})          # attention on the CPU: the GPU share waits for it
+    assert cpu_att["seconds"] == pytest.approx(30e-6 / eff + g_t + c_t + 100e-6)
+
+
 def test_gpu_mem_needs_a_target(model, tmp_path, capsys):
     d = model[0]
     assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "x"), "--gpu-mem", "1GiB"]) != 0
