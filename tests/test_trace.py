@@ -114,3 +114,24 @@ def test_gpu_plan_without_a_gpu_falls_back_to_the_cpu_with_one_warning(model, tm
     assert run_cli(strata_run, [*args, str(tmp_path / "b.npy"), "--device", "cpu", "--backend", "auto"]) == 0
     assert "[llvm+xla]" in capsys.readouterr().err
     np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
+
+
+def test_the_committed_h200_trace_validates_and_shows_overlap():
+    """The decode trace of the split plan at 25 % on the H200 (2026-11-30 16:04, placement_bench.py
+    with native overlap, BENCHMARKS.md): valid trace-event JSON whose CPU-kernel and GPU tracks
+    are busy at the same time (0.59 ms per token measured there)."""
+    import gzip
+    from pathlib import Path
+
+    from strata_compiler.runtime.trace import overlap_seconds
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / "h200-2026-11-30-strata-25-overlap.json.gz"
+    doc = json.loads(gzip.decompress(path.read_bytes()))
+    validate(doc)
+    ev = doc["traceEvents"]
+    tracks = {e["args"]["name"]: e["tid"] for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
+    cpu, gpu = tracks["cpu kernels (llvm / reference)"], tracks["gpu partitions (xla)"]
+    steps = [e for e in ev if e["ph"] == "X" and e["tid"] == tracks["steps (host)"]]
+    assert len(steps) == 47
+    both = overlap_seconds(ev, cpu, gpu)
+    assert 0.4e-3 < both / len(steps) < 0.8e-3
