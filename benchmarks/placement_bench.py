@@ -262,12 +262,16 @@ def main() -> int:
     ap.add_argument("--rate-only", type=Path, help=argparse.SUPPRESS)   # internal: one plan, JSON out
     ap.add_argument("--prompt", help=argparse.SUPPRESS)
     ap.add_argument("--trace-out", type=Path, help=argparse.SUPPRESS)    # internal: --rate-only's trace file
+    ap.add_argument("--variant", default="{}", help=argparse.SUPPRESS)   # internal: --rate-only's runtime options
     a = ap.parse_args()
     if a.rate_only:
         info: dict = {}
         prompt = np.array([[int(t) for t in a.prompt.split(",")]], np.int64)
+        v = json.loads(a.variant)
         tps, toks = decode_rate(a.rate_only, prompt, a.n_new, a.repeats, info=info, device=a.device,
-                                trace_out=a.trace_out)
+                                trace_out=a.trace_out, backend=v.get("backend", "auto"),
+                                prefetch=v.get("prefetch", True), expert_cache=v.get("expert_cache", True),
+                                hand_off=v.get("hand_off", ""))
         print(json.dumps({"tok_s": tps, "tokens": toks, "info": info}))
         return 0
     dims = dict(TINY if a.tiny else FULL)
@@ -419,7 +423,9 @@ def main() -> int:
             env = dict(os.environ, **v.get("env", {}))
             r = subprocess.run([sys.executable, __file__, "--rate-only", str(v["dir"]), "--n-new", str(a.n_new),
                                 "--repeats", str(a.repeats), "--prompt", ",".join(map(str, prompt[0].tolist()))]
-                               + (["--trace-out", str(tr)] if tr else []) + ["--device", a.device],
+                               + (["--trace-out", str(tr)] if tr else []) + ["--device", a.device]
+                               + ["--variant", json.dumps({k: v[k] for k in ("backend", "prefetch", "expert_cache",
+                                                                             "hand_off") if k in v})],
                                capture_output=True, text=True, env=env)
             if r.returncode != 0:           # one failed A/B variant does not end the run
                 log(f"{name} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")

@@ -76,15 +76,28 @@ class ExpertCache:
         self.last_used = np.full(E, -1, np.int64)
         self.nonresident = np.ones(E, np.float32)
         self.nonresident[self.slots] = 0.0
+        # i64[E]: routings per expert that native programs counted (pool.py MASK) since `fold`
+        self.counts = np.zeros(E, np.int64)
 
     def observe(self, combine: np.ndarray) -> None:
         """The routing weights of a step, [M, E] (nonzero for the chosen experts): count hits
         and misses, remember what was chosen for the swap decision."""
         chosen = np.asarray(combine).reshape(-1, self.n_experts) != 0
+        self._count(chosen.sum(axis=0))
+
+    def fold(self) -> None:
+        """What native programs counted (`counts`, routings per expert, under the mask the step
+        ran with: residency changes only between host calls) as `observe` would have it."""
+        if self.counts.any():
+            c = self.counts.copy()
+            self.counts[:] = 0
+            self._count(c)
+
+    def _count(self, per_expert: np.ndarray) -> None:
         resident = self.nonresident == 0
-        self.hits += int(chosen[:, resident].sum())
-        self.misses += int(chosen[:, ~resident].sum())
-        used = chosen.any(axis=0)
+        self.hits += int(per_expert[resident].sum())
+        self.misses += int(per_expert[~resident].sum())
+        used = per_expert > 0
         self._chosen = used if self._chosen is None else (self._chosen | used)
         if self.predicted is not None:           # how good was the lookahead?
             self.pf_predicted += int(self.predicted.sum())
@@ -116,6 +129,7 @@ class ExpertCache:
         """(slot, expert) copies to make now (at most `max_swaps`, default self.max_swaps: 0 only
         updates the scores), and the bookkeeping as if they were made."""
         limit = self.max_swaps if max_swaps is None else max_swaps
+        self.fold()
         used = self._chosen if self._chosen is not None else np.zeros(self.n_experts, bool)
         self._chosen = None
         self.step += 1
@@ -141,12 +155,15 @@ class ExpertCache:
         return out
 
     def hit_rate(self) -> float:
+        self.fold()
         n = self.hits + self.misses
         return self.hits / n if n else 0.0
 
 
 def stats_lines(graph) -> list[str]:
     mine = [c for k, c in CACHES.items() if k[0] == id(graph)]
+    for c in mine:
+        c.fold()
     if not mine:
         return ["  expert cache: none (static placement: experts stay where the plan put them)"]
     hits = sum(c.hits for c in mine)

@@ -174,7 +174,10 @@ class FusedStep:
 
     def _triggers(self, i: int) -> list[int]:
         """Values of CPU partition i that trigger an expert cache's prefetch (runtime/partitions.py
-        `lookahead`): on the host in its host call, so the copies can start there."""
+        `lookahead`): on the host in its host call, so the copies can start there. None while the
+        prefetch is off (set by the session before the first step)."""
+        if not self.m.prefetch:
+            return []
         ids = set(self.m.parts[i][2])
         return [nid for nid in self.m.lookahead if nid in ids]
 
@@ -207,8 +210,7 @@ class FusedStep:
                 continue
             last = parts[i - 1][1].nodes[-1]
             cached = bool(last.attr("cache", ""))
-            if last.op is not Op.MOE_FFN or last.id not in self.dev_in[i] or not (
-                    cached and stream or mode == "1" or mode == "auto" and not cached):
+            if last.op is not Op.MOE_FFN or last.id not in self.dev_in[i] or not (cached and stream or mode != "0"):
                 continue
             k = next(j for j, f in enumerate(parts[i][1].fetch_at) if last.id in f)
             early = [a for a in self.dev_in[i] if a != last.id]
@@ -216,11 +218,13 @@ class FusedStep:
                 continue
             out[i] = (last, early, [last.id], k)
         self._splits = out
-        if mode == "auto":      # only where both halves run natively: a Python worker thread loses
-            for i in [i for i, sp in out.items() if not sp[0].attr("cache", "") and self._needs_python(i)]:
-                del out[i]
-        self.overlap = {i for i, sp in out.items() if mode == "1" or mode == "auto" and not sp[0].attr("cache", "")}
         self._split_keys = {n.attr("cache") for n, *_ in out.values() if n.attr("cache", "")} if stream else set()
+        if mode == "auto":      # only where both halves run natively: a Python worker thread loses
+            for i in [i for i, sp in out.items() if self._needs_python(i) and not (stream and sp[0].attr("cache", ""))]:
+                del out[i]
+            self.overlap = {i for i in out if not self._needs_python(i)}
+        else:
+            self.overlap = set(out) if mode == "1" else set()
         return out
 
     def _worker(self) -> None:
@@ -386,8 +390,8 @@ class FusedStep:
         ins = [a for a in exe.inputs if self.g.node(a).op is not Op.INPUT_IDS]
         split = self._plan_splits().get(i)
         users = self.g.users()
-        return (set(ins) != set(self.dev_in[i]) or (split is not None and bool(split[0].attr("cache", "")))
-                or any(n.op in (Op.EMBED, Op.INPUT_IDS) or n.attr("cache", "") for n in exe.nodes)
+        return (set(ins) != set(self.dev_in[i]) or (split is not None and split[0].attr("cache", "") in self._split_keys)
+                or any(n.op in (Op.EMBED, Op.INPUT_IDS) for n in exe.nodes)
                 or any(u == -1 or u not in self.part_of or self.m.parts[self.part_of[u]][0] != "xla"
                        for o in exe.outputs for u in users[o]))
 

@@ -341,3 +341,29 @@ def test_cpu_partitions_run_as_native_programs_with_the_same_logits(model, tmp_p
             assert any(e["name"] == "moe_ffn" and e.get("args", {}).get("native") for e in tr.events)
         for name in out:
             np.testing.assert_array_equal(out[name], out["python"], err_msg=name)
+
+
+def test_cached_layers_without_prefetch_run_natively_and_overlap(model, tmp_path, monkeypatch):
+    """With the prefetch off, a cached layer's CPU side needs no per-step Python: its program masks
+    the routing weights by the live cache (pool.py MASK) and counts the routings per expert, so its
+    host calls run natively, split around the GPU share and overlapped (STRATA_FUSED_OVERLAP
+    auto). Logits, swaps, hits and misses equal the Python host calls'."""
+    from strata_compiler.runtime.session import Session
+
+    d, m, ids = model
+    plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
+    runs = {}
+    for native in ("1", "0"):
+        monkeypatch.setenv("STRATA_NATIVE_HOST_CALLS", native)
+        s = Session(plan, "auto", device="cpu", prefetch=False)
+        s.executor.copy_share = 1e9       # no copy budget: the same swaps in both runs, whatever the timing
+        s.reset(1, 64)
+        rng = np.random.default_rng(1)
+        out = [s.step(ids)[:, -1]] + [s.step(rng.integers(0, m.config.vocab_size, (1, 1)))[:, -1] for _ in range(8)]
+        caches = [c for c, *_ in s.executor.caches]
+        runs[native] = (np.concatenate(out), [(c.hits, c.misses, c.swaps) for c in caches], s.executor.fused)
+    (a, stats_a, f), (b, stats_b, _) = runs["1"], runs["0"]
+    assert np.abs(a - b).max() / b.std() <= 1e-5
+    assert stats_a == stats_b and sum(sw for *_, sw in stats_a) > 0 and all(h + mi > 0 for h, mi, _ in stats_a)
+    cached_splits = {i for i, sp in f._splits.items() if sp[0].attr("cache", "")}
+    assert cached_splits and cached_splits <= f.native_calls and cached_splits <= f.overlap

@@ -511,6 +511,21 @@ def test_segment_program_instructions(K, pool2):
     np.testing.assert_array_equal(dst, src[:, idx])
 
 
+def test_segment_program_mask_multiplies_and_counts(pool2):
+    """MASK: an expert cache's host side, routing weights times the nonresident mask (a strided
+    source), and the count of nonzero weights per expert added to the counts."""
+    comb = np.zeros((3, 8), np.float32)
+    comb[:, :5] = [[0.5, 0, 0.25, 0, 0.25], [0, 1.0, 0, 0, 0], [0.2, 0, 0, 0.8, 0]]
+    mask = np.array([1, 0, 1, 0, 1], np.float32)
+    out = np.full((3, 5), np.nan, np.float32)
+    counts = np.array([1, 0, 0, 0, 0], np.int64)
+    prog = np.array([(6, counts.ctypes.data, 0, 3, comb.ctypes.data, 8, 5, out.ctypes.data, mask.ctypes.data, 5)],
+                    np.int64)
+    pool2.run_program(prog.ctypes.data, 1)
+    np.testing.assert_array_equal(out, comb[:, :5] * mask)
+    np.testing.assert_array_equal(counts, [1 + 2, 1, 1, 1, 1])
+
+
 def test_segment_program_on_the_runner_thread(K, pool2):
     """strata_async_start / strata_async_wait: the runner thread runs a program (its kernels over the
     workers) while the poster goes on; the wait returns once it is done; many in a row."""

@@ -66,7 +66,7 @@ def _record_phases(t: list[int], active: np.ndarray, gate_up: tuple, down: tuple
 # op's step function may carry `native(step) -> [instruction]` (built once per step shape) and
 # `pre(step)` (Python run before the program every step: per-step argument values); run_segment
 # runs the program where every op of the range has one. Instructions are 10 int64s.
-_PAR, _ONE, _SET, _COPY, _GATHER, _TSC = range(6)
+_PAR, _ONE, _SET, _COPY, _GATHER, _TSC, _MASK = range(7)
 
 
 def _ins(kind: int, fn: int = 0, args: int = 0, f3: int = 0, src: int = 0, f5: int = 0, f6: int = 0,
@@ -622,9 +622,9 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
         pool = exe.pool
         # the program: count = [P pairs, nA active experts] written by the pairs kernel sizes the rest
         prog: list | None = None
-        if not cache_key and not (xin is not x and qxrun is None):
+        if not (xin is not x and qxrun is None):
             prog = []
-            if gather is not None:      # the share's routing columns (32-bit values)
+            if gather is not None and not cache_key:      # the share's routing columns (32-bit values)
                 prog.append(_ins(_GATHER, f3=M, src=full.ctypes.data, f5=_ld(full), f6=_ld(comb),
                                  dst=comb.ctypes.data, f8=idx.ctypes.data, f9=E))
             prog.append(_ins(_ONE, kp.addr, ap.addr, 0, f8=1))
@@ -635,6 +635,21 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
                 prog.append(qhrun.args.par(0, 4, src=count.ctypes.data, mult=1))
             prog.append(_ins(_SET, src=count.ctypes.data, f5=1, dst=ad.slot("P")))
             prog.append(ad.par(D, 16))
+        native = None if prog is None else lambda step: prog
+        if prog is not None and cache_key:
+            def native(step):
+                """The routing weights of the experts the GPU does not hold (the live cache's mask,
+                read as the program runs: its swaps and prefetch change it in place), counted per
+                expert into the cache's counts (ExpertCache.fold turns them into hits, misses and
+                what the swaps learn from); looked up when the program is built, after the
+                session registered its caches."""
+                live = expert_cache.lookup(exe.g, cache_key)
+                mask = plan_mask if live is None else live.nonresident
+                counts = np.zeros(E, np.int64) if live is None else live.counts
+                keep.append((mask, counts))
+                return [_ins(_MASK, fn=counts.ctypes.data, f3=M, src=full.ctypes.data, f5=_ld(full), f6=_ld(comb),
+                             dst=comb.ctypes.data, f8=mask.ctypes.data, f9=E)] + prog
+            keep: list = []
 
         def run(step: Step) -> None:
             clock = _no_clock if PHASE_NS is None else time.perf_counter_ns
@@ -661,7 +676,7 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
                 disk_tier.after(exe.g, weight_names)
             if PHASE_NS is not None:
                 _record_phases(t, active[:nA], (wu, su), (wd, sd))
-        return _op(run, None if prog is None else lambda step: prog)
+        return _op(run, native)
     return prepare
 
 

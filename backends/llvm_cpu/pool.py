@@ -355,7 +355,7 @@ define i64 @strata_rdtsc() {
 ; kernels go over the pool like parallel_for. It replaces the Python glue between a CPU
 ; partition's kernels (backends/llvm_cpu/executor.py `native`). Fields (i64 index):
 ;   0 kind  1 fn  2 args  3 total/begin/add/nbytes/rows  4 src  5 mult/lds  6 min_chunk/ldd
-;   7 dst  8 end/idx  9 ncols
+;   7 dst  8 end/idx/mask  9 ncols
 ; kind 0 PAR:    total = field3 + (src ? *src * mult : 0); chunks = min(maxc, total,
 ;                ceil(total / min_chunk)); one chunk runs on this thread, more over the pool
 ; kind 1 ONE:    fn(args, field3, field8) on this thread
@@ -363,6 +363,9 @@ define i64 @strata_rdtsc() {
 ; kind 3 COPY:   memcpy(dst, src, field3)
 ; kind 4 GATHER: for r < field3, j < ncols: dst[r*ldd + j] = src[r*lds + idx[j]] (32-bit values)
 ; kind 5 TSC:    *dst = the time-stamp counter (traces of native programs)
+; kind 6 MASK:   for r < field3, j < ncols: v = src[r*lds + j]; dst[r*ldd + j] = v * mask[j];
+;                fn[j] += (v != 0)  (f32 values and mask, i64 counts: an expert cache's host side
+;                computes the experts the GPU does not hold and counts the routings per expert)
 define void @strata_run_program(ptr %prog, i64 %n, i64 %maxc) {
 entry:
   br label %loop
@@ -397,7 +400,8 @@ body:
                                   i64 2, label %set
                                   i64 3, label %copy
                                   i64 4, label %gather
-                                  i64 5, label %tsc ]
+                                  i64 5, label %tsc
+                                  i64 6, label %mask ]
 par:
   %hassrc = icmp ne ptr %src, null
   br i1 %hassrc, label %pardyn, label %pargo
@@ -470,6 +474,42 @@ tsc:
   %now = call i64 @llvm.readcyclecounter()
   store i64 %now, ptr %dst, align 8
   br label %next
+mask:
+  %mk = inttoptr i64 %f8 to ptr
+  br label %mrow
+mrow:
+  %mr = phi i64 [ 0, %mask ], [ %mr1, %mrowend ]
+  %mrmore = icmp slt i64 %mr, %f3
+  br i1 %mrmore, label %mcols, label %next
+mcols:
+  %msb = mul i64 %mr, %f5
+  %mdb = mul i64 %mr, %f6
+  br label %mcol
+mcol:
+  %mj = phi i64 [ 0, %mcols ], [ %mj1, %mcolbody ]
+  %mjmore = icmp slt i64 %mj, %f9
+  br i1 %mjmore, label %mcolbody, label %mrowend
+mcolbody:
+  %mso = add i64 %msb, %mj
+  %msp = getelementptr float, ptr %src, i64 %mso
+  %mv = load float, ptr %msp, align 4
+  %mkp = getelementptr float, ptr %mk, i64 %mj
+  %mkv = load float, ptr %mkp, align 4
+  %mprod = fmul float %mv, %mkv
+  %mdo = add i64 %mdb, %mj
+  %mdp = getelementptr float, ptr %dst, i64 %mdo
+  store float %mprod, ptr %mdp, align 4
+  %mnz = fcmp une float %mv, 0.0
+  %mnz64 = zext i1 %mnz to i64
+  %mcp = getelementptr i64, ptr %fn, i64 %mj
+  %mc = load i64, ptr %mcp, align 8
+  %mcn = add i64 %mc, %mnz64
+  store i64 %mcn, ptr %mcp, align 8
+  %mj1 = add i64 %mj, 1
+  br label %mcol
+mrowend:
+  %mr1 = add i64 %mr, 1
+  br label %mrow
 next:
   %i1 = add i64 %i, 1
   br label %loop
