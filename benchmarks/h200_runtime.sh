@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The H200 run of issue 7 in one device call: the expert cache with prefetch against the static
-# placement at 25 % (same model and profile as h200_placement.sh), and traces of the decode steps
-# (Perfetto JSON; CPU and GPU busy at once per token) of the static split with and without the
-# native overlap of a layer's CPU and GPU experts.
+# The H200 run of issue 7 in one device call: the expert cache against the static placement at
+# 25 % (same model and profile as h200_placement.sh) — with prefetch (its host calls need Python)
+# and without (native host calls, overlapped like a static split) — the greedy-tokens check (cache
+# on / off, prefetch on / off, the no-GPU fallback), and traces of the decode steps (Perfetto JSON;
+# CPU and GPU busy at once per token).
 #   bash benchmarks/h200_runtime.sh      (outputs under $OUT, else /tmp/rtout; LAYERS, DEVICE, LIMIT)
 source "$(dirname "$0")/h200_setup.sh" /tmp/rtout
 mkdir -p "$OUT/traces"
 timeout ${LIMIT:-540} python benchmarks/placement_bench.py --work-dir /tmp/pb --layers ${LAYERS:-16} --router-skew 0.5 \
   --budgets 25 --n-new 48 --repeats 2 --calib-tokens 256 --hw benchmarks/profiles/h200-2026-11-29-raw.json \
   --device ${DEVICE:-auto} --trace-dir "$OUT/traces" --json "$OUT/rt.json" \
-  --only "strata-25,strata-25@STRATA_FUSED_OVERLAP=1,hot-cache-25,hot-25,cache-25" 2>&1 | tee "$OUT/rt.log" || true
+  --only "strata-25,hot-25,hot-cache-25,hot-cache-25/no-prefetch,cache-25,cache-25/no-prefetch,cache-25/no-cache,cache-25/no-gpu" \
+  2>&1 | tee "$OUT/rt.log" || true
