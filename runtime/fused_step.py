@@ -38,8 +38,9 @@ pool's runner thread (native: pool.py `strata_async_start`; a Python worker thre
 needs Python, with STRATA_FUSED_OVERLAP=1 only): the CPU computes its experts while the GPU
 computes its own. STRATA_FUSED_STEP=0 turns fused steps off.
 
-A CPU partition that needs no per-step Python (a split layer's cold experts: no attention cache
-arguments, token ids, expert-cache masks or prefetch) runs its segment program (pool.py
+A CPU partition that needs no per-step Python (a split layer's cold experts, cached or not: no
+attention cache arguments, token ids or prefetch; an expert cache's mask and counts are read and
+written by the program itself) runs its segment program (pool.py
 `strata_run_program`) straight from the handler, with no Python callback (`_native_work`,
 STRATA_NATIVE_HOST_CALLS=0 turns it off); under tracing a per-step flag selects the program with
 time stamps between its ops, whose spans join the trace after the step (`_trace_native`), and
@@ -71,8 +72,8 @@ def overlap_mode() -> str:
     """STRATA_FUSED_OVERLAP: "1" every layer whose GPU expert share ends a partition splits around
     it and its CPU side runs beside the share (on a Python worker thread where the call needs
     Python); "0" never; unset ("auto") only where both halves run as native programs: a static
-    (uncached) share. Measured on an H200 (BENCHMARKS.md): native overlap +10 %, the Python
-    thread -25 %."""
+    share, or a cached one with the prefetch off. Measured on an H200 (BENCHMARKS.md): native
+    overlap +10 %, the Python thread -25 %."""
     raw = os.environ.get("STRATA_FUSED_OVERLAP", "") or "auto"
     if raw not in ("0", "1", "auto"):
         from strata_compiler.errors import UsageError
@@ -352,8 +353,8 @@ class FusedStep:
         default 1): its segment program (backends/llvm_cpu/executor.py) called straight from the
         handler, no callback, no GIL. Only for a partition whose inputs all come from the GPU (the
         handler copies them into its frame), whose results only GPU partitions read, with no
-        per-step Python (attention's cache arguments, the token ids, an expert cache's masks or
-        prefetch). A partition split around its layer's GPU share (STRATA_FUSED_OVERLAP=1, `part`
+        per-step Python (attention's cache arguments, the token ids, an expert cache's prefetch).
+        A partition split around its layer's GPU share with overlap (`overlap_mode`, `part`
         "start" / "finish") hands its first part to the pool's runner thread (pool.py
         `strata_async_start`) and returns, so the GPU computes its share while the CPU computes
         the rest of the layer; the finish call waits for it, then runs the combine. While tracing,
@@ -382,8 +383,9 @@ class FusedStep:
         """Whether CPU partition i's host calls need Python work every step: native host calls
         off (STRATA_NATIVE_HOST_CALLS=0) or programs off (STRATA_NATIVE_SEGMENTS=0); a prefetch to
         start or slot maps to hand back; an input that the handler does not copy (another CPU
-        partition's value, the token ids); an expert cache's masked share; or a result that
-        another CPU partition or the step's outputs read (from the Python env)."""
+        partition's value, the token ids); a split whose start call waits for a copy stream's
+        event (STRATA_PREFETCH_STREAM); or a result that another CPU partition or the step's
+        outputs read (from the Python env)."""
         exe = self.m.parts[i][1]
         if not native_host_calls_wanted() or not exe.native or self._triggers(i) or self._slot_maps(i):
             return True

@@ -637,6 +637,8 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
             prog.append(ad.par(D, 16))
         native = None if prog is None else lambda step: prog
         if prog is not None and cache_key:
+            keep: list = []     # the counts of a plan without a live cache, alive as long as its program
+
             def native(step):
                 """The routing weights of the experts the GPU does not hold (the live cache's mask,
                 read as the program runs: its swaps and prefetch change it in place), counted per
@@ -649,7 +651,6 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
                 keep.append((mask, counts))
                 return [_ins(_MASK, fn=counts.ctypes.data, f3=M, src=full.ctypes.data, f5=_ld(full), f6=_ld(comb),
                              dst=comb.ctypes.data, f8=mask.ctypes.data, f9=E)] + prog
-            keep: list = []
 
         def run(step: Step) -> None:
             clock = _no_clock if PHASE_NS is None else time.perf_counter_ns
