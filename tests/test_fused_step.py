@@ -343,7 +343,8 @@ def test_cpu_partitions_run_as_native_programs_with_the_same_logits(model, tmp_p
             np.testing.assert_array_equal(out[name], out["python"], err_msg=name)
 
 
-def test_cached_layers_without_prefetch_run_natively_and_overlap(model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_cached_layers_without_prefetch_run_natively_and_overlap(model, tmp_path, monkeypatch, batch):
     """With the prefetch off, a cached layer's CPU side needs no per-step Python: its program masks
     the routing weights by the live cache (pool.py MASK) and counts the routings per expert, so its
     host calls run natively, split around the GPU share and overlapped (STRATA_FUSED_OVERLAP
@@ -357,9 +358,11 @@ def test_cached_layers_without_prefetch_run_natively_and_overlap(model, tmp_path
         monkeypatch.setenv("STRATA_NATIVE_HOST_CALLS", native)
         s = Session(plan, "auto", device="cpu", prefetch=False)
         s.executor.copy_share = 1e9       # no copy budget: the same swaps in both runs, whatever the timing
-        s.reset(1, 64)
+        s.reset(batch, 64)
         rng = np.random.default_rng(1)
-        out = [s.step(ids)[:, -1]] + [s.step(rng.integers(0, m.config.vocab_size, (1, 1)))[:, -1] for _ in range(8)]
+        prompt = np.concatenate([ids, ids[:, ::-1]])[:batch]
+        out = [s.step(prompt)[:, -1]] + [s.step(rng.integers(0, m.config.vocab_size, (batch, 1)))[:, -1]
+                                         for _ in range(8)]
         caches = [c for c, *_ in s.executor.caches]
         runs[native] = (np.concatenate(out), [(c.hits, c.misses, c.swaps) for c in caches], s.executor.fused)
     (a, stats_a, f), (b, stats_b, _) = runs["1"], runs["0"]
