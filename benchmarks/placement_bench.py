@@ -41,7 +41,7 @@ Variants, each compiled from the same folder at --quant with the same calibratio
   disk-half      (--disk) --host-mem = the dense weights + half the expert bytes: the rest on the
                  disk tier; its own process, peak RSS reported
 Decode: a 32-token prompt, then --n-new greedy tokens, batch 1, the mixed runtime (xla on the
-GPU, llvm on the CPU); median of --repeats. The prompt is the first of up to 256 random prompts (60 s)
+GPU, llvm on the CPU); median of --repeats (and of --rounds: the whole list run that many times in turn). The prompt is the first of up to 256 random prompts (60 s)
 whose every greedy step under gpu-all has a top-1/top-2 gap of at least --clear-gap (0.03) x
 std(logits), else the clearest of them (random models have near-ties, where kernels that round
 differently, the GPU's bf16 against the CPU's q8 activations, pick different tokens); every
@@ -241,6 +241,9 @@ def main() -> int:
     ap.add_argument("--quant", default="int4")
     ap.add_argument("--n-new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the variant list this many times in turn (A B C A B C ...): each variant's figure is "
+                         "the median of its rounds, so drift on a noisy machine hits every variant alike")
     ap.add_argument("--calib-tokens", type=int, default=256,
                     help="calibration tokens (routing frequencies for the cost model); 0: none, experts equally likely")
     ap.add_argument("--hw", type=Path, help="a stratac probe-hw profile (default: measured now; --quick with --tiny)")
@@ -416,9 +419,11 @@ def main() -> int:
                 for k, v in variants.items()}}, indent=1))
             tmp.replace(a.json)
 
-    for name, v in variants.items():
+    for rnd, (name, v) in ((r, kv) for r in range(a.rounds) for kv in variants.items()):
+        # --rounds N: the whole list N times in turn; a variant's figure is the median of its rounds
         t0 = time.time()
-        tr = a.trace_dir / f"trace-{re.sub(r'[^A-Za-z0-9._-]+', '-', name)}.json" if a.trace_dir else None
+        first = rnd == 0
+        tr = a.trace_dir / f"trace-{re.sub(r'[^A-Za-z0-9._-]+', '-', name)}.json" if a.trace_dir and first else None
         if name == "disk-half" or "env" in v:    # its own process: peak RSS is per process; env at start
             env = dict(os.environ, **v.get("env", {}))
             r = subprocess.run([sys.executable, __file__, "--rate-only", str(v["dir"]), "--n-new", str(a.n_new),
@@ -433,25 +438,31 @@ def main() -> int:
             else:
                 got = json.loads(r.stdout.strip().splitlines()[-1])
             v.update(got["info"])
-            v["tok_s"], toks = got["tok_s"], got["tokens"]
+            tps, toks = got["tok_s"], got["tokens"]
         else:
-            v["tok_s"], toks = decode_rate(v["dir"], prompt, a.n_new, a.repeats, info=v, trace_out=tr,
-                                           backend=v.get("backend", "auto"), device=a.device,
-                                           prefetch=v.get("prefetch", True), expert_cache=v.get("expert_cache", True),
-                                           hand_off=v.get("hand_off", ""))
-        ref_tokens = ref_tokens or toks
-        v["tokens"] = toks
-        v["same_tokens"] = toks == ref_tokens
-        v["same_prefix"] = next((i for i, (x, y) in enumerate(zip(toks, ref_tokens)) if x != y), len(toks))
+            tps, toks = decode_rate(v["dir"], prompt, a.n_new, a.repeats, info=v, trace_out=tr,
+                                    backend=v.get("backend", "auto"), device=a.device,
+                                    prefetch=v.get("prefetch", True), expert_cache=v.get("expert_cache", True),
+                                    hand_off=v.get("hand_off", ""))
+        v.setdefault("tok_s_rounds", []).append(tps)
+        v["tok_s"] = statistics.median(v["tok_s_rounds"])
+        if first:
+            ref_tokens = ref_tokens or toks
+            v["tokens"] = toks
+            v["same_tokens"] = toks == ref_tokens
+            v["same_prefix"] = next((i for i, (x, y) in enumerate(zip(toks, ref_tokens)) if x != y), len(toks))
+        elif toks != v["tokens"]:
+            v["same_tokens"] = False        # a later round that leaves the first round's tokens counts too
         busy = ""
-        if "trace" in v:
+        if "trace" in v and first:
             t = v["trace"]
             busy = "; traced pass " + ", ".join(f"{k} {1e3 * b / (a.n_new - 1):.2f} ms/tok"
                                                 for k, b in t["busy_s"].items()) + \
                 f" of {1e3 * t['wall_s'] / (a.n_new - 1):.2f} ms/tok; cpu and gpu busy at once " \
                 f"{1e3 * t.get('cpu_gpu_overlap_s', 0.0) / (a.n_new - 1):.2f} ms/tok"
-        log(f"{name}: {v['tok_s']:.1f} tok/s ({time.time() - t0:.0f} s){busy}")
-        if name in a.profile.split(","):
+        rtag = f" (round {rnd + 1} of {a.rounds})" if a.rounds > 1 else ""
+        log(f"{name}{rtag}: {tps:.1f} tok/s ({time.time() - t0:.0f} s){busy}")
+        if first and name in a.profile.split(","):
             profile_decode(v["dir"], prompt, a.n_new, backend=v.get("backend", "auto"), device=a.device,
                            prefetch=v.get("prefetch", True), expert_cache=v.get("expert_cache", True))
         save_json()

@@ -198,6 +198,7 @@ def test_device_benchmarks_smoke(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "placement_bench.py"), "--tiny", "--work-dir",
                         str(tmp_path / "pb"), "--hw", str(hw), "--device", "cpu", "--n-new", "6", "--repeats", "1",
+                        "--rounds", "2",
                         "--only", "strata-25,ngl-25,cache-25/no-prefetch,strata-25/old-hand-off,disk-half,"
                         "hot-cache-25,ktransformers/try-hand-off,ngl-25@STRATA_POOL_SPLIT=2",
                         "--json", str(tmp_path / "pb.json"), "--disk"],
@@ -207,6 +208,9 @@ def test_device_benchmarks_smoke(tmp_path):
     assert set(res) == {"gpu-all", "strata-25", "ngl-25", "cache-25/no-prefetch", "strata-25/old-hand-off",
                         "disk-half", "hot-cache-25", "ktransformers/try-hand-off", "ngl-25@STRATA_POOL_SPLIT=2"}
     assert res["ngl-25@STRATA_POOL_SPLIT=2"]["env"] == {"STRATA_POOL_SPLIT": "2"}     # its own process, that env
+    # --rounds 2: every variant measured twice in turn, its figure the median of the two
+    assert all(len(v["tok_s_rounds"]) == 2 and v["tok_s"] == pytest.approx(sum(v["tok_s_rounds"]) / 2)
+               for v in res.values())
     assert "ngl-25@STRATA_POOL_SPLIT=2" in r.stdout      # its row in the table
     # the place pass's runtime constants refitted to the run (replayed up to the place pass)
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "refit_cost_model.py"), "--json",
