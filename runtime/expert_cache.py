@@ -78,6 +78,11 @@ class ExpertCache:
         self.nonresident[self.slots] = 0.0
         # i64[E]: routings per expert that native programs counted (pool.py MASK) since `fold`
         self.counts = np.zeros(E, np.int64)
+        self.score = np.ascontiguousarray(self.score, np.float64)
+        # a native prefetch's (runtime/native_prefetch.py) prediction and counters since `fold`:
+        # [copies allowed this step, prefetches, bytes copied, prediction made, budget skips, copy error]
+        self.native_pred = np.zeros(E, np.uint8)
+        self.native_stats = np.zeros(6, np.int64)
 
     def observe(self, combine: np.ndarray) -> None:
         """The routing weights of a step, [M, E] (nonzero for the chosen experts): count hits
@@ -87,7 +92,18 @@ class ExpertCache:
 
     def fold(self) -> None:
         """What native programs counted (`counts`, routings per expert, under the mask the step
-        ran with: residency changes only between host calls) as `observe` would have it."""
+        ran with: residency changes only between host calls) as `observe` would have it, after a
+        native prefetch's prediction and counters (`native_pred`, `native_stats`)."""
+        st = self.native_stats
+        if st[3]:
+            self.predicted = self.native_pred.astype(bool)
+            st[3] = 0
+        if st[1] or st[2] or st[4]:
+            self.prefetches += int(st[1])
+            self.bytes_moved += int(st[2])
+            self.budget_skips += int(st[4])
+            st[1:3] = 0
+            st[4] = 0
         if self.counts.any():
             c = self.counts.copy()
             self.counts[:] = 0
@@ -134,10 +150,13 @@ class ExpertCache:
         self._chosen = None
         self.step += 1
         self.last_used[used] = self.step
+        # in place: a native prefetch (runtime/native_prefetch.py) reads the scores by address
         if self.policy == "lru":
-            self.score = self.last_used.astype(np.float64)
+            self.score[:] = self.last_used
         else:
-            self.score = self.score * self.decay + used + self.recency * (self.last_used == self.step)
+            self.score *= self.decay
+            self.score += used
+            self.score += self.recency * (self.last_used == self.step)
         out = []
         missed = [int(e) for e in np.flatnonzero(used & (self.nonresident != 0))]
         for e in sorted(missed, key=lambda e: -self.score[e]):

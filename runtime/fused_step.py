@@ -39,8 +39,9 @@ needs Python, with STRATA_FUSED_OVERLAP=1 only): the CPU computes its experts wh
 computes its own. STRATA_FUSED_STEP=0 turns fused steps off.
 
 A CPU partition that needs no per-step Python (a split layer's cold experts, cached or not: no
-attention cache arguments, token ids or prefetch; an expert cache's mask and counts are read and
-written by the program itself) runs its segment program (pool.py
+attention cache arguments, token ids or Python prefetch; an expert cache's mask and counts are
+read and written by the program itself, and with STRATA_NATIVE_PREFETCH=1 the prefetch its result
+triggers runs as native code after the program, runtime/native_prefetch.py) runs its segment program (pool.py
 `strata_run_program`) straight from the handler, with no Python callback (`_native_work`,
 STRATA_NATIVE_HOST_CALLS=0 turns it off); under tracing a per-step flag selects the program with
 time stamps between its ops, whose spans join the trace after the step (`_trace_native`), and
@@ -66,6 +67,15 @@ def native_host_calls_wanted() -> bool:
     from strata_compiler.env import switch
 
     return switch("STRATA_NATIVE_HOST_CALLS", True)
+
+
+def native_prefetch_wanted() -> bool:
+    """STRATA_NATIVE_PREFETCH (default 0 until measured on a GPU): an expert cache's prefetch runs
+    natively after its host call's program (runtime/native_prefetch.py), so the call needs no
+    Python and its layer may overlap."""
+    from strata_compiler.env import switch
+
+    return switch("STRATA_NATIVE_PREFETCH", False)
 
 
 def overlap_mode() -> str:
@@ -142,6 +152,7 @@ class FusedStep:
         self._cells = np.zeros(2, np.int64)
         self.native_calls: set[int] = set()     # CPU partitions whose host call runs natively
         self._progs: dict = {}                  # (partition, B) -> _native_progs
+        self._prefetch: dict = {}               # (partition, B) -> its native prefetch (native_prefetch.py)
         # their records while `timeline` is on: [on, count, capacity, (partition, TSC in, TSC out)...]
         self._native_tl = np.zeros(3 + 3 * 4096, np.int64)
         self._native_tl[2] = 4096
@@ -339,7 +350,7 @@ class FusedStep:
                 self._maps_out[i] = [np.zeros(self.n_slots[n.id], np.int32) for n in maps]
                 outs += self._maps_out[i]
             addr, _keep = python_work(self._work(i, part))
-            addr = self._native_work(i, B, frame, addr, part)
+            addr = self._native_work(i, B, frame, addr, part, self._maps_out.get(i) if part != "start" else None)
             platform = "cpu" if self.device.platform == "cpu" else "gpu"
             # STRATA_HOST_CALL_STAGING=1: copies through page-locked staging (off until measured)
             staging = os.environ.get("STRATA_HOST_CALL_STAGING", "0") == "1"
@@ -348,7 +359,8 @@ class FusedStep:
             hc.dev_in = dev_in
         return hc
 
-    def _native_work(self, i: int, B: int, frame, fallback: int, part: str | None = None) -> int:
+    def _native_work(self, i: int, B: int, frame, fallback: int, part: str | None = None,
+                     maps: list | None = None) -> int:
         """CPU partition i's host call work without Python where it can be (STRATA_NATIVE_HOST_CALLS,
         default 1): its segment program (backends/llvm_cpu/executor.py) called straight from the
         handler, no callback, no GIL. Only for a partition whose inputs all come from the GPU (the
@@ -374,10 +386,48 @@ class FusedStep:
             run = exe.pool.async_addresses[0]
         elif part == "finish":
             before = exe.pool.async_addresses[1]
+        after = 0
+        if part != "start" and self._triggers(i):       # the prefetch its result triggers, natively
+            pf = self._prefetch[i, B] = self._native_prefetch(i, frame, maps or [])
+            after = pf.address
         self.native_calls.add(i)
         return native_work(run, prog.ctypes.data, len(prog), self._cells.ctypes.data + 8, self._cells.ctypes.data,
                            fallback, timeline=self._native_tl.ctypes.data, tag=i, before=before,
-                           traced=(traced.ctypes.data, len(traced)))
+                           traced=(traced.ctypes.data, len(traced)), after=after)
+
+    def _prefetch_entries(self, i: int):
+        """The lookahead entries CPU partition i's results trigger, with each cache's copy plan:
+        [(trigger, lookahead entry, plan)], or None where one cannot run natively (a copy that
+        converts its rows, STRATA_PREFETCH_STREAM's copy stream)."""
+        if not native_prefetch_wanted() or os.environ.get("STRATA_PREFETCH_STREAM", "0") == "1":
+            return None
+        out = []
+        for nid in self._triggers(i):
+            for ent in self.m.lookahead[nid]:
+                c, xla, gpu_node, host = ent[:4]
+                plan = self.m.copy_plan(c, xla, gpu_node, host)
+                if not all(raw for *_, raw in plan):
+                    return None
+                out.append((nid, ent, plan))
+        return out
+
+    def _native_prefetch(self, i: int, frame, maps: list):
+        """Partition i's prefetch as native code (runtime/native_prefetch.py), its slot maps
+        written into `maps` (the host call's results)."""
+        from strata_compiler.backends.xla import cuda_rt
+
+        from .native_prefetch import Entry, Prefetch
+
+        entries = []
+        for (nid, (c, xla, gpu_node, host, w, b, nw, eps, k), plan), buf in zip(self._prefetch_entries(i), maps):
+            srcs = [(src.ctypes.data, src.strides[0], rb) for _n, _a, _cur, _dst, rb, src, _raw in plan]
+            dst_of = [lambda xla=xla, name=name, arr=arr: xla.params[name][arr].unsafe_buffer_pointer()
+                      for name, arr, *_ in plan]
+            entries.append(Entry(h=frame.out(self.g.node(nid)), w=w, b=b, nw=nw, eps=eps, k=k, c=c, srcs=srcs,
+                                 dst_of=dst_of, maps_out=buf))
+        on_gpu = self.device.platform != "cpu"
+        memcpy = ctypes.cast(cuda_rt.lib().cudaMemcpyAsync, ctypes.c_void_p).value if on_gpu else 0
+        return Prefetch(entries, memcpy)
 
     def _needs_python(self, i: int) -> bool:
         """Whether CPU partition i's host calls need Python work every step: native host calls
@@ -387,7 +437,7 @@ class FusedStep:
         event (STRATA_PREFETCH_STREAM); or a result that another CPU partition or the step's
         outputs read (from the Python env)."""
         exe = self.m.parts[i][1]
-        if not native_host_calls_wanted() or not exe.native or self._triggers(i) or self._slot_maps(i):
+        if not native_host_calls_wanted() or not exe.native or (self._triggers(i) and self._prefetch_entries(i) is None):
             return True
         ins = [a for a in exe.inputs if self.g.node(a).op is not Op.INPUT_IDS]
         split = self._plan_splits().get(i)
@@ -571,8 +621,12 @@ class FusedStep:
         pool = get_pool()
         # 0: native host calls; 1: their Python work (the MoE phase timer, a disk tier); 2: native
         # with time stamps between ops (tracing: their spans go into the trace after the step)
-        self._cells[0] = 1 if lx.PHASE_NS is not None or id(self.g) in disk_tier.TIERS else \
-            2 if trace.ACTIVE is not None else 0
+        prefetches = [pf for (_, b), pf in self._prefetch.items() if b == B]
+        # (a traced step takes the Python path where a prefetch runs natively: its copies are traced there)
+        self._cells[0] = 1 if lx.PHASE_NS is not None or id(self.g) in disk_tier.TIERS or \
+            (prefetches and trace.ACTIVE is not None) else 2 if trace.ACTIVE is not None else 0
+        for pf in prefetches:
+            pf.refresh()
         self._cells[1] = pool.n_threads * pool.split
         self._cur = (input_ids, cache)
         self._error = None
@@ -618,6 +672,8 @@ class FusedStep:
         if self._error is not None:
             e, self._error = self._error, None
             raise e
+        for pf in prefetches:
+            pf.check()
         self.steps += 1
         res = dict(zip(self._xla_outs, outs))
         return {o: (cuda_rt.fetch(res[o]) if o in res else self._env[o]).reshape(B, 1, -1) for o in self.g.outputs}

@@ -427,12 +427,10 @@ class MixedExecutor:
         if trace.ACTIVE is not None:
             trace.ACTIVE.transfer("h2d", moved, dt, name=label)
 
-    def _copy_rows(self, c, xla, gpu_node, host, slot: int, e: int, stream: int | None) -> int:
-        """Expert e into slot `slot` from inside a running fused step, whose later kernels read the
-        slot: raw copies into the GPU share's own buffers, from addresses worked out once per cache
-        (the step's critical path: rebuilding the weights' arrays per copy costs ~10 us an array).
-        Queued on `stream` on a GPU (from pageable memory the data is staged before the call
-        returns); written at once on JAX's CPU platform. Returns the bytes copied."""
+    def copy_plan(self, c, xla, gpu_node, host) -> list[tuple]:
+        """Cache c's in-step copies, per weight array of its GPU share: (param name, array name,
+        the device array, its address, bytes per slot, the host array, whether a stored row
+        copies as it is), worked out again when the device arrays changed."""
         plan = self._copy_plans.get(c.key)
         if plan is None or any(xla.params[name][arr] is not cur for name, arr, cur, *_ in plan):
             plan = []
@@ -444,6 +442,15 @@ class MixedExecutor:
                     raw = src.dtype == cur.dtype and src[0].nbytes == rb and src[0].flags.c_contiguous
                     plan.append((name, arr, cur, cur.unsafe_buffer_pointer(), rb, src, raw))
             self._copy_plans[c.key] = plan
+        return plan
+
+    def _copy_rows(self, c, xla, gpu_node, host, slot: int, e: int, stream: int | None) -> int:
+        """Expert e into slot `slot` from inside a running fused step, whose later kernels read the
+        slot: raw copies into the GPU share's own buffers, from addresses worked out once per cache
+        (the step's critical path: rebuilding the weights' arrays per copy costs ~10 us an array).
+        Queued on `stream` on a GPU (from pageable memory the data is staged before the call
+        returns); written at once on JAX's CPU platform. Returns the bytes copied."""
+        plan = self.copy_plan(c, xla, gpu_node, host)
         moved = 0
         for _name, _arr, cur, dst, rb, src, raw in plan:
             row = src[e] if raw else np.ascontiguousarray(src[e], dtype=cur.dtype)

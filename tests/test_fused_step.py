@@ -5,6 +5,7 @@ step as one program giving the partition runtime's logits exactly."""
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -368,5 +369,63 @@ def test_cached_layers_without_prefetch_run_natively_and_overlap(model, tmp_path
     (a, stats_a, f), (b, stats_b, _) = runs["1"], runs["0"]
     assert np.abs(a - b).max() / b.std() <= 1e-5
     assert stats_a == stats_b and sum(sw for *_, sw in stats_a) > 0 and all(h + mi > 0 for h, mi, _ in stats_a)
+    cached_splits = {i for i, sp in f._splits.items() if sp[0].attr("cache", "")}
+    assert cached_splits and cached_splits <= f.native_calls and cached_splits <= f.overlap
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_native_prefetch_equals_the_python_one(tmp_path, monkeypatch, batch):
+    """STRATA_NATIVE_PREFETCH=1: a cached layer's prefetch (router, choice of copies, copies, slot
+    maps) runs as native code after its host call's program, so every CPU partition's call is
+    native and the cached splits overlap. The logits, and the prefetches, swaps, hits, misses,
+    prediction counts and bytes copied, equal the Python prefetch's."""
+    from benchmarks.placement_bench import TINY
+    from benchmarks.placement_bench import build_model as synthetic
+    from strata_compiler.runtime.session import Session
+    from test_place import _compile, budget_decides, fake_profile, gpu_mem_for, probe_placement
+
+    # the benchmarks' tiny 4-layer model, every layer split with its hottest experts a cache on
+    # the GPU: each later layer's prefetch is triggered by the layer before's result, in a CPU
+    # partition that needs no other Python
+    d = synthetic(tmp_path, TINY, 0.5)
+    budget_decides(monkeypatch)
+    hw = fake_profile(tmp_path / "hw.json")
+    probe = probe_placement(d, tmp_path, hw)
+    calib = Path(__file__).resolve().parents[1] / "examples" / "models" / "tiny-moe" / "calib.txt"
+    _compile(d, tmp_path / "hot", hw, gpu_mem_for(probe, probe["gpu_bytes"] * 0.5), "--place-strategy", "hot-experts",
+             "--expert-cache", "--calib", str(calib), "--calib-tokens", "64", "--no-imatrix")
+    plan = load_plan(tmp_path / "hot")
+    ids = np.arange(1, 7)[None] * 37 % TINY["vocab"]
+    runs = {}
+    for native in ("1", "0"):
+        monkeypatch.setenv("STRATA_NATIVE_PREFETCH", native)
+        s = Session(plan, "auto", device="cpu")
+        s.executor.copy_share = 1e9
+        s.reset(batch, 64)
+        rng = np.random.default_rng(1)
+        prompt = np.concatenate([ids, ids[:, ::-1]])[:batch]
+        out = [s.step(prompt)[:, -1]] + [s.step(rng.integers(0, TINY["vocab"], (batch, 1)))[:, -1]
+                                         for _ in range(8)]
+        caches = [c for c, *_ in s.executor.caches]
+        if native == "1":       # a traced step takes the Python path (its copies go into the trace)
+            from strata_compiler.runtime import trace
+
+            trace.ACTIVE = trace.Tracer()
+            try:
+                out.append(s.step(rng.integers(0, TINY["vocab"], (batch, 1)))[:, -1])
+            finally:
+                trace.ACTIVE = None
+            assert s.executor.fused._cells[0] == 1
+        else:
+            out.append(s.step(rng.integers(0, TINY["vocab"], (batch, 1)))[:, -1])
+        for c in caches:
+            c.fold()
+        runs[native] = (np.concatenate(out), [(c.prefetches, c.swaps, c.hits, c.misses, c.pf_predicted, c.pf_correct,
+                                               c.bytes_moved, c.slots.tolist()) for c in caches], s.executor.fused)
+    (a, stats_a, f), (b, stats_b, fp) = runs["1"], runs["0"]
+    assert np.abs(a - b).max() / b.std() <= 1e-5
+    assert stats_a == stats_b and sum(st[0] for st in stats_a) > 0
+    assert f._prefetch and {i for i, _ in f._prefetch} <= f.native_calls
+    assert not fp._prefetch          # (the Python prefetch: no native one built)
     cached_splits = {i for i, sp in f._splits.items() if sp[0].attr("cache", "")}
     assert cached_splits and cached_splits <= f.native_calls and cached_splits <= f.overlap

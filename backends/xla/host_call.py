@@ -268,7 +268,8 @@ class HostCall:
 
 
 def native_work(run_program: int, prog: int, n: int, maxc: int, flag: int, fallback: int,
-                timeline: int = 0, tag: int = 0, before: int = 0, traced: tuple[int, int] = (0, 0)) -> int:
+                timeline: int = 0, tag: int = 0, before: int = 0, traced: tuple[int, int] = (0, 0),
+                after: int = 0) -> int:
     """A work function that runs a CPU partition's segment program without Python: while the
     int64 at `flag` is 0, ``before()`` when given (pool.py `strata_async_wait`: the part of the
     partition a runner thread computes), then ``run_program(prog, n, *maxc)`` (pool.py
@@ -277,8 +278,9 @@ def native_work(run_program: int, prog: int, n: int, maxc: int, flag: int, fallb
     place (the program with time stamps between its ops, for traces); otherwise the work
     function at `fallback` (the Python one: the MoE phase timer, disk tiers). With `timeline` (an
     int64 buffer: [on, count, capacity, then (tag, TSC at entry, TSC at exit) per call]) and its
-    first word set, each call appends its record. Returns its address (kept alive with the
-    process)."""
+    first word set, each call appends its record. With `after`, ``after(stream)`` runs once the
+    program has (runtime/native_prefetch.py: the expert cache's prefetch). Returns its address
+    (kept alive with the process)."""
     import llvmlite.binding as llvm
 
     from strata_compiler.backends.llvm_cpu.jit import optimize
@@ -303,7 +305,7 @@ native:
   %m = load volatile i64, ptr inttoptr (i64 {maxc} to ptr), align 8
   %t0 = call i64 @llvm.readcyclecounter(){f"{chr(10)}  call void inttoptr (i64 {before} to ptr)()" if before else ""}
   %pp = inttoptr i64 %p to ptr
-  call void inttoptr (i64 {run_program} to ptr)(ptr %pp, i64 %pn, i64 %m)
+  call void inttoptr (i64 {run_program} to ptr)(ptr %pp, i64 %pn, i64 %m){f"{chr(10)}  call void inttoptr (i64 {after} to ptr)(ptr %stream)" if after else ""}
   %t1 = call i64 @llvm.readcyclecounter()
   br i1 {"true" if timeline else "false"}, label %tl, label %done
 tl:
