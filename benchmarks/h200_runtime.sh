@@ -2,9 +2,8 @@
 # The H200 run of issue 7 in one device call: the expert cache against the static placement at
 # 25 % (same model and profile as h200_placement.sh) — with the Python prefetch, the native one
 # (STRATA_NATIVE_PREFETCH=1) and none (both native: host calls overlapped like a static split's) —
-# the greedy-tokens check (cache
-# on / off, prefetch on / off, the no-GPU fallback), and traces of the decode steps (Perfetto JSON;
-# CPU and GPU busy at once per token).
+# the greedy-tokens check (cache on / off, prefetch on / off, the no-GPU fallback), and traces of
+# the decode steps (Perfetto JSON; CPU and GPU busy at once per token).
 #   bash benchmarks/h200_runtime.sh      (outputs under $OUT, else /tmp/rtout; LAYERS, DEVICE, LIMIT)
 source "$(dirname "$0")/h200_setup.sh" /tmp/rtout
 mkdir -p "$OUT/traces"
