@@ -421,8 +421,7 @@ class FusedStep:
         entries = []
         for (nid, (c, xla, gpu_node, host, w, b, nw, eps, k), plan), buf in zip(self._prefetch_entries(i), maps):
             srcs = [(src.ctypes.data, src.strides[0], rb) for _n, _a, _cur, _dst, rb, src, _raw in plan]
-            dst_of = [lambda xla=xla, name=name, arr=arr: xla.params[name][arr].unsafe_buffer_pointer()
-                      for name, arr, *_ in plan]
+            dst_of = [lambda xla=xla, name=name, arr=arr: xla.params[name][arr] for name, arr, *_ in plan]
             entries.append(Entry(h=frame.out(self.g.node(nid)), w=w, b=b, nw=nw, eps=eps, k=k, c=c, srcs=srcs,
                                  dst_of=dst_of, maps_out=buf))
         on_gpu = self.device.platform != "cpu"

@@ -53,7 +53,7 @@ class Entry:
     k: int
     c: object
     srcs: list[tuple[int, int, int]]     # (address of expert 0's row, bytes between rows, bytes per row) per array
-    dst_of: list                         # per array: a function giving the destination's base address now
+    dst_of: list                         # per array: a function giving the destination array now
     maps_out: np.ndarray | None = None
     dst_cells: np.ndarray = field(default=None)
 
@@ -62,6 +62,7 @@ class Entry:
         self.nw = np.ascontiguousarray(self.nw, np.float32)
         self.b = None if self.b is None else np.ascontiguousarray(self.b, np.float32)
         self.dst_cells = np.zeros(len(self.srcs), np.int64)
+        self._dsts: list = [None] * len(self.srcs)
 
 
 class Prefetch:
@@ -84,10 +85,14 @@ class Prefetch:
         self.address = ee.get_function_address(name)
 
     def refresh(self) -> None:
-        """Before a step: where each copy goes now, and the copies allowed."""
+        """Before a step: where each copy goes now (an array JAX replaced: its new address), and
+        the copies allowed."""
         for e in self.entries:
             for j, dst in enumerate(e.dst_of):
-                e.dst_cells[j] = dst()
+                a = dst()
+                if a is not e._dsts[j]:
+                    e._dsts[j] = a
+                    e.dst_cells[j] = a.unsafe_buffer_pointer()
             e.c.native_stats[0] = 1
 
     def check(self) -> None:
