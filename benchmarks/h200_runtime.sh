@@ -10,5 +10,5 @@ mkdir -p "$OUT/traces"
 timeout ${LIMIT:-540} python benchmarks/placement_bench.py --work-dir /tmp/pb --layers ${LAYERS:-16} --router-skew 0.5 \
   --budgets 25 --n-new 48 --repeats 2 --calib-tokens 256 --hw benchmarks/profiles/h200-2026-11-29-raw.json \
   --device ${DEVICE:-auto} --trace-dir "$OUT/traces" --json "$OUT/rt.json" \
-  --only "strata-25,hot-25,hot-cache-25,hot-cache-25@STRATA_NATIVE_PREFETCH=1,hot-cache-25/no-prefetch,cache-25,cache-25@STRATA_NATIVE_PREFETCH=1,cache-25/no-prefetch,cache-25/no-cache,cache-25/no-gpu,hot-cache-25@STRATA_NATIVE_PREFETCH=1@STRATA_PREFETCH_PER_LAYER=3" \
+  --only "strata-25,hot-25,hot-cache-25,hot-cache-25@STRATA_NATIVE_PREFETCH=1,hot-cache-25/no-prefetch,cache-25,cache-25@STRATA_NATIVE_PREFETCH=1,cache-25/no-prefetch,cache-25/no-cache,cache-25/no-gpu,hot-cache-25@STRATA_NATIVE_PREFETCH=1@STRATA_PREFETCH_STREAM=1,hot-cache-25@STRATA_NATIVE_PREFETCH=1@STRATA_PREFETCH_PER_LAYER=3" \
   2>&1 | tee "$OUT/rt.log" || true

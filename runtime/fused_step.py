@@ -266,10 +266,7 @@ class FusedStep:
                 return stream
             cs = cuda_rt.copy_stream(self.device)
             if done:
-                ev = self._events.get(c.key)
-                if ev is None:
-                    ev = self._events[c.key] = cuda_rt.event()
-                cuda_rt.record(ev, cs)
+                cuda_rt.record(self._event(c.key), cs)
                 self._pending.add(c.key)
             return cs
         return pick
@@ -311,7 +308,8 @@ class FusedStep:
                     exe.run_segment(self._env, ids, cache, lo, hi)
                 if part == "start":         # the GPU share after this call waits for its copies
                     key = split[0].attr("cache", "")
-                    if key in self._pending and stream is not None:
+                    # (a native prefetch records the event without telling Python: wait whenever it exists)
+                    if stream is not None and (key in self._pending or key in self._events and native_prefetch_wanted()):
                         from strata_compiler.backends.xla import cuda_rt
 
                         cuda_rt.wait_event(stream, self._events[key])
@@ -382,8 +380,14 @@ class FusedStep:
         prog, traced, _rec, _lo = progs[part]
         run = exe.pool.run_program_address
         before = 0
+        wait = (0, 0)
         if part == "start":
             run = exe.pool.async_addresses[0]
+            key = self._plan_splits()[i][0].attr("cache", "")
+            if key in self._split_keys and self.device.platform != "cpu":     # the native prefetch's copies
+                from strata_compiler.backends.xla import cuda_rt
+
+                wait = (ctypes.cast(cuda_rt.lib().cudaStreamWaitEvent, ctypes.c_void_p).value, self._event(key))
         elif part == "finish":
             before = exe.pool.async_addresses[1]
         after = 0
@@ -393,13 +397,13 @@ class FusedStep:
         self.native_calls.add(i)
         return native_work(run, prog.ctypes.data, len(prog), self._cells.ctypes.data + 8, self._cells.ctypes.data,
                            fallback, timeline=self._native_tl.ctypes.data, tag=i, before=before,
-                           traced=(traced.ctypes.data, len(traced)), after=after)
+                           traced=(traced.ctypes.data, len(traced)), after=after, wait_event=wait)
 
     def _prefetch_entries(self, i: int):
         """The lookahead entries CPU partition i's results trigger, with each cache's copy plan:
-        [(trigger, lookahead entry, plan)], or None where one cannot run natively (a copy that
-        converts its rows, STRATA_PREFETCH_STREAM's copy stream)."""
-        if not native_prefetch_wanted() or os.environ.get("STRATA_PREFETCH_STREAM", "0") == "1":
+        [(trigger, lookahead entry, plan)], or None where one cannot run natively (native
+        prefetch off, a copy that converts its rows)."""
+        if not native_prefetch_wanted():
             return None
         out = []
         for nid in self._triggers(i):
@@ -422,11 +426,24 @@ class FusedStep:
         for (nid, (c, xla, gpu_node, host, w, b, nw, eps, k), plan), buf in zip(self._prefetch_entries(i), maps):
             srcs = [(src.ctypes.data, src.strides[0], rb) for _n, _a, _cur, _dst, rb, src, _raw in plan]
             dst_of = [lambda xla=xla, name=name, arr=arr: xla.params[name][arr] for name, arr, *_ in plan]
+            cs = ev = 0
+            if self.device.platform != "cpu" and c.key in self._split_keys:     # STRATA_PREFETCH_STREAM
+                cs, ev = cuda_rt.copy_stream(self.device), self._event(c.key)
             entries.append(Entry(h=frame.out(self.g.node(nid)), w=w, b=b, nw=nw, eps=eps, k=k, c=c, srcs=srcs,
-                                 dst_of=dst_of, maps_out=buf))
-        on_gpu = self.device.platform != "cpu"
-        memcpy = ctypes.cast(cuda_rt.lib().cudaMemcpyAsync, ctypes.c_void_p).value if on_gpu else 0
-        return Prefetch(entries, memcpy)
+                                 dst_of=dst_of, maps_out=buf, copy_stream=cs, event=ev))
+        if self.device.platform == "cpu":
+            return Prefetch(entries)
+        fn = lambda name: ctypes.cast(getattr(cuda_rt.lib(), name), ctypes.c_void_p).value     # noqa: E731
+        return Prefetch(entries, fn("cudaMemcpyAsync"), fn("cudaEventRecord"))
+
+    def _event(self, key: str) -> int:
+        """The CUDA event after cache `key`'s prefetch copies on the copy stream."""
+        from strata_compiler.backends.xla import cuda_rt
+
+        ev = self._events.get(key)
+        if ev is None:
+            ev = self._events[key] = cuda_rt.event()
+        return ev
 
     def _needs_python(self, i: int) -> bool:
         """Whether CPU partition i's host calls need Python work every step: native host calls
@@ -441,7 +458,8 @@ class FusedStep:
         ins = [a for a in exe.inputs if self.g.node(a).op is not Op.INPUT_IDS]
         split = self._plan_splits().get(i)
         users = self.g.users()
-        return (set(ins) != set(self.dev_in[i]) or (split is not None and split[0].attr("cache", "") in self._split_keys)
+        stream_wait = split is not None and split[0].attr("cache", "") in self._split_keys and not native_prefetch_wanted()
+        return (set(ins) != set(self.dev_in[i]) or stream_wait
                 or any(n.op in (Op.EMBED, Op.INPUT_IDS) for n in exe.nodes)
                 or any(u == -1 or u not in self.part_of or self.m.parts[self.part_of[u]][0] != "xla"
                        for o in exe.outputs for u in users[o]))

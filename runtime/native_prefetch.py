@@ -21,6 +21,10 @@ that does the same for each of the call's caches, its sizes and addresses baked 
   result, the counters in `native_stats` ([copies allowed, prefetches, bytes, prediction made,
   budget skips, first copy error]) that ExpertCache.fold adds up after the step.
 
+With STRATA_PREFETCH_STREAM=1 on a GPU the copies go on a copy stream and an event is recorded
+after them; the cached layer's start call makes the program wait for it on the GPU, so the
+layer's attention runs beside the copies.
+
 The destinations of the copies (the GPU share's weight buffers) are read from cells the fused
 step refreshes before every step (`Prefetch.refresh`): JAX may move an array between steps. The
 router's math runs in f32 in another order than NumPy's matmul: a prediction can differ from the
@@ -56,6 +60,10 @@ class Entry:
     dst_of: list                         # per array: a function giving the destination array now
     maps_out: np.ndarray | None = None
     dst_cells: np.ndarray = field(default=None)
+    # STRATA_PREFETCH_STREAM on a GPU: the copies go on `copy_stream` and `event` is recorded after
+    # them; the layer's start call makes the program's stream wait for it (fused_step.py)
+    copy_stream: int = 0
+    event: int = 0
 
     def __post_init__(self) -> None:
         self.w = np.ascontiguousarray(self.w, np.float32)
@@ -68,7 +76,7 @@ class Entry:
 class Prefetch:
     """The native prefetch of one host call: `address` is a `void (ptr stream)` function."""
 
-    def __init__(self, entries: list[Entry], memcpy: int = 0) -> None:
+    def __init__(self, entries: list[Entry], memcpy: int = 0, record: int = 0) -> None:
         from strata_compiler.backends.llvm_cpu.jit import optimize
         from strata_compiler.backends.llvm_cpu.target import Target
 
@@ -77,7 +85,7 @@ class Prefetch:
         self.entries = entries
         self.refresh()
         name = f"strata_prefetch_{next(_IDS)}"
-        ir = _module(name, entries, memcpy)
+        ir = _module(name, entries, memcpy, record)
         mod, tm = optimize(ir, Target.host())
         ee = llvm.create_mcjit_compiler(mod, tm)
         ee.finalize_object()
@@ -110,7 +118,7 @@ def _addr(a) -> int:
     return 0 if a is None else int(a.ctypes.data)
 
 
-def _module(name: str, entries: list[Entry], memcpy: int) -> str:
+def _module(name: str, entries: list[Entry], memcpy: int, record: int) -> str:
     from strata_compiler.backends.llvm_cpu.codegen.elementwise import NEG_INF, f32, loop
 
     copy_fn = "@host_copy" if not memcpy else f"inttoptr (i64 {memcpy} to ptr)"
@@ -228,6 +236,7 @@ def _module(name: str, entries: list[Entry], memcpy: int) -> str:
                          accs=[(f"{p}.vb", "double", "0.0", f"%{p}.vb.n"), (f"{p}.vi", "i64", "-1", f"%{p}.vi.n")]))
         copies = []
         total = 0
+        on = f"ptr {P(e.copy_stream)}" if e.copy_stream else "ptr %stream"
         for a, (src, stride, rb) in enumerate(e.srcs):
             cell = a
             total += rb
@@ -238,7 +247,7 @@ def _module(name: str, entries: list[Entry], memcpy: int) -> str:
   %{p}.so{a} = mul i64 %{p}.ei.out, {stride}
   %{p}.sa{a} = add i64 {src}, %{p}.so{a}
   %{p}.sptr{a} = inttoptr i64 %{p}.sa{a} to ptr
-  %{p}.rc{a} = call i32 {copy_fn}(ptr %{p}.dptr{a}, ptr %{p}.sptr{a}, i64 {rb}, i32 1, ptr %stream)
+  %{p}.rc{a} = call i32 {copy_fn}(ptr %{p}.dptr{a}, ptr %{p}.sptr{a}, i64 {rb}, i32 1, {on})
   call void @note_error(ptr {st}, i32 %{p}.rc{a})""")
         body.append(f"""  %{p}.hasv = icmp sge i64 %{p}.vi.out, 0
   br i1 %{p}.hasv, label %{p}.copied, label %{p}.maps
@@ -264,6 +273,14 @@ def _module(name: str, entries: list[Entry], memcpy: int) -> str:
   %{p}.n1 = add i64 %{p}.n, 1
   br label %{p}.pol
 {p}.maps:""")
+        if e.event and record:      # the copies of this call, if any, complete the event
+            body.append(f"""  %{p}.any = icmp sgt i64 %{p}.n, 0
+  br i1 %{p}.any, label %{p}.rec, label %{p}.maps2
+{p}.rec:
+  %{p}.rrc = call i32 inttoptr (i64 {record} to ptr)(ptr {P(e.event)}, {on})
+  call void @note_error(ptr {st}, i32 %{p}.rrc)
+  br label %{p}.maps2
+{p}.maps2:""")
         if e.maps_out is not None:
             body.append(f"  call void @llvm.memcpy.p0.p0.i64(ptr {P(_addr(e.maps_out))}, ptr {sl}, i64 {4 * S}, i1 false)")
         body.append(f"  br label %{p}.end\n{p}.end:")

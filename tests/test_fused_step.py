@@ -373,8 +373,8 @@ def test_cached_layers_without_prefetch_run_natively_and_overlap(model, tmp_path
     assert cached_splits and cached_splits <= f.native_calls and cached_splits <= f.overlap
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_native_prefetch_equals_the_python_one(tmp_path, monkeypatch, batch):
+@pytest.mark.parametrize("batch,stream", [(1, "0"), (2, "0"), (1, "1")])
+def test_native_prefetch_equals_the_python_one(tmp_path, monkeypatch, batch, stream):
     """STRATA_NATIVE_PREFETCH=1: a cached layer's prefetch (router, choice of copies, copies, slot
     maps) runs as native code after its host call's program, so every CPU partition's call is
     native and the cached splits overlap. The logits, and the prefetches, swaps, hits, misses,
@@ -396,6 +396,9 @@ def test_native_prefetch_equals_the_python_one(tmp_path, monkeypatch, batch):
              "--expert-cache", "--calib", str(calib), "--calib-tokens", "64", "--no-imatrix")
     plan = load_plan(tmp_path / "hot")
     ids = np.arange(1, 7)[None] * 37 % TINY["vocab"]
+    # STRATA_PREFETCH_STREAM=1: the cached layers split around their GPU shares for the copy
+    # stream (on a GPU the start call waits for the copies' event); natively too
+    monkeypatch.setenv("STRATA_PREFETCH_STREAM", stream)
     runs = {}
     for native in ("1", "0"):
         monkeypatch.setenv("STRATA_NATIVE_PREFETCH", native)

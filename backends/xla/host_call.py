@@ -269,7 +269,7 @@ class HostCall:
 
 def native_work(run_program: int, prog: int, n: int, maxc: int, flag: int, fallback: int,
                 timeline: int = 0, tag: int = 0, before: int = 0, traced: tuple[int, int] = (0, 0),
-                after: int = 0) -> int:
+                after: int = 0, wait_event: tuple[int, int] = (0, 0)) -> int:
     """A work function that runs a CPU partition's segment program without Python: while the
     int64 at `flag` is 0, ``before()`` when given (pool.py `strata_async_wait`: the part of the
     partition a runner thread computes), then ``run_program(prog, n, *maxc)`` (pool.py
@@ -279,8 +279,9 @@ def native_work(run_program: int, prog: int, n: int, maxc: int, flag: int, fallb
     function at `fallback` (the Python one: the MoE phase timer, disk tiers). With `timeline` (an
     int64 buffer: [on, count, capacity, then (tag, TSC at entry, TSC at exit) per call]) and its
     first word set, each call appends its record. With `after`, ``after(stream)`` runs once the
-    program has (runtime/native_prefetch.py: the expert cache's prefetch). Returns its address
-    (kept alive with the process)."""
+    program has (runtime/native_prefetch.py: the expert cache's prefetch). With `wait_event` =
+    (cudaStreamWaitEvent, event), the program's stream first waits for the event (the prefetch's
+    copies on their own stream). Returns its address (kept alive with the process)."""
     import llvmlite.binding as llvm
 
     from strata_compiler.backends.llvm_cpu.jit import optimize
@@ -301,7 +302,7 @@ entry:
 python:
   call void inttoptr (i64 {fallback} to ptr)(i64 %arg, ptr %stream)
   ret void
-native:
+native:{f"{chr(10)}  %we = call i32 inttoptr (i64 {wait_event[0]} to ptr)(ptr %stream, ptr inttoptr (i64 {wait_event[1]} to ptr), i32 0)" if wait_event[0] else ""}
   %m = load volatile i64, ptr inttoptr (i64 {maxc} to ptr), align 8
   %t0 = call i64 @llvm.readcyclecounter(){f"{chr(10)}  call void inttoptr (i64 {before} to ptr)()" if before else ""}
   %pp = inttoptr i64 %p to ptr
