@@ -88,16 +88,21 @@ class ExpertCache:
         """The routing weights of a step, [M, E] (nonzero for the chosen experts): count hits
         and misses, remember what was chosen for the swap decision."""
         chosen = np.asarray(combine).reshape(-1, self.n_experts) != 0
+        self._take_native_prediction()
         self._count(chosen.sum(axis=0))
+
+    def _take_native_prediction(self) -> None:
+        """A native prefetch's prediction for this step, as `prefetch` would have left it."""
+        if self.native_stats[3]:
+            self.predicted = self.native_pred.astype(bool)
+            self.native_stats[3] = 0
 
     def fold(self) -> None:
         """What native programs counted (`counts`, routings per expert, under the mask the step
         ran with: residency changes only between host calls) as `observe` would have it, after a
         native prefetch's prediction and counters (`native_pred`, `native_stats`)."""
         st = self.native_stats
-        if st[3]:
-            self.predicted = self.native_pred.astype(bool)
-            st[3] = 0
+        self._take_native_prediction()
         if st[1] or st[2] or st[4]:
             self.prefetches += int(st[1])
             self.bytes_moved += int(st[2])
