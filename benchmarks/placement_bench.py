@@ -41,11 +41,12 @@ Variants, each compiled from the same folder at --quant with the same calibratio
   disk-half      (--disk) --host-mem = the dense weights + half the expert bytes: the rest on the
                  disk tier; its own process, peak RSS reported
 Decode: a 32-token prompt, then --n-new greedy tokens, batch 1, the mixed runtime (xla on the
-GPU, llvm on the CPU); median of --repeats (and of --rounds: the whole list run that many times in turn). The prompt is the first of up to 256 random prompts (60 s)
-whose every greedy step under gpu-all has a top-1/top-2 gap of at least --clear-gap (0.03) x
-std(logits), else the clearest of them (random models have near-ties, where kernels that round
-differently, the GPU's bf16 against the CPU's q8 activations, pick different tokens); every
-variant's tokens are compared with gpu-all's.
+GPU, llvm on the CPU); median of --repeats (and of --rounds: the whole list run that many times
+in turn). The prompt is the first of up to 256 random prompts (60 s) whose every greedy step
+under gpu-all has a top-1/top-2 gap of at least --clear-gap (0.03) x std(logits), else the
+clearest of them (random models have near-ties, where kernels that round differently, the GPU's
+bf16 against the CPU's q8 activations, pick different tokens); every variant's tokens are
+compared with gpu-all's.
 Prints predicted vs measured tokens/s and the ratios.
 """
 
@@ -261,7 +262,8 @@ def main() -> int:
                     help="build the model and compile the variants (--only's), then stop: plans for other scripts")
     ap.add_argument("--clear-gap", type=float, default=0.03,
                     help="a prompt is clear when every greedy step's top-1/top-2 gap is >= this x std(logits) "
-                         "(on the H200, 2026-11-30, a step with a 0.026 x std gap flipped between the GPU's bf16 and the CPU's q8 activations)")
+                         "(on the H200, 2026-11-30, a step with a 0.026 x std gap flipped between the GPU's bf16 "
+                         "and the CPU's q8 activations)")
     ap.add_argument("--rate-only", type=Path, help=argparse.SUPPRESS)   # internal: one plan, JSON out
     ap.add_argument("--prompt", help=argparse.SUPPRESS)
     ap.add_argument("--trace-out", type=Path, help=argparse.SUPPRESS)    # internal: --rate-only's trace file

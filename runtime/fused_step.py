@@ -309,7 +309,8 @@ class FusedStep:
                 if part == "start":         # the GPU share after this call waits for its copies
                     key = split[0].attr("cache", "")
                     # (a native prefetch records the event without telling Python: wait whenever it exists)
-                    if stream is not None and (key in self._pending or key in self._events and native_prefetch_wanted()):
+                    native = key in self._events and native_prefetch_wanted()
+                    if stream is not None and (key in self._pending or native):
                         from strata_compiler.backends.xla import cuda_rt
 
                         cuda_rt.wait_event(stream, self._events[key])
@@ -453,12 +454,14 @@ class FusedStep:
         event (STRATA_PREFETCH_STREAM); or a result that another CPU partition or the step's
         outputs read (from the Python env)."""
         exe = self.m.parts[i][1]
-        if not native_host_calls_wanted() or not exe.native or (self._triggers(i) and self._prefetch_entries(i) is None):
+        if not native_host_calls_wanted() or not exe.native or \
+                (self._triggers(i) and self._prefetch_entries(i) is None):
             return True
         ins = [a for a in exe.inputs if self.g.node(a).op is not Op.INPUT_IDS]
         split = self._plan_splits().get(i)
         users = self.g.users()
-        stream_wait = split is not None and split[0].attr("cache", "") in self._split_keys and not native_prefetch_wanted()
+        stream_wait = (split is not None and split[0].attr("cache", "") in self._split_keys
+                       and not native_prefetch_wanted())
         return (set(ins) != set(self.dev_in[i]) or stream_wait
                 or any(n.op in (Op.EMBED, Op.INPUT_IDS) for n in exe.nodes)
                 or any(u == -1 or u not in self.part_of or self.m.parts[self.part_of[u]][0] != "xla"
