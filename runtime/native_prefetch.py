@@ -118,6 +118,25 @@ def _addr(a) -> int:
     return 0 if a is None else int(a.ctypes.data)
 
 
+def _first_best(L: str, i: str, n: int, pre: str, ok: str, scores: str, at: str, cmp: str, best: str,
+                arg: str) -> str:
+    """IR of a loop over %i < n leaving in %{arg}.out the first index where `ok` (an i1 the IR
+    `pre` computes from %i) holds with the best score (f64 `scores` at index `at`; `cmp` ogt: the
+    highest, olt: the lowest), -1 where it holds nowhere."""
+    from strata_compiler.backends.llvm_cpu.codegen.elementwise import loop
+
+    return loop(L, i, n, pre + f"""
+  %{L}.sp = getelementptr double, ptr {scores}, i64 {at}
+  %{L}.sv = load double, ptr %{L}.sp, align 8
+  %{L}.none = icmp slt i64 %{arg}, 0
+  %{L}.cmp = fcmp {cmp} double %{L}.sv, %{best}
+  %{L}.bet = or i1 %{L}.none, %{L}.cmp
+  %{L}.tk = and i1 {ok}, %{L}.bet
+  %{best}.n = select i1 %{L}.tk, double %{L}.sv, double %{best}
+  %{arg}.n = select i1 %{L}.tk, i64 %{i}, i64 %{arg}""",
+                accs=[(best, "double", "0.0", f"%{best}.n"), (arg, "i64", "-1", f"%{arg}.n")])
+
+
 def _module(name: str, entries: list[Entry], memcpy: int, record: int) -> str:
     from strata_compiler.backends.llvm_cpu.codegen.elementwise import NEG_INF, f32, loop
 
@@ -199,48 +218,29 @@ def _module(name: str, entries: list[Entry], memcpy: int, record: int) -> str:
 {p}.sel:""")
         sc, nr, sl, pd = (P(_addr(a)) for a in (c.score, c.nonresident, c.slots, c.native_pred))
         # the predicted non-resident expert of highest score (first on ties)
-        body.append(loop(f"{p}.se", f"{p}.x", E, f"""  %{p}.pdp = getelementptr i8, ptr {pd}, i64 %{p}.x
+        body.append(_first_best(f"{p}.se", f"{p}.x", E, f"""  %{p}.pdp = getelementptr i8, ptr {pd}, i64 %{p}.x
   %{p}.pdv = load i8, ptr %{p}.pdp, align 1
   %{p}.isp = icmp ne i8 %{p}.pdv, 0
   %{p}.nrp = getelementptr float, ptr {nr}, i64 %{p}.x
   %{p}.nrv = load float, ptr %{p}.nrp, align 4
   %{p}.isn = fcmp une float %{p}.nrv, 0.0
-  %{p}.want = and i1 %{p}.isp, %{p}.isn
-  %{p}.scp = getelementptr double, ptr {sc}, i64 %{p}.x
-  %{p}.scv = load double, ptr %{p}.scp, align 8
-  %{p}.none = icmp slt i64 %{p}.ei, 0
-  %{p}.gte = fcmp ogt double %{p}.scv, %{p}.eb
-  %{p}.bet = or i1 %{p}.none, %{p}.gte
-  %{p}.tk2 = and i1 %{p}.want, %{p}.bet
-  %{p}.eb.n = select i1 %{p}.tk2, double %{p}.scv, double %{p}.eb
-  %{p}.ei.n = select i1 %{p}.tk2, i64 %{p}.x, i64 %{p}.ei""",
-                         accs=[(f"{p}.eb", "double", "0.0", f"%{p}.eb.n"), (f"{p}.ei", "i64", "-1", f"%{p}.ei.n")]))
+  %{p}.want = and i1 %{p}.isp, %{p}.isn""", f"%{p}.want", sc, f"%{p}.x", "ogt", f"{p}.eb", f"{p}.ei"))
         body.append(f"""  %{p}.hase = icmp sge i64 %{p}.ei.out, 0
   br i1 %{p}.hase, label %{p}.vic, label %{p}.maps
 {p}.vic:""")
         # the lowest-scoring resident the prediction does not name (first on ties)
-        body.append(loop(f"{p}.sv", f"{p}.y", S, f"""  %{p}.slp = getelementptr i32, ptr {sl}, i64 %{p}.y
+        body.append(_first_best(f"{p}.sv", f"{p}.y", S, f"""  %{p}.slp = getelementptr i32, ptr {sl}, i64 %{p}.y
   %{p}.slv = load i32, ptr %{p}.slp, align 4
   %{p}.sle = sext i32 %{p}.slv to i64
   %{p}.pdp2 = getelementptr i8, ptr {pd}, i64 %{p}.sle
   %{p}.pdv2 = load i8, ptr %{p}.pdp2, align 1
-  %{p}.free = icmp eq i8 %{p}.pdv2, 0
-  %{p}.scp2 = getelementptr double, ptr {sc}, i64 %{p}.sle
-  %{p}.scv2 = load double, ptr %{p}.scp2, align 8
-  %{p}.none2 = icmp slt i64 %{p}.vi, 0
-  %{p}.lt = fcmp olt double %{p}.scv2, %{p}.vb
-  %{p}.bet2 = or i1 %{p}.none2, %{p}.lt
-  %{p}.tk3 = and i1 %{p}.free, %{p}.bet2
-  %{p}.vb.n = select i1 %{p}.tk3, double %{p}.scv2, double %{p}.vb
-  %{p}.vi.n = select i1 %{p}.tk3, i64 %{p}.y, i64 %{p}.vi""",
-                         accs=[(f"{p}.vb", "double", "0.0", f"%{p}.vb.n"), (f"{p}.vi", "i64", "-1", f"%{p}.vi.n")]))
+  %{p}.free = icmp eq i8 %{p}.pdv2, 0""", f"%{p}.free", sc, f"%{p}.sle", "olt", f"{p}.vb", f"{p}.vi"))
         copies = []
         total = 0
         on = f"ptr {P(e.copy_stream)}" if e.copy_stream else "ptr %stream"
         for a, (src, stride, rb) in enumerate(e.srcs):
-            cell = a
             total += rb
-            copies.append(f"""  %{p}.dc{a} = load i64, ptr {P(_addr(e.dst_cells) + 8 * cell)}, align 8
+            copies.append(f"""  %{p}.dc{a} = load i64, ptr {P(_addr(e.dst_cells) + 8 * a)}, align 8
   %{p}.do{a} = mul i64 %{p}.vi.out, {rb}
   %{p}.da{a} = add i64 %{p}.dc{a}, %{p}.do{a}
   %{p}.dptr{a} = inttoptr i64 %{p}.da{a} to ptr

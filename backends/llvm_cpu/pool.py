@@ -441,75 +441,12 @@ set:
 copy:
   call void @llvm.memcpy.p0.p0.i64(ptr %dst, ptr %src, i64 %f3, i1 false)
   br label %next
-gather:
-  %idx = inttoptr i64 %f8 to ptr
-  br label %grow
-grow:
-  %r = phi i64 [ 0, %gather ], [ %r1, %growend ]
-  %rmore = icmp slt i64 %r, %f3
-  br i1 %rmore, label %gcols, label %next
-gcols:
-  %sbase = mul i64 %r, %f5
-  %dbase = mul i64 %r, %f6
-  br label %gcol
-gcol:
-  %j = phi i64 [ 0, %gcols ], [ %j1, %gcolbody ]
-  %jmore = icmp slt i64 %j, %f9
-  br i1 %jmore, label %gcolbody, label %growend
-gcolbody:
-  %ixp = getelementptr i64, ptr %idx, i64 %j
-  %ix = load i64, ptr %ixp, align 8
-  %so = add i64 %sbase, %ix
-  %sp = getelementptr i32, ptr %src, i64 %so
-  %val = load i32, ptr %sp, align 4
-  %do = add i64 %dbase, %j
-  %dp = getelementptr i32, ptr %dst, i64 %do
-  store i32 %val, ptr %dp, align 4
-  %j1 = add i64 %j, 1
-  br label %gcol
-growend:
-  %r1 = add i64 %r, 1
-  br label %grow
+@@GATHER@@
 tsc:
   %now = call i64 @llvm.readcyclecounter()
   store i64 %now, ptr %dst, align 8
   br label %next
-mask:
-  %mk = inttoptr i64 %f8 to ptr
-  br label %mrow
-mrow:
-  %mr = phi i64 [ 0, %mask ], [ %mr1, %mrowend ]
-  %mrmore = icmp slt i64 %mr, %f3
-  br i1 %mrmore, label %mcols, label %next
-mcols:
-  %msb = mul i64 %mr, %f5
-  %mdb = mul i64 %mr, %f6
-  br label %mcol
-mcol:
-  %mj = phi i64 [ 0, %mcols ], [ %mj1, %mcolbody ]
-  %mjmore = icmp slt i64 %mj, %f9
-  br i1 %mjmore, label %mcolbody, label %mrowend
-mcolbody:
-  %mso = add i64 %msb, %mj
-  %msp = getelementptr float, ptr %src, i64 %mso
-  %mv = load float, ptr %msp, align 4
-  %mkp = getelementptr float, ptr %mk, i64 %mj
-  %mkv = load float, ptr %mkp, align 4
-  %mprod = fmul float %mv, %mkv
-  %mdo = add i64 %mdb, %mj
-  %mdp = getelementptr float, ptr %dst, i64 %mdo
-  store float %mprod, ptr %mdp, align 4
-  %mnz = fcmp une float %mv, 0.0
-  %mnz64 = zext i1 %mnz to i64
-  %mcp = getelementptr i64, ptr %fn, i64 %mj
-  %mc = load i64, ptr %mcp, align 8
-  %mcn = add i64 %mc, %mnz64
-  store i64 %mcn, ptr %mcp, align 8
-  %mj1 = add i64 %mj, 1
-  br label %mcol
-mrowend:
-  %mr1 = add i64 %mr, 1
-  br label %mrow
+@@MASK@@
 next:
   %i1 = add i64 %i, 1
   br label %loop
@@ -614,6 +551,62 @@ define void @strata_call(ptr %fn, ptr %args, i64 %begin, i64 %end) {
   ret void
 }
 """
+
+
+def _rows_cols(t: str, body: str) -> str:
+    """IR of a segment-program instruction that runs `body` for r < field3, j < ncols (block `t`
+    enters it, `next` follows): the body sees %{t}j and %{t}sb = r * field5, %{t}db = r * field6
+    (source and destination row offsets) and %{t}p = field8 as a pointer."""
+    return f"""{t}:
+  %{t}p = inttoptr i64 %f8 to ptr
+  br label %{t}row
+{t}row:
+  %{t}r = phi i64 [ 0, %{t} ], [ %{t}r1, %{t}rowend ]
+  %{t}rmore = icmp slt i64 %{t}r, %f3
+  br i1 %{t}rmore, label %{t}cols, label %next
+{t}cols:
+  %{t}sb = mul i64 %{t}r, %f5
+  %{t}db = mul i64 %{t}r, %f6
+  br label %{t}col
+{t}col:
+  %{t}j = phi i64 [ 0, %{t}cols ], [ %{t}j1, %{t}body ]
+  %{t}jmore = icmp slt i64 %{t}j, %f9
+  br i1 %{t}jmore, label %{t}body, label %{t}rowend
+{t}body:
+{body}
+  %{t}j1 = add i64 %{t}j, 1
+  br label %{t}col
+{t}rowend:
+  %{t}r1 = add i64 %{t}r, 1
+  br label %{t}row"""
+
+
+# kind 4 GATHER: dst[r*ldd + j] = src[r*lds + idx[j]] (32-bit values)
+_GATHER_IR = _rows_cols("gather", """  %ixp = getelementptr i64, ptr %gatherp, i64 %gatherj
+  %ix = load i64, ptr %ixp, align 8
+  %so = add i64 %gathersb, %ix
+  %sp = getelementptr i32, ptr %src, i64 %so
+  %val = load i32, ptr %sp, align 4
+  %do = add i64 %gatherdb, %gatherj
+  %dp = getelementptr i32, ptr %dst, i64 %do
+  store i32 %val, ptr %dp, align 4""")
+# kind 6 MASK: dst[r*ldd + j] = src[r*lds + j] * mask[j]; counts (fn)[j] += (src value != 0)
+_MASK_IR = _rows_cols("mask", """  %mso = add i64 %masksb, %maskj
+  %msp = getelementptr float, ptr %src, i64 %mso
+  %mv = load float, ptr %msp, align 4
+  %mkp = getelementptr float, ptr %maskp, i64 %maskj
+  %mkv = load float, ptr %mkp, align 4
+  %mprod = fmul float %mv, %mkv
+  %mdo = add i64 %maskdb, %maskj
+  %mdp = getelementptr float, ptr %dst, i64 %mdo
+  store float %mprod, ptr %mdp, align 4
+  %mnz = fcmp une float %mv, 0.0
+  %mnz64 = zext i1 %mnz to i64
+  %mcp = getelementptr i64, ptr %fn, i64 %maskj
+  %mc = load i64, ptr %mcp, align 8
+  %mcn = add i64 %mc, %mnz64
+  store i64 %mcn, ptr %mcp, align 8""")
+_POOL_IR = _POOL_IR.replace("@@GATHER@@", _GATHER_IR).replace("@@MASK@@", _MASK_IR)
 
 
 def split_from_env(default: int = 1) -> int:
