@@ -269,6 +269,8 @@ def main() -> int:
     ap.add_argument("--trace-out", type=Path, help=argparse.SUPPRESS)    # internal: --rate-only's trace file
     ap.add_argument("--variant", default="{}", help=argparse.SUPPRESS)   # internal: --rate-only's runtime options
     a = ap.parse_args()
+    if a.rounds < 1 or a.repeats < 1:
+        ap.error("--rounds and --repeats: give 1 or more")
     if a.rate_only:
         info: dict = {}
         prompt = np.array([[int(t) for t in a.prompt.split(",")]], np.int64)
