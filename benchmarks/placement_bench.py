@@ -47,6 +47,11 @@ under gpu-all has a top-1/top-2 gap of at least --clear-gap (0.03) x std(logits)
 clearest of them (random models have near-ties, where kernels that round differently, the GPU's
 bf16 against the CPU's q8 activations, pick different tokens); every variant's tokens are
 compared with gpu-all's.
+With --check-prompts K, a tokens check besides: K more prompts, each clear by --check-gap (0.05)
+over --check-new (16) steps, decoded by every variant (untimed) and compared with gpu-all ("checks":
+how many agree). "logit dev": the largest, over the timed prompt's steps, of max |logit - gpu-all's|
+/ std(gpu-all's), each variant fed gpu-all's tokens (how far its kernels' rounding moves the
+logits); a variant whose tokens part from gpu-all's shows gpu-all's gap at that step, in brackets.
 Prints predicted vs measured tokens/s and the ratios.
 """
 
@@ -125,10 +130,16 @@ def peak_rss() -> int:
 def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, info: dict | None = None,
                 prefetch: bool = True, trace_out: Path | None = None, backend: str = "auto",
                 device: str = "auto", expert_cache: bool = True, hand_off: str = "",
-                multi_gpu: str = "mesh") -> tuple[float, list[int]]:
+                multi_gpu: str = "mesh", checks: list | None = None, check_new: int = 0,
+                forced: list[int] | None = None, ref_logits: str | None = None) -> tuple[float, list[int]]:
     """Decode tokens/s (median of `repeats` after a warm-up pass) and the greedy tokens. With
     `trace_out`, one more pass runs under the tracer (not timed): its trace is written there and
-    its per-track busy times go into `info["trace"]`."""
+    its per-track busy times go into `info["trace"]`. Untimed extras, into `info`: the greedy
+    tokens of each of `checks` (prompts, `check_new` tokens each: "check_tokens"), and with
+    `ref_logits` (a .npy path) the logits of a pass fed the tokens `forced` (the reference's):
+    where that file does not exist yet, this is the reference — fed its own tokens, it saves them
+    there — else they are compared with it: per step, max |logit - reference| / std(reference
+    logits) ("logit_dev")."""
     from strata_compiler.runtime import trace
     from strata_compiler.runtime.plan import load_plan
     from strata_compiler.runtime.session import Session
@@ -163,6 +174,28 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, in
         elif r:                     # the first pass compiles (xla) and warms the caches
             times.append(dt)
         tokens = seq
+    if info is not None and checks:
+        info["check_tokens"] = []
+        for cp in checks:
+            cp = np.asarray(cp, np.int64).reshape(1, -1)
+            s.reset(1, cp.shape[1] + check_new + 8)
+            seq = [int(s.step(cp)[0, -1].argmax())]
+            for _ in range(check_new - 1):
+                seq.append(int(s.step(np.array([[seq[-1]]], np.int64))[0, -1].argmax()))
+            info["check_tokens"].append(seq)
+    if info is not None and ref_logits:
+        path = Path(ref_logits)
+        feed = forced if path.exists() else tokens
+        s.reset(1, prompt.shape[1] + len(feed) + 8)
+        rows = [s.step(prompt)[0, -1]] + [s.step(np.array([[t]], np.int64))[0, -1] for t in feed[:-1]]
+        got = np.stack(rows).astype(np.float32)
+        if not path.exists():
+            tmp = path.with_name(path.name + ".tmp.npy")
+            np.save(tmp, got)
+            tmp.replace(path)
+        else:
+            ref = np.load(path, allow_pickle=False)
+            info["logit_dev"] = (np.abs(got - ref).max(axis=1) / ref.std(axis=1)).tolist()
     if info is not None:
         caches = getattr(s.executor, "caches", [])
         hits = sum(c.hits for c, *_ in caches)
@@ -203,34 +236,38 @@ PROMPT_TRIES = 256
 PROMPT_SECONDS = 60     # and no longer than this
 
 
-def pick_prompt(plan_dir: Path, n_new: int, backend: str, device: str,
-                clear_gap: float) -> tuple[np.ndarray, float, int]:
-    """The first random 32-token prompt (ids < 4096) whose greedy continuation is clear (every
-    step's top-1/top-2 logit gap >= clear_gap x the logits' std), else the one with the largest
-    smallest gap of PROMPT_TRIES: random models have near-ties, which would make kernels of
-    different rounding pick different tokens. Returns (prompt, its smallest gap, prompts tried)."""
+def pick_prompt(plan_dir: Path, n_new: int, backend: str, device: str, clear_gap: float,
+                want: int = 1, seed: int = 0) -> tuple[list, int]:
+    """Random 32-token prompts (ids < 4096) whose greedy continuation is clear (every step's
+    top-1/top-2 logit gap >= clear_gap x the logits' std): the first `want` of PROMPT_TRIES
+    (PROMPT_SECONDS at most), else with want=1 the one with the largest smallest gap. Random
+    models have near-ties, which would make kernels of different rounding pick different tokens.
+    Returns ([(prompt, its smallest gap, the gap of each step)], prompts tried)."""
     from strata_compiler.runtime.plan import load_plan
     from strata_compiler.runtime.session import Session
 
     s = Session(load_plan(plan_dir, verify_weights="none"), backend, device=device)
-    rng = np.random.default_rng(0)
-    best, best_gap = None, -1.0
+    rng = np.random.default_rng(seed)
+    best, best_gap, found = None, -1.0, []
     t0 = time.time()
     for tried in range(1, PROMPT_TRIES + 1):
         prompt = rng.integers(0, 4096, (1, 32)).astype(np.int64)
         s.reset(1, prompt.shape[1] + n_new + 8)
-        logits, gap = s.step(prompt)[0, -1], np.inf
+        logits, gaps = s.step(prompt)[0, -1], []
         for _ in range(n_new):
             top2 = np.sort(logits)[-2:]
-            gap = min(gap, float((top2[1] - top2[0]) / logits.std()))
-            if gap < min(best_gap, clear_gap):      # can neither be clear nor beat the best so far
-                break
+            gaps.append(float((top2[1] - top2[0]) / logits.std()))
+            if gaps[-1] < (clear_gap if want > 1 else min(best_gap, clear_gap)):
+                break                               # can neither be clear nor beat the best so far
             logits = s.step(np.array([[int(logits.argmax())]], np.int64))[0, -1]
-        if gap > best_gap:
-            best, best_gap = prompt, gap
-        if best_gap >= clear_gap or time.time() - t0 > PROMPT_SECONDS:
+        gap = min(gaps)
+        if gap >= clear_gap and len(gaps) == n_new:
+            found.append((prompt, gap, gaps))
+        if want == 1 and gap > best_gap and len(gaps) == n_new:
+            best, best_gap = (prompt, gap, gaps), gap
+        if len(found) >= want or time.time() - t0 > PROMPT_SECONDS:
             break
-    return best, best_gap, tried
+    return (found or ([best] if want == 1 and best else []))[:want], tried
 
 
 def main() -> int:
@@ -264,6 +301,11 @@ def main() -> int:
                     help="a prompt is clear when every greedy step's top-1/top-2 gap is >= this x std(logits) "
                          "(on the H200, 2026-11-30, a step with a 0.026 x std gap flipped between the GPU's bf16 "
                          "and the CPU's q8 activations)")
+    ap.add_argument("--check-prompts", type=int, default=0,
+                    help="the greedy-tokens check: this many more prompts, clear by --check-gap over --check-new "
+                         "steps under gpu-all, decoded by every variant (untimed) and compared with gpu-all")
+    ap.add_argument("--check-new", type=int, default=16)
+    ap.add_argument("--check-gap", type=float, default=0.05)
     ap.add_argument("--rate-only", type=Path, help=argparse.SUPPRESS)   # internal: one plan, JSON out
     ap.add_argument("--prompt", help=argparse.SUPPRESS)
     ap.add_argument("--trace-out", type=Path, help=argparse.SUPPRESS)    # internal: --rate-only's trace file
@@ -278,7 +320,8 @@ def main() -> int:
         tps, toks = decode_rate(a.rate_only, prompt, a.n_new, a.repeats, info=info, device=a.device,
                                 trace_out=a.trace_out, backend=v.get("backend", "auto"),
                                 prefetch=v.get("prefetch", True), expert_cache=v.get("expert_cache", True),
-                                hand_off=v.get("hand_off", ""))
+                                hand_off=v.get("hand_off", ""), checks=v.get("checks"), check_new=v.get("check_new", 0),
+                                forced=v.get("forced"), ref_logits=v.get("ref_logits"))
         print(json.dumps({"tok_s": tps, "tokens": toks, "info": info}))
         return 0
     dims = dict(TINY if a.tiny else FULL)
@@ -407,11 +450,20 @@ def main() -> int:
         for k, v in variants.items():
             print(f"{k:24} {v['dir']}")
         return 0
-    prompt, gap, tried = pick_prompt(base, a.n_new, variants["gpu-all"].get("backend", "auto"), a.device,
-                                     a.clear_gap)
+    ref_backend = variants["gpu-all"].get("backend", "auto")
+    [(prompt, gap, ref_gaps)], tried = pick_prompt(base, a.n_new, ref_backend, a.device, a.clear_gap)
     log(f"prompt: {'clear' if gap >= a.clear_gap else 'not clear'} after {tried} random 32-token prompts: smallest "
         f"top-1/top-2 gap over its {a.n_new} greedy steps {gap:.3f} x std(logits) (clear: >= {a.clear_gap})")
-    ref_tokens = None
+    checks = []
+    if a.check_prompts:
+        # the tokens check: more prompts, shorter continuations, a wider gap (the timed prompt's 48
+        # steps rarely all clear 0.03 x std; the GPU's and CPU's kernels round differently)
+        found, tried = pick_prompt(base, a.check_new, ref_backend, a.device, a.check_gap, want=a.check_prompts, seed=1)
+        checks = [p[0][0].tolist() for p in found]
+        log(f"tokens check: {len(checks)} prompts of {tried} tried clear {a.check_gap} x std over {a.check_new} steps")
+    ref_logits = a.work_dir / "ref_logits.npy"
+    ref_logits.unlink(missing_ok=True)
+    ref_tokens, ref_checks = None, None
     if a.trace_dir:
         a.trace_dir.mkdir(parents=True, exist_ok=True)
 
@@ -427,14 +479,18 @@ def main() -> int:
         # --rounds N: the whole list N times in turn; a variant's figure is the median of its rounds
         t0 = time.time()
         first = rnd == 0
+        # untimed, in the first round: the check prompts, and the logits along gpu-all's tokens
+        # (gpu-all saves them, the others are compared with them)
+        extras = dict(checks=checks, check_new=a.check_new, forced=ref_tokens, ref_logits=str(ref_logits))
         tr = a.trace_dir / f"trace-{re.sub(r'[^A-Za-z0-9._-]+', '-', name)}.json" if a.trace_dir and first else None
         if name == "disk-half" or "env" in v:    # its own process: peak RSS is per process; env at start
             env = dict(os.environ, **v.get("env", {}))
             r = subprocess.run([sys.executable, __file__, "--rate-only", str(v["dir"]), "--n-new", str(a.n_new),
                                 "--repeats", str(a.repeats), "--prompt", ",".join(map(str, prompt[0].tolist()))]
                                + (["--trace-out", str(tr)] if tr else []) + ["--device", a.device]
-                               + ["--variant", json.dumps({k: v[k] for k in ("backend", "prefetch", "expert_cache",
-                                                                             "hand_off") if k in v})],
+                               + ["--variant", json.dumps({**{k: v[k] for k in ("backend", "prefetch", "expert_cache",
+                                                                                "hand_off") if k in v},
+                                                           **(extras if first else {})})],
                                capture_output=True, text=True, env=env)
             if r.returncode != 0:           # one failed A/B variant does not end the run
                 log(f"{name} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
@@ -447,11 +503,17 @@ def main() -> int:
             tps, toks = decode_rate(v["dir"], prompt, a.n_new, a.repeats, info=v, trace_out=tr,
                                     backend=v.get("backend", "auto"), device=a.device,
                                     prefetch=v.get("prefetch", True), expert_cache=v.get("expert_cache", True),
-                                    hand_off=v.get("hand_off", ""))
+                                    hand_off=v.get("hand_off", ""), **(extras if first else {}))
         v.setdefault("tok_s_rounds", []).append(tps)
         v["tok_s"] = statistics.median(v["tok_s_rounds"])
         if first:
             ref_tokens = ref_tokens or toks
+            if checks and "check_tokens" in v:
+                ref_checks = ref_checks or v["check_tokens"]
+                v["check_same"] = sum(x == y for x, y in zip(v["check_tokens"], ref_checks))
+            if toks != ref_tokens and len(toks) == len(ref_tokens):
+                i = next(i for i, (x, y) in enumerate(zip(toks, ref_tokens)) if x != y)
+                v["gap_at_divergence"] = ref_gaps[i] if i < len(ref_gaps) else None
             v["tokens"] = toks
             v["same_tokens"] = toks == ref_tokens
             v["same_prefix"] = next((i for i, (x, y) in enumerate(zip(toks, ref_tokens)) if x != y), len(toks))
@@ -473,15 +535,19 @@ def main() -> int:
     print(f"\nmodel {dims}, {a.quant}; experts {experts_b / 2**30:.2f} GiB, rest {rest_b / 2**30:.2f} GiB; "
           f"router skew {a.router_skew}: top 25% of experts take {top:.0%} of routings")
     print(f"{'variant':24} {'GPU GiB':>8} {'measured tok/s':>15} {'predicted':>10} {'pred/meas':>9} "
-          f"{'same tokens':>11} {'hit rate':>8} {'prefetch':>8} {'copied MiB':>10}")
+          f"{'same tokens':>11} {'hit rate':>8} {'prefetch':>8} {'copied MiB':>10} {'logit dev':>9} {'checks':>6}")
     for name, v in variants.items():
         pred = v.get("predicted")
         hr, pa = v.get("hit_rate"), v.get("prefetch_accuracy")
         same = "yes" if v["same_tokens"] else f"{v['same_prefix']}/{a.n_new}"
+        if v.get("gap_at_divergence") is not None:      # gpu-all's own margin at the step that differs
+            same += f" ({v['gap_at_divergence']:.3f})"
+        dev = max(v["logit_dev"]) if v.get("logit_dev") else float("nan")
+        chk = f"{v['check_same']}/{len(checks)}" if "check_same" in v else "-"
         print(f"{name:24} {v['gpu_bytes'] / 2**30:8.2f} {v['tok_s']:15.1f} {pred or float('nan'):10.1f} "
               f"{(pred / v['tok_s']) if pred else float('nan'):9.2f} {same:>11} "
               f"{'-' if hr is None else f'{hr:.1%}':>8} {'-' if pa is None else f'{pa:.1%}':>8} "
-              f"{v.get('cache_bytes', 0) / 2**20:10.1f}")
+              f"{v.get('cache_bytes', 0) / 2**20:10.1f} {dev:9.4f} {chk:>6}")
     if "disk-half" in variants:
         v = variants["disk-half"]
         print(f"disk-half: host budget {v['host_budget'] / 2**20:.0f} MiB, peak RSS {v['peak_rss'] / 2**20:.0f} MiB "

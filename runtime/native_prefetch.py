@@ -14,7 +14,8 @@ that does the same for each of the call's caches, its sizes and addresses baked 
   prediction (`native_pred`);
 - while fewer than `max_prefetch` copies: the predicted non-resident expert of highest score,
   into the slot of the lowest-scoring resident the prediction does not name (ties: lowest index,
-  as the Python policy's stable sort and min give); each of its weight arrays' rows copied by
+  as the Python policy's stable sort and min give), if it would outscore that resident after
+  the step (ExpertCache.admit_margin); each of its weight arrays' rows copied by
   `memcpy(dst, src, bytes, 1, stream)` — cudaMemcpyAsync on the call's stream on a GPU, a memmove
   on JAX's CPU platform;
 - residency (`nonresident`, `slots`) updated in place, the slots written to the call's slot-map
@@ -34,6 +35,7 @@ Python one where two logits tie to rounding.
 from __future__ import annotations
 
 import itertools
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -249,8 +251,23 @@ def _module(name: str, entries: list[Entry], memcpy: int, record: int) -> str:
   %{p}.sptr{a} = inttoptr i64 %{p}.sa{a} to ptr
   %{p}.rc{a} = call i32 {copy_fn}(ptr %{p}.dptr{a}, ptr %{p}.sptr{a}, i64 {rb}, i32 1, {on})
   call void @note_error(ptr {st}, i32 %{p}.rc{a})""")
-        body.append(f"""  %{p}.hasv = icmp sge i64 %{p}.vi.out, 0
-  br i1 %{p}.hasv, label %{p}.copied, label %{p}.maps
+        # admitted only where the expert would outscore its victim after the step (admit_margin)
+        margin = c.admit_margin()
+        admit = "" if not np.isfinite(margin) else f"""
+  %{p}.esp = getelementptr double, ptr {sc}, i64 %{p}.ei.out
+  %{p}.esv = load double, ptr %{p}.esp, align 8
+  %{p}.esm = fadd double %{p}.esv, 0x{struct.pack('>d', float(margin)).hex().upper()}
+  %{p}.vsi = select i1 %{p}.hasv0, i64 %{p}.vi.out, i64 0
+  %{p}.vsp = getelementptr i32, ptr {sl}, i64 %{p}.vsi
+  %{p}.vse = load i32, ptr %{p}.vsp, align 4
+  %{p}.vsx = sext i32 %{p}.vse to i64
+  %{p}.vsq = getelementptr double, ptr {sc}, i64 %{p}.vsx
+  %{p}.vsv = load double, ptr %{p}.vsq, align 8
+  %{p}.adm = fcmp ogt double %{p}.esm, %{p}.vsv
+  %{p}.go2 = and i1 %{p}.hasv0, %{p}.adm"""
+        body.append(f"""  %{p}.hasv0 = icmp sge i64 %{p}.vi.out, 0""" + (admit if admit else f"""
+  %{p}.go2 = and i1 %{p}.hasv0, true""") + f"""
+  br i1 %{p}.go2, label %{p}.copied, label %{p}.maps
 {p}.copied:
 """ + "\n".join(copies) + f"""
   %{p}.ovp = getelementptr i32, ptr {sl}, i64 %{p}.vi.out

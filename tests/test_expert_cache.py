@@ -45,6 +45,23 @@ def test_lru_policy_evicts_the_least_recently_used():
     assert c.plan_swaps() == [(0, 2)]          # expert 0 was never used: its slot goes
 
 
+def test_prefetch_admits_only_what_the_step_would_swap_in():
+    """The prefetch evicts a resident only for a predicted expert that would outscore it after
+    the step (score + count + recency bonus): a one-off prediction of a cold expert leaves the
+    hot residents alone; a warm one replaces the coldest resident; LRU admits always."""
+    prior = np.array([0.9, 0.8, 0.05, 0.05, 0.1, 0.0])
+    c = ExpertCache("L0", 6, np.array([0, 4], np.int32), prior=prior, recency=0.5)
+    pred = np.array([0, 0, 1, 0, 0, 0], bool)       # cold 2 (score 5) against 4 (10): 5 + 1.5 < 10
+    assert c.admit_margin() == 1.5
+    assert c.prefetch(pred) == [] and sorted(c.slots) == [0, 4] and c.prefetches == 0
+    c.score[2] = 9.0                                  # warm: 9 + 1.5 > 10, the coldest resident goes
+    assert c.prefetch(pred) == [(1, 2)] and sorted(c.slots) == [0, 2] and c.nonresident[4] == 1
+    pred = np.array([0, 0, 1, 0, 0, 1], bool)       # 5 (score 0) against 2 (9, predicted) and 0
+    assert c.prefetch(pred) == []                     # 0's 90 is out of reach; 2 is predicted: kept
+    lru = ExpertCache("L0", 6, np.array([0, 4], np.int32), prior=prior, policy="lru")
+    assert lru.prefetch(np.array([0, 0, 0, 0, 0, 1], bool)) == [(0, 5)]
+
+
 def test_calibrated_prior_keeps_hot_experts_against_one_off_misses():
     """Scores start at prior / (1 - decay): a miss of a cold expert does not evict a hot resident
     that this step did not use; without the prior (every score 0) it does."""
