@@ -7,11 +7,11 @@
 # 0.05 x std over 16 steps, with each variant's logit deviation from gpu-all along its tokens;
 # traces of the decode steps (Perfetto JSON; CPU and GPU busy at once per token).
 #   bash benchmarks/h200_runtime.sh      (outputs under $OUT, else /tmp/rtout; LAYERS, DEVICE, LIMIT,
-#                                         CHECKS, VARIANTS)
+#                                         CHECKS, VARIANTS, ROUNDS)
 source "$(dirname "$0")/h200_setup.sh" /tmp/rtout
 mkdir -p "$OUT/traces"
 timeout ${LIMIT:-540} python benchmarks/placement_bench.py --work-dir /tmp/pb --layers ${LAYERS:-16} --router-skew 0.5 \
   --budgets 25 --n-new 48 --repeats 2 --calib-tokens 256 --hw benchmarks/profiles/h200-2026-11-29-raw.json \
-  --device ${DEVICE:-auto} --trace-dir "$OUT/traces" --json "$OUT/rt.json" --check-prompts ${CHECKS:-4} \
+  --device ${DEVICE:-auto} --trace-dir "$OUT/traces" --json "$OUT/rt.json" --check-prompts ${CHECKS:-4} --rounds ${ROUNDS:-1} \
   --only "${VARIANTS:-strata-25,cache-25,cache-25@STRATA_PREFETCH_ADMIT=0,cache-25@STRATA_NATIVE_PREFETCH=0,cache-25/no-prefetch,cache-25/no-cache,cache-25/no-gpu,cache-25@STRATA_PREFETCH_PER_LAYER=3,cache-25@STRATA_PREFETCH_STREAM=1,hot-cache-25}" \
   2>&1 | tee "$OUT/rt.log" || true

@@ -28,6 +28,8 @@ import numpy as np
 
 from strata_compiler.env import switch
 
+from . import trace
+
 CACHES: dict[tuple[int, str], "ExpertCache"] = {}   # (id of the plan's graph, layer key) -> cache
 
 
@@ -119,8 +121,13 @@ class ExpertCache:
 
     def _count(self, per_expert: np.ndarray) -> None:
         resident = self.nonresident == 0
-        self.hits += int(per_expert[resident].sum())
-        self.misses += int(per_expert[~resident].sum())
+        hits, misses = int(per_expert[resident].sum()), int(per_expert[~resident].sum())
+        self.hits += hits
+        self.misses += misses
+        if trace.ACTIVE is not None and hits + misses:     # one instant per layer and step
+            trace.ACTIVE.instant(f"expert cache {self.key}: {hits} hits, {misses} misses", "cache",
+                                 hit=np.flatnonzero(resident & (per_expert > 0)).tolist(),
+                                 miss=np.flatnonzero(~resident & (per_expert > 0)).tolist())
         used = per_expert > 0
         self._chosen = used if self._chosen is None else (self._chosen | used)
         if self.predicted is not None:           # how good was the lookahead?

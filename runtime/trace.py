@@ -4,7 +4,9 @@ per-device busy time and bytes moved behind `--stats`.
 Events are the trace-event format's complete events (ph "X": name, cat, ts and dur in µs, pid,
 tid) plus metadata events naming each track (ph "M", thread_name). One track per device and
 per copy direction: the CPU kernels, the GPU partitions, host->device and device->host copies,
-and the step driver. Times are host wall clock: a GPU partition's span runs from its dispatch to
+and the step driver; the expert caches' hits and misses are instant events (ph "i") on a track
+of their own, one per cached layer and step, naming the experts that hit and missed (the
+prefetches and swaps are host->device spans). Times are host wall clock: a GPU partition's span runs from its dispatch to
 the moment its results are ready on the device (a watcher thread waits for them, so the host is
 not held up and the CPU work it does meanwhile shows beside it); a device->host span is the
 host's wait for a GPU result it needs plus the copy.
@@ -20,9 +22,9 @@ from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
-TRACKS = {"step": 0, "cpu": 1, "gpu": 2, "h2d": 3, "d2h": 4}
+TRACKS = {"step": 0, "cpu": 1, "gpu": 2, "h2d": 3, "d2h": 4, "cache": 5}
 TRACK_NAMES = {"step": "steps (host)", "cpu": "cpu kernels (llvm / reference)", "gpu": "gpu partitions (xla)",
-               "h2d": "copy host->device", "d2h": "copy device->host"}
+               "h2d": "copy host->device", "d2h": "copy device->host", "cache": "expert cache (hits, misses)"}
 PID = 1
 
 ACTIVE: "Tracer | None" = None     # set by strata-run --trace/--stats; executors check it
@@ -63,6 +65,15 @@ class Tracer:
         with self._lock:
             self.events.append(ev)
             self.counts[track] += 1
+
+    def instant(self, name: str, track: str, **args) -> None:
+        """A moment (ph "i", thread scope): no busy time, no span count."""
+        ev = {"name": name, "cat": track, "ph": "i", "s": "t", "ts": self._us(time.perf_counter_ns()),
+              "pid": PID, "tid": TRACKS[track]}
+        if args:
+            ev["args"] = args
+        with self._lock:
+            self.events.append(ev)
 
     def transfer(self, direction: str, nbytes: int, seconds: float, name: str = "activation",
                  end_ns: int | None = None) -> None:
@@ -172,6 +183,10 @@ def validate(doc: dict) -> None:
         for key, kind in (("name", str), ("pid", int), ("tid", int)):
             if not isinstance(ev.get(key), kind):
                 raise ValueError(f"event {i}: {key} must be {kind.__name__}")
+        if ev["ph"] != "M" and not isinstance(ev.get("ts"), (int, float)):
+            raise ValueError(f"event {i}: ts must be a number (µs)")
+        if ev["ph"] == "i" and ev.get("s", "t") not in ("g", "p", "t"):
+            raise ValueError(f"event {i}: an instant's scope s is g, p or t")
         if ev["ph"] == "X":
             for key in ("ts", "dur"):
                 if not isinstance(ev.get(key), (int, float)) or ev[key] < 0:

@@ -115,7 +115,8 @@ def test_cache_on_and_off_match_transformers(model, tmp_path, monkeypatch, capsy
         assert run_cli(strata_run, [str(plan / "plan.bin"), "--input-ids", str(tmp_path / "ids.npy"), "-n",
                                     str(N_NEW), "--greedy", "--ignore-eos", "--device", "cpu", flag, "--stats",
                                     "--logits-out", str(tmp_path / "l.npy"), "--tokens-out",
-                                    str(tmp_path / "t.npy")]) == 0
+                                    str(tmp_path / "t.npy")]
+                       + (["--trace", str(tmp_path / "trace.json")] if flag == "--expert-cache" else [])) == 0
         outs[flag] = (np.load(tmp_path / "l.npy"), np.load(tmp_path / "t.npy"), capsys.readouterr().err)
     for flag, (logits, tokens, err) in outs.items():
         assert np.abs(logits - ref).max() / ref.std() <= 1e-4, flag
@@ -124,6 +125,20 @@ def test_cache_on_and_off_match_transformers(model, tmp_path, monkeypatch, capsy
     assert "expert cache:" in on and "hit rate" in on
     swapped = int(on.split("experts swapped in")[0].split(";")[-1].strip())
     assert swapped > 0                                   # the cache did change its residents
+    # the trace has the hits and misses: an instant per cached layer and step, on its own track,
+    # adding up to the stats line's counts
+    import json
+    import re
+
+    from strata_compiler.runtime.trace import TRACKS, validate
+
+    doc = json.loads((tmp_path / "trace.json").read_text())
+    validate(doc)
+    marks = [e for e in doc["traceEvents"] if e["ph"] == "i" and e["tid"] == TRACKS["cache"]]
+    hits, misses = (int(x) for x in re.search(r"\((\d+) hits, (\d+) misses\)", on).groups())
+    assert marks and sum(len(e["args"]["hit"]) for e in marks) <= hits
+    assert sum(int(e["name"].split(": ")[1].split()[0]) for e in marks) == hits
+    assert sum(int(e["name"].split(", ")[1].split()[0]) for e in marks) == misses
     assert "hit rate" not in outs["--no-expert-cache"][2]
 
 
