@@ -135,3 +135,33 @@ def test_the_committed_h200_trace_validates_and_shows_overlap():
     assert len(steps) == 47
     both = overlap_seconds(ev, cpu, gpu)
     assert 0.4e-3 < both / len(steps) < 0.8e-3
+
+
+def test_the_committed_h200_cache_trace_has_hits_misses_prefetches_and_overlap():
+    """The decode trace of the expert cache with prefetch at 25 % on the H200 (2026-11-30 19:34,
+    `benchmarks/h200_runtime.sh`, BENCHMARKS.md): valid trace-event JSON; per decode step an
+    instant per cached layer (16) naming its hits and misses, the prefetch copies on the
+    host->device track, and the CPU-kernel and GPU tracks busy at once (2.6 ms per token there;
+    a traced step takes the Python prefetch, the timed ones the native one)."""
+    import gzip
+    from pathlib import Path
+
+    from strata_compiler.runtime.trace import overlap_seconds
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / "h200-2026-11-30-cache-25-prefetch.json.gz"
+    doc = json.loads(gzip.decompress(path.read_bytes()))
+    validate(doc)
+    ev = doc["traceEvents"]
+    tracks = {e["args"]["name"]: e["tid"] for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
+    steps = [e for e in ev if e["ph"] == "X" and e["tid"] == tracks["steps (host)"]]
+    assert len(steps) == 47
+    marks = [e for e in ev if e["ph"] == "i" and e["tid"] == tracks["expert cache (hits, misses)"]]
+    assert len(marks) == 16 * 47
+    # top 8 of 64 experts per layer and token: every instant names 8 experts, hits and misses
+    assert all(len(e["args"]["hit"]) + len(e["args"]["miss"]) == 8 for e in marks)
+    hits = sum(len(e["args"]["hit"]) for e in marks)
+    assert 0.6 < hits / (8 * len(marks)) < 0.9
+    copies = [e for e in ev if e["ph"] == "X" and e["tid"] == tracks["copy host->device"]]
+    assert copies and all(e["name"].startswith(("prefetch expert", "expert ")) for e in copies)
+    both = overlap_seconds(ev, tracks["cpu kernels (llvm / reference)"], tracks["gpu partitions (xla)"])
+    assert both / len(steps) > 1e-3
