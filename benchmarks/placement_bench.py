@@ -306,6 +306,8 @@ def main() -> int:
                          "steps under gpu-all, decoded by every variant (untimed) and compared with gpu-all")
     ap.add_argument("--check-new", type=int, default=16)
     ap.add_argument("--check-gap", type=float, default=0.05)
+    ap.add_argument("--in-process", dest="own_process", action="store_false",
+                    help="run the variants in this process (default: each in a process of its own, after gpu-all)")
     ap.add_argument("--rate-only", type=Path, help=argparse.SUPPRESS)   # internal: one plan, JSON out
     ap.add_argument("--prompt", help=argparse.SUPPRESS)
     ap.add_argument("--trace-out", type=Path, help=argparse.SUPPRESS)    # internal: --rate-only's trace file
@@ -483,7 +485,10 @@ def main() -> int:
         # (gpu-all saves them, the others are compared with them)
         extras = dict(checks=checks, check_new=a.check_new, forced=ref_tokens, ref_logits=str(ref_logits))
         tr = a.trace_dir / f"trace-{re.sub(r'[^A-Za-z0-9._-]+', '-', name)}.json" if a.trace_dir and first else None
-        if name == "disk-half" or "env" in v:    # its own process: peak RSS is per process; env at start
+        if name == "disk-half" or "env" in v or (a.own_process and name != "gpu-all"):
+            # its own process: peak RSS is per process; env at start; and no earlier variant's
+            # session still holding memory and threads (on the H200, 2026-11-30, the main process's
+            # peak RSS grew from 13 to 50 GiB over six variants, and later ones ran slower)
             env = dict(os.environ, **v.get("env", {}))
             r = subprocess.run([sys.executable, __file__, "--rate-only", str(v["dir"]), "--n-new", str(a.n_new),
                                 "--repeats", str(a.repeats), "--prompt", ",".join(map(str, prompt[0].tolist()))]
