@@ -55,6 +55,7 @@ import ctypes
 import os
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -67,6 +68,18 @@ def native_host_calls_wanted() -> bool:
     from strata_compiler.env import switch
 
     return switch("STRATA_NATIVE_HOST_CALLS", True)
+
+
+def _overlap_worker(ref, jobs) -> None:
+    """The thread that runs the start calls' CPU work with STRATA_FUSED_OVERLAP=1. It holds its
+    fused step weakly, so a dropped session (and its weights) is freed; None on the queue ends it."""
+    while True:
+        job = jobs.get()
+        step = ref() if job is not None else None
+        if step is None:
+            return
+        step._run_job(job)
+        del step
 
 
 def native_prefetch_wanted() -> bool:
@@ -147,6 +160,7 @@ class FusedStep:
         self._pending: set = set()  # caches with copies recorded and not yet waited for
         self._maps_of: dict = {}    # CPU partition -> the expert caches whose slot maps its call returns
         self._maps_out: dict = {}   # ... and their host buffers
+        self._works: list = []      # the host calls' Python work functions (python_work holds them weakly)
         self.steps = 0
         # [this step's flag for the native host calls (0 native, 1 Python, 2 native with time
         #  stamps: run), the pool's chunk count]
@@ -240,18 +254,20 @@ class FusedStep:
             self.overlap = set(out) if mode == "1" else set()
         return out
 
-    def _worker(self) -> None:
-        """The thread that runs the start calls' CPU work with STRATA_FUSED_OVERLAP=1."""
-        while True:
-            job = self._jobs.get()
-            exe, lo, hi, done = job
-            try:
-                ids, cache = self._cur
-                exe.run_segment(self._env, ids, cache, lo, hi)
-            except BaseException as e:    # noqa: BLE001 - re-raised after the step
-                self._error = e
-            finally:
-                done.set()
+    def _run_job(self, job) -> None:
+        """A start call's CPU work on the overlap thread (STRATA_FUSED_OVERLAP=1, `_overlap_worker`)."""
+        exe, lo, hi, done = job
+        try:
+            ids, cache = self._cur
+            exe.run_segment(self._env, ids, cache, lo, hi)
+        except BaseException as e:    # noqa: BLE001 - re-raised after the step
+            self._error = e
+        finally:
+            done.set()
+
+    def __del__(self) -> None:
+        if self._jobs is not None:
+            self._jobs.put(None)        # the overlap thread ends
 
     def _stream_for(self, stream):
         """The prefetch's stream per cache: caches whose GPU share a split partition's start call
@@ -298,7 +314,8 @@ class FusedStep:
                         import queue
 
                         self._jobs = queue.SimpleQueue()
-                        threading.Thread(target=self._worker, name="strata-fused-overlap", daemon=True).start()
+                        threading.Thread(target=_overlap_worker, args=(weakref.ref(self), self._jobs),
+                                         name="strata-fused-overlap", daemon=True).start()
                     self._done[i] = done = threading.Event()
                     self._jobs.put((exe, lo, hi, done))
                 else:
@@ -349,7 +366,9 @@ class FusedStep:
                 self._maps_of[i] = [expert_cache.lookup(self.g, n.attr("cache")) for n in maps]
                 self._maps_out[i] = [np.zeros(self.n_slots[n.id], np.int32) for n in maps]
                 outs += self._maps_out[i]
-            addr, _keep = python_work(self._work(i, part))
+            work = self._work(i, part)
+            self._works.append(work)    # the handler holds it weakly: a dropped session is freed
+            addr, _keep = python_work(work, weak=True)
             addr = self._native_work(i, B, frame, addr, part, self._maps_out.get(i) if part != "start" else None)
             platform = "cpu" if self.device.platform == "cpu" else "gpu"
             # STRATA_HOST_CALL_STAGING=1: copies through page-locked staging (off until measured)

@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 _IDS = itertools.count()
-_KEEP: list = []        # engines and the arrays their code points at, as long as the process
 
 
 @dataclass
@@ -91,7 +90,9 @@ class Prefetch:
         mod, tm = optimize(ir, Target.host())
         ee = llvm.create_mcjit_compiler(mod, tm)
         ee.finalize_object()
-        _KEEP.append((ee, tm, entries))
+        # held by this object, not for the process: the host call handler that calls `address`
+        # runs only inside the fused step's program, which goes with the step that holds this
+        self._engine = (ee, tm)
         self.address = ee.get_function_address(name)
 
     def refresh(self) -> None:

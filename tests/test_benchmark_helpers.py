@@ -198,7 +198,7 @@ def test_device_benchmarks_smoke(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "placement_bench.py"), "--tiny", "--work-dir",
                         str(tmp_path / "pb"), "--hw", str(hw), "--device", "cpu", "--n-new", "6", "--repeats", "1",
-                        "--rounds", "2",
+                        "--rounds", "2", "--in-process", "--check-prompts", "2", "--check-new", "4",
                         "--only", "strata-25,ngl-25,cache-25/no-prefetch,strata-25/old-hand-off,disk-half,"
                         "hot-cache-25,ktransformers/try-hand-off,ngl-25@STRATA_POOL_SPLIT=2",
                         "--json", str(tmp_path / "pb.json"), "--disk"],
@@ -221,6 +221,10 @@ def test_device_benchmarks_smoke(tmp_path):
     assert {ln.split()[0] for ln in best[1:] if ln.strip()} == {"ngl-25", "strata-25"}
     assert 0 < res["hot-cache-25"]["hit_rate"] <= 1 and res["hot-cache-25"]["prefetch_accuracy"] is not None
     assert all(v["tok_s"] > 0 and v["same_tokens"] for v in res.values())
+    # the tokens check (2 more prompts, in-process and own-process variants alike) and the logit
+    # deviation from gpu-all along its tokens
+    assert all(v["check_same"] == 2 for v in res.values())
+    assert all(0 <= max(v["logit_dev"]) < 0.5 for k, v in res.items() if k != "gpu-all")
     assert 0 < res["disk-half"]["peak_rss"] < 4 << 30 and res["strata-25"]["predicted"] > 0
     # a calibrated cached plan's host side carries each expert's calibrated chance (k a token in
     # all), which seeds the cache's scores

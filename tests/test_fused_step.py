@@ -432,3 +432,40 @@ def test_native_prefetch_equals_the_python_one(tmp_path, monkeypatch, batch, str
     assert not fp._prefetch          # (the Python prefetch: no native one built)
     cached_splits = {i for i, sp in f._splits.items() if sp[0].attr("cache", "")}
     assert cached_splits and cached_splits <= f.native_calls and cached_splits <= f.overlap
+
+
+@pytest.mark.parametrize("overlap", ["auto", "1"])
+def test_a_dropped_session_is_freed(model, tmp_path, monkeypatch, overlap):
+    """Host call handlers and native prefetches live as long as XLA keeps their targets, the
+    process; they hold the fused step's work weakly, so a session dropped after decoding through
+    an expert cache with prefetch frees its executor (and the weights it holds), and the overlap
+    thread of STRATA_FUSED_OVERLAP=1 ends."""
+    import gc
+    import threading
+    import weakref
+
+    from strata_compiler.runtime.session import Session
+
+    d, m, ids = model
+    plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
+    monkeypatch.setenv("STRATA_FUSED_OVERLAP", overlap)
+    if overlap == "1":
+        monkeypatch.setenv("STRATA_NATIVE_HOST_CALLS", "0")    # Python host calls: the overlap thread
+    s = Session(plan, "auto", device="cpu")
+    s.reset(1, 32)
+    tok = int(s.step(ids)[0, -1].argmax())
+    for _ in range(3):
+        tok = int(s.step(np.array([[tok]], np.int64))[0, -1].argmax())
+    f = s.executor.fused
+    assert f is not None and f.steps > 0 and s.executor.caches
+    if overlap == "1":
+        assert f.overlap and any(t.name == "strata-fused-overlap" for t in threading.enumerate())
+    ref = weakref.ref(s.executor)
+    del s, f
+    gc.collect()
+    assert ref() is None
+    for _ in range(100):
+        if not any(t.name == "strata-fused-overlap" for t in threading.enumerate()):
+            break
+        threading.Event().wait(0.01)
+    assert not any(t.name == "strata-fused-overlap" for t in threading.enumerate())

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import weakref
 
 import numpy as np
 
@@ -343,10 +344,20 @@ declare i64 @llvm.readcyclecounter()
     return ee.get_function_address(name)
 
 
-def python_work(fn) -> tuple[int, object]:
+def python_work(fn, weak: bool = False) -> tuple[int, object]:
     """A work function that calls the Python callable fn(stream) (the program's CUDA stream as an
     int, None on the CPU platform; the ctypes callback takes the GIL); returns (address,
-    keep-alive object)."""
-    cb = WORK_CFUNC(lambda _arg, stream: fn(stream))
+    keep-alive object). weak: the callback holds fn by a weak reference (the caller keeps it, and
+    with it whatever fn reaches; the programs that call the handler go with the caller)."""
+    if weak:
+        ref = weakref.ref(fn)
+
+        def call(stream) -> None:
+            f = ref()
+            if f is not None:
+                f(stream)
+        cb = WORK_CFUNC(lambda _arg, stream: call(stream))
+    else:
+        cb = WORK_CFUNC(lambda _arg, stream: fn(stream))
     _KEEP.append(cb)
     return ctypes.cast(cb, ctypes.c_void_p).value, cb
