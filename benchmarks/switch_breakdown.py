@@ -142,11 +142,12 @@ def fused_summary(tl: list) -> str:
             f"{work:.0f} us x {len(rows[0]['enter'])}, gap between host calls {gaps:.0f} us, last call to done {tail:.0f} us")
 
 
-def measure(plan_dir: Path, n_new: int, device: str, ref: list | None = None, host_trace: int = 0) -> dict:
+def measure(plan_dir: Path, n_new: int, device: str, ref: list | None = None, host_trace: int = 0,
+            prefetch: bool = True) -> dict:
     from strata_compiler.runtime.plan import load_plan
     from strata_compiler.runtime.session import Session
 
-    s = Session(load_plan(plan_dir, verify_weights="none"), "auto", device=device)
+    s = Session(load_plan(plan_dir, verify_weights="none"), "auto", device=device, prefetch=prefetch)
     m = Meter()
     undo = instrument(m)
     rng = np.random.default_rng(0)
@@ -211,6 +212,9 @@ def main() -> int:
                          "event (XLA's dispatch and thunks, CUDA API calls), top 30, in us per step")
     ap.add_argument("--ab", help="VAR=V1,V2,... (or VAR=V1|V2|... for values holding commas): run each plan "
                                  "once per value of this environment variable")
+    ap.add_argument("--prefetch", default="on", choices=["on", "off", "both"],
+                    help="an expert cache's prefetch (plans compiled with --expert-cache): on, off, or each plan "
+                         "run both ways (where the prefetch's time goes: compare the host calls' work and gaps)")
     a = ap.parse_args()
     import os
 
@@ -224,24 +228,29 @@ def main() -> int:
             return 2
         values = vals.split("|") if "|" in vals else vals.split(",")     # '|' for values holding commas
     rows = []
+    prefetch = {"on": [True], "off": [False], "both": [True, False]}[a.prefetch]
     for p in a.plans:
         ref = None
-        for v in values:
+        for v, pf in ((v, pf) for pf in prefetch for v in values):
             if var is not None:
                 os.environ[var] = v
             try:
-                r = measure(p, a.n_new, a.device, ref, a.host_trace)
+                r = measure(p, a.n_new, a.device, ref, a.host_trace, prefetch=pf)
             except StrataError as e:
                 print(f"error: {p}: {e}", file=sys.stderr)
                 return 2
             if var is not None:
                 r["name"] = f"{p.name} {var}={v}"
+            if a.prefetch == "both":
+                r["name"] += " prefetch" if pf else " no-prefetch"
+            if var is not None or a.prefetch == "both":
                 ref = ref or r["logits"]
             rows.append(r)
             report(r)
-    print("\n" + f"{'plan':16} {'tok/s':>7} " + " ".join(f"{c:>10}" for c in CATS))
+    width = max(16, *(len(r["name"]) for r in rows))
+    print("\n" + f"{'plan':{width}} {'tok/s':>7} " + " ".join(f"{c:>10}" for c in CATS))
     for r in rows:
-        print(f"{r['name']:16} {r['tok_s']:7.1f} " + " ".join(f"{r['us'][c]:10.0f}" for c in CATS)
+        print(f"{r['name']:{width}} {r['tok_s']:7.1f} " + " ".join(f"{r['us'][c]:10.0f}" for c in CATS)
               + (f"   logits max |diff| {r['diff']:.3g}, argmax equal {r['same']}/{len(r['logits'])}"
                  if r["diff"] is not None else ""))
     return 0

@@ -276,6 +276,12 @@ def test_device_benchmarks_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "STRATA_FUSED_STEP=1" in r.stdout and "fused step: dispatch" in r.stdout
     assert "argmax equal 4/4" in r.stdout.splitlines()[-1]
+    # a cached plan with its prefetch on, then off (rows side by side)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "switch_breakdown.py"),
+                        str(tmp_path / "pb" / "hot-cache-25"), "--device", "cpu", "--n-new", "5", "--prefetch", "both"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [ln.split()[1] for ln in r.stdout.splitlines()[-2:]] == ["prefetch", "no-prefetch"]
     for script, args in (("host_call_bench.py", ["--layers", "2", "--hidden", "64", "--reps", "3"]),
                          ("dispatch_args.py", ["--counts", "1,3", "--reps", "3"])):
         r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True,
