@@ -6,10 +6,10 @@ tid) plus metadata events naming each track (ph "M", thread_name). One track per
 per copy direction: the CPU kernels, the GPU partitions, host->device and device->host copies,
 and the step driver; the expert caches' hits and misses are instant events (ph "i") on a track
 of their own, one per cached layer and step, naming the experts that hit and missed (the
-prefetches and swaps are host->device spans). Times are host wall clock: a GPU partition's span runs from its dispatch to
-the moment its results are ready on the device (a watcher thread waits for them, so the host is
-not held up and the CPU work it does meanwhile shows beside it); a device->host span is the
-host's wait for a GPU result it needs plus the copy.
+prefetches and swaps are host->device spans). Times are host wall clock: a GPU partition's span
+runs from its dispatch to the moment its results are ready on the device (a watcher thread waits
+for them, so the host is not held up and the CPU work it does meanwhile shows beside it); a
+device->host span is the host's wait for a GPU result it needs plus the copy.
 """
 
 from __future__ import annotations
