@@ -29,9 +29,9 @@ as results of its own (a prefetch triggered by a GPU partition's value does not 
 step). Where a cached layer's GPU share ends a partition and the next CPU partition reads its
 result, that CPU partition may run as two host calls around the share (`_plan_splits`,
 STRATA_PREFETCH_STREAM=1, off: slower on the H200, 105.1 against 117.7 tok/s): the CPU side of
-the layer before the share, the combine after it. The prefetch's copies for that layer then go on a copy stream of
-their own and overlap the layer's attention and CPU side; only the GPU share waits for them, on
-the GPU (a CUDA event). Otherwise copies are queued on the program's stream. With
+the layer before the share, the combine after it. The prefetch's copies for that layer then go
+on a copy stream of their own and overlap the layer's attention and CPU side; only the GPU share
+waits for them, on the GPU (a CUDA event). Otherwise copies are queued on the program's stream. With
 STRATA_FUSED_OVERLAP (`overlap_mode`; by default where both halves run natively) every layer
 whose GPU expert share ends a partition splits so, and the first call hands the CPU side to the
 pool's runner thread (native: pool.py `strata_async_start`; a Python worker thread where the call
@@ -41,12 +41,12 @@ computes its own. STRATA_FUSED_STEP=0 turns fused steps off.
 A CPU partition that needs no per-step Python (a split layer's cold experts, cached or not: no
 attention cache arguments, token ids or Python prefetch; an expert cache's mask and counts are
 read and written by the program itself, and (STRATA_NATIVE_PREFETCH, default on) the prefetch its
-result triggers runs as native code after the program, runtime/native_prefetch.py) runs its segment program (pool.py
-`strata_run_program`) straight from the handler, with no Python callback (`_native_work`,
-STRATA_NATIVE_HOST_CALLS=0 turns it off); under tracing a per-step flag selects the program with
-time stamps between its ops, whose spans join the trace after the step (`_trace_native`), and
-under the MoE phase timer the Python work. The benchmarks' timeline (`timeline`) gets the native
-calls' entry and exit from their time stamps too.
+result triggers runs as native code after the program, runtime/native_prefetch.py) runs its
+segment program (pool.py `strata_run_program`) straight from the handler, with no Python
+callback (`_native_work`, STRATA_NATIVE_HOST_CALLS=0 turns it off); under tracing a per-step flag
+selects the program with time stamps between its ops, whose spans join the trace after the step
+(`_trace_native`), and under the MoE phase timer the Python work. The benchmarks' timeline
+(`timeline`) gets the native calls' entry and exit from their time stamps too.
 """
 
 from __future__ import annotations
@@ -201,8 +201,8 @@ class FusedStep:
 
     def _triggers(self, i: int) -> list[int]:
         """Values of CPU partition i that trigger an expert cache's prefetch (runtime/partitions.py
-        `lookahead`): on the host in its host call, so the copies can start there. None while the
-        prefetch is off (set by the session before the first step)."""
+        `lookahead`): on the host in its host call, so the copies can start there. Empty while
+        the prefetch is off (set by the session before the first step)."""
         if not self.m.prefetch:
             return []
         ids = set(self.m.parts[i][2])
