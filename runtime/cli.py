@@ -27,6 +27,12 @@ def _load_ids(path: Path) -> np.ndarray:
     return ids.astype(np.int64)
 
 
+def _check_out(flag: str, path: Path | None) -> None:
+    """An output file's folder must exist before the run, not after it (no traceback, no lost run)."""
+    if path is not None and not path.parent.is_dir():
+        raise UsageError(f"{flag} {path}: the folder {path.parent} does not exist; create it or give another path")
+
+
 def _save(path: Path, arr: np.ndarray) -> None:
     tmp = path.with_name(path.name + ".tmp.npy")
     np.save(tmp, arr)
@@ -92,6 +98,8 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
         raise UsageError("give exactly one of --prompt TEXT or --input-ids FILE.npy")
     if greedy and temperature > 0:
         raise UsageError("--greedy and --temperature > 0 contradict each other; pick one")
+    for flag, path in (("--trace", trace_out), ("--logits-out", logits_out), ("--tokens-out", tokens_out)):
+        _check_out(flag, path)
     lead = True
     if (coordinator, num_processes, process_id) != (None, None, None):
         if None in (coordinator, num_processes, process_id):

@@ -191,6 +191,15 @@ def _truncation_points(plan: Path) -> dict[str, int]:
     }
 
 
+@pytest.mark.parametrize("flag", ["--trace", "--logits-out", "--tokens-out"])
+def test_output_into_a_missing_folder(capsys, built, tmp_path, flag):
+    """Checked before the run: one line naming the flag and the folder, nothing run or written."""
+    target = tmp_path / "no-such-dir" / "out.file"
+    run_fails(capsys, built.plan, "--input-ids", built.ids, "-n", "2", flag, target,
+              names=(flag, str(target.parent)))
+    assert not target.parent.exists()
+
+
 @pytest.mark.parametrize("where", ["empty", "inside-magic", "inside-header", "header-only", "inside-meta",
                                    "inside-ir", "inside-tokenizer", "inside-toc", "one-byte-short"])
 def test_truncated_plan(capsys, built, plan_dir, where):
