@@ -30,8 +30,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout, installed or not
 
 
-def record(plan_dir: Path, tokens: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
-    """(chosen, predicted) bool[tokens, layers, E] and one expert's bytes, from a greedy decode."""
+def record(plan_dir: Path, tokens: int, seed: int = 0, sequences: int = 1
+           ) -> tuple[np.ndarray, np.ndarray, int, np.ndarray, np.ndarray | None]:
+    """(chosen, predicted) bool[tokens, layers, E], one expert's bytes, the decoded token ids
+    i64[tokens], and the plan's calibrated routing frequencies f64[layers, E] (None without
+    --calib), from greedy decodes: `sequences` of them, each after its own random 32-token
+    prompt, tokens // sequences tokens each, one after the other in one session (as a server
+    would run them)."""
     from strata_compiler.errors import UsageError
     from strata_compiler.ir import Op
     from strata_compiler.runtime.plan import load_plan
@@ -60,11 +65,18 @@ def record(plan_dir: Path, tokens: int, seed: int = 0) -> tuple[np.ndarray, np.n
                      float(norm.attr("eps")), int(r.attr("k"))))
     E = g.weight(moes[0].weight("down")).shape[0]
     expert_bytes = sum(sum(a[0].nbytes for a in plan.weights.arrays(w).values()) for _, w in moes[0].weights)
+    cal = (plan.meta.get("calibration") or {}).get("experts") or {}
+    calib = np.array([cal[str(i)]["freq"] for i in range(len(moes))]) if len(cal) == len(moes) else None
     rng = np.random.default_rng(seed)
-    prompt = rng.integers(0, min(1000, int(plan.meta["model"]["vocab_size"])), (1, 32))
-    s.reset(1, 32 + tokens + 8)
-    tok = int(np.argmax(s.step(prompt)[0, -1]))
-    tok = int(np.argmax(s.step(np.array([[tok]]))[0, -1]))     # one decode step makes the M = 1 frame
+    per = tokens // sequences
+
+    def start() -> int:
+        prompt = rng.integers(0, min(1000, int(plan.meta["model"]["vocab_size"])), (1, 32))
+        s.reset(1, 32 + per + 8)
+        tok = int(np.argmax(s.step(prompt)[0, -1]))
+        return int(np.argmax(s.step(np.array([[tok]]))[0, -1]))     # one decode step makes the M = 1 frame
+
+    tok = start()
     # plan-memory reuses buffers within a step: copy each route's and trigger's value as it is made
     frame, ops = exe.frames[1]
     seen: dict[int, np.ndarray] = {}
@@ -77,16 +89,20 @@ def record(plan_dir: Path, tokens: int, seed: int = 0) -> tuple[np.ndarray, np.n
                 f(step)
                 seen[nid] = frame.out(g.node(nid))[0].copy()
             ops[i] = grab
-    chosen = np.zeros((tokens, len(info), E), bool)
+    chosen = np.zeros((per * sequences, len(info), E), bool)
     pred = np.zeros_like(chosen)
-    for t in range(tokens):
+    ids = np.zeros(per * sequences, np.int64)
+    for t in range(per * sequences):
+        if t and t % per == 0:
+            tok = start()
+        ids[t] = tok
         tok = int(np.argmax(s.step(np.array([[tok]]))[0, -1]))
         for li, (rid, trig, w, nw, eps, k) in enumerate(info):
             chosen[t, li] = seen[rid] != 0
             h = seen[trig].astype(np.float32)
             x = h / np.sqrt((h * h).mean() + eps) * nw
             pred[t, li, np.argpartition(-(x @ w.T), k - 1)[:k]] = True
-    return chosen, pred, expert_bytes
+    return chosen, pred, expert_bytes, ids, calib
 
 
 def replay(chosen: np.ndarray, pred: np.ndarray, hot: np.ndarray, prior: np.ndarray | None,
@@ -124,30 +140,50 @@ def main() -> int:
     ap.add_argument("plan_dir", type=Path)
     ap.add_argument("--tokens", type=int, default=1200, help="greedy tokens to decode and record")
     ap.add_argument("--calib", type=int, default=256, help="leading tokens used as the calibration")
+    ap.add_argument("--sequences", type=int, default=1,
+                    help="decode this many generations (each after its own random prompt), --tokens in all")
+    ap.add_argument("--calib-plan", action="store_true",
+                    help="take the static split and the prior from the plan's own calibration (stratac "
+                         "compile --calib: what strata-B's split and the cache's prior use), not from the "
+                         "leading --calib tokens of the decode; all --tokens are then replayed")
+    ap.add_argument("--topics", type=int, default=0,
+                    help="the model's --topics D (make_synthetic_model.py): also print how many decoded "
+                         "tokens share the topic (id mod D) of their generation's first")
     ap.add_argument("--slots-frac", type=float, default=0.25, help="GPU slots per layer, as a share of its experts")
     ap.add_argument("--prefetch", default="0,1,2,4", help="prefetch copies per layer per token to try")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args()
-    if a.calib >= a.tokens:
+    if a.calib >= a.tokens and not a.calib_plan:
         ap.error("--calib must be smaller than --tokens")
-    from strata_compiler.errors import StrataError
+    from strata_compiler.errors import StrataError, UsageError
 
     try:
-        chosen, pred, eb = record(a.plan_dir, a.tokens)
+        chosen, pred, eb, ids, calib = record(a.plan_dir, a.tokens, sequences=a.sequences)
+        if a.calib_plan and calib is None:
+            raise UsageError(f"{a.plan_dir}: compiled without --calib; drop --calib-plan")
     except StrataError as e:
         print(f"cache_sim.py: error: {e}", file=sys.stderr)
         return 2
-    cal, test_c, test_p = chosen[:a.calib], chosen[a.calib:], pred[a.calib:]
+    if a.calib_plan:
+        test_c, test_p = chosen, pred
+        prior = calib                              # chance per token that each expert is chosen
+        a.calib = 0
+    else:
+        cal, test_c, test_p = chosen[:a.calib], chosen[a.calib:], pred[a.calib:]
+        prior = cal.sum(0).astype(np.float64) / a.calib
     T, L, E = test_c.shape
     S = max(1, round(E * a.slots_frac))
-    freq = cal.sum(0).astype(np.float64)
-    hot = np.argsort(-freq, axis=1, kind="stable")[:, :S]
-    prior = freq / a.calib                         # chance per token that each expert is chosen
+    hot = np.argsort(-prior, axis=1, kind="stable")[:, :S]
+    if a.topics:
+        per = len(ids) // a.sequences
+        same = (ids.reshape(a.sequences, per) % a.topics == (ids[::per] % a.topics)[:, None]).mean()
+        print(f"decoded tokens on their generation's first topic: {same:.1%} (chance {1 / a.topics:.0%})")
     static = sum(test_c[:, i, hot[i]].sum() for i in range(L)) / test_c.sum()
     best = sum(np.sort(test_c[:, i].sum(0))[::-1][:S].sum() for i in range(L)) / test_c.sum()
     acc = (test_p & test_c).sum() / max(1, test_p.sum())
     print(f"{a.plan_dir}: {L} MoE layers x {E} experts, {S} GPU slots a layer, one expert {eb / 2**20:.2f} MiB; "
-          f"{a.calib} tokens calibrate, {T} replayed; lookahead accuracy {acc:.1%}")
+          f"{'the plan' if a.calib_plan else a.calib} tokens calibrate, {T} replayed in {a.sequences} "
+          f"generation(s); lookahead accuracy {acc:.1%}")
     rows = [dict(policy="static split (calibrated hottest)", prefetch=0, hit_rate=static, copies=0.0),
             dict(policy="static split, best in hindsight", prefetch=0, hit_rate=best, copies=0.0)]
     for pf in [int(x) for x in a.prefetch.split(",")]:

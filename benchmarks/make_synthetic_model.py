@@ -287,21 +287,70 @@ def plan_shards(tensors, itemsize: int, shard_bytes: int) -> list[list]:
     return shards
 
 
-def _skewed_router(bits: np.ndarray, shape: tuple[int, int], skew: float, dtype: str, seed: int) -> np.ndarray:
-    """Router rows scaled by exp(skew * z_e), z_e ~ N(0, 1) per expert (a new draw per layer): an
-    expert with a larger row gets larger logits, so it wins the top-k more often — a popularity
-    skew like trained routers show. The measured skew is what calibration reports."""
-    w = (bits.astype(np.uint32) << 16).view(np.float32).reshape(shape).copy()
-    z = np.random.default_rng(seed).standard_normal(shape[0]).astype(np.float32)
+def _skewed_router(w: np.ndarray, skew: float, seed: int) -> np.ndarray:
+    """Router rows (float32, (E, H)) scaled by exp(skew * z_e), z_e ~ N(0, 1) per expert (a new
+    draw per layer): an expert with a larger row gets larger logits, so it wins the top-k more
+    often — a popularity skew like trained routers show. The measured skew is what calibration
+    reports."""
+    z = np.random.default_rng(seed).standard_normal(w.shape[0]).astype(np.float32)
     w *= np.exp(skew * z)[:, None]
+    return w
+
+
+def _from_f32(w: np.ndarray, dtype: str) -> np.ndarray:
+    w = np.ascontiguousarray(w, np.float32).reshape(-1)
     if dtype == "bf16":
-        return (w.reshape(-1).view(np.uint32) >> 16).astype(np.uint16)
-    return w.reshape(-1) if dtype == "f32" else w.reshape(-1).astype(np.float16)
+        return (w.view(np.uint32) >> 16).astype(np.uint16)
+    return w if dtype == "f32" else w.astype(np.float16)
+
+
+class Topics:
+    """Topic structure, as trained MoE models show it (OLMoE, Muennighoff et al. 2024, section 5:
+    experts specialise by domain, and text stays on its domain): D random unit directions u_d of
+    the hidden space; token t belongs to topic t mod D.
+
+      embedding row t   += embed * |row| * u_{t mod D}   (a token carries its topic)
+      lm_head row t     += head * |row| * u_{t mod D}    (a hidden state on topic d favours topic
+                                                          d's tokens: generation stays on topic)
+      router row e      += router * |row| * u_{g(e)}     (in each layer a random 1/D of the
+                                                          experts serves topic d: g is a fresh
+                                                          permutation per layer)
+
+    A plan calibrated on mixed text then sees a mixture of the topics' hot sets, while one
+    generation uses its own topic's: what a static placement cannot follow and a cache can."""
+
+    def __init__(self, n: int, hidden: int, seed: int, embed: float = 1.0, head: float = 0.2,
+                 router: float = 0.03):
+        rng = np.random.default_rng(seed + 7919)
+        u = rng.standard_normal((n, hidden)).astype(np.float32)
+        self.u = u / np.linalg.norm(u, axis=1, keepdims=True)
+        self.n, self.hidden = n, hidden
+        self.embed, self.head, self.router = embed, head, router
+
+    def rows(self, w: np.ndarray, first: int, strength: float) -> np.ndarray:
+        """w: a chunk of a (rows, H) tensor from flat element `first`, float32. Adds strength *
+        rms * sqrt(H) * u_{row mod D}: rms * sqrt(H) is a row's norm."""
+        h = self.hidden
+        idx = first + np.arange(w.size)
+        r = float(np.sqrt(np.mean(w.astype(np.float64) ** 2)))
+        w += (strength * r * math.sqrt(h)) * self.u[(idx // h) % self.n, idx % h]
+        return w
+
+    def router_rows(self, w: np.ndarray, seed: int) -> np.ndarray:
+        """w: (E, H) float32; each row gets its own norm times `router` along its topic."""
+        g = np.random.default_rng(seed + 104729).permutation(w.shape[0]) % self.n
+        w += self.router * np.linalg.norm(w, axis=1, keepdims=True) * self.u[g]
+        return w
+
+
+def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def make_synthetic_model(out_dir: Path, arch: str = "qwen3_moe", size_gb: float = 2.2,
                          dtype: str = "bf16", shard_gb: float = 1.0, seed: int = 0,
-                         router_skew: float = 0.0, embed_scale: float = 0.02, **overrides) -> dict:
+                         router_skew: float = 0.0, embed_scale: float = 0.02, topics: int = 0,
+                         topic_strength: tuple[float, float, float] | None = None, **overrides) -> dict:
     """Write the folder; returns a summary dict (dims, total_bytes, largest tensor, files)."""
     if arch not in ARCHS:
         raise SystemExit(f"unknown --arch {arch!r}; choose from {', '.join(ARCHS)}")
@@ -316,6 +365,7 @@ def make_synthetic_model(out_dir: Path, arch: str = "qwen3_moe", size_gb: float 
     shards = plan_shards(tensors, itemsize, int(shard_gb * GB))
     n = len(shards)
     filler = Filler(seed, embed_scale)
+    topic = Topics(topics, d.hidden, seed, *(topic_strength or ())) if topics else None
     weight_map: dict[str, str] = {}
     total = 0
     largest = ("", 0)
@@ -329,13 +379,24 @@ def make_synthetic_model(out_dir: Path, arch: str = "qwen3_moe", size_gb: float 
                 numel = _numel(shape)
                 fan_in = shape[-1]
                 done = 0
-                if router_skew and name.endswith("gate.weight") and len(shape) == 2 and numel <= CHUNK_ELEMS:
-                    f.write(_skewed_router(filler.chunk(numel, kind, fan_in), shape, router_skew, dtype,
-                                           seed + len(weight_map)).tobytes())
+                if ((router_skew or topic) and name.endswith("gate.weight") and len(shape) == 2
+                        and numel <= CHUNK_ELEMS):
+                    w = _bf16_to_f32(filler.chunk(numel, kind, fan_in)).reshape(shape)
+                    if router_skew:
+                        w = _skewed_router(w, router_skew, seed + len(weight_map))
+                    if topic:
+                        w = topic.router_rows(w, seed + len(weight_map))
+                    f.write(_from_f32(w, dtype).tobytes())
                     done = numel
+                on_topic = topic and (kind == "embed" or name == "lm_head.weight")
                 while done < numel:
                     m = min(CHUNK_ELEMS, numel - done)
-                    f.write(_encode(filler.chunk(m, kind, fan_in), dtype).tobytes())
+                    bits = filler.chunk(m, kind, fan_in)
+                    if on_topic:
+                        w = topic.rows(_bf16_to_f32(bits), done, topic.embed if kind == "embed" else topic.head)
+                        f.write(_from_f32(w, dtype).tobytes())
+                    else:
+                        f.write(_encode(bits, dtype).tobytes())
                     done += m
                 weight_map[name] = fname
                 total += e - b
@@ -373,6 +434,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--router-skew", type=float, default=0.0,
                     help="scale router rows by exp(S * N(0,1)) per expert: skewed expert popularity (0: none)")
+    ap.add_argument("--topics", type=int, default=0,
+                    help="D topics: token t belongs to topic t mod D, carries it in its embedding, "
+                         "favours its topic's next tokens, and each layer's router sends each topic to "
+                         "its own 1/D of the experts (see Topics; 0: none)")
+    ap.add_argument("--topic-strength", default=None,
+                    help="EMBED,HEAD,ROUTER: the fractions of a row's norm along its topic's direction "
+                         f"in the embedding, the LM head and the routers (default "
+                         f"{Topics.__init__.__defaults__[0]},{Topics.__init__.__defaults__[1]},"
+                         f"{Topics.__init__.__defaults__[2]})")
     ap.add_argument("--embed-scale", type=float, default=0.02,
                     help="magnitude of the embedding values; about 1 keeps tokens' hidden states apart, so "
                          "routing follows --router-skew (at 0.02 the layers' shared output dominates and a few "
@@ -384,7 +454,9 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     s = make_synthetic_model(
         a.out_dir, arch=a.arch, size_gb=a.size_gb, dtype=a.dtype, shard_gb=a.shard_gb,
-        seed=a.seed, router_skew=a.router_skew, embed_scale=a.embed_scale, layers=a.layers, hidden=a.hidden, experts=a.experts,
+        seed=a.seed, router_skew=a.router_skew, embed_scale=a.embed_scale, topics=a.topics,
+        topic_strength=tuple(float(x) for x in a.topic_strength.split(",")) if a.topic_strength else None,
+        layers=a.layers, hidden=a.hidden, experts=a.experts,
         moe_intermediate=a.moe_intermediate, vocab=a.vocab, heads=a.heads,
         kv_heads=a.kv_heads, head_dim=a.head_dim, top_k=a.top_k)
     dt = time.perf_counter() - t0

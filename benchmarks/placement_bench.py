@@ -80,13 +80,15 @@ TINY = dict(hidden=256, layers=4, heads=4, kv_heads=4, head_dim=64, experts=16, 
             vocab=4096)
 
 
-def build_model(work: Path, dims: dict, skew: float) -> Path:
+def build_model(work: Path, dims: dict, skew: float, topics: int = 0,
+                topic_strength: tuple[float, ...] | None = None) -> Path:
     from benchmarks.make_synthetic_model import make_synthetic_model
 
     model = work / "model"
     if not (model / "config.json").exists():
         t0 = time.time()
-        make_synthetic_model(model, arch="olmoe", router_skew=skew, embed_scale=1.0, **dims)
+        make_synthetic_model(model, arch="olmoe", router_skew=skew, embed_scale=1.0, topics=topics,
+                             topic_strength=topic_strength, **dims)
         shutil.copy(HERE.parent / "examples" / "models" / "tiny-moe" / "tokenizer.json", model / "tokenizer.json")
         log(f"model written in {time.time() - t0:.0f} s")
     return model
@@ -275,6 +277,11 @@ def main() -> int:
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/place_bench"))
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--router-skew", type=float, default=0.5)
+    ap.add_argument("--topics", type=int, default=0,
+                    help="give the model D topics (make_synthetic_model.py --topics): text stays on its topic and "
+                         "each topic routes to its own share of the experts, so one generation's hot experts "
+                         "differ from the calibration's mixture (0: none; the work dir's model is reused as it is)")
+    ap.add_argument("--topic-strength", default=None, help="EMBED,HEAD,ROUTER for --topics (make_synthetic_model.py)")
     ap.add_argument("--budgets", default="25,50,100", help="GPU budgets, as %% of the expert bytes on top of the rest")
     ap.add_argument("--quant", default="int4")
     ap.add_argument("--n-new", type=int, default=64)
@@ -330,7 +337,8 @@ def main() -> int:
     if a.layers:
         dims["layers"] = a.layers
     a.work_dir.mkdir(parents=True, exist_ok=True)
-    model = build_model(a.work_dir, dims, a.router_skew)
+    model = build_model(a.work_dir, dims, a.router_skew, a.topics,
+                        tuple(float(x) for x in a.topic_strength.split(",")) if a.topic_strength else None)
     calib_text = HERE.parent / "examples" / "models" / "tiny-moe" / "calib.txt"
     base = a.work_dir / "base"
     if not (base / "plan.bin").exists():
@@ -472,7 +480,8 @@ def main() -> int:
     def save_json() -> None:        # after every variant, so a run cut short still leaves its figures
         if a.json:
             tmp = a.json.with_name(a.json.name + ".tmp")
-            tmp.write_text(json.dumps({"dims": dims, "skew_top25": top, "variants": {
+            tmp.write_text(json.dumps({"dims": dims, "skew_top25": top, "topics": a.topics,
+                                       "topic_strength": a.topic_strength, "variants": {
                 k: {kk: (str(vv) if isinstance(vv, Path) else vv) for kk, vv in v.items()}
                 for k, v in variants.items()}}, indent=1))
             tmp.replace(a.json)
@@ -538,7 +547,8 @@ def main() -> int:
                            prefetch=v.get("prefetch", True), expert_cache=v.get("expert_cache", True))
         save_json()
     print(f"\nmodel {dims}, {a.quant}; experts {experts_b / 2**30:.2f} GiB, rest {rest_b / 2**30:.2f} GiB; "
-          f"router skew {a.router_skew}: top 25% of experts take {top:.0%} of routings")
+          f"router skew {a.router_skew}: top 25% of experts take {top:.0%} of routings"
+          + (f"; {a.topics} topics (strength {a.topic_strength or 'default'})" if a.topics else ""))
     print(f"{'variant':24} {'GPU GiB':>8} {'measured tok/s':>15} {'predicted':>10} {'pred/meas':>9} "
           f"{'same tokens':>11} {'hit rate':>8} {'prefetch':>8} {'copied MiB':>10} {'logit dev':>9} {'checks':>6}")
     for name, v in variants.items():
