@@ -97,6 +97,8 @@ class MixedExecutor:
         self.lookahead: dict = {}   # node id -> the caches whose prefetch its value triggers
         self.prefetch = True
         self.async_swaps = False    # enable_expert_cache: STRATA_PINNED_SWAPS
+        self.cache_group = None     # enable_expert_cache: expert_cache.CacheGroup
+        self._cache_parts: dict = {}
         self.pinned_bytes = 0
         self._copy_plans: dict = {}   # cache key -> raw copy addresses (_copy_rows)
         self.copy_share = COPY_SHARE
@@ -338,6 +340,10 @@ class MixedExecutor:
 
         if pinned and not disk_tier.TIERS:     # (pages of the disk tier must stay evictable)
             self.pinned_bytes = cuda_rt.pin(pinned)
+        # the caches' bookkeeping after each step as whole-array operations (ExpertCache rows of a
+        # CacheGroup's arrays: before any native program reads their addresses)
+        self.cache_group = expert_cache.CacheGroup([c for c, *_ in self.caches]) if self.caches else None
+        self._cache_parts = {c.key: (xla, n, host) for c, xla, n, host in self.caches}
         return len(self.caches)
 
     def _host_arrays(self, name: str) -> dict:
@@ -396,6 +402,20 @@ class MixedExecutor:
                 stream(c, done=True)
 
     def _swap_experts(self) -> None:
+        group = self.cache_group
+        if group is not None and not (self._step_s and self._copy_s >= self.copy_share * self._step_s):
+            swaps = group.after_step()      # all layers' bookkeeping at once (None: per cache)
+            if swaps is not None:
+                where = self._cache_parts
+                for c, slot, e, old in swaps:
+                    xla, gpu_node, host = where[c.key]
+                    if self._copy_ok(c):
+                        self._copy_in(c, xla, gpu_node, host, slot, e, f"expert {e} -> {c.key}[{slot}]")
+                    else:                   # over the copy budget: as plan_swaps(max_swaps=0) leaves it
+                        c.slots[slot] = old
+                        c.nonresident[e], c.nonresident[old] = 1.0, 0.0
+                        c.swaps -= 1
+                return
         for c, xla, gpu_node, host in self.caches:
             if not self._copy_ok(c):
                 c.plan_swaps(max_swaps=0)      # the scores still learn from this step
@@ -417,6 +437,13 @@ class MixedExecutor:
         t0 = time.perf_counter()
         if in_program:
             moved = self._copy_rows(c, xla, gpu_node, host, slot, e, stream)
+        elif self.async_swaps and xla.on_gpu and cuda_rt.bulk_ok() and all(
+                p[-1] for p in self.copy_plan(c, xla, gpu_node, host)):
+            moved = 0           # raw copies on the bulk stream; the next step lands them (land_slot_copies)
+            for _name, _arr, cur, dst, rb, src, _raw in self.copy_plan(c, xla, gpu_node, host):
+                cuda_rt.copy_bulk(dst + slot * rb, src[e].ctypes.data, rb, cur)
+                moved += rb
+            xla._bulk_pending = True
         else:
             rows = {role: {a: v[e] for a, v in self._host_arrays(host.weight(role)).items()}
                     for role, _ in gpu_node.weights}

@@ -13,7 +13,7 @@ from strata_compiler.cli import stratac
 from strata_compiler.cli_common import run_cli
 from strata_compiler.errors import UsageError
 from strata_compiler.runtime.cli import strata_run
-from strata_compiler.runtime.expert_cache import ExpertCache
+from strata_compiler.runtime.expert_cache import CacheGroup, ExpertCache
 from strata_compiler.runtime.plan import load_plan
 from test_place import budget_decides, fake_profile, gpu_mem_for, probe_placement
 
@@ -76,6 +76,41 @@ def test_calibrated_prior_keeps_hot_experts_against_one_off_misses():
     assert len(without.plan_swaps()) == 1 and 2 in without.slots
     # a prior of the wrong length (an old plan, another layer) is ignored, not misapplied
     assert not ExpertCache("L0", 6, np.array([0, 1], np.int32), prior=prior[:4]).score.any()
+
+
+def test_cache_group_makes_the_swaps_each_cache_would():
+    """CacheGroup.after_step (whole-array bookkeeping) against ExpertCache.plan_swaps per cache,
+    on a skewed random routing with misses every step: the same swaps, scores, hits and misses."""
+    rng = np.random.default_rng(3)
+    L, E, S, k = 5, 16, 4, 3
+    p = rng.dirichlet(np.full(E, 0.3), size=L)
+
+    def caches():
+        return [ExpertCache(f"L{i}", E, rng2.permutation(E)[:S].astype(np.int32), prior=p[i])
+                for i, rng2 in ((i, np.random.default_rng(i)) for i in range(L))]
+
+    solo, grouped = caches(), caches()
+    group = CacheGroup(grouped)
+    assert group.ok and grouped[2].score.base is group.score
+    swaps = 0
+    for _ in range(60):
+        for i in range(L):
+            counts = np.bincount(rng.choice(E, size=k, replace=False, p=p[i]), minlength=E)
+            solo[i].counts[:] = counts
+            grouped[i].counts[:] = counts
+        want = [(i, s, e) for i, c in enumerate(solo) for s, e in c.plan_swaps()]
+        got = group.after_step()
+        assert [(grouped.index(c), s, e) for c, s, e, _ in got] == want
+        swaps += len(want)
+    assert swaps > 10
+    for a, b in zip(solo, grouped):
+        assert (a.hits, a.misses, a.swaps, a.step) == (b.hits, b.misses, b.swaps, b.step)
+        np.testing.assert_array_equal(a.slots, b.slots)
+        np.testing.assert_allclose(a.score, b.score, rtol=1e-12)
+        np.testing.assert_array_equal(a.last_used, b.last_used)
+        np.testing.assert_array_equal(a.nonresident, b.nonresident)
+    grouped[0].max_swaps = 2            # what the whole-array path does not do: the per-cache path
+    assert group.after_step() is None
 
 
 def cached_plan(d, tmp_path, monkeypatch, share: float) -> Path:
@@ -165,6 +200,7 @@ def test_every_decode_step_matches_with_swaps(model, tmp_path, monkeypatch, batc
         assert np.abs(runs[mode][0] - b).max() / b.std() <= 1e-5, mode
     caches = runs[True, False][1].executor.caches
     assert caches and sum(c.swaps for c, *_ in caches) > 0
+    assert runs[True, False][1].executor.cache_group.steps >= 9      # the whole-array bookkeeping ran
     caches = runs[True, True][1].executor.caches
     assert sum(c.prefetches for c, *_ in caches) > 0 and sum(c.pf_predicted for c, *_ in caches) > 0
 

@@ -220,6 +220,21 @@ def to_device(src: np.ndarray, x, offset: int = 0, wait: bool = True) -> None:
 _PENDING: dict[int, ctypes.c_void_p] = {}     # bulk streams with copies not yet waited for
 
 
+def copy_bulk(dst: int, src: int, n: int, x) -> None:
+    """n bytes from host address `src` (pinned memory that outlives the copy) to device address
+    `dst` inside device array x, queued on the bulk stream of x's device as to_device(wait=False)
+    queues them (`wait_bulk()` before anything reads x): an expert-cache swap from its copy plan,
+    without building arrays per copy. Only with mode "cuda" and raw streams (`bulk_ok`)."""
+    s = _stream_of(next(iter(x.devices())), bulk=True)
+    _check(_LIB.cudaMemcpyAsync(dst, src, n, H2D, s), "cudaMemcpyAsync")
+    _PENDING[s.value] = s
+
+
+def bulk_ok() -> bool:
+    """Whether copy_bulk may be used: raw copies on a CUDA GPU, on streams of their own."""
+    return mode == "cuda" and _RAW_STREAM
+
+
 def wait_bulk() -> None:
     """Wait for every copy started with to_device(..., wait=False)."""
     while _PENDING:
