@@ -67,9 +67,10 @@ def _save(path: Path, arr: np.ndarray) -> None:
 @click.option("--expert-cache/--no-expert-cache", default=True, show_default=True,
               help="Swap experts into the GPU slots of layers compiled with --expert-cache as routing shifts "
                    "(off: the plan's split stays static).")
-@click.option("--prefetch/--no-prefetch", default=True, show_default=True,
+@click.option("--prefetch/--no-prefetch", default=False, show_default=True,
               help="With an expert cache: predict each cached layer's experts by applying its router to the "
-                   "hidden state entering the layer, and start their copies before the layer runs.")
+                   "hidden state entering the layer, and start their copies before the layer runs. Off by "
+                   "default: on an H200 it has cost more than it saved in every run so far (BENCHMARKS.md).")
 @click.option("--cache-policy", type=click.Choice(["hybrid", "lru"]), default="hybrid", show_default=True,
               help="Expert cache replacement: decayed use counts plus recency (hybrid), or least recently used.")
 @click.option("--multi-gpu", type=click.Choice(["mesh", "host"]), default="mesh", show_default=True,

@@ -37,7 +37,8 @@ class Session:
     timings: Timings = field(default_factory=Timings)
     expert_cache: bool = True   # live GPU expert caches for the plan's cached layers (mixed runs)
     cache_policy: str = "hybrid"
-    prefetch: bool = True       # start expert copies from the next layer's router on this layer's state
+    prefetch: bool = False      # start expert copies from the next layer's router on this layer's state
+                                # (off by default: slower on the H200 in every run, BENCHMARKS.md)
     multi_gpu: str = "mesh"     # a striped plan on several GPUs: one sharded computation, or "host"-driven
 
     def __post_init__(self) -> None:

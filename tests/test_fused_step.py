@@ -150,7 +150,7 @@ def test_fused_decode_steps_equal_the_partition_runtime(model, tmp_path, monkeyp
         monkeypatch.setenv("STRATA_FUSED_OVERLAP", "1")
     for fused in ("1", "0"):
         monkeypatch.setenv("STRATA_FUSED_STEP", fused)
-        s = Session(plan, "auto", device="cpu")
+        s = Session(plan, "auto", device="cpu", prefetch=True)
         assert (s.executor.fused is not None) == (fused == "1")
         s.executor.copy_share = 1e9       # no copy budget: the same copies in both runs, whatever the timing
         s.reset(batch, 64)
@@ -402,7 +402,7 @@ def test_native_prefetch_equals_the_python_one(tmp_path, monkeypatch, batch, str
     runs = {}
     for native in ("1", "0"):
         monkeypatch.setenv("STRATA_NATIVE_PREFETCH", native)
-        s = Session(plan, "auto", device="cpu")
+        s = Session(plan, "auto", device="cpu", prefetch=True)
         s.executor.copy_share = 1e9
         s.reset(batch, 64)
         rng = np.random.default_rng(1)
