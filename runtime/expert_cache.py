@@ -233,8 +233,8 @@ def stats_lines(graph) -> list[str]:
 
 
 class CacheGroup:
-    """The caches of one plan that share a shape (experts, slots) and a policy, their per-expert
-    arrays rows of shared [L, E] arrays (and the slots of an [L, S] one), so that the bookkeeping
+    """The caches of one plan that share an expert count and a policy, their per-expert arrays
+    rows of shared [L, E] arrays (and their slots heads of an [L, S_max] one's rows), so that the bookkeeping
     after a step — hits and misses from what the native programs counted, the scores, one swap
     per layer — runs as a few whole-array operations instead of ~25 small NumPy calls per layer
     (~300 µs a token for 16 layers on the 2-core VM). Rows of a C-contiguous array keep their
@@ -248,15 +248,23 @@ class CacheGroup:
     def __init__(self, caches: list[ExpertCache]) -> None:
         c0 = caches[0]
         self.caches = caches
-        self.ok = all(c.n_experts == c0.n_experts and len(c.slots) == len(c0.slots) and c.policy == "hybrid"
-                      and c.decay == c0.decay and c.recency == c0.recency for c in caches)
+        self.ok = all(c.n_experts == c0.n_experts and c.policy == "hybrid" and c.decay == c0.decay
+                      and c.recency == c0.recency for c in caches)
         if not self.ok:
             return
-        for attr in ("score", "last_used", "nonresident", "counts", "slots"):
+        for attr in ("score", "last_used", "nonresident", "counts"):
             big = np.ascontiguousarray(np.stack([getattr(c, attr) for c in caches]))
             setattr(self, attr, big)
             for i, c in enumerate(caches):
                 setattr(c, attr, big[i])
+        # layers may hold different numbers of slots (the placement sizes each split): [L, S_max],
+        # each cache's slots the head of its row, the rest never a victim
+        n = np.array([len(c.slots) for c in caches])
+        self.slots = np.zeros((len(caches), max(1, int(n.max()))), np.int32)
+        self.pad = np.arange(self.slots.shape[1])[None, :] >= n[:, None]
+        for i, c in enumerate(caches):
+            self.slots[i, :n[i]] = c.slots
+            c.slots = self.slots[i, :n[i]]
         self.rows = np.arange(len(caches))
         self.steps = 0                  # steps whose bookkeeping ran as whole arrays
 
@@ -289,6 +297,7 @@ class CacheGroup:
             return []
         cand = np.argmax(np.where(missed, self.score, -np.inf), axis=1)
         held = np.take_along_axis(self.score, self.slots, axis=1)
+        held[self.pad] = np.inf
         vslot = np.argmin(held, axis=1)
         rows = self.rows
         win = missed.any(1) & (self.score[rows, cand] > held[rows, vslot])

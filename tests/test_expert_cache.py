@@ -80,13 +80,14 @@ def test_calibrated_prior_keeps_hot_experts_against_one_off_misses():
 
 def test_cache_group_makes_the_swaps_each_cache_would():
     """CacheGroup.after_step (whole-array bookkeeping) against ExpertCache.plan_swaps per cache,
-    on a skewed random routing with misses every step: the same swaps, scores, hits and misses."""
+    on a skewed random routing with misses every step, layers with different slot counts: the same
+    swaps, scores, hits and misses."""
     rng = np.random.default_rng(3)
     L, E, S, k = 5, 16, 4, 3
     p = rng.dirichlet(np.full(E, 0.3), size=L)
 
-    def caches():
-        return [ExpertCache(f"L{i}", E, rng2.permutation(E)[:S].astype(np.int32), prior=p[i])
+    def caches():       # (the layers hold S, S - 1, ... slots: a placement sizes each split)
+        return [ExpertCache(f"L{i}", E, rng2.permutation(E)[:S - i % 3].astype(np.int32), prior=p[i])
                 for i, rng2 in ((i, np.random.default_rng(i)) for i in range(L))]
 
     solo, grouped = caches(), caches()
