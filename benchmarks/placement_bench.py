@@ -12,7 +12,10 @@ win the top-k far more often; the realised skew is measured by calibration and p
 default 0.5 the most popular quarter of the experts takes about 55 % of the routings, at 0
 about 40 % (sampling noise of the calibration tokens; 25 % is perfectly even); the embedding
 values are of order 1 so that tokens' hidden states differ and routing follows the router). The
-tiny-moe tokenizer stands in (ids < 4096 index the synthetic embedding).
+tiny-moe tokenizer stands in (ids < 4096 index the synthetic embedding). With --topics D the
+model also has topics (make_synthetic_model.py Topics: a generation stays on its topic and each
+topic routes to its own 1/D of each layer's experts), so the plan's calibration on mixed text sees
+the topics' mixture while one generation uses its own topic's experts.
 
 Variants, each compiled from the same folder at --quant with the same calibration:
   gpu-all        the unplaced plan on xla: the whole model on the GPU (the reference tokens)
@@ -22,9 +25,10 @@ Variants, each compiled from the same folder at --quant with the same calibratio
                  N the most that fits the budget B (llama.cpp's -ngl)
   strata-B       --target HW --gpu-mem (the dense weights + B% of the expert bytes + the KV reserve)
   cache-B        the same with --expert-cache: the split layers' GPU shares become expert caches
-                 (swaps and prefetch at run time; hit rate, prefetch accuracy, bytes copied); at the
-                 smallest budget also with prefetch off, the caches off, and on the CPU alone (what
-                 the no-GPU fallback runs), for the greedy-tokens check
+                 (swaps and, as strata-run --prefetch, prefetch at run time; hit rate, prefetch
+                 accuracy, bytes copied); at the smallest budget also with prefetch off, the
+                 caches off, and on the CPU alone (what the no-GPU fallback runs), for the
+                 greedy-tokens check
   hot-B, hot-cache-B  (smallest budget) `--place-strategy hot-experts`: the dense parts and every
                  layer's most used experts on the GPU (each layer split), static and with
                  `--expert-cache` (and the latter without prefetch): the issue-7 cache measured on a

@@ -137,6 +137,47 @@ def test_sharding_overrides_and_determinism(tmp_path):
     assert (tmp_path / "c" / c["files"][0]).read_bytes() != (tmp_path / "a" / a["files"][0]).read_bytes()
 
 
+def test_topics_tilt_embeddings_head_and_routers(tmp_path):
+    """--topics 4: token t's embedding and LM-head rows lean towards topic t mod 4's direction,
+    and in each layer a quarter of the router rows lean towards each topic's (a fresh assignment
+    per layer), by the given fractions of a row's norm; without topics nothing leans."""
+    from safetensors.numpy import load_file
+
+    kw = dict(arch="olmoe", size_gb=0.01, layers=2, hidden=256, experts=16, vocab=512, heads=4, kv_heads=4,
+              embed_scale=1.0)
+    strength = (1.0, 0.5, 0.4)
+    msm.make_synthetic_model(tmp_path / "t", topics=4, topic_strength=strength, **kw)
+    msm.make_synthetic_model(tmp_path / "p", **kw)
+    u = msm.Topics(4, 256, 0).u
+
+    def tensors(d):
+        out = {}
+        for f in sorted((tmp_path / d).glob("*.safetensors")):
+            out.update({k: v.astype(np.float32) for k, v in load_file(f).items()})
+        return out
+
+    t, p = tensors("t"), tensors("p")
+    for name, frac in (("model.embed_tokens.weight", strength[0]), ("lm_head.weight", strength[1])):
+        for w, lean in ((t[name], frac), (p[name], 0.0)):
+            cos = (w @ u.T) / np.linalg.norm(w, axis=1, keepdims=True)        # [vocab, topics]
+            own = cos[np.arange(len(w)), np.arange(len(w)) % 4]
+            # a row r + f |r| u has cosine f / sqrt(1 + f^2) with u (r nearly orthogonal to u)
+            assert abs(own.mean() - lean / np.sqrt(1 + lean ** 2)) < 0.03, name
+            assert np.abs(np.delete(cos, np.arange(len(w)) % 4 + 4 * np.arange(len(w)), None)).mean() < 0.1
+    groups = []
+    for layer in range(2):
+        w = t[f"model.layers.{layer}.mlp.gate.weight"]
+        cos = (w @ u.T) / np.linalg.norm(w, axis=1, keepdims=True)            # [experts, topics]
+        topic = cos.argmax(1)
+        assert np.bincount(topic, minlength=4).tolist() == [4, 4, 4, 4]
+        want = strength[2] / np.sqrt(1 + strength[2] ** 2)     # (noise: a random row's cosine ~ 1/16)
+        assert abs(cos.max(1).mean() - want) < 0.05 and cos.max(1).min() > want / 2
+        groups.append(topic)
+        assert np.abs(p[f"model.layers.{layer}.mlp.gate.weight"] @ u.T).max() < \
+            np.abs(w @ u.T).max() / 2
+    assert (groups[0] != groups[1]).any()          # each layer assigns its experts afresh
+
+
 def test_size_fitting_without_writing():
     d = msm.choose_dims("qwen3_moe", 2.2, 2)
     assert (d.hidden, d.vocab, d.experts) == (2048, 32000, 64)
