@@ -284,6 +284,14 @@ def test_device_benchmarks_smoke(tmp_path):
     cs = json.loads((tmp_path / "cs.json").read_text())
     assert len(cs["rows"]) == 2 + 2 * 4 and all(0 <= x["hit_rate"] <= 1 for x in cs["rows"])
     assert cs["rows"][0]["copies"] == 0 and any(x["copies"] > 0 for x in cs["rows"])
+    # the static split and the prior from the plan's own calibration, two generations in a row
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cache_sim.py"), str(tmp_path / "pb" / "base"),
+                        "--tokens", "20", "--sequences", "2", "--calib-plan", "--topics", "4", "--prefetch", "0",
+                        "--json", str(tmp_path / "cs2.json")], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "on their generation's first topic" in r.stdout and "replayed in 2 generation(s)" in r.stdout
+    cs = json.loads((tmp_path / "cs2.json").read_text())
+    assert len(cs["rows"]) == 2 + 4 and cs["rows"][0]["hit_rate"] <= cs["rows"][1]["hit_rate"]
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cache_sim.py"), str(tmp_path / "pb" / "hot-cache-25")],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode != 0 and "whole layers" in r.stderr
