@@ -240,10 +240,11 @@ class CacheGroup:
     (~300 µs a token for 16 layers on the 2-core VM). Rows of a C-contiguous array keep their
     addresses, which the native programs and prefetch read; every update is in place.
 
-    `after_step` does what ExpertCache.plan_swaps does on each cache, and gives the same swaps,
-    scores and counts (tests/test_expert_cache.py replays both); it returns None where that
-    needs the per-cache path: a trace is on, a Python `observe` or a prefetch left something to
-    fold, more than one swap a layer is allowed, or the policy is LRU."""
+    `after_step` does what ExpertCache.plan_swaps does on each cache (with what a native prefetch
+    counted: its predictions and copies), and gives the same swaps, scores and counts
+    (tests/test_expert_cache.py replays both); it returns None where that needs the per-cache
+    path: a trace is on, a Python `observe` or prefetch left something to fold, more than one
+    swap a layer is allowed, or the policy is LRU."""
 
     def __init__(self, caches: list[ExpertCache]) -> None:
         c0 = caches[0]
@@ -252,7 +253,7 @@ class CacheGroup:
                       and c.recency == c0.recency for c in caches)
         if not self.ok:
             return
-        for attr in ("score", "last_used", "nonresident", "counts"):
+        for attr in ("score", "last_used", "nonresident", "counts", "native_pred", "native_stats"):
             big = np.ascontiguousarray(np.stack([getattr(c, attr) for c in caches]))
             setattr(self, attr, big)
             for i, c in enumerate(caches):
@@ -273,13 +274,23 @@ class CacheGroup:
         the expert it evicts)."""
         cs = self.caches
         if not self.ok or trace.ACTIVE is not None or any(
-                c._chosen is not None or c.predicted is not None or c.max_swaps != 1
-                or c.native_stats[1:5].any() for c in cs):
+                c._chosen is not None or c.predicted is not None or c.max_swaps != 1 for c in cs):
             return None
         self.steps += 1
         counts = self.counts.copy()
         self.counts[:] = 0
         used = counts > 0
+        st = self.native_stats         # a native prefetch's: [allowed, prefetches, bytes, predicted, skips, error]
+        if st[:, 1:5].any():
+            made = st[:, 3] != 0
+            pred = (self.native_pred != 0) & made[:, None]
+            for c, n, ok, row in zip(cs, pred.sum(1).tolist(), (pred & used).sum(1).tolist(), st[:, 1:5].tolist()):
+                c.prefetches += row[0]
+                c.bytes_moved += row[1]
+                c.budget_skips += row[3]
+                c.pf_predicted += n
+                c.pf_correct += ok
+            st[:, 1:5] = 0
         res = self.nonresident == 0
         hits = np.where(res, counts, 0).sum(1).tolist()
         total = counts.sum(1).tolist()

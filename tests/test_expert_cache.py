@@ -94,18 +94,25 @@ def test_cache_group_makes_the_swaps_each_cache_would():
     group = CacheGroup(grouped)
     assert group.ok and grouped[2].score.base is group.score
     swaps = 0
-    for _ in range(60):
+    for t in range(60):
         for i in range(L):
             counts = np.bincount(rng.choice(E, size=k, replace=False, p=p[i]), minlength=E)
             solo[i].counts[:] = counts
             grouped[i].counts[:] = counts
+            if t % 2 and i % 2:         # what a native prefetch leaves: its prediction and counters
+                pred = np.bincount(rng.choice(E, size=k, replace=False, p=p[i]), minlength=E).astype(np.uint8)
+                for c in (solo[i], grouped[i]):
+                    c.native_pred[:] = pred
+                    c.native_stats[1:5] = (1, 1000, 1, t % 3)
         want = [(i, s, e) for i, c in enumerate(solo) for s, e in c.plan_swaps()]
         got = group.after_step()
         assert [(grouped.index(c), s, e) for c, s, e, _ in got] == want
         swaps += len(want)
-    assert swaps > 10
+    assert swaps > 10 and grouped[1].pf_predicted > 0 and grouped[1].pf_correct > 0
     for a, b in zip(solo, grouped):
         assert (a.hits, a.misses, a.swaps, a.step) == (b.hits, b.misses, b.swaps, b.step)
+        assert (a.prefetches, a.bytes_moved, a.budget_skips, a.pf_predicted, a.pf_correct) == \
+            (b.prefetches, b.bytes_moved, b.budget_skips, b.pf_predicted, b.pf_correct)
         np.testing.assert_array_equal(a.slots, b.slots)
         np.testing.assert_allclose(a.score, b.score, rtol=1e-12)
         np.testing.assert_array_equal(a.last_used, b.last_used)
