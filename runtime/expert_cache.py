@@ -31,6 +31,10 @@ from strata_compiler.env import switch
 from . import trace
 
 CACHES: dict[tuple[int, str], "ExpertCache"] = {}   # (id of the plan's graph, layer key) -> cache
+# the prefetch's idle back-off (ExpertCache.prefetch_outcome): predictions in a row that admit no
+# copy before a layer's prediction pauses, and the longest pause in steps
+PF_IDLE = 4
+PF_BACKOFF_MAX = 64
 
 
 def lookup(graph, key: str) -> "ExpertCache | None":
@@ -68,6 +72,13 @@ class ExpertCache:
     prior: np.ndarray | None = None   # f64[E]: calibrated chance each expert is chosen (seeds the scores)
     _chosen: np.ndarray | None = None
     admit: bool = field(default_factory=lambda: switch("STRATA_PREFETCH_ADMIT", True))
+    # the prefetch's idle back-off (prefetch_outcome; STRATA_PREFETCH_BACKOFF=0 turns it off)
+    backoff: bool = field(default_factory=lambda: switch("STRATA_PREFETCH_BACKOFF", True))
+    pf_wait: int = 0                  # steps the prediction still sits out (0: it runs)
+    pf_paused: int = 0                # layer-steps it sat out
+    pf_idle: int = 0
+    pf_backoff: int = 1
+    _pf_step: tuple[bool, int] = (False, 0)   # this step's prediction: (made, copies it admitted)
 
     def __post_init__(self) -> None:
         E = self.n_experts
@@ -101,6 +112,7 @@ class ExpertCache:
         if self.native_stats[3]:
             self.predicted = self.native_pred.astype(bool)
             self.native_stats[3] = 0
+            self._pf_step = (True, self._pf_step[1] + int(self.native_stats[1]))
 
     def fold(self) -> None:
         """What native programs counted (`counts`, routings per expert, under the mask the step
@@ -151,6 +163,9 @@ class ExpertCache:
         state (bool[E]). Swaps in up to `max_prefetch` predicted experts that are not resident,
         evicting the lowest-scoring residents the prediction does not name, where the expert
         would outscore its victim after the step (`admit_margin`)."""
+        if self.pf_wait:                # paused by the idle back-off (prefetch_outcome)
+            self.budget_skips += 1
+            return []
         self.predicted = predicted.copy()
         out = []
         want = [int(e) for e in np.flatnonzero(predicted & (self.nonresident != 0))]
@@ -169,13 +184,42 @@ class ExpertCache:
             self.nonresident[e] = 0.0
             self.slots[slot] = e
             self.prefetches += 1
+        self._pf_step = (True, self._pf_step[1] + len(out))
         return out
+
+    def prefetch_outcome(self, predicted: bool, copies: int) -> None:
+        """After a step, the prefetch's idle back-off: PF_IDLE predictions in a row that admitted
+        no copy pause the layer's prediction for `pf_backoff` steps (then 2x, up to
+        PF_BACKOFF_MAX; back to 1 once a prediction copies). A prediction is the router's GEMV on
+        the host call's critical path: on an H200 ~27 µs a layer (2026-11-30), spent every step
+        even where the admission rule lets nothing through, as at 90 % hits
+        (BENCHMARKS.md, topics). While paused, `pf_wait` > 0: the native prefetch is not allowed
+        to run (native_stats[0] = 0, counted as a budget skip) nor the Python one."""
+        if self.pf_wait:
+            self.pf_wait -= 1
+            self.pf_paused += 1
+            return
+        if not predicted or not self.backoff:
+            return
+        if copies:
+            self.pf_idle, self.pf_backoff = 0, 1
+            return
+        self.pf_idle += 1
+        if self.pf_idle >= PF_IDLE:
+            self.pf_wait, self.pf_idle = self.pf_backoff, 0
+            self.pf_backoff = min(2 * self.pf_backoff, PF_BACKOFF_MAX)
+
+    def _end_prefetch_step(self) -> None:
+        made, copies = self._pf_step
+        self._pf_step = (False, 0)
+        self.prefetch_outcome(made, copies)
 
     def plan_swaps(self, max_swaps: int | None = None) -> list[tuple[int, int]]:
         """(slot, expert) copies to make now (at most `max_swaps`, default self.max_swaps: 0 only
         updates the scores), and the bookkeeping as if they were made."""
         limit = self.max_swaps if max_swaps is None else max_swaps
         self.fold()
+        self._end_prefetch_step()
         used = self._chosen if self._chosen is not None else np.zeros(self.n_experts, bool)
         self._chosen = None
         self.step += 1
@@ -225,11 +269,14 @@ def stats_lines(graph) -> list[str]:
     good = sum(c.pf_correct for c in mine)
     pf = sum(c.prefetches for c in mine)
     skips = sum(c.budget_skips for c in mine)
+    paused = sum(c.pf_paused for c in mine)
     return [f"  expert cache: {len(mine)} layers, {slots} GPU slots; hit rate {rate:.1%} "
             f"({hits} hits, {misses} misses); {swaps} experts swapped in after a miss, {pf} prefetched; "
-            f"{moved} B copied host->device; {skips} layer-steps' copies left out by the copy budget",
+            f"{moved} B copied host->device; {skips} layer-steps' copies left out by the copy budget "
+            f"or the prefetch's idle back-off",
             f"  prefetch: the next layer's router on this layer's hidden state named {pred} experts, "
-            f"{good} were chosen (accuracy {good / pred if pred else 0.0:.1%})"]
+            f"{good} were chosen (accuracy {good / pred if pred else 0.0:.1%}); paused {paused} layer-steps "
+            f"after predictions that admitted no copy"]
 
 
 class CacheGroup:
@@ -290,7 +337,10 @@ class CacheGroup:
                 c.budget_skips += row[3]
                 c.pf_predicted += n
                 c.pf_correct += ok
+                c._pf_step = (bool(row[2]), row[0])
             st[:, 1:5] = 0
+        for c in cs:
+            c._end_prefetch_step()
         res = self.nonresident == 0
         hits = np.where(res, counts, 0).sum(1).tolist()
         total = counts.sum(1).tolist()

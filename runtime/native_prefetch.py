@@ -97,14 +97,14 @@ class Prefetch:
 
     def refresh(self) -> None:
         """Before a step: where each copy goes now (an array JAX replaced: its new address), and
-        the copies allowed."""
+        whether each cache's prediction runs (not while its idle back-off pauses it)."""
         for e in self.entries:
             for j, dst in enumerate(e.dst_of):
                 a = dst()
                 if a is not e._dsts[j]:
                     e._dsts[j] = a
                     e.dst_cells[j] = a.unsafe_buffer_pointer()
-            e.c.native_stats[0] = 1
+            e.c.native_stats[0] = 0 if e.c.pf_wait else 1    # (paused: ExpertCache.prefetch_outcome)
 
     def check(self) -> None:
         """After a step: a copy that failed is an error (its slot map already names the expert)."""
@@ -299,9 +299,9 @@ def _module(name: str, entries: list[Entry], memcpy: int, record: int) -> str:
   call void @note_error(ptr {st}, i32 %{p}.rrc)
   br label %{p}.maps2
 {p}.maps2:""")
-        if e.maps_out is not None:
-            body.append(f"  call void @llvm.memcpy.p0.p0.i64(ptr {P(_addr(e.maps_out))}, ptr {sl}, i64 {4 * S}, i1 false)")
         body.append(f"  br label %{p}.end\n{p}.end:")
+        if e.maps_out is not None:      # the slot maps the GPU share reads: also when nothing ran
+            body.append(f"  call void @llvm.memcpy.p0.p0.i64(ptr {P(_addr(e.maps_out))}, ptr {sl}, i64 {4 * S}, i1 false)")
     return f"""
 define internal i32 @host_copy(ptr %d, ptr %s, i64 %n, i32 %kind, ptr %stream) {{
   call void @llvm.memmove.p0.p0.i64(ptr %d, ptr %s, i64 %n, i1 false)

@@ -386,6 +386,9 @@ class MixedExecutor:
         cache (the fused step's copy stream for some caches, the program's for others), called
         after the cache's copies with done=True."""
         for c, xla, gpu_node, host, w, b, nw, eps, k in self.lookahead.get(nid, ()):
+            if c.pf_wait:                   # paused by the idle back-off: no router GEMV either
+                c.budget_skips += 1
+                continue
             if not self._copy_ok(c):
                 continue
             s = stream(c) if callable(stream) else stream

@@ -62,6 +62,41 @@ def test_prefetch_admits_only_what_the_step_would_swap_in():
     assert lru.prefetch(np.array([0, 0, 0, 0, 0, 1], bool)) == [(0, 5)]
 
 
+def test_prefetch_backs_off_while_its_predictions_admit_nothing(monkeypatch):
+    """PF_IDLE predictions in a row that copy nothing pause the layer's prediction for 1 step, then
+    2, 4, ... (up to PF_BACKOFF_MAX); a prediction that copies resets the back-off; paused steps
+    make no prediction (none counted for the accuracy) and count as skips.
+    STRATA_PREFETCH_BACKOFF=0 never pauses."""
+    from strata_compiler.runtime import expert_cache as ec
+
+    def run(c, steps, pred):
+        made = []
+        for _ in range(steps):
+            before = c.pf_predicted
+            c.prefetch(pred)
+            c.counts[:] = pred
+            c.plan_swaps(max_swaps=0)
+            made.append(c.pf_predicted > before)
+        return made
+
+    resident = np.array([1, 1, 0, 0, 0, 0], bool)       # predicts what is resident: nothing to copy
+    c = ExpertCache("L0", 6, np.array([0, 1], np.int32))
+    made = run(c, 4 + 1 + 4 + 2 + 4 + 4, resident)
+    assert made == [True] * 4 + [False] + [True] * 4 + [False] * 2 + [True] * 4 + [False] * 4
+    assert c.pf_paused == 7 and c.budget_skips == 7 and c.pf_backoff == 8
+    c.pf_backoff = ec.PF_BACKOFF_MAX
+    run(c, 4, resident)
+    assert c.pf_wait == ec.PF_BACKOFF_MAX and c.pf_backoff == ec.PF_BACKOFF_MAX
+    # a prediction that copies resets the back-off (expert 4's prior outscores resident 1)
+    c = ExpertCache("L0", 6, np.array([0, 1], np.int32), prior=np.array([0.1, 0.1, 0, 0, 0.5, 0]))
+    assert run(c, 5, resident) == [True] * 4 + [False] and c.pf_backoff == 2
+    run(c, 1, np.array([1, 0, 0, 0, 1, 0], bool))
+    assert c.prefetches == 1 and (c.pf_idle, c.pf_backoff) == (0, 1) and 4 in c.slots
+    monkeypatch.setenv("STRATA_PREFETCH_BACKOFF", "0")
+    off = ExpertCache("L0", 6, np.array([0, 1], np.int32))
+    assert all(run(off, 20, resident)) and off.pf_paused == 0
+
+
 def test_calibrated_prior_keeps_hot_experts_against_one_off_misses():
     """Scores start at prior / (1 - decay): a miss of a cold expert does not evict a hot resident
     that this step did not use; without the prior (every score 0) it does."""

@@ -378,7 +378,8 @@ def test_native_prefetch_equals_the_python_one(tmp_path, monkeypatch, batch, str
     """STRATA_NATIVE_PREFETCH=1: a cached layer's prefetch (router, choice of copies, copies, slot
     maps) runs as native code after its host call's program, so every CPU partition's call is
     native and the cached splits overlap. The logits, and the prefetches, swaps, hits, misses,
-    prediction counts and bytes copied, equal the Python prefetch's."""
+    prediction counts, bytes copied and the idle back-off's pauses (where a paused native
+    prefetch still hands back the slot maps), equal the Python prefetch's."""
     from benchmarks.placement_bench import TINY
     from benchmarks.placement_bench import build_model as synthetic
     from strata_compiler.runtime.session import Session
@@ -426,10 +427,12 @@ def test_native_prefetch_equals_the_python_one(tmp_path, monkeypatch, batch, str
         if native == "1":       # its bookkeeping ran as whole arrays (expert_cache.CacheGroup), the
             assert s.executor.cache_group.steps >= 6        # Python prefetch's cache by cache
         runs[native] = (np.concatenate(out), [(c.prefetches, c.swaps, c.hits, c.misses, c.pf_predicted, c.pf_correct,
-                                               c.bytes_moved, c.slots.tolist()) for c in caches], s.executor.fused)
+                                               c.bytes_moved, c.pf_paused, c.slots.tolist()) for c in caches],
+                        s.executor.fused)
     (a, stats_a, f), (b, stats_b, fp) = runs["1"], runs["0"]
     assert np.abs(a - b).max() / b.std() <= 1e-5
     assert stats_a == stats_b and sum(st[0] for st in stats_a) > 0
+    assert sum(st[7] for st in stats_a) > 0      # the idle back-off paused predictions, in both alike
     assert f._prefetch and {i for i, _ in f._prefetch} <= f.native_calls
     assert not fp._prefetch          # (the Python prefetch: no native one built)
     cached_splits = {i for i, sp in f._splits.items() if sp[0].attr("cache", "")}
