@@ -95,7 +95,7 @@ class MixedExecutor:
         self.shrunk: dict[str, int] = {}   # expert cache key -> slots it got after running out of memory
         self.caches: list = []      # (ExpertCache, xla executor, GPU node, host node) per cached layer
         self.lookahead: dict = {}   # node id -> the caches whose prefetch its value triggers
-        self.prefetch = True
+        self.prefetch = False       # Session.prefetch (strata-run --prefetch)
         self.async_swaps = False    # enable_expert_cache: STRATA_PINNED_SWAPS
         self.cache_group = None     # enable_expert_cache: expert_cache.CacheGroup
         self._cache_parts: dict = {}
@@ -438,12 +438,13 @@ class MixedExecutor:
                  stream: int | None = None) -> None:
         """Expert e's stored rows (from the host node's whole-layer weights) into GPU slot `slot`."""
         t0 = time.perf_counter()
+        bulk = not in_program and self.async_swaps and xla.on_gpu and cuda_rt.bulk_ok()
+        plan = self.copy_plan(c, xla, gpu_node, host) if bulk else ()
         if in_program:
             moved = self._copy_rows(c, xla, gpu_node, host, slot, e, stream)
-        elif self.async_swaps and xla.on_gpu and cuda_rt.bulk_ok() and all(
-                p[-1] for p in self.copy_plan(c, xla, gpu_node, host)):
+        elif bulk and all(raw for *_, raw in plan):
             moved = 0           # raw copies on the bulk stream; the next step lands them (land_slot_copies)
-            for _name, _arr, cur, dst, rb, src, _raw in self.copy_plan(c, xla, gpu_node, host):
+            for _name, _arr, cur, dst, rb, src, _raw in plan:
                 cuda_rt.copy_bulk(dst + slot * rb, src[e].ctypes.data, rb, cur)
                 moved += rb
             xla._bulk_pending = True
