@@ -155,6 +155,8 @@ def main() -> int:
     a = ap.parse_args()
     if a.calib >= a.tokens and not a.calib_plan:
         ap.error("--calib must be smaller than --tokens")
+    if not 1 <= a.sequences <= a.tokens:
+        ap.error("--sequences must be between 1 and --tokens")
     from strata_compiler.errors import StrataError, UsageError
 
     try:
@@ -167,7 +169,6 @@ def main() -> int:
     if a.calib_plan:
         test_c, test_p = chosen, pred
         prior = calib                              # chance per token that each expert is chosen
-        a.calib = 0
     else:
         cal, test_c, test_p = chosen[:a.calib], chosen[a.calib:], pred[a.calib:]
         prior = cal.sum(0).astype(np.float64) / a.calib
@@ -181,9 +182,10 @@ def main() -> int:
     static = sum(test_c[:, i, hot[i]].sum() for i in range(L)) / test_c.sum()
     best = sum(np.sort(test_c[:, i].sum(0))[::-1][:S].sum() for i in range(L)) / test_c.sum()
     acc = (test_p & test_c).sum() / max(1, test_p.sum())
+    source = "the plan's calibration" if a.calib_plan else f"the first {a.calib} tokens"
     print(f"{a.plan_dir}: {L} MoE layers x {E} experts, {S} GPU slots a layer, one expert {eb / 2**20:.2f} MiB; "
-          f"{'the plan' if a.calib_plan else a.calib} tokens calibrate, {T} replayed in {a.sequences} "
-          f"generation(s); lookahead accuracy {acc:.1%}")
+          f"calibration: {source}; {T} tokens replayed in {a.sequences} generation(s); "
+          f"lookahead accuracy {acc:.1%}")
     rows = [dict(policy="static split (calibrated hottest)", prefetch=0, hit_rate=static, copies=0.0),
             dict(policy="static split, best in hindsight", prefetch=0, hit_rate=best, copies=0.0)]
     for pf in [int(x) for x in a.prefetch.split(",")]:

@@ -251,10 +251,14 @@ class Filler:
         return out
 
 
+def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
 def _encode(bits: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bf16":
         return bits
-    f32 = (bits.astype(np.uint32) << 16).view(np.float32)
+    f32 = _bf16_to_f32(bits)
     return f32 if dtype == "f32" else f32.astype(np.float16)
 
 
@@ -304,6 +308,21 @@ def _from_f32(w: np.ndarray, dtype: str) -> np.ndarray:
     return w if dtype == "f32" else w.astype(np.float16)
 
 
+TOPIC_STRENGTH = (1.0, 0.2, 0.03)     # Topics' embed, head, router
+
+
+def topic_strength_arg(text: str) -> tuple[float, float, float]:
+    """--topic-strength EMBED,HEAD,ROUTER (argparse type)."""
+    try:
+        vals = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) != 3 or any(v < 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: give three fractions >= 0, EMBED,HEAD,ROUTER "
+                                         f"(default {','.join(map(str, TOPIC_STRENGTH))})")
+    return vals
+
+
 class Topics:
     """Topic structure, as trained MoE models show it (OLMoE, Muennighoff et al. 2024, section 5:
     experts specialise by domain, and text stays on its domain): D random unit directions u_d of
@@ -319,8 +338,8 @@ class Topics:
     A plan calibrated on mixed text then sees a mixture of the topics' hot sets, while one
     generation uses its own topic's: what a static placement cannot follow and a cache can."""
 
-    def __init__(self, n: int, hidden: int, seed: int, embed: float = 1.0, head: float = 0.2,
-                 router: float = 0.03):
+    def __init__(self, n: int, hidden: int, seed: int, embed: float = TOPIC_STRENGTH[0],
+                 head: float = TOPIC_STRENGTH[1], router: float = TOPIC_STRENGTH[2]):
         rng = np.random.default_rng(seed + 7919)
         u = rng.standard_normal((n, hidden)).astype(np.float32)
         self.u = u / np.linalg.norm(u, axis=1, keepdims=True)
@@ -341,10 +360,6 @@ class Topics:
         g = np.random.default_rng(seed + 104729).permutation(w.shape[0]) % self.n
         w += self.router * np.linalg.norm(w, axis=1, keepdims=True) * self.u[g]
         return w
-
-
-def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def make_synthetic_model(out_dir: Path, arch: str = "qwen3_moe", size_gb: float = 2.2,
@@ -438,11 +453,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="D topics: token t belongs to topic t mod D, carries it in its embedding, "
                          "favours its topic's next tokens, and each layer's router sends each topic to "
                          "its own 1/D of the experts (see Topics; 0: none)")
-    ap.add_argument("--topic-strength", default=None,
+    ap.add_argument("--topic-strength", type=topic_strength_arg, default=None,
                     help="EMBED,HEAD,ROUTER: the fractions of a row's norm along its topic's direction "
                          f"in the embedding, the LM head and the routers (default "
-                         f"{Topics.__init__.__defaults__[0]},{Topics.__init__.__defaults__[1]},"
-                         f"{Topics.__init__.__defaults__[2]})")
+                         f"{','.join(map(str, TOPIC_STRENGTH))})")
     ap.add_argument("--embed-scale", type=float, default=0.02,
                     help="magnitude of the embedding values; about 1 keeps tokens' hidden states apart, so "
                          "routing follows --router-skew (at 0.02 the layers' shared output dominates and a few "
@@ -455,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     s = make_synthetic_model(
         a.out_dir, arch=a.arch, size_gb=a.size_gb, dtype=a.dtype, shard_gb=a.shard_gb,
         seed=a.seed, router_skew=a.router_skew, embed_scale=a.embed_scale, topics=a.topics,
-        topic_strength=tuple(float(x) for x in a.topic_strength.split(",")) if a.topic_strength else None,
+        topic_strength=a.topic_strength,
         layers=a.layers, hidden=a.hidden, experts=a.experts,
         moe_intermediate=a.moe_intermediate, vocab=a.vocab, heads=a.heads,
         kv_heads=a.kv_heads, head_dim=a.head_dim, top_k=a.top_k)

@@ -285,7 +285,10 @@ def main() -> int:
                     help="give the model D topics (make_synthetic_model.py --topics): text stays on its topic and "
                          "each topic routes to its own share of the experts, so one generation's hot experts "
                          "differ from the calibration's mixture (0: none; the work dir's model is reused as it is)")
-    ap.add_argument("--topic-strength", default=None, help="EMBED,HEAD,ROUTER for --topics (make_synthetic_model.py)")
+    from benchmarks.make_synthetic_model import topic_strength_arg
+
+    ap.add_argument("--topic-strength", type=topic_strength_arg, default=None,
+                    help="EMBED,HEAD,ROUTER for --topics (make_synthetic_model.py)")
     ap.add_argument("--budgets", default="25,50,100", help="GPU budgets, as %% of the expert bytes on top of the rest")
     ap.add_argument("--quant", default="int4")
     ap.add_argument("--n-new", type=int, default=64)
@@ -341,8 +344,7 @@ def main() -> int:
     if a.layers:
         dims["layers"] = a.layers
     a.work_dir.mkdir(parents=True, exist_ok=True)
-    model = build_model(a.work_dir, dims, a.router_skew, a.topics,
-                        tuple(float(x) for x in a.topic_strength.split(",")) if a.topic_strength else None)
+    model = build_model(a.work_dir, dims, a.router_skew, a.topics, a.topic_strength)
     calib_text = HERE.parent / "examples" / "models" / "tiny-moe" / "calib.txt"
     base = a.work_dir / "base"
     if not (base / "plan.bin").exists():
@@ -552,7 +554,8 @@ def main() -> int:
         save_json()
     print(f"\nmodel {dims}, {a.quant}; experts {experts_b / 2**30:.2f} GiB, rest {rest_b / 2**30:.2f} GiB; "
           f"router skew {a.router_skew}: top 25% of experts take {top:.0%} of routings"
-          + (f"; {a.topics} topics (strength {a.topic_strength or 'default'})" if a.topics else ""))
+          + (f"; {a.topics} topics (strength {','.join(map(str, a.topic_strength)) if a.topic_strength else 'default'})"
+             if a.topics else ""))
     print(f"{'variant':24} {'GPU GiB':>8} {'measured tok/s':>15} {'predicted':>10} {'pred/meas':>9} "
           f"{'same tokens':>11} {'hit rate':>8} {'prefetch':>8} {'copied MiB':>10} {'logit dev':>9} {'checks':>6}")
     for name, v in variants.items():
