@@ -44,15 +44,17 @@ def resolve_backend(name: str) -> str:
 
 
 def make_executor(backend: str, graph, weights, device: str = "auto", mixed: bool = False,
-                  shrink_caches: bool = False, multi_gpu: str = "mesh"):
+                  shrink_caches: bool = False, multi_gpu: str = "mesh", miss_path: str = "cpu"):
     """An executor for a kernel-level graph: `.run(input_ids i64[B,T], cache) -> {output id: array}`.
 
     `mixed`: run each node on the backend the plan bound it to (partitions, see runtime/partitions);
-    `shrink_caches`: when the GPU runs out of memory loading them, expert caches get fewer slots."""
+    `shrink_caches`: when the GPU runs out of memory loading them, expert caches get fewer slots;
+    `miss_path`: where expert caches' misses compute (runtime/partitions.py MixedExecutor)."""
     if mixed:
         from strata_compiler.runtime.partitions import MixedExecutor
 
-        return MixedExecutor(graph, weights, device, shrink_caches=shrink_caches, multi_gpu=multi_gpu)
+        return MixedExecutor(graph, weights, device, shrink_caches=shrink_caches, multi_gpu=multi_gpu,
+                             miss_path=miss_path)
     if backend == "xla":
         from .xla.executor import XLAExecutor
 

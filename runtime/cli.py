@@ -71,6 +71,12 @@ def _save(path: Path, arr: np.ndarray) -> None:
               help="With an expert cache: predict each cached layer's experts by applying its router to the "
                    "hidden state entering the layer, and start their copies before the layer runs. Off by "
                    "default: on an H200 it has cost more than it saved in every run so far (BENCHMARKS.md).")
+@click.option("--miss-path", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
+              envvar="STRATA_MISS_PATH", show_envvar=True,
+              help="With an expert cache: where a missed expert computes. gpu: the GPU reads its weights from "
+                   "host memory in place (page-locked, over PCIe) and the whole layer runs on the GPU, no host "
+                   "call; cpu: the plan's CPU share computes it (two host calls per cached layer and token); "
+                   "auto: gpu on a CUDA GPU unless experts stream from disk (--host-mem plans), else cpu.")
 @click.option("--cache-policy", type=click.Choice(["hybrid", "lru"]), default="hybrid", show_default=True,
               help="Expert cache replacement: decayed use counts plus recency (hybrid), or least recently used.")
 @click.option("--multi-gpu", type=click.Choice(["mesh", "host"]), default="mesh", show_default=True,
@@ -88,7 +94,8 @@ def _save(path: Path, arr: np.ndarray) -> None:
 def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_new_tokens: int, greedy: bool,
                temperature: float, top_p: float, seed: int, ignore_eos: bool, logits_out: Path | None,
                tokens_out: Path | None, backend: str, device: str, trace_out: Path | None, stats: bool,
-               expert_cache: bool, prefetch: bool, cache_policy: str, multi_gpu: str, coordinator: str | None,
+               expert_cache: bool, prefetch: bool, miss_path: str, cache_policy: str, multi_gpu: str,
+               coordinator: str | None,
                num_processes: int | None, process_id: int | None, debug: bool) -> None:
     """Run PLAN_PATH (a plan.bin, or the directory holding it): prefill the prompt, then decode."""
     from .plan import load_plan
@@ -124,7 +131,7 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
     else:
         ids = _load_ids(input_ids)
     session = Session(plan, backend, device=device, expert_cache=expert_cache, cache_policy=cache_policy,
-                      prefetch=prefetch, multi_gpu=multi_gpu)
+                      prefetch=prefetch, multi_gpu=multi_gpu, miss_path=miss_path)
     stop = () if ignore_eos else tuple(plan.meta["model"].get("eos_token_ids") or ())
     from . import trace
 
@@ -163,7 +170,7 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
     if stats:
         from . import expert_cache as ec
 
-        for line in tracer.stats_lines(t_run) + ec.stats_lines(plan.graph):
+        for line in tracer.stats_lines(t_run) + ec.stats_lines(session.graph):
             click.echo(line, err=True)
 
 

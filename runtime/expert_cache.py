@@ -35,6 +35,24 @@ CACHES: dict[tuple[int, str], "ExpertCache"] = {}   # (id of the plan's graph, l
 # copy before a layer's prediction pauses, and the longest pause in steps
 PF_IDLE = 4
 PF_BACKOFF_MAX = 64
+SWAP_MARGIN = 1.0       # ExpertCache.swap_margin's default
+
+
+def _env_float(var: str, default: float) -> float:
+    import os
+
+    raw = os.environ.get(var)
+    if raw is None:
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        v = -1.0
+    if not v >= 0:
+        from strata_compiler.errors import UsageError
+
+        raise UsageError(f"{var}={raw!r}: give a number >= 0 (default {default:g})")
+    return v
 
 
 def lookup(graph, key: str) -> "ExpertCache | None":
@@ -54,6 +72,12 @@ class ExpertCache:
     decay: float = 0.99               # per step, of the use counts (LFU that forgets slowly)
     recency: float = 0.5              # bonus of an expert used in the last step (LRU)
     max_swaps: int = 1                # copies per layer per step
+    # a missed expert replaces the weakest resident only when its score beats the resident's by
+    # more than this (hysteresis: near-equal scores of a stationary router otherwise trade places
+    # step after step, each trade a copy); STRATA_SWAP_MARGIN overrides. H200, 2026-12-01, 16-layer
+    # benchmark model at 25 %, misses read in place (BENCHMARKS.md): margin 1 against 0, stationary
+    # router 193.0 against 185.6 tok/s (half the bytes copied), topics 471.0 against 445.8.
+    swap_margin: float = field(default_factory=lambda: _env_float("STRATA_SWAP_MARGIN", SWAP_MARGIN))
     policy: str = "hybrid"            # hybrid | lru
     score: np.ndarray = field(default=None)
     last_used: np.ndarray = field(default=None)
@@ -69,6 +93,8 @@ class ExpertCache:
     pf_correct: int = 0
     prefetches: int = 0
     budget_skips: int = 0             # steps whose copies for this layer the copy budget left out
+    miss_path: str = "cpu"            # where a miss computes: the host share on the CPU, or "gpu" (read in place)
+    expert_bytes: int = 0             # one expert's stored bytes (what a miss read in place moves)
     prior: np.ndarray | None = None   # f64[E]: calibrated chance each expert is chosen (seeds the scores)
     _chosen: np.ndarray | None = None
     admit: bool = field(default_factory=lambda: switch("STRATA_PREFETCH_ADMIT", True))
@@ -238,7 +264,7 @@ class ExpertCache:
                 break
             res = self.slots
             victim_slot = int(np.argmin(self.score[res]))
-            if self.score[e] <= self.score[res[victim_slot]]:
+            if self.score[e] <= self.score[res[victim_slot]] + self.swap_margin:
                 continue
             out.append((victim_slot, e))
             self.nonresident[res[victim_slot]] = 1.0
@@ -270,13 +296,17 @@ def stats_lines(graph) -> list[str]:
     pf = sum(c.prefetches for c in mine)
     skips = sum(c.budget_skips for c in mine)
     paused = sum(c.pf_paused for c in mine)
+    in_place = [c for c in mine if c.miss_path == "gpu"]
+    mapped = ([f"  misses: read by the GPU from host memory in place (--miss-path gpu): "
+               f"{sum(c.misses for c in in_place)} experts, {sum(c.misses * c.expert_bytes for c in in_place)} B "
+               f"host->device"] if in_place else [])
     return [f"  expert cache: {len(mine)} layers, {slots} GPU slots; hit rate {rate:.1%} "
             f"({hits} hits, {misses} misses); {swaps} experts swapped in after a miss, {pf} prefetched; "
             f"{moved} B copied host->device; {skips} layer-steps' copies left out by the copy budget "
             f"or the prefetch's idle back-off",
             f"  prefetch: the next layer's router on this layer's hidden state named {pred} experts, "
             f"{good} were chosen (accuracy {good / pred if pred else 0.0:.1%}); paused {paused} layer-steps "
-            f"after predictions that admitted no copy"]
+            f"after predictions that admitted no copy"] + mapped
 
 
 class CacheGroup:
@@ -297,7 +327,7 @@ class CacheGroup:
         c0 = caches[0]
         self.caches = caches
         self.ok = all(c.n_experts == c0.n_experts and c.policy == "hybrid" and c.decay == c0.decay
-                      and c.recency == c0.recency for c in caches)
+                      and c.recency == c0.recency and c.swap_margin == c0.swap_margin for c in caches)
         if not self.ok:
             return
         for attr in ("score", "last_used", "nonresident", "counts", "native_pred", "native_stats"):
@@ -361,7 +391,7 @@ class CacheGroup:
         held[self.pad] = np.inf
         vslot = np.argmin(held, axis=1)
         rows = self.rows
-        win = missed.any(1) & (self.score[rows, cand] > held[rows, vslot])
+        win = missed.any(1) & (self.score[rows, cand] > held[rows, vslot] + c0.swap_margin)
         out = []
         for i in np.flatnonzero(win).tolist():
             c, e, s = cs[i], int(cand[i]), int(vslot[i])

@@ -162,6 +162,7 @@ class FusedStep:
         self._maps_out: dict = {}   # ... and their host buffers
         self._works: list = []      # the host calls' Python work functions (python_work holds them weakly)
         self.steps = 0
+        self._counted: dict = {}    # B -> the xla partitions whose COUNTS results the step returns, in order
         # [this step's flag for the native host calls (0 native, 1 Python, 2 native with time
         #  stamps: run), the pool's chunk count]
         self._cells = np.zeros(2, np.int64)
@@ -517,6 +518,8 @@ class FusedStep:
         """The decode step of batch B; `packed`: int32 [ids (B) | position | slot maps...]."""
         import jax
 
+        from strata_compiler.backends.xla.executor import COUNTS
+
         parts = self.m.parts
         splits = self._plan_splits()
         ids = packed[:B].reshape(B, 1)
@@ -528,6 +531,7 @@ class FusedStep:
             slots[n.id] = packed[off:off + k]
             off += k
         env: dict = {}
+        counts: list = []
         ks, vs = dict(ks), dict(vs)
         # the host calls share the host state (values, KV caches of the CPU partitions): each runs
         # after the one before (an ordering token), and the program returns the last token, so
@@ -555,7 +559,11 @@ class FusedStep:
                         return args
                     hooks = {splits[i + 1][0].id: before_share}
                 flat, kt, vt = exe._flat(params[i], pk, pv, ext, ids, B, 1, pos, hooks)
-                env.update(zip(exe._out_keys[B, 1], flat))
+                for key, v in zip(exe._out_keys[B, 1], flat):
+                    if key == COUNTS:       # the expert caches' routings (--miss-path gpu): results of the step
+                        counts.append((i, v))
+                    else:
+                        env[key] = v
                 for l, k_, v_ in zip(exe.layers, kt, vt):
                     ks[l], vs[l] = k_, v_
             else:
@@ -565,7 +573,8 @@ class FusedStep:
                 for n, r in zip(self._slot_maps(i), res[len(self.dev_out[i]):]):
                     slots[n.id] = r         # the later GPU share reads the map after the prefetch
         token = tok[0]
-        return tuple(env[o] for o in self._xla_outs) + (token,), ks, vs
+        self._counted[B] = [i for i, _ in counts]
+        return tuple(env[o] for o in self._xla_outs) + tuple(v for _, v in counts) + (token,), ks, vs
 
     @staticmethod
     def _trace(tr, tl: list, tokens: int) -> None:
@@ -691,6 +700,10 @@ class FusedStep:
         for l in layers:
             cache.k[l], cache.v[l] = ks[l], vs[l]
         outs = jax.block_until_ready(outs)[:-1]
+        n_out = len(self._xla_outs)
+        for i, v in zip(self._counted.get(B, ()), outs[n_out:]):
+            m.fold_counts(m.parts[i][1], v)
+        outs = outs[:n_out]
         if tl is not None:
             tl.append(("done", -1, time.perf_counter_ns()))
             self._native_tl[0] = 0

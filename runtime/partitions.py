@@ -58,17 +58,18 @@ def _spin_us(var: str = "STRATA_HAND_OFF_SPIN_US", default: tuple[float, float] 
     return vals[0], vals[1]
 
 
-def partitions(g: Graph, mesh: bool = False) -> list[tuple[str, list[int]]]:
+def partitions(g: Graph, mesh: bool = False, cache_cuts: bool = True) -> list[tuple[str, list[int]]]:
     """(backend, node ids) for each maximal run of consecutive nodes bound to one backend (and,
     for xla, one GPU, unless `mesh`: then one run spans the GPUs); an expert cache's GPU share
-    starts a partition of its own, so that expert copies started by the prefetch (after the
-    partition before it) land before it reads its slots."""
+    starts a partition of its own (unless not `cache_cuts`: misses read in place, no prefetch), so
+    that expert copies started by the prefetch (after the partition before it) land before it
+    reads its slots."""
     out: list[tuple[str, list[int]]] = []
     for (b, _), grp in groupby(g.nodes, key=lambda n: (n.backend, n.device if n.backend == "xla" and not mesh
                                                        else "")):
         cur: list[int] = []
         for n in grp:
-            if cur and n.op is Op.MOE_FFN and n.attr("cache", "") and n.attr("experts", ()):
+            if cur and cache_cuts and n.op is Op.MOE_FFN and n.attr("cache", "") and n.attr("experts", ()):
                 out.append((b, cur))
                 cur = []
             cur.append(n.id)
@@ -87,11 +88,23 @@ def _processes() -> int:
 
 class MixedExecutor:
     def __init__(self, graph: Graph, weights, device: str = "auto", shrink_caches: bool = False,
-                 multi_gpu: str = "mesh") -> None:
+                 multi_gpu: str = "mesh", miss_path: str = "cpu") -> None:
         """multi_gpu: a striped plan over several GPUs runs as one sharded computation ("mesh",
-        backends/xla/mesh.py) or by partition per GPU through the host ("host")."""
+        backends/xla/mesh.py) or by partition per GPU through the host ("host"). miss_path:
+        where an expert cache's misses compute: "cpu" (the plan's host share, a host call per
+        switch) or "gpu" (the GPU reads the missed experts from host memory in place: the whole
+        layer on the GPU, runtime/mapped.py; `graph` is then one that mapped.rebind_misses made)."""
         self.g = graph
         self.weights = weights
+        from strata_compiler.passes.expert_split import mesh_devices
+
+        # --miss-path gpu: {cached GPU share: host share}, the host shares bound to the GPU
+        self.mapped: dict[int, int] = {}
+        if miss_path == "gpu" and not (multi_gpu == "mesh" and mesh_devices(graph)):
+            from . import mapped
+
+            self.mapped = mapped.in_place_pairs(graph)
+        self._cache_of_node: dict = {}      # cached GPU share id -> its ExpertCache
         self.shrunk: dict[str, int] = {}   # expert cache key -> slots it got after running out of memory
         self.caches: list = []      # (ExpertCache, xla executor, GPU node, host node) per cached layer
         self.lookahead: dict = {}   # node id -> the caches whose prefetch its value triggers
@@ -105,10 +118,8 @@ class MixedExecutor:
         self._step_s = 0.0          # moving average of a step's time (without its copies)
         self._copy_s = 0.0          # copy seconds spent this step (budget: copy_share * _step_s)
         self.parts = []
-        from strata_compiler.passes.expert_split import mesh_devices
-
         self.mesh = mesh_devices(graph) if multi_gpu == "mesh" else 0
-        parts = partitions(graph, mesh=bool(self.mesh))
+        parts = partitions(graph, mesh=bool(self.mesh), cache_cuts=not self.mapped)
         # expert-cache slots that fit the GPU, decided once for all xla partitions
         self._slots = self._gpu_plan(device, shrink_caches) if any(b == "xla" for b, _ in parts) else {}
         for backend, ids in parts:
@@ -232,7 +243,8 @@ class MixedExecutor:
         from strata_compiler.hwprofile import size_bytes
 
         g = self.g
-        xla_nodes = [n for n in g.nodes if n.backend == "xla"]
+        silent = set(self.mapped.values())      # host shares read in place: their weights stay on the host
+        xla_nodes = [n for n in g.nodes if n.backend == "xla" and n.id not in silent]
         cached = {n.id: n for n in xla_nodes if n.op is Op.MOE_FFN and n.attr("cache", "") and n.attr("experts", ())}
         slots = {i: len(n.attr("experts")) for i, n in cached.items()}
         if not shrink or not cached:
@@ -269,7 +281,7 @@ class MixedExecutor:
             try:
                 dev = self.g.node(ids[0]).device
                 exe = XLAExecutor(self.g, self.weights, nodes=ids, device_kind=device, slot_limit=slots,
-                                  device_index=int(dev.split(":")[1]) if ":" in dev else 0)
+                                  device_index=int(dev.split(":")[1]) if ":" in dev else 0, mapped=self.mapped)
                 break
             except GPUOutOfMemory as e:
                 if not shrink or not cached or all(v <= 1 for v in slots.values()):
@@ -283,11 +295,20 @@ class MixedExecutor:
                       f"{slots[n.id]} of {len(n.attr('experts'))} slots", file=sys.stderr)
         return exe
 
-    def enable_expert_cache(self, max_swaps: int = 1, policy: str = "hybrid") -> int:
+    def enable_expert_cache(self, max_swaps: int | None = None, policy: str = "hybrid") -> int:
         """Live GPU expert caches for the plan's cached layers (a GPU share on xla, the whole
         layer on the CPU); returns how many. The runtime swaps experts into the slots after each
-        step (runtime/expert_cache.py)."""
+        step (runtime/expert_cache.py), at most `max_swaps` a layer (default STRATA_CACHE_SWAPS,
+        else 1; 0: the slots stay as planned and only the counts run)."""
         from . import expert_cache
+
+        if max_swaps is None:
+            raw = os.environ.get("STRATA_CACHE_SWAPS", "1")
+            if not raw.isdigit():
+                from strata_compiler.errors import UsageError
+
+                raise UsageError(f"STRATA_CACHE_SWAPS={raw!r}: give a whole number of swaps a layer and step (default 1)")
+            max_swaps = int(raw)
 
         expert_cache.clear(self.g)
         self.caches = []
@@ -327,6 +348,11 @@ class MixedExecutor:
                 pinned += [a for role, _ in n.weights for a in self._host_arrays(host.weight(role)).values()]
             expert_cache.CACHES[id(self.g), key] = c
             self.caches.append((c, part_of[n.id][1], n, host))
+            self._cache_of_node[n.id] = c
+            if n.id in self.mapped:
+                c.miss_path = "gpu"
+            c.expert_bytes = sum(v.nbytes for role, _ in n.weights
+                                 for v in self._host_arrays(host.weight(role)).values()) // E
             trig = self._lookahead(n)
             # a copy must land before the layer's shares run: only a hidden state from an earlier
             # partition can trigger it (inside one partition the shares would see a half-made swap)
@@ -349,7 +375,11 @@ class MixedExecutor:
     def _host_arrays(self, name: str) -> dict:
         """A cached layer's host weights as its CPU kernels read them: their huge-page copy when
         the llvm executor made one (so the expert copies and the page-locking use that memory,
-        not the file's pages a second time), else the plan's mapping."""
+        not the file's pages a second time), else the plan's mapping. A host share the GPU reads
+        in place (--miss-path gpu): the arrays it reads."""
+        for kind, exe, _ in self.parts:
+            if kind == "xla" and name in exe.mapped_host:
+                return exe.mapped_host[name]
         if any(getattr(exe, "hugepages", False) for _, exe, _ in self.parts):
             return self.weights.resident_arrays(name)
         return self.weights.arrays(name)
@@ -562,8 +592,25 @@ class MixedExecutor:
             g = getattr(getattr(exe, "_stage", None), "guard", None)
             if st is not None and g is not None:
                 st.guard = g
+        # the outputs first: once they are there the step has finished reading the expert slots
+        # that the swaps after it rewrite
+        out = {o: cuda_rt.fetch(env[o]).reshape(B, T, -1) for o in self.g.outputs}
+        for kind, exe, _ in self.parts:
+            if kind == "xla" and exe.count_order:
+                self.fold_counts(exe, exe.step_counts)
         self._after_step(cache, T, t_step)
-        return {o: cuda_rt.fetch(env[o]).reshape(B, T, -1) for o in self.g.outputs}
+        return out
+
+    def fold_counts(self, exe, counts) -> None:
+        """The routings per expert that xla partition exe's cached layers counted in a step
+        (--miss-path gpu: its COUNTS result, int32 [layers, E]) into their caches' counts, which
+        the bookkeeping after the step reads as it reads the CPU kernels' counts."""
+        if counts is None or not self._cache_of_node:
+            return
+        for nid, row in zip(exe.count_order, cuda_rt.fetch(counts)):
+            c = self._cache_of_node.get(nid)
+            if c is not None:
+                c.counts += row
 
     def _after_step(self, cache, T: int, t_step: float) -> None:
         cache.advance(T)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ class Session:
     prefetch: bool = False      # start expert copies from the next layer's router on this layer's state
                                 # (off by default: slower on the H200 in every run, BENCHMARKS.md)
     multi_gpu: str = "mesh"     # a striped plan on several GPUs: one sharded computation, or "host"-driven
+    # expert caches' misses: "cpu" (the plan's host share), "gpu" (read in place), "auto" (STRATA_MISS_PATH, else auto)
+    miss_path: str = field(default_factory=lambda: os.environ.get("STRATA_MISS_PATH", "auto"))
 
     def __post_init__(self) -> None:
         bound = {n.backend for n in self.plan.graph.nodes}
@@ -72,16 +75,44 @@ class Session:
         self.disk = DiskTier(self.plan)     # first: it checks its sections and lets their pages go
         if not self.disk.ranges:
             self.disk = None
-        self.executor = make_executor(self.backend, self.plan.graph, self.plan.weights, device=self.device,
+        self.miss_path = self._miss_path(mixed)
+        self.graph = self.plan.graph    # the graph this session runs (the expert caches' registry key)
+        if self.miss_path == "gpu":     # the caches' host shares on the GPU (read in place): a graph of its own
+            from .mapped import rebind_misses
+
+            self.graph = rebind_misses(self.plan.graph)
+        self.executor = make_executor(self.backend, self.graph, self.plan.weights, device=self.device,
                                       mixed=mixed, shrink_caches=mixed and self.expert_cache,
-                                      multi_gpu=self.multi_gpu)
+                                      multi_gpu=self.multi_gpu, miss_path=self.miss_path)
         from . import expert_cache
 
-        expert_cache.clear(self.plan.graph)
+        expert_cache.clear(self.graph)
         if mixed and self.expert_cache:
             self.executor.enable_expert_cache(policy=self.cache_policy)
             self.executor.prefetch = self.prefetch
         self.cache: KVCache | None = None
+
+    def _miss_path(self, mixed: bool) -> str:
+        """Where the expert caches' misses compute in this run (`miss_path`: auto picks gpu where
+        the plan has expert caches, their GPU shares run on a CUDA GPU, and no expert streams from
+        disk; gpu pins the host shares' pages, which a disk tier must be free to drop)."""
+        if self.miss_path not in ("auto", "cpu", "gpu"):
+            raise UsageError(f"miss path {self.miss_path!r} (--miss-path, STRATA_MISS_PATH): expected auto, cpu or gpu")
+        cached = [n for n in self.plan.graph.nodes if n.op.value == "moe_ffn" and n.attr("cache", "")]
+        if not (mixed and self.expert_cache and cached) or self.miss_path == "cpu":
+            return "cpu"
+        if self.disk is not None:
+            if self.miss_path == "gpu":
+                raise UsageError("--miss-path gpu reads the experts in host memory in place and this plan streams "
+                                 "experts from disk (compiled with --host-mem); use --miss-path cpu")
+            return "cpu"
+        if self.miss_path == "gpu":
+            return "gpu"
+        if self.device == "cpu":
+            return "cpu"
+        from strata_compiler.backends.xla.device import gpu_available
+
+        return "gpu" if gpu_available() else "cpu"
 
     def reset(self, batch: int, capacity: int) -> None:
         m = self.plan.meta["model"]

@@ -21,7 +21,7 @@ N_NEW = 12
 
 
 def test_hits_misses_and_a_swap_of_the_hottest_miss():
-    c = ExpertCache("L0", 6, np.array([0, 1], np.int32), decay=0.5, recency=0.0)
+    c = ExpertCache("L0", 6, np.array([0, 1], np.int32), decay=0.5, recency=0.0, swap_margin=0.0)
     comb = np.zeros((3, 6), np.float32)
     comb[0, [0, 4]] = 1          # a hit and a miss
     comb[1, [4, 5]] = 1          # two misses
@@ -35,6 +35,22 @@ def test_hits_misses_and_a_swap_of_the_hottest_miss():
     assert len(swaps) == 1 and swaps[0][1] == 4 and 4 in c.slots
     assert c.nonresident[4] == 0 and c.nonresident.sum() == 4
     assert c.swaps == 1 and 0 < c.hit_rate() < 1
+
+
+def test_swap_margin_keeps_near_equal_residents():
+    """A miss replaces the weakest resident only when it outscores it by more than swap_margin
+    (default 1: one more use), so experts of near-equal popularity do not trade slots every step."""
+    def run(margin):
+        c = ExpertCache("L0", 4, np.array([0, 1], np.int32), decay=0.5, recency=0.0, swap_margin=margin)
+        steps = []
+        for _ in range(3):       # expert 2 used every step, the residents idle
+            c.observe(np.eye(4, dtype=np.float32)[[2]])
+            steps.append(c.plan_swaps())
+        return steps
+
+    assert [len(s) for s in run(0.0)] == [1, 0, 0]        # 1 > 0: swapped at once
+    assert [len(s) for s in run(1.0)] == [0, 1, 0]        # 1.5 > 0 + 1 only after the second use
+    assert ExpertCache("L0", 4, np.array([0, 1], np.int32)).swap_margin == 1.0
 
 
 def test_lru_policy_evicts_the_least_recently_used():

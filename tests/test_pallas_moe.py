@@ -117,6 +117,59 @@ def test_routing_inside_kernels(E, k, M, norm):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
+def _cache_split(ga, da, resident, S, seed):
+    """An expert cache's two sources for `resident` experts in S slots (the rest of the slots
+    unused): slot arrays holding their rows, whole arrays whose rows of those experts are garbage,
+    and garbage in the unused slots, so that a read from the wrong source shows."""
+    rng = np.random.default_rng(seed)
+    E = next(iter(ga.values())).shape[0]
+    slot_of = np.full(E, -1, np.int32)
+    slot_of[resident] = rng.permutation(S)[:len(resident)]
+
+    def split(a):
+        whole, slots = {}, {}
+        for r, v in a.items():
+            junk = lambda shape: (rng.integers(0, 255, shape) if v.dtype.kind in "ui"      # noqa: E731
+                                  else rng.standard_normal(shape) * 50).astype(v.dtype)
+            slots[r] = junk((S,) + v.shape[1:])
+            slots[r][slot_of[resident]] = v[resident]
+            whole[r] = v.copy()
+            whole[r][resident] = junk((len(resident),) + v.shape[1:])
+        return whole, slots
+
+    return slot_of, split(ga), split(da)
+
+
+@pytest.mark.parametrize("dp4a", [False, True])
+@pytest.mark.parametrize("route", [False, True])
+def test_cached_experts_read_from_their_slots_the_rest_from_the_whole_arrays(dp4a, route, monkeypatch):
+    """moe_decode(slots=): a resident expert's rows come from its slot, a missing one's from the
+    whole (host-mapped) arrays, in both kernels, with the routing outside or inside them; each
+    source's wrong rows are garbage, so a read from the wrong one changes the result."""
+    if dp4a:
+        monkeypatch.setenv("STRATA_PALLAS_INT4", "dp4a")
+    E, D, I, k, M = 16, 64, 64, 4, 2
+    gs, ga, ds, da = _experts(E, D, I, "int4", "int4", 32, seed=3)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((M, D)).astype(np.float32)
+    logits = rng.standard_normal((M, E)).astype(np.float32)
+    p = jax.nn.softmax(jnp.asarray(logits), axis=-1)
+    topw, topi = jax.lax.top_k(p, k)
+    chosen = np.unique(np.asarray(topi))
+    resident = np.concatenate([chosen[::2], [e for e in range(E) if e not in chosen][:2]])     # hits and misses
+    slot_of, (gw, gsl), (dw, dsl) = _cache_split(ga, da, resident, 8, seed=2)
+    dev = lambda a: {r: jnp.asarray(v) for r, v in a.items()}   # noqa: E731
+    kw = dict(logits=jnp.asarray(logits), k=k) if route else {}
+    ti, tw = (None, None) if route else (jnp.asarray(topi), jnp.asarray(topw))
+    want = np.asarray(pallas_moe.moe_decode(jnp.asarray(x), ti, tw, gs, dev(ga), ds, dev(da), interpret=True, **kw))
+    got, ids = pallas_moe.moe_decode(jnp.asarray(x), ti, tw, gs, dev(gw), ds, dev(dw), interpret=True,
+                                     slots=(jnp.asarray(slot_of), dev(gsl), dev(dsl)), with_ids=True, **kw)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-6 * np.abs(want).max())
+    np.testing.assert_array_equal(np.sort(np.asarray(ids).reshape(M, k), 1), np.sort(np.asarray(topi), 1))
+    bad = np.asarray(pallas_moe.moe_decode(jnp.asarray(x), ti, tw, gs, dev(gw), ds, dev(dw), interpret=True, **kw))
+    assert np.abs(bad - want).max() > 1e-2 * np.abs(want).max()     # the garbage does show
+
+
 def _spy(monkeypatch, module, name: str, calls=None, record=lambda kw: kw) -> list:
     """Wrap module.name so each call appends record(its keyword arguments) to calls (returned)."""
     calls = [] if calls is None else calls

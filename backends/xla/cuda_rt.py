@@ -245,15 +245,16 @@ def wait_bulk() -> None:
 _PINNED: list[tuple[int, int]] = []     # page ranges registered with cudaHostRegister
 
 
-def pin(arrays) -> int:
+def pin(arrays, force: bool = False) -> int:
     """Page-lock the host memory under `arrays` (cudaHostRegister, read-only) so that copies from
     it run at the pinned rate (an H200 host: 52 against 6.5 GB/s pageable, BENCHMARKS.md) and
     without a staging copy on the host. Page ranges are merged first (neighbouring arrays share
     pages; a range registered twice is an error). Returns the bytes pinned; 0 without a CUDA
     runtime, and whatever fails to register stays pageable. Registrations last as long as the
     process (the driver holds the pages), so pin only memory that lives as long: the plan's
-    weight mapping of a session."""
-    if mode != "cuda" or _LIB is None:
+    weight mapping of a session. The pages are mapped into the GPUs' address space too
+    (runtime/mapped.py reads them in place). `force`: with raw copies off (STRATA_RAW_COPY=0) too."""
+    if (mode != "cuda" and not force) or lib() is None:
         return 0
     import mmap
 
@@ -272,7 +273,7 @@ def pin(arrays) -> int:
     for lo, hi in ranges:
         if any(lo < b and a < hi for a, b in _PINNED):
             continue                     # overlaps a range pinned earlier: leave it pageable
-        if L.cudaHostRegister(lo, hi - lo, 1 | 8) == 0:     # cudaHostRegisterPortable | ReadOnly
+        if L.cudaHostRegister(lo, hi - lo, 1 | 2 | 8) == 0:     # Portable | Mapped (device_view) | ReadOnly
             _PINNED.append((lo, hi))
             done += hi - lo
         else:

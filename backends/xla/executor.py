@@ -32,6 +32,7 @@ from .device import _jax, device as pick_device
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 RAW_MAX_TOKENS = 16   # steps of at most this many tokens stage their host inputs by raw copies (cuda_rt)
 PACKED = -(1 << 40)   # the key of a partition's packed host-bound results in its outputs
+COUNTS = -(1 << 41)   # ... and of its expert caches' routings per expert (--miss-path gpu), int32 [layers, E]
 
 
 class HostSlice:
@@ -150,6 +151,7 @@ class _Ctx:
         self.logits: dict[int, tuple] = {}    # route node id -> (router logits [M, E], k, renormalise, partials)
         self.norms: dict[int, tuple] = {}     # rms_norm node id -> (weight, eps, its input): for fusing
         self.partials: dict[int, object] = {}  # router node id -> its logits as an o projection's epilogue left them
+        self.counts: dict[int, object] = {}    # cached GPU share id -> routings per expert this step (int32 [E])
         self.jnp = _jnp()
         import jax
 
@@ -349,6 +351,12 @@ def _moe(c: _Ctx, n: Node, a: list):
     jnp, jax = c.jnp, c.jax
     x, comb = a[0], a[1]
     k = c.exe.route_k[n.id]
+    whole = c.exe.miss_source.get(n.id)
+    if whole is not None:
+        return _moe_cached(c, n, a, whole)
+    if n.id in c.exe.silent:    # a cache's host share whose misses the GPU share reads in place
+        out = jnp.zeros((x.shape[0], c.exe.g.weight(n.weight("down")).shape[1]), jnp.float32)
+        return out if len(a) < 3 else out + a[2]
     gu_spec = c.exe.g.weight(n.weight("gate_up"))
     dn_spec = c.exe.g.weight(n.weight("down"))
     dt = c.exe.compute_dtype(gu_spec)
@@ -369,6 +377,67 @@ def _moe(c: _Ctx, n: Node, a: list):
     route = None if ids or n.attr("cache", "") else c.logits.get(n.args[1])
     return moe_core(c, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, route=route, norm=c.norms.get(n.args[0]),
                     residual=a[2] if len(a) == 3 else None)
+
+
+def _moe_cached(c: _Ctx, n: Node, a: list, whole: Node):
+    """An expert cache's GPU share that computes the whole layer (`--miss-path gpu`,
+    runtime/mapped.py): each chosen expert's weights from its slot when resident, else from the
+    host share's whole arrays, which on a GPU are host memory read in place over PCIe. Records
+    the step's routings per expert (c.counts) for the cache's bookkeeping."""
+    jnp, jax = c.jnp, c.jax
+    x, comb = a[0], a[1]
+    residual = a[2] if len(a) == 3 else None
+    g = c.exe.g
+    gu_spec, dn_spec = g.weight(whole.weight("gate_up")), g.weight(whole.weight("down"))
+    gu_w, dn_w = c.params[whole.weight("gate_up")], c.params[whole.weight("down")]
+    gu_s, dn_s = c.params[n.weight("gate_up")], c.params[n.weight("down")]
+    live = c.ext.get(-(n.id + 1))                    # slot -> expert, int32 [S]
+    if live is None:                                 # no live cache: the plan's slots
+        live = jnp.asarray(n.attr("experts")[:c.exe.slots_of[n.id]], jnp.int32)
+    E, S, M = comb.shape[1], live.shape[0], x.shape[0]
+    k = c.exe.route_k[n.id]
+    slot_of = jnp.full((E,), -1, jnp.int32).at[live].set(jnp.arange(S, dtype=jnp.int32))
+    from . import pallas_moe
+
+    pallas, interpret = pallas_moe.use(c.exe.on_gpu, gu_spec, dn_spec, M)
+    if pallas:
+        kw, norm = {}, c.norms.get(n.args[0])
+        if norm is not None and pallas_moe.fusable_norm(gu_spec):
+            x, kw = norm[2], dict(rms=norm[:2], residual=residual)
+        route = c.logits.get(n.args[1])
+        common = dict(interpret=interpret, slots=(slot_of, gu_s, dn_s), with_ids=True, **kw)
+        if route is not None and pallas_moe.route_inside():
+            src = dict(partials=route[3], n_experts=E) if route[3] is not None and kw else dict(logits=route[0])
+            out, ids = pallas_moe.moe_decode(x, None, None, gu_spec, gu_w, dn_spec, dn_w, k=route[1], norm=route[2],
+                                             **src, **common)
+        else:
+            topw, topi = c.topk.get(n.args[1]) or jax.lax.top_k(comb, k)
+            out, ids = pallas_moe.moe_decode(x, topi, topw, gu_spec, gu_w, dn_spec, dn_w, **common)
+        if residual is not None and not kw:
+            out = out + residual
+    else:
+        topw, topi = c.topk.get(n.args[1]) or jax.lax.top_k(comb, k)
+        ids = topi.reshape(-1)
+        if M * k <= E:
+            # few tokens: each chosen expert's stored rows from its slot or the whole arrays
+            sl = slot_of[topi]
+            hit, si = sl >= 0, jnp.maximum(sl, 0)
+
+            def pick(w, s):
+                return {r: jnp.where(hit.reshape(hit.shape + (1,) * (v.ndim - 1)), s[r][si], v[topi])
+                        for r, v in w.items()}
+
+            I = gu_spec.shape[1] // 2
+            gu = matvec(jnp, gu_spec, pick(gu_w, gu_s), x[:, None, :])                  # [M, k, 2I]
+            h = _silu(jnp, gu[..., :I]) * gu[..., I:]
+            y = matvec(jnp, dn_spec, pick(dn_w, dn_s), h)                               # [M, k, D]
+            out = (y * topw[..., None]).sum(axis=1)
+            out = out if residual is None else out + residual
+        else:       # prefill: the whole arrays hold every expert (the slots are copies of their rows)
+            out = moe_core(c, x, topw, topi, gu_spec, gu_w, dn_spec, dn_w, c.exe.compute_dtype(gu_spec),
+                           pallas_ok=False, residual=residual)
+    c.counts[n.id] = jnp.zeros((E,), jnp.int32).at[ids.reshape(-1)].add(1)
+    return out
 
 
 def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok: bool = True, route=None,
@@ -516,9 +585,12 @@ class XLAExecutor:
     """Runs the nodes of `graph` (all, or the ids in `nodes`) as one jitted JAX function."""
 
     def __init__(self, graph: Graph, weights, nodes: list[int] | None = None, device_kind: str = "auto",
-                 slot_limit: dict[int, int] | None = None, device_index: int = 0) -> None:
+                 slot_limit: dict[int, int] | None = None, device_index: int = 0,
+                 mapped: dict[int, int] | None = None) -> None:
         """slot_limit: expert-cache GPU shares (node id) loaded with only their first N slots (a
-        device out of memory raises GPUOutOfMemory)."""
+        device out of memory raises GPUOutOfMemory). mapped: {GPU share: host share} of expert
+        caches whose misses the GPU reads from host memory (runtime/mapped.py `rebind_misses`):
+        the host share's weights stay in host memory, mapped, and its value is zero."""
         jax = _jax()
         jnp = _jnp()
         self.g = graph
@@ -537,6 +609,7 @@ class XLAExecutor:
         self.layers = sorted({n.attr("layer") for n in self.nodes if n.op is Op.FUSED_ATTENTION})
         self._reads_ids = any(n.op is Op.INPUT_IDS for n in self.nodes)   # else the ids argument is unused
         self._bulk_pending = False      # set_slot(wait=False) copies not yet waited for
+        self.step_counts = None         # the last call's COUNTS result (run_partition)
         self.route_k = {}
         for n in self.nodes:
             if n.op is Op.MOE_FFN:
@@ -551,13 +624,25 @@ class XLAExecutor:
         self._packed_T = 0
         self.cached = [n for n in self.nodes if n.op is Op.MOE_FFN and n.attr("cache", "") and n.attr("experts", ())]
         self.slots_of = {n.id: (slot_limit or {}).get(n.id, len(n.attr("experts"))) for n in self.cached}
+        # --miss-path gpu: cached GPU share -> the host share whose whole arrays its misses read
+        self.miss_source = {gid: graph.node(hid) for gid, hid in (mapped or {}).items() if gid in ids and hid in ids}
+        self.silent = {h.id for h in self.miss_source.values()}
+        self.count_order = [n.id for n in self.nodes if n.id in self.miss_source]   # rows of the COUNTS result
+        in_place = {w for h in self.miss_source.values() for _, w in h.weights}
+        # host arrays the GPU reads in place (by weight, then array name)
+        self.mapped_host = {name: {a: np.asarray(v) for a, v in weights.arrays(name).items()} for name in sorted(in_place)}
         cut = {w: self.slots_of[n.id] for n in self.cached for _, w in n.weights}
-        names = sorted({w for n in self.nodes for _, w in n.weights})
+        names = sorted({w for n in self.nodes for _, w in n.weights} - in_place)
         host = {name: {a: np.asarray(v)[:cut[name]] if name in cut else np.asarray(v)
                        for a, v in weights.arrays(name).items()} for name in names}
         self.param_bytes = sum(v.nbytes for arrs in host.values() for v in arrs.values())
         try:
             self.params = self._place_params(host)
+            if self.mapped_host:
+                from strata_compiler.runtime import mapped as mp
+
+                self.params.update({name: {a: mp.device_view(v, self.device) for a, v in arrs.items()}
+                                    for name, arrs in self.mapped_host.items()})
         except Exception as e:    # XLA reports an out-of-memory as RESOURCE_EXHAUSTED
             if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
                 raise GPUOutOfMemory(str(e).splitlines()[0][:200]) from None
@@ -602,6 +687,8 @@ class XLAExecutor:
                     args = hooks[n.id](env, args)
                 env[n.id] = self._value(c, n, args)
         outs = {o: env[o] for o in self.outputs}
+        if c.counts:        # the expert caches' routings per expert, for their bookkeeping on the host
+            outs[COUNTS] = c.jnp.stack([c.counts[i] for i in self.count_order])
         if self.packed and T == self._packed_T:    # the host-bound results as one f32 buffer: one copy
             outs[PACKED] = c.jnp.concatenate([outs[o].reshape(-1).astype(c.jnp.float32) for o in self.packed])
         return outs, ks, vs
@@ -710,6 +797,8 @@ class XLAExecutor:
             ext = {i: staging.stage(i, v) if isinstance(v, np.ndarray) else v for i, v in ext.items()}
         flat, kt, vt = self._fn(self.params, ks, vs, ext, ids_arg, B, T_pad, pos_arg)
         outs = dict(zip(self._out_keys[B, T_pad], flat))
+        # the expert caches' routings of this call (--miss-path gpu), for MixedExecutor to fold
+        self.step_counts = outs.pop(COUNTS, None)
         if staging is not None and outs:
             staging.guard = next(iter(outs.values()))   # the next rewrite waits for this call
         if self.cached:

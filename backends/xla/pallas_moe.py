@@ -190,12 +190,15 @@ class _Proj:
         self.QW = self.W // 4 if self.words else self.W          # stored elements per group as loaded
 
     def qs_view(self, qs):
+        """(Stacked experts: the leading axis is the array's own, E experts or an expert cache's S
+        slots.)"""
+        E = qs.shape[0] if qs.ndim == 3 else self.E
         if self.words:      # [E, N, ng, W/4] u32: byte j of word w is byte 4w + j of the group
             import jax
             import jax.numpy as jnp
 
-            return jax.lax.bitcast_convert_type(qs.reshape(self.E, self.N, self.ng, self.QW, 4), jnp.uint32)
-        return qs.reshape(self.E, self.N, self.ng, self.W)
+            return jax.lax.bitcast_convert_type(qs.reshape(E, self.N, self.ng, self.QW, 4), jnp.uint32)
+        return qs.reshape(E, self.N, self.ng, self.W)
 
     def norm_view(self, w):
         """A norm's weight [K] in the words view of one activation row: f32 [ng, 2, G/8, 4]."""
@@ -393,22 +396,43 @@ def _dequant_dot(p: _Proj, q, xs, interpret: bool = False):
     return (q.astype(jnp.float32) * xs[0]).sum(axis=-1)
 
 
-def _rows_load(p: _Proj, qs_ref, sc_ref, e, start, row0, BN: int, limit: int, span: int):
+def _rows_load(p: _Proj, qs_ref, sc_ref, e, start, row0, BN: int, limit: int, span: int, on=None):
     """(q [BN, NGP, QW], scales f32 [BN, NGP]) of rows start + row0 + [0, BN) of expert e; rows at
     or past `limit` (counted from `start`) read nothing and get scale 0 (the grid spans `span` rows).
-    The kernels issue these loads before they prepare their activations, so the weights' memory
-    latency overlaps that work (Triton keeps the program order of loads)."""
+    `on` (a traced bool): where false, nothing is read at all (zeros; the masked loads move no
+    bytes). The kernels issue these loads before they prepare their activations, so the weights'
+    memory latency overlaps that work (Triton keeps the program order of loads)."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
     rows = row0 + jnp.arange(BN)
     qmask = smask = None
-    if span > limit or p.NGP != p.ng:
+    if span > limit or p.NGP != p.ng or on is not None:
         ok = (rows < limit)[:, None] & (jnp.arange(p.NGP) < p.ng)[None, :]     # [BN, NGP]
+        if on is not None:
+            ok = ok & on
         smask = ok
         qmask = jnp.broadcast_to(ok[:, :, None], (BN, p.NGP, p.QW))
     rs, gs = pl.ds(start + row0, BN), pl.ds(0, p.NGP)
     return _load(qs_ref.at[e, rs, gs, :], qmask), _load(sc_ref.at[e, rs, gs], smask).astype(jnp.float32)
+
+
+def _expert_rows(p: _Proj, w_refs, e, start, row0, BN: int, limit: int, span: int):
+    """_rows_load of expert e from w_refs: (qs, scales) of the stacked experts, or with an expert
+    cache's slots (qs, scales, slot_of, slot qs, slot scales): from its slot where slot_of[e] >= 0
+    (device memory), else from the whole stacked arrays (host memory mapped into the GPU's address
+    space, runtime/mapped.py: read over PCIe). Each load is masked by the other's condition, so
+    only one of them moves bytes."""
+    import jax.numpy as jnp
+
+    if len(w_refs) == 2:
+        return _rows_load(p, *w_refs, e, start, row0, BN, limit, span)
+    qs_ref, sc_ref, slot_ref, qs_slot, sc_slot = w_refs
+    s = slot_ref[e]
+    hit = s >= 0
+    qa, da = _rows_load(p, qs_slot, sc_slot, jnp.maximum(s, 0), start, row0, BN, limit, span, on=hit)
+    qb, db = _rows_load(p, qs_ref, sc_ref, e, start, row0, BN, limit, span, on=~hit)
+    return jnp.where(hit, qa, qb), jnp.where(hit, da, db)
 
 
 def _rows_apply(p: _Proj, w, xs, interpret: bool = False):
@@ -440,7 +464,7 @@ def _route_weight(x, rank, mine, k: int, norm: bool):
 
 
 def _gate_up_kernel(ids_ref, *refs, p: _Proj, k: int, I: int, Ip: int, BN: int, route=None,
-                    interpret: bool = False, eps=None, q8_out: bool = False):
+                    interpret: bool = False, eps=None, q8_out: bool = False, cached: bool = False):
     """route (norm, E, partials: P or 0): each program takes its expert from the top-k of the router
     logits of its token (`_ranks`: no routing kernels in between), and the first program of each
     (token, rank) pair also writes the pair's expert and weight for the down kernel (the last two
@@ -450,7 +474,9 @@ def _gate_up_kernel(ids_ref, *refs, p: _Proj, k: int, I: int, Ip: int, BN: int, 
     prologue, which `partials` needs). Without route, ids_ref holds the chosen ids [M*k].
     eps: x arrives un-normalised, with the norm's weight after it (`_x_parts` norm prologue).
     q8_out (BN = the down projection's group): h leaves in its dp4a q8 form (`_store_q8`), one
-    group per program, so the down kernel reads it as is."""
+    group per program, so the down kernel reads it as is.
+    cached: the weights come with an expert cache's slot map and slots after them
+    (`_expert_rows`)."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
@@ -475,11 +501,12 @@ def _gate_up_kernel(ids_ref, *refs, p: _Proj, k: int, I: int, Ip: int, BN: int, 
     norm = None
     if eps is not None:
         norm, refs = (refs[0], eps), refs[1:]
-    qs_ref, sc_ref, outs = refs[0], refs[1], refs[2:]
+    nw = 5 if cached else 2
+    w_refs, outs = refs[:nw], refs[nw:]
     row0 = blk * BN
     span = -(-Ip // BN) * BN
-    wg = _rows_load(p, qs_ref, sc_ref, e, 0, row0, BN, I, span)
-    wu = _rows_load(p, qs_ref, sc_ref, e, I, row0, BN, I, span)
+    wg = _expert_rows(p, w_refs, e, 0, row0, BN, I, span)
+    wu = _expert_rows(p, w_refs, e, I, row0, BN, I, span)
     if route is not None and partials:
         xs, inv = _x_parts(p, x_ref, m, norm, with_inv=True)
         z = z * inv
@@ -502,10 +529,10 @@ def _gate_up_kernel(ids_ref, *refs, p: _Proj, k: int, I: int, Ip: int, BN: int, 
 
 
 def _down_kernel(ids_ref, w_ref, *refs, p: _Proj, k: int, BN: int, interpret: bool = False,
-                 q8_in: bool = False, residual: bool = False):
+                 q8_in: bool = False, residual: bool = False, cached: bool = False):
     """ids_ref, w_ref [M*k]: the chosen experts and their weights (the route's, or gate_up's when
     it routed). q8_in: h comes as gate_up's q8 triple; residual: a [M, D] array added to the
-    output."""
+    output; cached: the weights come with an expert cache's slot map and slots (`_expert_rows`)."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
@@ -513,14 +540,15 @@ def _down_kernel(ids_ref, w_ref, *refs, p: _Proj, k: int, BN: int, interpret: bo
         h_ref, refs = tuple(refs[:3]), refs[3:]
     else:
         h_ref, refs = refs[0], refs[1:]
-    qs_ref, sc_ref, o_ref = refs[0], refs[1], refs[-1]
+    nw = 5 if cached else 2
+    w_refs, o_ref = refs[:nw], refs[-1]
     m, blk = pl.program_id(0), pl.program_id(1)
     row0 = blk * BN
     span = -(-p.N // BN) * BN
     ws = [w_ref[m * k + j] for j in range(k)]
     # unrolled, every expert's weights requested before any arithmetic: the loads overlap
-    rows = [_rows_load(p, qs_ref, sc_ref, ids_ref[m * k + j], 0, row0, BN, p.N, span) for j in range(k)]
-    acc = _row_block(refs[2], m, row0, BN, p.N) if residual else jnp.zeros((BN,), jnp.float32)
+    rows = [_expert_rows(p, w_refs, ids_ref[m * k + j], 0, row0, BN, p.N, span) for j in range(k)]
+    acc = _row_block(refs[nw], m, row0, BN, p.N) if residual else jnp.zeros((BN,), jnp.float32)
     for j in range(k):
         acc = acc + ws[j] * _rows_apply(p, rows[j], _x_parts(p, h_ref, m * k + j), interpret)
     _store_rows(o_ref, m, row0, BN, p.N, acc)
@@ -544,7 +572,7 @@ def q8_between(gu_spec, dn_spec, int4: str) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _calls(gu: tuple, dn: tuple, M: int, k: int, interpret: bool, bn1: int, bn2: int, warps1: int, warps2: int,
-           route=None, int4: str = "bytes", eps=None, residual: bool = False):
+           route=None, int4: str = "bytes", eps=None, residual: bool = False, cached: bool = False):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -566,11 +594,12 @@ def _calls(gu: tuple, dn: tuple, M: int, k: int, interpret: bool, bn1: int, bn2:
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps1, num_stages=1))
     gate_up = pl.pallas_call(
         functools.partial(_gate_up_kernel, p=pg, k=k, I=I, Ip=Ip, BN=bn1, route=route, interpret=interpret,
-                          eps=eps, q8_out=q8),
+                          eps=eps, q8_out=q8, cached=cached),
         out_shape=h_shape, grid=(M * k, -(-Ip // bn1)), interpret=interpret, name="strata_moe_gate_up", **params)
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps2, num_stages=1))
     down = pl.pallas_call(
-        functools.partial(_down_kernel, p=pd, k=k, BN=bn2, interpret=interpret, q8_in=q8, residual=residual),
+        functools.partial(_down_kernel, p=pd, k=k, BN=bn2, interpret=interpret, q8_in=q8, residual=residual,
+                          cached=cached),
         out_shape=jax.ShapeDtypeStruct((M, pd.N), jnp.float32),
         grid=(M, -(-pd.N // bn2)), interpret=interpret, name="strata_moe_down", **params)
     return pg, pd, q8, gate_up, down
@@ -589,7 +618,7 @@ def _key(spec) -> tuple:
 
 def moe_decode(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict, *, interpret: bool = False,
                logits=None, k: int = 0, norm: bool = False, rms=None, residual=None, partials=None,
-               n_experts: int = 0):
+               n_experts: int = 0, slots=None, with_ids: bool = False):
     """sum_j topw[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])), e = topi[m, j]: f32[M, D].
 
     x [M, D] (any float), topi int[M, k], topw [M, k]; *_arrays the stored arrays ({'qs',
@@ -599,7 +628,11 @@ def moe_decode(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict
     [M, P, EP] (and n_experts, rms): the logits as `linear_decode(router=)` leaves them, summed
     and divided by x's rms in gate_up (the router has no kernel of its own either).
     rms (w [D], eps): x is un-normalised, gate_up normalises it (`fusable_norm` says when);
-    residual [M, D]: added to the result by the down kernel."""
+    residual [M, D]: added to the result by the down kernel.
+    slots (slot_of int32 [E], gate_up's slot arrays, down's slot arrays): an expert cache's GPU
+    slots; expert e reads its weights from slot slot_of[e] where that is >= 0, else from *_arrays
+    (then the whole layer in host memory the GPU reads in place: runtime/mapped.py).
+    with_ids: also return the chosen experts, int32 [M*k] (the route's or gate_up's)."""
     import jax.numpy as jnp
 
     if partials is not None:
@@ -613,7 +646,8 @@ def moe_decode(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict
         (M, k), route = topi.shape, None
     eps = float(rms[1]) if rms is not None else None
     pg, pd, q8, gate_up, down = _calls(_key(gu_spec), _key(dn_spec), M, k, bool(interpret), *tuning(), route=route,
-                                       int4=int4_mode(), eps=eps, residual=residual is not None)
+                                       int4=int4_mode(), eps=eps, residual=residual is not None,
+                                       cached=slots is not None)
     if route is None:
         ids = topi.reshape(-1).astype(jnp.int32)
     elif partials is not None:
@@ -624,14 +658,21 @@ def moe_decode(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict
         if EP != E:
             ids = jnp.pad(ids, [(0, 0), (0, EP - E)], constant_values=-jnp.inf)
     xin = [pg.x_view(_padded(x, pg))] + ([pg.norm_view(rms[0])] if rms is not None else [])
-    out = gate_up(ids, *xin, pg.qs_view(gu_arrays["qs"]), gu_arrays["scales"])   # h [M*k, Ip] or its q8 (+ ids, w)
+    gw = [pg.qs_view(gu_arrays["qs"]), gu_arrays["scales"]]
+    dw = [pd.qs_view(dn_arrays["qs"]), dn_arrays["scales"]]
+    if slots is not None:
+        slot_of = slots[0].astype(jnp.int32)
+        gw += [slot_of, pg.qs_view(slots[1]["qs"]), slots[1]["scales"]]
+        dw += [slot_of, pd.qs_view(slots[2]["qs"]), slots[2]["scales"]]
+    out = gate_up(ids, *xin, *gw)   # h [M*k, Ip] or its q8 (+ ids, w)
     if route is None:
         h, w = out, topw.reshape(-1).astype(jnp.float32)
     else:
         h, ids, w = out[:-2], out[-2], out[-1]
     hin = list(h) if q8 else [pd.x_view(h[0])]
     res = [residual.astype(jnp.float32)] if residual is not None else []
-    return down(ids, w, *hin, pd.qs_view(dn_arrays["qs"]), dn_arrays["scales"], *res)
+    y = down(ids, w, *hin, *dw, *res)
+    return (y, ids) if with_ids else y
 
 
 def _padded(x, p: _Proj):

@@ -1,0 +1,169 @@
+"""Host memory the GPU reads in place: page-locked, mapped into the device's address space, and
+handed to JAX as a device buffer (DLPack), so that a jitted program's kernels read it over PCIe
+without a copy (zero-copy).
+
+The expert cache uses it for its misses (`strata-run --miss-path gpu`, `rebind_misses`): a GPU
+share's MoE kernels read a resident expert from its slot and a missed one from the layer's whole
+host array (backends/xla/pallas_moe.py `_expert_rows`), so a cached layer needs no host call.
+On an H200 (benchmarks/mapped_experts.py, 2026-12-01) the MoE kernels read host-mapped experts
+at 44-50 GB/s (a 3.4 MiB int4 expert in ~70 us, about what its cudaMemcpy takes), against a
+split layer's two host calls and the CPU's share of the experts.
+
+On a platform other than CUDA (JAX's CPU platform: tests), `device_view` returns the array
+itself, as JAX's CPU client aliases host memory anyway.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import numpy as np
+
+# DLPack (dlpack.h, v0.8 legacy capsule "dltensor")
+_KDL_CUDA = 2
+_DTYPE = {"u": 1, "i": 0, "f": 2}
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32), ("dtype", _DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManaged(ctypes.Structure):
+    pass
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManaged))
+_DLManaged._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
+_KEEP: list = []        # the structs, shapes and host arrays behind every view (they live as long as the process)
+
+
+@_DELETER
+def _no_delete(_p) -> None:     # the host array outlives the view (_KEEP)
+    return None
+
+
+class _Capsule:
+    """What jax.dlpack.from_dlpack takes: __dlpack__ / __dlpack_device__ over a raw device address."""
+
+    def __init__(self, ptr: int, shape: tuple, dtype: np.dtype, device_id: int, device_type: int = _KDL_CUDA) -> None:
+        kind = _DTYPE.get(dtype.kind)
+        if kind is None:
+            raise TypeError(f"mapped arrays of dtype {dtype} are not supported")
+        self.shape = (ctypes.c_int64 * len(shape))(*shape)
+        self.m = _DLManaged()
+        t = self.m.dl_tensor
+        t.data, t.device, t.ndim = ptr, _DLDevice(device_type, device_id), len(shape)
+        t.dtype = _DLDataType(kind, dtype.itemsize * 8, 1)
+        t.shape, t.strides, t.byte_offset = self.shape, None, 0
+        self.m.deleter = _no_delete
+        self.device_id, self.device_type = device_id, device_type
+
+    def __dlpack_device__(self):
+        return self.device_type, self.device_id
+
+    def __dlpack__(self, stream=None, **_kw):
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        return new(ctypes.addressof(self.m), b"dltensor", None)
+
+
+def aligned_copy(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous copy of `a` in fresh page-aligned memory (anonymous mmap)."""
+    n = max(a.nbytes, 1)
+    buf = mmap.mmap(-1, -(-n // mmap.PAGESIZE) * mmap.PAGESIZE)
+    out = np.frombuffer(buf, np.uint8, count=a.nbytes).view(a.dtype).reshape(a.shape)
+    out[...] = a
+    _KEEP.append(buf)
+    return out
+
+
+def device_pointer(a: np.ndarray) -> int:
+    """The GPU's address of host array `a` (its pages registered by cuda_rt.pin, which maps them)."""
+    from strata_compiler.backends.xla import cuda_rt
+
+    L = cuda_rt.lib()
+    p = ctypes.c_void_p()
+    rc = L.cudaHostGetDevicePointer(ctypes.byref(p), ctypes.c_void_p(a.ctypes.data), 0)
+    if rc != 0:
+        L.cudaGetLastError()
+        raise RuntimeError(f"cudaHostGetDevicePointer failed ({rc}): the host array is not registered")
+    return p.value
+
+
+def device_view(a: np.ndarray, device):
+    """A JAX array on `device` that is host array `a` itself, read by kernels over PCIe. `a` must
+    be C-contiguous and must live (unchanged, unless the caller orders its writes) as long as the
+    view: the process, here. Registers its pages (cuda_rt.pin) when they are not yet."""
+    import jax
+
+    if device.platform == "cpu":
+        return jax.device_put(a, device)
+    if not a.flags.c_contiguous:
+        raise ValueError("a mapped array must be C-contiguous")
+    from strata_compiler.backends.xla import cuda_rt
+
+    if cuda_rt.lib() is None:
+        raise RuntimeError("reading host memory from the GPU needs libcudart (the CUDA runtime), which did not load")
+    cuda_rt.pin([a], force=True)
+    cap = _Capsule(device_pointer(a), a.shape, a.dtype, int(getattr(device, "local_hardware_id", None) or device.id))
+    _KEEP.append((cap, a))
+    return jax.dlpack.from_dlpack(cap, copy=False)
+
+
+def _shares(graph) -> list[tuple]:
+    """(GPU share, host share) of each expert cache: the moe_ffn nodes sharing `cache=<key>`, the
+    one with `experts` bound to xla."""
+    from strata_compiler.ir import Op
+
+    gpu, host = {}, {}
+    for n in graph.nodes:
+        key = n.attr("cache", "") if n.op is Op.MOE_FFN else ""
+        if key and n.attr("experts", ()):
+            if n.backend == "xla":
+                gpu[key] = n
+        elif key:
+            host[key] = n
+    return [(g, host[key]) for key, g in gpu.items() if key in host]
+
+
+def rebind_misses(graph):
+    """The graph with every expert cache's host share on its GPU share's device, for `--miss-path
+    gpu`: the GPU share then computes the whole layer (its slots for the hits, the host share's
+    arrays, read in place, for the misses) and the host share contributes nothing. Moves the host
+    share, the transfers that feed it, the add that combines the two shares and the transfers
+    feeding that add (a split layer's CPU side), so that the layer stays in one GPU partition."""
+    from dataclasses import replace
+
+    from strata_compiler.ir import Op
+
+    users = graph.users()
+    moved: dict[int, tuple[str, str]] = {}
+    for g, h in _shares(graph):
+        nodes = [h] + [graph.node(a) for a in h.args if graph.node(a).op is Op.TRANSFER]
+        for u in users[h.id]:
+            if u != -1 and graph.node(u).op is Op.ADD:
+                add = graph.node(u)
+                nodes += [add] + [graph.node(a) for a in add.args if graph.node(a).op is Op.TRANSFER]
+        for n in nodes:
+            moved[n.id] = (g.backend, g.device)
+    if not moved:
+        return graph
+    return graph.with_(nodes=tuple(replace(n, backend=moved[n.id][0], device=moved[n.id][1]) if n.id in moved else n
+                                   for n in graph.nodes))
+
+
+def in_place_pairs(graph) -> dict[int, int]:
+    """{GPU share id: host share id} of the expert caches whose host share `rebind_misses` put on
+    the GPU share's device."""
+    return {g.id: h.id for g, h in _shares(graph) if h.backend == g.backend and h.device == g.device}

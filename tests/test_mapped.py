@@ -1,0 +1,110 @@
+"""Expert-cache misses read by the GPU in place (runtime/mapped.py, `--miss-path gpu`): the DLPack
+view of host memory, the graph rebinding, and decode logits and cache statistics against the
+static split and the CPU miss path (JAX's CPU platform stands in for the GPU; the kernels' two
+sources are tested in tests/test_pallas_moe.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from strata_compiler.cli_common import run_cli
+from strata_compiler.ir import Op
+from strata_compiler.runtime import mapped
+from strata_compiler.runtime.cli import strata_run
+from strata_compiler.runtime.plan import load_plan
+from test_expert_cache import N_NEW, cached_plan, model  # noqa: F401 (the module's model fixture)
+
+jax = pytest.importorskip("jax")
+
+
+def test_dlpack_view_aliases_the_host_array():
+    """The capsule's struct layout: JAX reads it as a view of the host array itself (here as a CPU
+    tensor; on a GPU the same struct carries the pages' device address)."""
+    a = mapped.aligned_copy(np.arange(24, dtype=np.uint16).reshape(4, 6))
+    assert a.ctypes.data % 4096 == 0
+    cap = mapped._Capsule(a.ctypes.data, a.shape, a.dtype, 0, device_type=1)
+    x = jax.dlpack.from_dlpack(cap, copy=False)
+    assert x.unsafe_buffer_pointer() == a.ctypes.data
+    np.testing.assert_array_equal(np.asarray(x), a)
+    with pytest.raises(TypeError, match="not supported"):
+        mapped._Capsule(a.ctypes.data, a.shape, np.dtype(bool), 0)
+
+
+def test_rebind_moves_each_cached_layers_cpu_side(model, tmp_path, monkeypatch):
+    d, m, ids = model
+    g = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3)).graph
+    r = mapped.rebind_misses(g)
+    pairs = mapped.in_place_pairs(r)
+    assert pairs and mapped.in_place_pairs(g) == {}          # the plan's own graph is left as it was
+    for gid, hid in pairs.items():
+        gpu, host = r.node(gid), r.node(hid)
+        assert gpu.attr("cache") == host.attr("cache") and host.backend == "xla" and host.device == gpu.device
+        add = next(r.node(u) for u in r.users()[hid])
+        assert add.op is Op.ADD and add.backend == "xla"
+        assert all(r.node(a).backend == "xla" for a in (*host.args, *add.args))
+        assert g.node(hid).backend == "llvm"
+    from strata_compiler.runtime.partitions import partitions
+
+    # each cached layer's nodes now fall into GPU partitions only
+    part = {nid: kind for kind, ids_ in partitions(r, cache_cuts=False) for nid in ids_}
+    assert all(part[h] == "xla" for h in pairs.values())
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_steps_match_the_static_split_and_the_cpu_misses(model, tmp_path, monkeypatch, batch):
+    """Step by step while experts move: the logits of misses read in place equal the static run's
+    and the CPU miss path's, with the same hits, misses and swaps as the CPU miss path (the same
+    routing, the same policy), counted on the device and folded into the caches."""
+    from strata_compiler.runtime.session import Session
+
+    d, m, ids = model
+    plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
+    prompt = np.concatenate([ids, ids[:, ::-1]])[:batch]
+    runs = {}
+    for mode in ("static", "cpu", "gpu"):
+        s = Session(plan, "auto", device="cpu", expert_cache=mode != "static", miss_path="cpu" if mode == "static" else mode)
+        assert s.miss_path == ("gpu" if mode == "gpu" else "cpu")
+        s.reset(batch, 64)
+        out = [s.step(prompt)[:, -1]]
+        rng = np.random.default_rng(0)
+        for _ in range(10):
+            out.append(s.step(rng.integers(0, m.config.vocab_size, (batch, 1)))[:, -1])
+        runs[mode] = (np.concatenate(out), s)
+    base = runs["static"][0]
+    for mode in ("cpu", "gpu"):
+        assert np.abs(runs[mode][0] - base).max() / base.std() <= 1e-5, mode
+    gpu, cpu = runs["gpu"][1], runs["cpu"][1]
+    assert gpu.executor.mapped and not cpu.executor.mapped
+    # no CPU partition is left inside a cached layer: the GPU share computes it whole
+    hosts = set(gpu.executor.mapped.values())
+    assert all(kind == "xla" for kind, _, ids_ in gpu.executor.parts if hosts & set(ids_))
+    stats = lambda s: [(c.hits, c.misses, c.swaps) for c, *_ in s.executor.caches]   # noqa: E731
+    assert stats(gpu) == stats(cpu) and sum(sw for *_, sw in stats(gpu)) > 0
+    assert all(c.miss_path == "gpu" and c.expert_bytes > 0 for c, *_ in gpu.executor.caches)
+
+
+def test_cli_miss_path_gpu_matches_transformers_and_reports_the_reads(model, tmp_path, monkeypatch, capsys):
+    from hf_models import hf_greedy, hf_logits
+
+    d, m, ids = model
+    plan = cached_plan(d, tmp_path, monkeypatch, 0.5)
+    np.save(tmp_path / "ids.npy", ids)
+    assert run_cli(strata_run, [str(plan / "plan.bin"), "--input-ids", str(tmp_path / "ids.npy"), "-n", str(N_NEW),
+                                "--greedy", "--ignore-eos", "--device", "cpu", "--miss-path", "gpu", "--stats",
+                                "--logits-out", str(tmp_path / "l.npy"), "--tokens-out", str(tmp_path / "t.npy")]) == 0
+    ref = hf_logits(m, ids)
+    assert np.abs(np.load(tmp_path / "l.npy") - ref).max() / ref.std() <= 1e-4
+    np.testing.assert_array_equal(np.load(tmp_path / "t.npy"), hf_greedy(m, ids, N_NEW)[0])
+    err = capsys.readouterr().err
+    assert "hit rate" in err and "read by the GPU from host memory in place" in err
+    # auto on a host without a GPU: the CPU miss path, no line about reads in place
+    monkeypatch.setenv("STRATA_MISS_PATH", "auto")
+    assert run_cli(strata_run, [str(plan / "plan.bin"), "--input-ids", str(tmp_path / "ids.npy"), "-n", "2",
+                                "--device", "cpu", "--stats"]) == 0
+    err = capsys.readouterr().err
+    assert "hit rate" in err and "in place" not in err
+    monkeypatch.setenv("STRATA_MISS_PATH", "sometimes")
+    assert run_cli(strata_run, [str(plan / "plan.bin"), "--input-ids", str(tmp_path / "ids.npy"), "-n", "2",
+                                "--device", "cpu"]) == 2
+    assert "STRATA_MISS_PATH" in capsys.readouterr().err
