@@ -143,6 +143,7 @@ def test_fused_decode_steps_equal_the_partition_runtime(model, tmp_path, monkeyp
     plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
     prompt = np.concatenate([ids, ids[:, ::-1]])[:batch]
     runs = {}
+    monkeypatch.setenv("STRATA_SWAP_MARGIN", "0")     # swaps at the first edge: prefetches get admitted
     if settings == "stream":     # the cached layer split around its GPU share, copies on their own stream
         monkeypatch.setenv("STRATA_PREFETCH_STREAM", "1")
         monkeypatch.setenv("STRATA_HOST_CALL_STAGING", "1")
