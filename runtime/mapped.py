@@ -121,14 +121,6 @@ def device_view(a: np.ndarray, device):
     return jax.dlpack.from_dlpack(cap, copy=False)
 
 
-IN_PLACE = "in_place_weights"    # graph meta (runtime only): weights the GPU reads from host memory in place
-
-
-def in_place_weights(graph) -> set[str]:
-    """The weights `rebind_misses` left in host memory for the GPU to read in place."""
-    return set(graph.meta_value(IN_PLACE, ()))
-
-
 def _shares(graph) -> list[tuple]:
     """(GPU share, host share) of each expert cache: the moe_ffn nodes sharing `cache=<key>`, the
     one with `experts` bound to xla."""
@@ -167,22 +159,8 @@ def rebind_misses(graph):
             moved[n.id] = (g.backend, g.device)
     if not moved:
         return graph
-    in_place = sorted({w for _, h in _shares(graph) for _, w in h.weights})
-    # an embedding the plan left on the CPU ahead of the first GPU op goes to the GPU too, its
-    # table read in place (a row per token over PCIe): else the step would open with a host call,
-    # and the GPU would wait for the program's launch to reach it (H200, 2026-12-01: ~0.7 ms of
-    # the dispatch before the embedding's host call, then the rest of the program's launch)
-    first = next(i for i, n in enumerate(graph.nodes) if n.backend == "xla")
-    head = graph.nodes[:first]
-    gpu_weights = {w for n in graph.nodes[first:] if n.backend == "xla" for _, w in n.weights}
-    if head and all(n.op in (Op.INPUT_IDS, Op.EMBED, Op.TRANSFER) for n in head) \
-            and not {w for n in head for _, w in n.weights} & gpu_weights:
-        for n in head:
-            moved[n.id] = (graph.nodes[first].backend, graph.nodes[first].device)
-        in_place += sorted({w for n in head for _, w in n.weights})
     return graph.with_(nodes=tuple(replace(n, backend=moved[n.id][0], device=moved[n.id][1]) if n.id in moved else n
-                                   for n in graph.nodes),
-                       meta=tuple(graph.meta) + ((IN_PLACE, tuple(in_place)),))
+                                   for n in graph.nodes))
 
 
 def in_place_pairs(graph) -> dict[int, int]:
