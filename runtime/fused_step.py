@@ -19,7 +19,8 @@ host_call_bench.py: 47-64 us per layer on an H200, GPU work included, against 43
 jitted call per side).
 
 It applies to decode steps of plans whose xla partitions share one device, with no reference
-partition; prefill and the first decode step (which sets up the frames and caches) run partition
+partition (and with no CPU partition at all where expert caches read their misses in place,
+`--miss-path gpu`: a program without host calls); prefill and the first decode step (which sets up the frames and caches) run partition
 by partition. Under `--trace`, the CPU partitions' ops are traced inside their host calls and the
 stretches between host calls go on the GPU track (`_trace`).
 
@@ -177,8 +178,11 @@ class FusedStep:
 
     @staticmethod
     def applies(mixed) -> bool:
+        """Decode steps of plans with xla and llvm partitions on one GPU; or with xla partitions
+        alone where expert caches read their misses in place (--miss-path gpu): a program with no
+        host call, whose one packed input carries the slot maps and whose swaps are queued."""
         kinds = {k for k, _, _ in mixed.parts}
-        if "reference" in kinds or "xla" not in kinds or "llvm" not in kinds or mixed.mesh:
+        if "reference" in kinds or "xla" not in kinds or mixed.mesh or ("llvm" not in kinds and not mixed.mapped):
             return False
         devs = {exe.device for k, exe, _ in mixed.parts if k == "xla"}
         if len(devs) != 1:

@@ -121,6 +121,14 @@ def device_view(a: np.ndarray, device):
     return jax.dlpack.from_dlpack(cap, copy=False)
 
 
+IN_PLACE = "in_place_weights"    # graph meta (runtime only): weights the GPU reads from host memory in place
+
+
+def in_place_weights(graph) -> set[str]:
+    """The weights `rebind_misses` left in host memory for the GPU to read in place."""
+    return set(graph.meta_value(IN_PLACE, ()))
+
+
 def _shares(graph) -> list[tuple]:
     """(GPU share, host share) of each expert cache: the moe_ffn nodes sharing `cache=<key>`, the
     one with `experts` bound to xla."""
@@ -135,6 +143,17 @@ def _shares(graph) -> list[tuple]:
         elif key:
             host[key] = n
     return [(g, host[key]) for key, g in gpu.items() if key in host]
+
+
+def embed_wanted() -> bool:
+    """STRATA_MAPPED_EMBED (default 0 until measured with the fused step below on a GPU):
+    `rebind_misses` also moves a CPU embedding onto the GPU. Without it the step opens with the
+    embedding's host call (H200: the GPU waited ~0.7 ms for the launch to reach it); with it and
+    partition-by-partition steps the run was slower (BENCHMARKS.md 2026-12-01), so the move now
+    comes with a fused step that has no host call at all (runtime/fused_step.py)."""
+    from strata_compiler.env import switch
+
+    return switch("STRATA_MAPPED_EMBED", False)
 
 
 def rebind_misses(graph):
@@ -159,8 +178,22 @@ def rebind_misses(graph):
             moved[n.id] = (g.backend, g.device)
     if not moved:
         return graph
+    in_place = sorted({w for _, h in _shares(graph) for _, w in h.weights})
+    # with STRATA_MAPPED_EMBED=1, an embedding the plan left on the CPU ahead of the first GPU op
+    # goes to the GPU too, its table read in place (a row per token over PCIe): else the step
+    # opens with a host call, and the GPU waits for the program's launch to reach it (H200,
+    # 2026-12-01: ~0.7 ms of the dispatch before the embedding's host call)
+    first = next(i for i, n in enumerate(graph.nodes) if n.backend == "xla")
+    head = graph.nodes[:first]
+    gpu_weights = {w for n in graph.nodes[first:] if n.backend == "xla" for _, w in n.weights}
+    if embed_wanted() and head and all(n.op in (Op.INPUT_IDS, Op.EMBED, Op.TRANSFER) for n in head) \
+            and not {w for n in head for _, w in n.weights} & gpu_weights:
+        for n in head:
+            moved[n.id] = (graph.nodes[first].backend, graph.nodes[first].device)
+        in_place += sorted({w for n in head for _, w in n.weights})
     return graph.with_(nodes=tuple(replace(n, backend=moved[n.id][0], device=moved[n.id][1]) if n.id in moved else n
-                                   for n in graph.nodes))
+                                   for n in graph.nodes),
+                       meta=tuple(graph.meta) + ((IN_PLACE, tuple(in_place)),))
 
 
 def in_place_pairs(graph) -> dict[int, int]:

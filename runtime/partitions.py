@@ -243,8 +243,11 @@ class MixedExecutor:
         from strata_compiler.hwprofile import size_bytes
 
         g = self.g
+        from .mapped import in_place_weights
+
         silent = set(self.mapped.values())      # host shares read in place: their weights stay on the host
         xla_nodes = [n for n in g.nodes if n.backend == "xla" and n.id not in silent]
+        on_host = in_place_weights(g)
         cached = {n.id: n for n in xla_nodes if n.op is Op.MOE_FFN and n.attr("cache", "") and n.attr("experts", ())}
         slots = {i: len(n.attr("experts")) for i, n in cached.items()}
         if not shrink or not cached:
@@ -264,7 +267,7 @@ class MixedExecutor:
             w = g.weight(name)
             return get_format(w.fmt).nbytes(w.shape, w.group_size or 32)
 
-        fixed = sum(nbytes(w) for w in {w for n in xla_nodes if n.id not in cached for _, w in n.weights})
+        fixed = sum(nbytes(w) for w in {w for n in xla_nodes if n.id not in cached for _, w in n.weights} - on_host)
         per_slot = {i: sum(nbytes(w) for _, w in n.weights) // len(n.attr("experts")) for i, n in cached.items()}
         while fixed + sum(per_slot[i] * slots[i] for i in cached) > free and any(v > 1 for v in slots.values()):
             slots = {k: max(1, v // 2) for k, v in slots.items()}

@@ -44,6 +44,16 @@ def test_rebind_moves_each_cached_layers_cpu_side(model, tmp_path, monkeypatch):
         assert add.op is Op.ADD and add.backend == "xla"
         assert all(r.node(a).backend == "xla" for a in (*host.args, *add.args))
         assert g.node(hid).backend == "llvm"
+    emb = next(n for n in r.nodes if n.op is Op.EMBED)
+    assert emb.backend == "llvm" and mapped.in_place_weights(r) == {w for h in pairs.values() for _, w in r.node(h).weights}
+    # STRATA_MAPPED_EMBED=1: the embedding the plan left on the CPU goes too, its table read in
+    # place, so no host call opens the step
+    monkeypatch.setenv("STRATA_MAPPED_EMBED", "1")
+    r2 = mapped.rebind_misses(g)
+    emb = r2.node(emb.id)
+    assert g.node(emb.id).backend == "llvm" and emb.backend == "xla"
+    assert mapped.in_place_weights(r2) == mapped.in_place_weights(r) | {emb.weight("table")}
+    assert mapped.in_place_weights(g) == set()
     from strata_compiler.runtime.partitions import partitions
 
     # each cached layer's nodes now fall into GPU partitions only
@@ -108,3 +118,31 @@ def test_cli_miss_path_gpu_matches_transformers_and_reports_the_reads(model, tmp
     assert run_cli(strata_run, [str(plan / "plan.bin"), "--input-ids", str(tmp_path / "ids.npy"), "-n", "2",
                                 "--device", "cpu"]) == 2
     assert "STRATA_MISS_PATH" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("share,embed", [(0.9, "0"), (0.3, "1")])
+def test_a_step_without_host_calls_runs_as_one_program(model, tmp_path, monkeypatch, share, embed):
+    """Where rebinding leaves no CPU partition before the GPU's work (a plan whose only CPU ops
+    were a cached layer's share; or the embedding moved too, STRATA_MAPPED_EMBED=1), decode steps
+    still run as one fused program — one packed input with the slot maps, swaps queued — and give
+    the static split's logits."""
+    from strata_compiler.runtime.session import Session
+
+    monkeypatch.setenv("STRATA_MAPPED_EMBED", embed)
+    d, m, ids = model
+    plan = load_plan(cached_plan(d, tmp_path, monkeypatch, share))
+    runs = {}
+    for mode in ("static", "gpu"):
+        s = Session(plan, "auto", device="cpu", expert_cache=mode == "gpu", miss_path="cpu" if mode == "static" else "gpu")
+        s.reset(1, 64)
+        out = [s.step(ids)[:, -1]]
+        rng = np.random.default_rng(0)
+        for _ in range(8):
+            out.append(s.step(rng.integers(0, m.config.vocab_size, (1, 1)))[:, -1])
+        runs[mode] = (np.concatenate(out), s)
+    a, b = runs["gpu"][0], runs["static"][0]
+    assert np.abs(a - b).max() / b.std() <= 1e-5
+    ex = runs["gpu"][1].executor
+    assert ex.parts[0][0] == "xla" and ex.fused is not None and ex.fused.steps == 7 and ex.async_swaps
+    if share == 0.9:
+        assert [k for k, _, _ in ex.parts] == ["xla"]        # nothing left on the CPU: no host call at all

@@ -590,7 +590,8 @@ class XLAExecutor:
         """slot_limit: expert-cache GPU shares (node id) loaded with only their first N slots (a
         device out of memory raises GPUOutOfMemory). mapped: {GPU share: host share} of expert
         caches whose misses the GPU reads from host memory (runtime/mapped.py `rebind_misses`):
-        the host share's weights stay in host memory, mapped, and its value is zero."""
+        the host share's weights stay in host memory, mapped, and its value is zero; so do the
+        other weights the graph's meta names in place (an embedding table)."""
         jax = _jax()
         jnp = _jnp()
         self.g = graph
@@ -628,7 +629,10 @@ class XLAExecutor:
         self.miss_source = {gid: graph.node(hid) for gid, hid in (mapped or {}).items() if gid in ids and hid in ids}
         self.silent = {h.id for h in self.miss_source.values()}
         self.count_order = [n.id for n in self.nodes if n.id in self.miss_source]   # rows of the COUNTS result
+        from strata_compiler.runtime.mapped import in_place_weights
+
         in_place = {w for h in self.miss_source.values() for _, w in h.weights}
+        in_place |= in_place_weights(graph) & {w for n in self.nodes for _, w in n.weights}
         # host arrays the GPU reads in place (by weight, then array name)
         self.mapped_host = {name: {a: np.asarray(v) for a, v in weights.arrays(name).items()} for name in sorted(in_place)}
         cut = {w: self.slots_of[n.id] for n in self.cached for _, w in n.weights}
