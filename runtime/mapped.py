@@ -92,12 +92,15 @@ def device_pointer(a: np.ndarray) -> int:
     """The GPU's address of host array `a` (its pages registered by cuda_rt.pin, which maps them)."""
     from strata_compiler.backends.xla import cuda_rt
 
+    from strata_compiler.errors import BackendError
+
     L = cuda_rt.lib()
     p = ctypes.c_void_p()
     rc = L.cudaHostGetDevicePointer(ctypes.byref(p), ctypes.c_void_p(a.ctypes.data), 0)
     if rc != 0:
         L.cudaGetLastError()
-        raise RuntimeError(f"cudaHostGetDevicePointer failed ({rc}): the host array is not registered")
+        raise BackendError(f"cudaHostGetDevicePointer failed ({rc}): host memory could not be mapped for the GPU "
+                           f"to read in place; run with --miss-path cpu")
     return p.value
 
 
@@ -114,7 +117,10 @@ def device_view(a: np.ndarray, device):
     from strata_compiler.backends.xla import cuda_rt
 
     if cuda_rt.lib() is None:
-        raise RuntimeError("reading host memory from the GPU needs libcudart (the CUDA runtime), which did not load")
+        from strata_compiler.errors import BackendError
+
+        raise BackendError("--miss-path gpu reads host memory from the GPU through libcudart (the CUDA runtime), "
+                           "which did not load; run with --miss-path cpu")
     cuda_rt.pin([a], force=True)
     cap = _Capsule(device_pointer(a), a.shape, a.dtype, int(getattr(device, "local_hardware_id", None) or device.id))
     _KEEP.append((cap, a))

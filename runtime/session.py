@@ -110,9 +110,10 @@ class Session:
             return "gpu"
         if self.device == "cpu":
             return "cpu"
+        from strata_compiler.backends.xla import cuda_rt
         from strata_compiler.backends.xla.device import gpu_available
 
-        return "gpu" if gpu_available() else "cpu"
+        return "gpu" if gpu_available() and cuda_rt.available() else "cpu"
 
     def reset(self, batch: int, capacity: int) -> None:
         m = self.plan.meta["model"]
