@@ -70,7 +70,9 @@ def _save(path: Path, arr: np.ndarray) -> None:
 @click.option("--prefetch/--no-prefetch", default=False, show_default=True,
               help="With an expert cache: predict each cached layer's experts by applying its router to the "
                    "hidden state entering the layer, and start their copies before the layer runs. Off by "
-                   "default: on an H200 it has cost more than it saved in every run so far (BENCHMARKS.md).")
+                   "default: on an H200 it has cost more than it saved in every run so far (BENCHMARKS.md). "
+                   "With --miss-path gpu only a cached layer that follows a CPU partition predicts (the others "
+                   "have no host call to start copies from).")
 @click.option("--miss-path", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               envvar="STRATA_MISS_PATH", show_envvar=True,
               help="With an expert cache: where a missed expert computes. gpu: the GPU reads its weights from "
