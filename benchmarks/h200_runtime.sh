@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The H200 run of issue 7 in one device call: the expert cache against the static placement at
-# 25 % (same model and profile as h200_placement.sh) — with the native prefetch (the default; its
-# admission rule off: STRATA_PREFETCH_ADMIT=0),
-# the Python one (STRATA_NATIVE_PREFETCH=0) and none — and the greedy-tokens check: cache on / off,
-# prefetch on / off, the no-GPU fallback, on the timed prompt and on CHECKS more prompts clear by
+# 25 % (same model and profile as h200_placement.sh) — misses read by the GPU in place (the
+# default), with the CPU embedding moved too (STRATA_MAPPED_EMBED=1), misses on the CPU — and the
+# greedy-tokens check: cache on / off, the no-GPU fallback, on the timed prompt and on CHECKS more prompts clear by
 # 0.05 x std over 16 steps, with each variant's logit deviation from gpu-all along its tokens;
 # traces of the decode steps (Perfetto JSON; CPU and GPU busy at once per token).
 #   bash benchmarks/h200_runtime.sh      (outputs under $OUT, else /tmp/rtout; LAYERS, DEVICE, LIMIT,
@@ -13,5 +12,5 @@ mkdir -p "$OUT/traces"
 timeout ${LIMIT:-540} python benchmarks/placement_bench.py --work-dir /tmp/pb --layers ${LAYERS:-16} --router-skew 0.5 \
   --budgets 25 --n-new 48 --repeats 2 --calib-tokens 256 --hw benchmarks/profiles/h200-2026-11-29-raw.json \
   --device ${DEVICE:-auto} --trace-dir "$OUT/traces" --json "$OUT/rt.json" --check-prompts ${CHECKS:-4} --rounds ${ROUNDS:-1} \
-  --only "${VARIANTS:-strata-25,cache-25,cache-25@STRATA_PREFETCH_ADMIT=0,cache-25@STRATA_NATIVE_PREFETCH=0,cache-25/no-prefetch,cache-25/no-cache,cache-25/no-gpu,cache-25@STRATA_PREFETCH_PER_LAYER=3,cache-25@STRATA_PREFETCH_STREAM=1,hot-cache-25}" \
+  --only "${VARIANTS:-strata-25,cache-25,cache-25@STRATA_MAPPED_EMBED=1,cache-25@STRATA_MISS_PATH=cpu,cache-25/no-cache,cache-25/no-gpu}" \
   2>&1 | tee "$OUT/rt.log" || true
