@@ -611,6 +611,7 @@ class XLAExecutor:
         self._reads_ids = any(n.op is Op.INPUT_IDS for n in self.nodes)   # else the ids argument is unused
         self._bulk_pending = False      # set_slot(wait=False) copies not yet waited for
         self.step_counts = None         # the last call's COUNTS result (run_partition)
+        self.params_version = 0         # bumped where an array of `params` is replaced (the fused step's flat copy)
         self.route_k = {}
         for n in self.nodes:
             if n.op is Op.MOE_FFN:
@@ -740,6 +741,7 @@ class XLAExecutor:
                 else:
                     dev = jax.device_put(host, self.device)
                     self.params[name][arr] = self._put_row(cur, dev, np.int32(slot))
+                    self.params_version += 1
                 moved += host.nbytes
         return moved
 
