@@ -107,7 +107,10 @@ def _check_node(g: Graph, n: Node, seen: set[int]) -> None:
 
 
 def _last(g: Graph, nid: int):
-    return g.node(nid).type.shape[-1]
+    shape = g.node(nid).type.shape
+    if not shape:
+        raise _Fail(nid, "an activation of rank 0 (expected [B, T, ...])")
+    return shape[-1]
 
 
 def _check_shapes(g: Graph, n: Node) -> None:
@@ -117,6 +120,8 @@ def _check_shapes(g: Graph, n: Node) -> None:
         return
     if n.type.dtype is not DType.F32:
         raise _Fail(n.id, "activations are f32")
+    if not n.type.shape:
+        raise _Fail(n.id, "an activation of rank 0 (expected [B, T, ...])")
     if n.op in (Op.MATMUL, Op.LINEAR):
         w = g.weight(n.weight("w"))
         k_in = _last(g, n.args[0])
@@ -138,12 +143,16 @@ def _check_shapes(g: Graph, n: Node) -> None:
             if tuple(w.expert_ids) != ids:
                 raise _Fail(n.id, f"@{name} holds experts {list(w.expert_ids) or 'all'}, the node computes "
                                   f"{list(ids) or 'all'}")
+            if len(w.shape) != 3:
+                raise _Fail(n.id, f"@{name} {list(w.shape)}: expected stacked experts [E, N, K]")
             if w.shape[0] != (len(ids) if ids else E):
                 raise _Fail(n.id, f"@{name} stacks {w.shape[0]} experts; the router gives {E}")
         if ids and (len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= E):
             raise _Fail(n.id, f"experts {list(ids)}: expected distinct ids below {E}")
     if n.op is Op.EMBED:
         w = g.weight(n.weight("table"))
+        if len(w.shape) != 2:
+            raise _Fail(n.id, f"embedding table @{w.name} {list(w.shape)}: expected [vocab, width]")
         if n.type.shape[-1] != w.shape[1]:
             raise _Fail(n.id, "embedding width mismatch")
 

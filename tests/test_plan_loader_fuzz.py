@@ -18,6 +18,7 @@ contents), which drives the metadata/IR parsing behind the checksums.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import tempfile
@@ -35,7 +36,8 @@ from strata_compiler.passes.emit import PLAN_MAGIC, WEIGHTS_MAGIC
 from strata_compiler.plan_format import HEADER_SIZE, Container, SectionInfo, write_container
 from strata_compiler.runtime.plan import load_plan
 
-FUZZ = settings(max_examples=200, deadline=None, database=None,
+# STRATA_FUZZ_EXAMPLES: more examples per test for a longer hunt (CI: 200)
+FUZZ = settings(max_examples=int(os.environ.get("STRATA_FUZZ_EXAMPLES", "200")), deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 TOC_OFF_AT, TOC_SIZE_AT, BODY_CRC_AT, TOC_CRC_AT, HEADER_CRC_AT = 16, 24, 40, 44, 60
@@ -359,3 +361,21 @@ def test_fuzz_rebuilt_plan_ir(compiled, data):
         write_container(Path(d) / "plan.bin", PLAN_MAGIC, list(sections.items()))
         plan = (Path(d) / "plan.bin").read_bytes()
     _attempt(compiled, plan, compiled.weights)
+
+
+@pytest.mark.parametrize("old,new", [
+    ("weight @embed f32[112,64]", "weight @embed f32[112]"),                 # found by the fuzzer (2026-12-01)
+    ("weight @L0.moe.down f32[4,64,40]", "weight @L0.moe.down f32[4,64]"),
+])
+def test_weights_of_the_wrong_rank_are_one_clear_error(compiled, old, new):
+    """IR whose embedding table or stacked experts have the wrong rank: one line, no IndexError."""
+    with Container.open(compiled.dir / "plan.bin", PLAN_MAGIC) as c:
+        sections = {n: bytes(c.section(n)) for n in c.names()}
+    ir = sections["ir"].decode()
+    assert old in ir
+    sections["ir"] = ir.replace(old, new).encode()
+    with tempfile.TemporaryDirectory() as d:
+        write_container(Path(d) / "plan.bin", PLAN_MAGIC, list(sections.items()))
+        plan = (Path(d) / "plan.bin").read_bytes()
+    err = _attempt(compiled, plan, compiled.weights)
+    assert isinstance(err, StrataError) and ("expected [vocab, width]" in str(err) or "expected stacked" in str(err))
