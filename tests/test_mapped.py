@@ -146,3 +146,29 @@ def test_a_step_without_host_calls_runs_as_one_program(model, tmp_path, monkeypa
     assert ex.parts[0][0] == "xla" and ex.fused is not None and ex.fused.steps == 7 and ex.async_swaps
     if share == 0.9:
         assert [k for k, _, _ in ex.parts] == ["xla"]        # nothing left on the CPU: no host call at all
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe"])
+def test_other_architectures(arch, tmp_path, monkeypatch):
+    """Qwen2-MoE (a shared expert beside the routed ones) and OLMoE (every op then on the GPU, a
+    fused step without host calls): misses read in place give transformers' prompt logits and the
+    CPU miss path's decode logits."""
+    from hf_models import build_model, hf_logits, load_model
+
+    from strata_compiler.runtime.session import Session
+
+    d = build_model(arch, tmp_path / "model")
+    m = load_model(d)
+    plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.7))
+    ids = np.array([[3, 7, 1, 9, 4, 2]])
+    ref = hf_logits(m, ids)
+    out = {}
+    for mode in ("cpu", "gpu"):
+        s = Session(plan, "auto", device="cpu", miss_path=mode)
+        assert bool(s.executor.mapped) == (mode == "gpu")
+        s.reset(1, 64)
+        prompt = s.step(ids)
+        assert np.abs(prompt - ref).max() / ref.std() <= 1e-4, mode
+        rng = np.random.default_rng(0)
+        out[mode] = np.concatenate([s.step(rng.integers(0, m.config.vocab_size, (1, 1)))[:, -1] for _ in range(6)])
+    assert np.abs(out["gpu"] - out["cpu"]).max() / out["cpu"].std() <= 1e-5
