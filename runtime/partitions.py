@@ -105,6 +105,7 @@ class MixedExecutor:
 
             self.mapped = mapped.in_place_pairs(graph)
         self._cache_of_node: dict = {}      # cached GPU share id -> its ExpertCache
+        self._count_rows: dict = {}         # id(xla executor) -> its COUNTS rows in the CacheGroup (fold_counts)
         self.shrunk: dict[str, int] = {}   # expert cache key -> slots it got after running out of memory
         self.caches: list = []      # (ExpertCache, xla executor, GPU node, host node) per cached layer
         self.lookahead: dict = {}   # node id -> the caches whose prefetch its value triggers
@@ -316,6 +317,7 @@ class MixedExecutor:
         expert_cache.clear(self.g)
         self.caches = []
         self.lookahead = {}
+        self._count_rows = {}
         # STRATA_PINNED_SWAPS=1: the cached layers' host weights page-locked, and their copies into
         # GPU slots queued without waiting (the partition reading the slots waits). The default:
         # on with fused decode steps, whose in-step prefetch queues its copies on the program's
@@ -610,7 +612,17 @@ class MixedExecutor:
         the bookkeeping after the step reads as it reads the CPU kernels' counts."""
         if counts is None or not self._cache_of_node:
             return
-        for nid, row in zip(exe.count_order, cuda_rt.fetch(counts)):
+        arr = cuda_rt.fetch(counts)
+        rows = self._count_rows.get(id(exe))
+        if rows is None:        # the caches' rows in the CacheGroup's [L, E] counts, when all have one
+            group, cs = self.cache_group, [self._cache_of_node.get(nid) for nid in exe.count_order]
+            index = {id(c): i for i, c in enumerate(group.caches)} if group is not None and group.ok else {}
+            rows = self._count_rows[id(exe)] = (np.array([index[id(c)] for c in cs]) if all(
+                c is not None and id(c) in index for c in cs) else False)
+        if rows is not False:
+            self.cache_group.counts[rows] += arr        # one operation for every layer (rows are distinct)
+            return
+        for nid, row in zip(exe.count_order, arr):
             c = self._cache_of_node.get(nid)
             if c is not None:
                 c.counts += row

@@ -92,6 +92,8 @@ def test_decode_steps_match_the_static_split_and_the_cpu_misses(model, tmp_path,
     stats = lambda s: [(c.hits, c.misses, c.swaps) for c, *_ in s.executor.caches]   # noqa: E731
     assert stats(gpu) == stats(cpu) and sum(sw for *_, sw in stats(gpu)) > 0
     assert all(c.miss_path == "gpu" and c.expert_bytes > 0 for c, *_ in gpu.executor.caches)
+    # the device's counts went into the CacheGroup's rows as one operation
+    assert gpu.executor._count_rows and all(r is not False for r in gpu.executor._count_rows.values())
 
 
 def test_cli_miss_path_gpu_matches_transformers_and_reports_the_reads(model, tmp_path, monkeypatch, capsys):
