@@ -174,3 +174,44 @@ def test_other_architectures(arch, tmp_path, monkeypatch):
         rng = np.random.default_rng(0)
         out[mode] = np.concatenate([s.step(rng.integers(0, m.config.vocab_size, (1, 1)))[:, -1] for _ in range(6)])
     assert np.abs(out["gpu"] - out["cpu"]).max() / out["cpu"].std() <= 1e-5
+
+
+def test_the_gpu_kernels_read_slots_and_host_arrays_in_a_model(model, tmp_path, monkeypatch):
+    """The path the H200 runs: an int4 cached plan whose GPU share goes through the Pallas MoE
+    kernels (interpret mode here, f32 activations) with the slot map, the routing inside the
+    kernels and the chosen experts counted from theirs, step by step while experts move; against
+    the same plan through XLA's multiply-reduce with the same slots."""
+    from test_place import budget_decides, fake_profile, gpu_mem_for, probe_placement
+
+    from strata_compiler.cli import stratac
+    from strata_compiler.runtime.session import Session
+
+    d, m, ids = model
+    budget_decides(monkeypatch)
+    hw = fake_profile(tmp_path / "hw.json")
+    probe = probe_placement(d, tmp_path, hw, "--quant", "int4")
+    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "plan"), "--target", str(hw), "--quant", "int4",
+                             "--gpu-mem", str(gpu_mem_for(probe, probe["gpu_bytes"] * 0.3)), "--expert-cache"]) == 0
+    plan = load_plan(tmp_path / "plan")
+    monkeypatch.setenv("STRATA_PALLAS_INT4", "bytes")
+    monkeypatch.setenv("STRATA_XLA_PALLAS_ATTN", "0")
+    from strata_compiler.backends.xla import pallas_moe
+
+    calls = []
+    real = pallas_moe.moe_decode
+    monkeypatch.setattr(pallas_moe, "moe_decode", lambda *a, **kw: calls.append(kw.get("slots") is not None)
+                        or real(*a, **kw))
+    runs = {}
+    for kernels in ("interpret", "0"):
+        monkeypatch.setenv("STRATA_XLA_PALLAS", kernels)
+        s = Session(plan, "auto", device="cpu", miss_path="gpu")
+        s.reset(1, 64)
+        out = [s.step(ids)[:, -1]]
+        rng = np.random.default_rng(3)
+        for _ in range(6):
+            out.append(s.step(rng.integers(0, m.config.vocab_size, (1, 1)))[:, -1])
+        runs[kernels] = (np.concatenate(out), [(c.hits, c.misses, c.swaps) for c, *_ in s.executor.caches])
+    assert any(calls)                                       # the kernels ran with the slot map
+    a, b = runs["interpret"][0], runs["0"][0]
+    assert np.abs(a - b).max() / b.std() <= 1e-4
+    assert runs["interpret"][1] == runs["0"][1] and sum(sw for *_, sw in runs["0"][1]) > 0

@@ -386,72 +386,44 @@ def _moe_cached(c: _Ctx, n: Node, a: list, whole: Node):
     the step's routings per expert (c.counts) for the cache's bookkeeping."""
     jnp, jax = c.jnp, c.jax
     x, comb = a[0], a[1]
-    residual = a[2] if len(a) == 3 else None
     g = c.exe.g
     gu_spec, dn_spec = g.weight(whole.weight("gate_up")), g.weight(whole.weight("down"))
-    gu_w, dn_w = c.params[whole.weight("gate_up")], c.params[whole.weight("down")]
-    gu_s, dn_s = c.params[n.weight("gate_up")], c.params[n.weight("down")]
     live = c.ext.get(-(n.id + 1))                    # slot -> expert, int32 [S]
     if live is None:                                 # no live cache: the plan's slots
         live = jnp.asarray(n.attr("experts")[:c.exe.slots_of[n.id]], jnp.int32)
-    E, S, M = comb.shape[1], live.shape[0], x.shape[0]
-    k = c.exe.route_k[n.id]
-    slot_of = jnp.full((E,), -1, jnp.int32).at[live].set(jnp.arange(S, dtype=jnp.int32))
-    from . import pallas_moe
-
-    pallas, interpret = pallas_moe.use(c.exe.on_gpu, gu_spec, dn_spec, M)
-    if pallas:
-        kw, norm = {}, c.norms.get(n.args[0])
-        if norm is not None and pallas_moe.fusable_norm(gu_spec):
-            x, kw = norm[2], dict(rms=norm[:2], residual=residual)
-        route = c.logits.get(n.args[1])
-        common = dict(interpret=interpret, slots=(slot_of, gu_s, dn_s), with_ids=True, **kw)
-        if route is not None and pallas_moe.route_inside():
-            src = dict(partials=route[3], n_experts=E) if route[3] is not None and kw else dict(logits=route[0])
-            out, ids = pallas_moe.moe_decode(x, None, None, gu_spec, gu_w, dn_spec, dn_w, k=route[1], norm=route[2],
-                                             **src, **common)
-        else:
-            topw, topi = c.topk.get(n.args[1]) or jax.lax.top_k(comb, k)
-            out, ids = pallas_moe.moe_decode(x, topi, topw, gu_spec, gu_w, dn_spec, dn_w, **common)
-        if residual is not None and not kw:
-            out = out + residual
-    else:
-        topw, topi = c.topk.get(n.args[1]) or jax.lax.top_k(comb, k)
-        ids = topi.reshape(-1)
-        if M * k <= E:
-            # few tokens: each chosen expert's stored rows from its slot or the whole arrays
-            sl = slot_of[topi]
-            hit, si = sl >= 0, jnp.maximum(sl, 0)
-
-            def pick(w, s):
-                return {r: jnp.where(hit.reshape(hit.shape + (1,) * (v.ndim - 1)), s[r][si], v[topi])
-                        for r, v in w.items()}
-
-            I = gu_spec.shape[1] // 2
-            gu = matvec(jnp, gu_spec, pick(gu_w, gu_s), x[:, None, :])                  # [M, k, 2I]
-            h = _silu(jnp, gu[..., :I]) * gu[..., I:]
-            y = matvec(jnp, dn_spec, pick(dn_w, dn_s), h)                               # [M, k, D]
-            out = (y * topw[..., None]).sum(axis=1)
-            out = out if residual is None else out + residual
-        else:       # prefill: the whole arrays hold every expert (the slots are copies of their rows)
-            out = moe_core(c, x, topw, topi, gu_spec, gu_w, dn_spec, dn_w, c.exe.compute_dtype(gu_spec),
-                           pallas_ok=False, residual=residual)
+    E = comb.shape[1]
+    slot_of = jnp.full((E,), -1, jnp.int32).at[live].set(jnp.arange(live.shape[0], dtype=jnp.int32))
+    topw, topi = c.topk.get(n.args[1]) or jax.lax.top_k(comb, c.exe.route_k[n.id])
+    out, ids = moe_core(c, x, topw, topi, gu_spec, c.params[whole.weight("gate_up")], dn_spec,
+                        c.params[whole.weight("down")], c.exe.compute_dtype(gu_spec), route=c.logits.get(n.args[1]),
+                        norm=c.norms.get(n.args[0]), residual=a[2] if len(a) == 3 else None,
+                        slots=(slot_of, c.params[n.weight("gate_up")], c.params[n.weight("down")]))
     c.counts[n.id] = jnp.zeros((E,), jnp.int32).at[ids.reshape(-1)].add(1)
     return out
 
 
 def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok: bool = True, route=None,
-             norm=None, residual=None):
+             norm=None, residual=None, slots=None):
     """sum_j topw[m, j] * expert_{topi[m, j]}(x[m]) over the stacked experts gu_p / dn_p (their
     arrays by name, specs' formats), f32 [M, D], plus `residual` when given. route: (logits, k,
     renormalise, partials or None) of the route op that gave topw/topi, when it ran in this
     computation (the decode kernels then route inside; partials: its router's logits as the o
     projection's epilogue left them, `pallas_moe.linear_decode(router=)`). norm: (weight, eps,
     input) of the RMS norm that gave x, which the decode kernels can take over with the residual
-    add (dp4a: the norm in gate_up, the add in down)."""
+    add (dp4a: the norm in gate_up, the add in down). slots (slot_of int32 [E], gate_up's and
+    down's slot arrays): an expert cache's GPU slots, where the decode paths read a resident
+    expert instead of gu_p / dn_p (then the whole layer in host memory, read in place); the
+    others read gu_p / dn_p, which hold every expert. With slots: (result, the chosen experts
+    int32 [M*k])."""
     jnp, jax = c.jnp, c.jax
     M, D = x.shape
     k = topi.shape[1]
+    ids = topi.reshape(-1)
+
+    def done(out):
+        out = out if residual is None else out + residual
+        return out if slots is None else (out, ids)
+
     E, I2, _ = gu_spec.shape
     I = I2 // 2
     prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
@@ -466,22 +438,38 @@ def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok
             # the norm as gate_up's prologue, the residual add (when it is the MoE's) as down's
             # epilogue (dp4a)
             x, kw = norm[2], dict(rms=norm[:2], residual=residual)
+        cached = dict(slots=slots, with_ids=True) if slots is not None else {}
         if route is not None and pallas_moe.route_inside():
             # softmax and top-k in gate_up: four small routing kernels fewer per layer; from the
             # router's partial sums when the o projection left them (and gate_up takes the norm)
             src = dict(partials=route[3], n_experts=E) if route[3] is not None and kw else dict(logits=route[0])
             out = pallas_moe.moe_decode(x, None, None, gu_spec, gu_p, dn_spec, dn_p, interpret=interpret,
-                                        k=route[1], norm=route[2], **src, **kw)
+                                        k=route[1], norm=route[2], **src, **kw, **cached)
         else:
-            out = pallas_moe.moe_decode(x, topi, topw, gu_spec, gu_p, dn_spec, dn_p, interpret=interpret, **kw)
-        if residual is not None and kw:
-            return out
+            out = pallas_moe.moe_decode(x, topi, topw, gu_spec, gu_p, dn_spec, dn_p, interpret=interpret, **kw,
+                                        **cached)
+        if slots is not None:
+            out, ids = out
+        if residual is not None and kw:     # (down added it)
+            return out if slots is None else (out, ids)
     elif _use_matvec(M):
         # decode: one fused multiply-reduce per projection over all chosen experts (the gather of
-        # their packed weights happens inside the reduction, so nothing is copied)
-        gu = matvec(jnp, gu_spec, {r: v[topi] for r, v in gu_p.items()}, x[:, None, :])           # [M, k, 2I]
+        # their packed weights happens inside the reduction, so nothing is copied); an expert
+        # cache's resident experts from their slots
+        if slots is None:
+            def sel(p, _s):
+                return {r: v[topi] for r, v in p.items()}
+            gu_s = dn_s = None
+        else:
+            hit, si = slots[0][topi] >= 0, jnp.maximum(slots[0][topi], 0)
+            gu_s, dn_s = slots[1], slots[2]
+
+            def sel(p, s):
+                return {r: jnp.where(hit.reshape(hit.shape + (1,) * (v.ndim - 1)), s[r][si], v[topi])
+                        for r, v in p.items()}
+        gu = matvec(jnp, gu_spec, sel(gu_p, gu_s), x[:, None, :])                               # [M, k, 2I]
         h = _silu(jnp, gu[..., :I]) * gu[..., I:]
-        y = matvec(jnp, dn_spec, {r: v[topi] for r, v in dn_p.items()}, h)                        # [M, k, D]
+        y = matvec(jnp, dn_spec, sel(dn_p, dn_s), h)                                            # [M, k, D]
         out = (y * topw[..., None]).sum(axis=1)
     elif M * k <= SLICE_PAIRS:
         # decode: each chosen expert's weights as a dynamic slice of the stacked array, read in
@@ -525,7 +513,7 @@ def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok
         # cause, not yet re-measured on the GPU without it.)
         back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
         out = (ys[back].reshape(M, k, D) * topw[..., None]).sum(axis=1)
-    return out if residual is None else out + residual
+    return done(out)
 
 
 _OPS: dict[Op, Callable[[_Ctx, Node, list], object]] = {
