@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from strata_compiler.env import switch
+from strata_compiler.env import number, switch
 
 from . import trace
 
@@ -36,23 +36,6 @@ CACHES: dict[tuple[int, str], "ExpertCache"] = {}   # (id of the plan's graph, l
 PF_IDLE = 4
 PF_BACKOFF_MAX = 64
 SWAP_MARGIN = 1.0       # ExpertCache.swap_margin's default
-
-
-def _env_float(var: str, default: float) -> float:
-    import os
-
-    raw = os.environ.get(var)
-    if raw is None:
-        return default
-    try:
-        v = float(raw)
-    except ValueError:
-        v = -1.0
-    if not v >= 0:
-        from strata_compiler.errors import UsageError
-
-        raise UsageError(f"{var}={raw!r}: give a number >= 0 (default {default:g})")
-    return v
 
 
 def lookup(graph, key: str) -> "ExpertCache | None":
@@ -77,7 +60,7 @@ class ExpertCache:
     # step after step, each trade a copy); STRATA_SWAP_MARGIN overrides. H200, 2026-12-01, 16-layer
     # benchmark model at 25 %, misses read in place (BENCHMARKS.md): margin 1 against 0, stationary
     # router 193.0 against 185.6 tok/s (half the bytes copied), topics 471.0 against 445.8.
-    swap_margin: float = field(default_factory=lambda: _env_float("STRATA_SWAP_MARGIN", SWAP_MARGIN))
+    swap_margin: float = field(default_factory=lambda: number("STRATA_SWAP_MARGIN", SWAP_MARGIN))
     policy: str = "hybrid"            # hybrid | lru
     score: np.ndarray = field(default=None)
     last_used: np.ndarray = field(default=None)

@@ -73,9 +73,11 @@ class _Capsule:
         return self.device_type, self.device_id
 
     def __dlpack__(self, stream=None, **_kw):
-        new = ctypes.pythonapi.PyCapsule_New
-        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-        return new(ctypes.addressof(self.m), b"dltensor", None)
+        return _capsule_new(ctypes.addressof(self.m), b"dltensor", None)
+
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype, _capsule_new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
 
 def aligned_copy(a: np.ndarray) -> np.ndarray:
@@ -91,7 +93,6 @@ def aligned_copy(a: np.ndarray) -> np.ndarray:
 def device_pointer(a: np.ndarray) -> int:
     """The GPU's address of host array `a` (its pages registered by cuda_rt.pin, which maps them)."""
     from strata_compiler.backends.xla import cuda_rt
-
     from strata_compiler.errors import BackendError
 
     L = cuda_rt.lib()
@@ -173,8 +174,9 @@ def rebind_misses(graph):
     from strata_compiler.ir import Op
 
     users = graph.users()
+    shares = _shares(graph)
     moved: dict[int, tuple[str, str]] = {}
-    for g, h in _shares(graph):
+    for g, h in shares:
         nodes = [h] + [graph.node(a) for a in h.args if graph.node(a).op is Op.TRANSFER]
         for u in users[h.id]:
             if u != -1 and graph.node(u).op is Op.ADD:
@@ -184,7 +186,7 @@ def rebind_misses(graph):
             moved[n.id] = (g.backend, g.device)
     if not moved:
         return graph
-    in_place = sorted({w for _, h in _shares(graph) for _, w in h.weights})
+    in_place = sorted({w for _, h in shares for _, w in h.weights})
     # with STRATA_MAPPED_EMBED=1, an embedding the plan left on the CPU ahead of the first GPU op
     # goes to the GPU too, its table read in place (a row per token over PCIe): else the step
     # opens with a host call, and the GPU waits for the program's launch to reach it (H200,

@@ -304,15 +304,12 @@ class MixedExecutor:
         layer on the CPU); returns how many. The runtime swaps experts into the slots after each
         step (runtime/expert_cache.py), at most `max_swaps` a layer (default STRATA_CACHE_SWAPS,
         else 1; 0: the slots stay as planned and only the counts run)."""
+        from strata_compiler.env import count
+
         from . import expert_cache
 
         if max_swaps is None:
-            raw = os.environ.get("STRATA_CACHE_SWAPS", "1")
-            if not raw.isdigit():
-                from strata_compiler.errors import UsageError
-
-                raise UsageError(f"STRATA_CACHE_SWAPS={raw!r}: give a whole number of swaps a layer and step (default 1)")
-            max_swaps = int(raw)
+            max_swaps = count("STRATA_CACHE_SWAPS", 1, "swaps a layer and step")
 
         expert_cache.clear(self.g)
         self.caches = []
@@ -327,12 +324,7 @@ class MixedExecutor:
         self.async_swaps = raw == "1" or (raw == "" and self.fused is not None)
         # STRATA_PREFETCH_PER_LAYER: copies per layer per step the prediction may start (default 1;
         # cheap copies — pinned, queued — may afford the whole prediction's misses)
-        raw = os.environ.get("STRATA_PREFETCH_PER_LAYER", "1")
-        if not raw.isdigit():
-            from strata_compiler.errors import UsageError
-
-            raise UsageError(f"STRATA_PREFETCH_PER_LAYER={raw!r}: give a whole number of expert copies (default 1)")
-        prefetch_per_layer = int(raw)
+        prefetch_per_layer = count("STRATA_PREFETCH_PER_LAYER", 1, "expert copies")
         pinned = []
         part_of = {nid: (kind, exe) for kind, exe, ids in self.parts for nid in ids}
         index = {nid: i for i, (_, _, ids) in enumerate(self.parts) for nid in ids}
