@@ -76,8 +76,10 @@ class _Capsule:
         return _capsule_new(ctypes.addressof(self.m), b"dltensor", None)
 
 
-_capsule_new = ctypes.pythonapi.PyCapsule_New
-_capsule_new.restype, _capsule_new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+# a prototype of our own: ctypes.pythonapi.PyCapsule_New is one object shared with every other
+# library in the process, whose argtypes another may set differently (a destructor callback)
+_capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+    ("PyCapsule_New", ctypes.pythonapi))
 
 
 def aligned_copy(a: np.ndarray) -> np.ndarray:
