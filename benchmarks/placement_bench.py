@@ -148,6 +148,7 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, in
     logits) ("logit_dev")."""
     from strata_compiler.runtime import trace
     from strata_compiler.runtime.plan import load_plan
+    from strata_compiler.runtime.sampler import Sampler
     from strata_compiler.runtime.session import Session
 
     s = Session(load_plan(plan_dir, verify_weights="none"), backend, device=device, prefetch=prefetch,
@@ -161,16 +162,21 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, in
     times, tokens = [], []
     for r in range(repeats + 1 + (trace_out is not None)):
         traced = trace_out is not None and r == repeats + 1
-        s.reset(1, prompt.shape[1] + n_new + 8)
-        tok = int(s.step(prompt)[0, -1].argmax())
         if traced:      # the decode steps only: the busy times per token are over the same steps as dt
+            s.reset(1, prompt.shape[1] + n_new + 8)
+            tok = int(s.step(prompt)[0, -1].argmax())
             trace.ACTIVE = tracer = trace.Tracer()
-        seq = [tok]
-        t0 = time.perf_counter()
-        for _ in range(n_new - 1):
-            tok = int(s.step(np.array([[tok]], np.int64))[0, -1].argmax())
-            seq.append(tok)
-        dt = time.perf_counter() - t0
+            seq = [tok]
+            t0 = time.perf_counter()
+            for _ in range(n_new - 1):
+                tok = int(s.step(np.array([[tok]], np.int64))[0, -1].argmax())
+                seq.append(tok)
+            dt = time.perf_counter() - t0
+        else:           # as strata-run decodes: greedy steps dispatched ahead where the plan allows
+            before = s.timings.decode_seconds
+            _, new = s.generate(prompt, n_new, Sampler())
+            dt = s.timings.decode_seconds - before
+            seq = new[0].tolist()
         if traced:
             trace.ACTIVE = None
             tracer.write(trace_out)

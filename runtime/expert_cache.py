@@ -329,9 +329,11 @@ class CacheGroup:
         self.rows = np.arange(len(caches))
         self.steps = 0                  # steps whose bookkeeping ran as whole arrays
 
-    def after_step(self) -> list[tuple[ExpertCache, int, int, int]] | None:
+    def after_step(self, resident: np.ndarray | None = None) -> list[tuple[ExpertCache, int, int, int]] | None:
         """The step's bookkeeping for every cache; the swaps to copy now: (cache, slot, expert,
-        the expert it evicts)."""
+        the expert it evicts). `resident` (bool [L, E]): the experts the step found in its slots,
+        for its hits and misses, where the step ran with other maps than the caches hold now
+        (decode ahead: a step dispatched before the swaps after the one before it)."""
         cs = self.caches
         if not self.ok or trace.ACTIVE is not None or any(
                 c._chosen is not None or c.predicted is not None or c.max_swaps != 1 for c in cs):
@@ -355,7 +357,7 @@ class CacheGroup:
         for c in cs:
             c._end_prefetch_step()
         res = self.nonresident == 0
-        hits = np.where(res, counts, 0).sum(1).tolist()
+        hits = np.where(res if resident is None else resident, counts, 0).sum(1).tolist()
         total = counts.sum(1).tolist()
         for c, h, t in zip(cs, hits, total):
             c.hits += h

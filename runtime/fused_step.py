@@ -117,6 +117,16 @@ def wake_wanted() -> bool:
     return switch("STRATA_HOST_CALL_WAKE", True)
 
 
+class Ahead:
+    """A decode step in flight (FusedStep.launch): its greedy token and expert counts (device
+    values) and the slot maps it runs with (cached GPU share id -> int32 [slots], -1 masked)."""
+
+    __slots__ = ("token", "counts", "maps")
+
+    def __init__(self, token, counts, maps) -> None:
+        self.token, self.counts, self.maps = token, counts, maps
+
+
 class FusedStep:
     def __init__(self, mixed) -> None:
         self.m = mixed
@@ -147,6 +157,9 @@ class FusedStep:
         self.n_slots = {n.id: exe.slots_of[n.id] for kind, exe, _ in parts if kind == "xla" for n in exe.cached}
         self._fn = {}               # B -> jitted step
         self._flat_params = None    # (the executors' params_version, their params' leaves, the tree)
+        self._ahead_fn = {}         # B -> jitted step that also returns its greedy token (launch)
+        self._ahead_stage = [None, None]    # launch's staging, one per step in flight
+        self._ahead_parity = 0
         self._calls = {}            # (partition, B, part: None, "start" or "finish") -> HostCall
         self._env: dict = {}        # the llvm partitions' host values during a step
         self._cur = None            # (input_ids, cache) of the running step, for the callbacks
@@ -519,15 +532,16 @@ class FusedStep:
 
     # -- the traced step -----------------------------------------------------------------------
 
-    def _step(self, params, ks, vs, packed, B: int):
-        """The decode step of batch B; `packed`: int32 [ids (B) | position | slot maps...]."""
+    def _step(self, params, ks, vs, packed, B: int, ids=None):
+        """The decode step of batch B; `packed`: int32 [ids (B) | position | slot maps...];
+        `ids` (int32 [B], a device value: the step before's greedy token) in place of packed's."""
         import jax
 
         from strata_compiler.backends.xla.executor import COUNTS
 
         parts = self.m.parts
         splits = self._plan_splits()
-        ids = packed[:B].reshape(B, 1)
+        ids = packed[:B].reshape(B, 1) if ids is None else ids.reshape(B, 1)
         pos = packed[B]
         off = B + 1
         slots = {}
@@ -580,6 +594,106 @@ class FusedStep:
         token = tok[0]
         self._counted[B] = [i for i, _ in counts]
         return tuple(env[o] for o in self._xla_outs) + tuple(v for _, v in counts) + (token,), ks, vs
+
+    # -- decode ahead: the next step dispatched before this one finishes ---------------------
+
+    def ahead_ok(self) -> bool:
+        """Whether this plan's decode steps can run ahead (`launch` / `finish`): a program with no
+        host call (every CPU partition gone: expert caches read their misses in place), so that
+        two steps in flight share no host state."""
+        return not self.dev_in and all(kind == "xla" for kind, _, _ in self.m.parts)
+
+    def _params_now(self):
+        """The weights as one flat tuple, rebuilt only when an executor replaced an array: the
+        jitted call then flattens no nested dicts (a few hundred arguments; on the VM 300 arrays
+        dispatch in 68 against 98 us as a tuple against nested dicts)."""
+        import jax
+
+        ver = tuple(exe.params_version for kind, exe, _ in self.m.parts if kind == "xla")
+        if self._flat_params is None or self._flat_params[0] != ver:
+            leaves, tree = jax.tree_util.tree_flatten(self._params)
+            self._flat_params = (ver, tuple(leaves), tree)
+        return self._flat_params
+
+    def _maps(self) -> list[np.ndarray]:
+        """The expert caches' slot -> expert maps, in the program's order (the live caches', else
+        the plan's slots)."""
+        from . import expert_cache
+
+        out = []
+        for n in self.cached:
+            live = expert_cache.lookup(self.g, n.attr("cache"))
+            out.append(live.slots if live is not None else np.asarray(n.attr("experts")[:self.n_slots[n.id]], np.int32))
+        return out
+
+    def launch(self, ids, cache, masked: dict | None = None):
+        """Dispatch a decode step of the tokens `ids` (NumPy int64 [B], or the device token of the
+        step before: `Ahead.token`) at the cache's position and return at once, the step in flight
+        (`finish` waits for it). `masked`: {cache key: slots} whose experts are being swapped
+        (their copies wait until no step in flight reads the slot): -1 in this step's maps, so
+        their experts are read in place like any miss. The program also returns its greedy
+        token, which the next launch takes as its ids without a round trip through the host."""
+        import jax
+        import jax.numpy as jnp
+
+        from strata_compiler.backends.xla import cuda_rt
+
+        B = int(ids.shape[0])
+        if cache.length + 1 > cache.capacity:
+            from strata_compiler.errors import UsageError
+
+            raise UsageError(f"sequence of {cache.length + 1} tokens exceeds the KV cache capacity {cache.capacity}")
+        ver, flat, tree = self._params_now()
+        fn = self._ahead_fn.get(B)
+        if fn is None:
+            n_out = len(self._xla_outs)
+
+            def fused_ahead(p, k, v, s, t):     # (named: the persistent cache's entry says what it is)
+                outs, k, v = self._step(jax.tree_util.tree_unflatten(tree, p), k, v, s, B, ids=t)
+                logits = outs[0].reshape(B, -1)
+                token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+                return (token,) + tuple(outs[n_out:-1]), k, v
+
+            fn = self._ahead_fn[B] = jax.jit(fused_ahead, donate_argnums=(1, 2))
+        maps, used = [], []
+        for n, s in zip(self.cached, self._maps()):
+            drop = (masked or {}).get(n.attr("cache"))
+            if drop:
+                s = s.copy()
+                s[sorted(drop)] = -1
+            maps.append(np.asarray(s, np.int32))
+        packed = np.concatenate([np.zeros(B, np.int32), [np.int32(cache.length)], *maps]).astype(np.int32)
+        if cuda_rt.mode is not None:
+            # two staging buffers, one per step in flight: the step two back has finished with its own
+            k = self._ahead_parity = 1 - self._ahead_parity
+            st = self._ahead_stage[k]
+            if st is None:
+                st = self._ahead_stage[k] = cuda_rt.Staging(self.device)
+            packed = st.stage("step", packed)
+        if isinstance(ids, np.ndarray):
+            ids = np.asarray(ids, np.int32).reshape(B)
+        for kind, exe, _ in self.m.parts:
+            exe.land_slot_copies()
+        layers = self._layers
+        ks = {l: cache.k[l] for l in layers}
+        vs = {l: cache.v[l] for l in layers}
+        outs, ks, vs = fn(flat, ks, vs, packed, ids)
+        for l in layers:
+            cache.k[l], cache.v[l] = ks[l], vs[l]
+        self.steps += 1
+        return Ahead(outs[0], outs[1:], dict(zip([n.id for n in self.cached], maps)))
+
+    def finish(self, step: "Ahead", fold: bool = True) -> np.ndarray:
+        """Wait for a launched step; fold its expert routings into the caches (`fold_counts`;
+        not with fold=False); its greedy tokens, NumPy int64 [B]."""
+        import jax
+
+        from strata_compiler.backends.xla import cuda_rt
+
+        outs = jax.block_until_ready((step.token,) + tuple(step.counts))
+        for i, v in zip(self._counted.get(int(step.token.shape[0]), ()) if fold else (), outs[1:]):
+            self.m.fold_counts(self.m.parts[i][1], v)
+        return np.asarray(cuda_rt.fetch(outs[0])).astype(np.int64)
 
     @staticmethod
     def _trace(tr, tl: list, tokens: int) -> None:
@@ -637,28 +751,15 @@ class FusedStep:
                         exe.params[name] = {a: jnp.array(v, copy=True) for a, v in exe.params[name].items()}
                         exe.params_version += 1
             self._private = True
-        # the weights as one flat tuple, rebuilt only when an executor replaced an array: the
-        # jitted call then flattens no nested dicts (a few hundred arguments; on the VM 300 arrays
-        # dispatch in 68 against 98 us as a tuple against nested dicts)
-        ver = tuple(exe.params_version for kind, exe, _ in m.parts if kind == "xla")
-        if self._flat_params is None or self._flat_params[0] != ver:
-            leaves, tree = jax.tree_util.tree_flatten(self._params)
-            self._flat_params = (ver, tuple(leaves), tree)
-        tree = self._flat_params[2]
+        tree = self._params_now()[2]
         fn = self._fn.get(B)
         if fn is None:
             def fused_step(p, k, v, s):     # (named: the persistent cache's entry says what it is)
                 return self._step(jax.tree_util.tree_unflatten(tree, p), k, v, s, B)
 
             fn = self._fn[B] = jax.jit(fused_step, donate_argnums=(1, 2))
-        from . import expert_cache
-
-        maps = []
-        for n in self.cached:
-            live = expert_cache.lookup(self.g, n.attr("cache"))
-            maps.append(live.slots if live is not None else np.asarray(n.attr("experts")[:self.n_slots[n.id]], np.int32))
         packed = np.concatenate([np.asarray(input_ids, np.int32).reshape(-1), [np.int32(cache.length)],
-                                 *[np.asarray(s, np.int32) for s in maps]]).astype(np.int32)
+                                 *[np.asarray(s, np.int32) for s in self._maps()]]).astype(np.int32)
         if cuda_rt.mode is not None:
             if self._stage is None:
                 self._stage = cuda_rt.Staging(self.device)

@@ -155,14 +155,16 @@ def _shares(graph) -> list[tuple]:
 
 
 def embed_wanted() -> bool:
-    """STRATA_MAPPED_EMBED (default 0 until measured with the fused step below on a GPU):
-    `rebind_misses` also moves a CPU embedding onto the GPU. Without it the step opens with the
-    embedding's host call (H200: the GPU waited ~0.7 ms for the launch to reach it); with it and
-    partition-by-partition steps the run was slower (BENCHMARKS.md 2026-12-01), so the move now
-    comes with a fused step that has no host call at all (runtime/fused_step.py)."""
+    """STRATA_MAPPED_EMBED (default 1; 0 keeps it on the CPU): `rebind_misses` also moves a CPU
+    embedding onto the GPU, its table read in place, so that no host call opens the decode step
+    (without it the GPU waited ~0.7 ms a step for the launch to reach that call) and a plan whose
+    other CPU ops were cached layers' shares runs a program with no host call at all, which may
+    decode ahead (MixedExecutor.decode_ahead). H200, 2026-12-01 (BENCHMARKS.md), 16-layer benchmark
+    model at 25 %, fused steps: 496.9 against 450.2 tok/s with topics, 210.1 against 185.6 with a
+    stationary router."""
     from strata_compiler.env import switch
 
-    return switch("STRATA_MAPPED_EMBED", False)
+    return switch("STRATA_MAPPED_EMBED", True)
 
 
 def rebind_misses(graph):
@@ -189,7 +191,7 @@ def rebind_misses(graph):
     if not moved:
         return graph
     in_place = sorted({w for _, h in shares for _, w in h.weights})
-    # with STRATA_MAPPED_EMBED=1, an embedding the plan left on the CPU ahead of the first GPU op
+    # (STRATA_MAPPED_EMBED, default on) an embedding the plan left on the CPU ahead of the first GPU op
     # goes to the GPU too, its table read in place (a row per token over PCIe): else the step
     # opens with a host call, and the GPU waits for the program's launch to reach it (H200,
     # 2026-12-01: ~0.7 ms of the dispatch before the embedding's host call)

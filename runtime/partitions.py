@@ -432,26 +432,121 @@ class MixedExecutor:
                 stream(c, done=True)
 
     def _swap_experts(self) -> None:
+        for c, slot, e, old in self._decide_swaps():
+            self._issue_swap(c, slot, e, old)
+
+    def _issue_swap(self, c, slot: int, e: int, old: int) -> None:
+        """Copy a decided swap into its slot, or (over this step's copy budget) undo it: the slot
+        still holds `old`, as plan_swaps(max_swaps=0) would have left it."""
+        if self._copy_ok(c):
+            xla, gpu_node, host = self._cache_parts[c.key]
+            self._copy_in(c, xla, gpu_node, host, slot, e, f"expert {e} -> {c.key}[{slot}]")
+            return
+        c.slots[slot] = old
+        c.nonresident[e], c.nonresident[old] = 1.0, 0.0
+        c.swaps -= 1
+
+    def _decide_swaps(self, resident: np.ndarray | None = None) -> list[tuple]:
+        """The caches' bookkeeping after a step and the swaps it decides, (cache, slot, expert,
+        the expert it evicts), their bookkeeping done as if made: the caller copies or undoes
+        each (`_issue_swap`). Over the copy budget no swap is decided and the scores still learn.
+        `resident`: bool [layers, E] in the CacheGroup's order, the experts the step found in its
+        slots where that differs from the caches' own view (decode ahead: slots being swapped
+        were masked); only with a CacheGroup."""
         group = self.cache_group
-        if group is not None and not (self._step_s and self._copy_s >= self.copy_share * self._step_s):
-            swaps = group.after_step()      # all layers' bookkeeping at once (None: per cache)
-            if swaps is not None:
-                where = self._cache_parts
-                for c, slot, e, old in swaps:
-                    xla, gpu_node, host = where[c.key]
-                    if self._copy_ok(c):
-                        self._copy_in(c, xla, gpu_node, host, slot, e, f"expert {e} -> {c.key}[{slot}]")
-                    else:                   # over the copy budget: as plan_swaps(max_swaps=0) leaves it
-                        c.slots[slot] = old
-                        c.nonresident[e], c.nonresident[old] = 1.0, 0.0
-                        c.swaps -= 1
-                return
+        over = bool(self._step_s and self._copy_s >= self.copy_share * self._step_s)
+        swaps = group.after_step(resident) if group is not None and (not over or resident is not None) else None
+        if swaps is not None:
+            if not over:
+                return swaps
+            for c, slot, e, old in swaps:   # as plan_swaps(max_swaps=0) leaves it
+                c.slots[slot] = old
+                c.nonresident[e], c.nonresident[old] = 1.0, 0.0
+                c.swaps -= 1
+            for c in group.caches:
+                c.budget_skips += 1
+            return []
+        if resident is not None:
+            raise RuntimeError("decode ahead needs the caches' bookkeeping as a CacheGroup")
+        out = []
         for c, xla, gpu_node, host in self.caches:
             if not self._copy_ok(c):
                 c.plan_swaps(max_swaps=0)      # the scores still learn from this step
                 continue
-            for slot, e in c.plan_swaps():
-                self._copy_in(c, xla, gpu_node, host, slot, e, f"expert {e} -> {c.key}[{slot}]")
+            out += [(c, slot, e, int(c.slots[slot])) for slot, e in c.plan_swaps()]
+        return out
+
+    def can_decode_ahead(self, B: int, cache) -> bool:
+        """Whether the next decode steps of batch B can run ahead (`decode_ahead`): a fused program
+        with no host call that has run once (STRATA_DECODE_AHEAD=0 turns this off), the caches'
+        bookkeeping as one CacheGroup with a swap a layer, no trace."""
+        from strata_compiler.env import switch
+
+        f = self.fused
+        group = self.cache_group
+        return (f is not None and switch("STRATA_DECODE_AHEAD", True) and trace.ACTIVE is None
+                and f.ahead_ok() and f.ready(B, cache) and (not self.caches or (
+                    group is not None and group.ok and all(c.max_swaps == 1 for c, *_ in self.caches))))
+
+    def decode_ahead(self, tok: np.ndarray, cache, n: int, stop_ids=(), done: np.ndarray | None = None) -> np.ndarray:
+        """Greedy decode of n steps from the tokens `tok` (int64 [B]), each step dispatched before
+        the one before it has finished: its ids are that step's greedy token on the device, so
+        the host's work for a step (the dispatch, the caches' bookkeeping, the swaps' copies)
+        overlaps the GPU's work for the one before. The tokens of the n steps, int64 [B, <= n]
+        (fewer when every sequence reached a stop id, `done` marking those that had before; one
+        step past it has then run).
+
+        Swaps lag: the bookkeeping after step i runs while step i + 1 is in flight, reading the
+        slots as they were. A swap decided then is masked (-1, its experts read in place) in the
+        maps of step i + 2 and copied once step i + 1 has finished, on the bulk stream (landed
+        before step i + 3 is dispatched). Hits and misses count what each step's maps held."""
+        f = self.fused
+        B = tok.shape[0]
+        out = np.zeros((B, n), np.int64)
+        done = np.zeros(B, bool) if done is None else done.copy()
+        group = self.cache_group
+        deferred: list[tuple] = []      # swaps decided, not yet copied: (cache, slot, expert, old)
+        row = {id(c): i for i, c in enumerate(group.caches)} if group is not None else {}
+        t_prev = time.perf_counter()
+        cur = f.launch(tok, cache)
+        cache.advance(1)
+        try:
+            for i in range(n):
+                nxt = None
+                if i + 1 < n:
+                    masked: dict = {}
+                    for c, slot, *_ in deferred:
+                        masked.setdefault(c.key, set()).add(slot)
+                    nxt = f.launch(cur.token, cache, masked)
+                    cache.advance(1)
+                self._copy_s = 0.0
+                out[:, i] = f.finish(cur)
+                maps, cur = cur.maps, None
+                # the copies of the swaps decided after the step before: the step in flight masks their slots
+                for sw in deferred:
+                    self._issue_swap(*sw)
+                deferred = []
+                if self.caches:
+                    res = None
+                    if group is not None:
+                        res = np.zeros(group.counts.shape, bool)
+                        for n_id, m in maps.items():
+                            res[row[id(self._cache_of_node[n_id])], m[m >= 0]] = True
+                    deferred = self._decide_swaps(res)
+                now = time.perf_counter()
+                own = now - t_prev - self._copy_s
+                self._step_s = own if not self._step_s else 0.8 * self._step_s + 0.2 * own
+                t_prev = now
+                done |= np.isin(out[:, i], stop_ids)
+                cur = nxt
+                if done.all():
+                    return out[:, :i + 1]
+            return out
+        finally:
+            if cur is not None:     # a step past the stop (or an error): its tokens and counts are not used
+                f.finish(cur, fold=False)
+            for sw in deferred:     # nothing in flight now: the decided swaps' copies (or their undoing)
+                self._issue_swap(*sw)
 
     def _copy_ok(self, c) -> bool:
         """Whether this step's copy budget has time left for cache c's layer (the first steps, with

@@ -135,6 +135,12 @@ class Session:
             self.disk.release()
         return out[self.plan.graph.outputs[0]]
 
+    def _ahead(self, sampler: Sampler, B: int) -> bool:
+        """Whether the rest of a generation decodes ahead (MixedExecutor.decode_ahead): greedy, no
+        disk tier, and a plan whose decode step is one program without host calls."""
+        can = getattr(self.executor, "can_decode_ahead", None)
+        return sampler.temperature <= 0 and self.disk is None and can is not None and can(B, self.cache)
+
     def generate(self, prompt: np.ndarray, max_new_tokens: int, sampler: Sampler,
                  stop_ids: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
         """Prefill the prompt i64[B, T], then decode. Returns (prompt logits [B,T,V], new ids [B,N])."""
@@ -157,6 +163,10 @@ class Session:
             done |= np.isin(tok, stop_ids)
             if done.all() or i == max_new_tokens - 1:
                 new = new[:, : i + 1]
+                break
+            if self._ahead(sampler, B):     # the rest with each step dispatched before the last one ends
+                rest = self.executor.decode_ahead(tok, self.cache, max_new_tokens - 1 - i, stop_ids, done)
+                new = np.concatenate([new[:, : i + 1], rest], axis=1)
                 break
             last = self.step(tok[:, None])[:, -1]
         self.timings.decode_seconds += time.perf_counter() - t0

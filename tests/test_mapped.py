@@ -33,6 +33,7 @@ def test_dlpack_view_aliases_the_host_array():
 
 def test_rebind_moves_each_cached_layers_cpu_side(model, tmp_path, monkeypatch):
     d, m, ids = model
+    monkeypatch.setenv("STRATA_MAPPED_EMBED", "0")
     g = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3)).graph
     r = mapped.rebind_misses(g)
     pairs = mapped.in_place_pairs(r)
@@ -46,9 +47,9 @@ def test_rebind_moves_each_cached_layers_cpu_side(model, tmp_path, monkeypatch):
         assert g.node(hid).backend == "llvm"
     emb = next(n for n in r.nodes if n.op is Op.EMBED)
     assert emb.backend == "llvm" and mapped.in_place_weights(r) == {w for h in pairs.values() for _, w in r.node(h).weights}
-    # STRATA_MAPPED_EMBED=1: the embedding the plan left on the CPU goes too, its table read in
-    # place, so no host call opens the step
-    monkeypatch.setenv("STRATA_MAPPED_EMBED", "1")
+    # STRATA_MAPPED_EMBED (default 1): the embedding the plan left on the CPU goes too, its table
+    # read in place, so no host call opens the step
+    monkeypatch.delenv("STRATA_MAPPED_EMBED")
     r2 = mapped.rebind_misses(g)
     emb = r2.node(emb.id)
     assert g.node(emb.id).backend == "llvm" and emb.backend == "xla"
@@ -215,3 +216,57 @@ def test_the_gpu_kernels_read_slots_and_host_arrays_in_a_model(model, tmp_path, 
     a, b = runs["interpret"][0], runs["0"][0]
     assert np.abs(a - b).max() / b.std() <= 1e-4
     assert runs["interpret"][1] == runs["0"][1] and sum(sw for *_, sw in runs["0"][1]) > 0
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_ahead_gives_the_greedy_tokens_while_experts_move(model, tmp_path, monkeypatch, batch):
+    """A plan without host calls decodes ahead (each step dispatched before the one before has
+    finished, its ids that step's token on the device; swaps masked, then copied a step later):
+    the same greedy tokens as step-by-step decoding and transformers, swaps made along the way,
+    every routing counted once as a hit or a miss."""
+    from hf_models import hf_greedy
+
+    from strata_compiler.runtime.sampler import Sampler
+    from strata_compiler.runtime.session import Session
+
+    monkeypatch.setenv("STRATA_SWAP_MARGIN", "0")      # swaps nearly every step
+    d, m, ids = model
+    plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.9))       # (a cached layer, no CPU op left)
+    prompt = np.concatenate([ids, ids[:, ::-1]])[:batch]
+    runs = {}
+    for ahead in ("1", "0"):
+        monkeypatch.setenv("STRATA_DECODE_AHEAD", ahead)
+        s = Session(plan, "auto", device="cpu", miss_path="gpu")
+        _, new = s.generate(prompt, N_NEW, Sampler())
+        runs[ahead] = (new, s)
+    new, s = runs["1"]
+    np.testing.assert_array_equal(new, runs["0"][0])
+    # (the module's prompt is clear of near-ties; the reversed one need not be)
+    np.testing.assert_array_equal(new[0], hf_greedy(m, ids, N_NEW)[0][0])
+    ex = s.executor
+    # the first decode step runs partition by partition, the rest ahead (none: step by step)
+    assert ex.fused.steps == N_NEW - 2 and ex.fused._ahead_fn and not ex.fused._fn
+    assert runs["0"][1].executor.fused._fn and not runs["0"][1].executor.fused._ahead_fn
+    caches = [c for c, *_ in ex.caches]
+    assert sum(c.swaps for c in caches) > 0
+    routed = lambda s: sum(c.hits + c.misses for c, *_ in s.executor.caches)    # noqa: E731
+    assert routed(s) == routed(runs["0"][1]) > 0
+    # no swap is left decided and uncopied: each cache's slots hold what its map says
+    for c, xla, n, host in ex.caches:
+        gu = np.asarray(xla.params[n.weight("gate_up")][next(iter(xla.params[n.weight("gate_up")]))])
+        src = ex._host_arrays(host.weight("gate_up"))
+        np.testing.assert_array_equal(gu, np.asarray(src[next(iter(src))])[c.slots])
+
+
+def test_decode_ahead_stops_at_a_stop_id(model, tmp_path, monkeypatch):
+    from strata_compiler.runtime.sampler import Sampler
+    from strata_compiler.runtime.session import Session
+
+    d, m, ids = model
+    plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.9))
+    s = Session(plan, "auto", device="cpu", miss_path="gpu")
+    _, full = s.generate(ids, N_NEW, Sampler())
+    stop = int(full[0, 5])
+    first = int(np.flatnonzero(full[0] == stop)[0])
+    _, new = s.generate(ids, N_NEW, Sampler(), stop_ids=(stop,))
+    np.testing.assert_array_equal(new[0], full[0, :first + 1])

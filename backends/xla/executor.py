@@ -392,7 +392,9 @@ def _moe_cached(c: _Ctx, n: Node, a: list, whole: Node):
     if live is None:                                 # no live cache: the plan's slots
         live = jnp.asarray(n.attr("experts")[:c.exe.slots_of[n.id]], jnp.int32)
     E = comb.shape[1]
-    slot_of = jnp.full((E,), -1, jnp.int32).at[live].set(jnp.arange(live.shape[0], dtype=jnp.int32))
+    # a slot whose expert is being swapped holds -1 (FusedStep.launch): no expert reads it
+    slot_of = jnp.full((E,), -1, jnp.int32).at[jnp.where(live >= 0, live, E)].set(
+        jnp.arange(live.shape[0], dtype=jnp.int32), mode="drop")
     topw, topi = c.topk.get(n.args[1]) or jax.lax.top_k(comb, c.exe.route_k[n.id])
     out, ids = moe_core(c, x, topw, topi, gu_spec, c.params[whole.weight("gate_up")], dn_spec,
                         c.params[whole.weight("down")], c.exe.compute_dtype(gu_spec), route=c.logits.get(n.args[1]),
