@@ -163,7 +163,7 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, in
     for r in range(repeats + 1 + (trace_out is not None)):
         traced = trace_out is not None and r == repeats + 1
         if traced:      # the decode steps only: the busy times per token are over the same steps as dt
-            s.reset(1, prompt.shape[1] + n_new + 8)
+            s.reset(1, s.capacity_for(prompt.shape[1], n_new))     # (generate's: its programs are compiled)
             tok = int(s.step(prompt)[0, -1].argmax())
             trace.ACTIVE = tracer = trace.Tracer()
             seq = [tok]

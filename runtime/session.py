@@ -119,6 +119,14 @@ class Session:
         m = self.plan.meta["model"]
         self.cache = KVCache(m["n_layers"], batch, m["n_kv_heads"], m["head_dim"], capacity)
 
+    @staticmethod
+    def capacity_for(T: int, max_new_tokens: int) -> int:
+        """The KV cache length `generate` gives a prompt of T tokens: room for the xla backend's
+        padded prefill (a power-of-two bucket) and the new tokens, in steps of 64 so that device
+        caches of nearby lengths share one compiled step."""
+        bucket = 1 << max(4, (T - 1).bit_length())
+        return -(-(max(T, bucket) + max_new_tokens) // 64) * 64
+
     def step(self, ids: np.ndarray) -> np.ndarray:
         """Run ids i64[B, T] through the model at the cache's position; logits f32[B, T, V]."""
         assert self.cache is not None, "call reset() first"
@@ -145,10 +153,7 @@ class Session:
                  stop_ids: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
         """Prefill the prompt i64[B, T], then decode. Returns (prompt logits [B,T,V], new ids [B,N])."""
         B, T = prompt.shape
-        # Room for the xla backend's padded prefill (a power-of-two bucket), in steps of 64 so
-        # that device caches of nearby lengths share one compiled step.
-        bucket = 1 << max(4, (T - 1).bit_length())
-        self.reset(B, -(-(max(T, bucket) + max_new_tokens) // 64) * 64)
+        self.reset(B, self.capacity_for(T, max_new_tokens))
         t0 = time.perf_counter()
         logits = self.step(prompt)
         self.timings.prefill_seconds += time.perf_counter() - t0
