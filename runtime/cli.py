@@ -137,7 +137,7 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
     stop = () if ignore_eos else tuple(plan.meta["model"].get("eos_token_ids") or ())
     from . import trace
 
-    tracer = trace.Tracer() if (trace_out or stats) else None
+    tracer = trace.Tracer(full=bool(trace_out)) if (trace_out or stats) else None
     trace.ACTIVE = tracer
     t_run = time.perf_counter()
     try:

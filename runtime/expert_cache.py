@@ -145,7 +145,7 @@ class ExpertCache:
         hits, misses = int(per_expert[resident].sum()), int(per_expert[~resident].sum())
         self.hits += hits
         self.misses += misses
-        if trace.ACTIVE is not None and hits + misses:     # one instant per layer and step
+        if trace.ACTIVE is not None and trace.ACTIVE.full and hits + misses:     # one instant per layer and step
             trace.ACTIVE.instant(f"expert cache {self.key}: {hits} hits, {misses} misses", "cache",
                                  hit=np.flatnonzero(resident & (per_expert > 0)).tolist(),
                                  miss=np.flatnonzero(~resident & (per_expert > 0)).tolist())
@@ -335,7 +335,7 @@ class CacheGroup:
         for its hits and misses, where the step ran with other maps than the caches hold now
         (decode ahead: a step dispatched before the swaps after the one before it)."""
         cs = self.caches
-        if not self.ok or trace.ACTIVE is not None or any(
+        if not self.ok or (trace.ACTIVE is not None and trace.ACTIVE.full) or any(
                 c._chosen is not None or c.predicted is not None or c.max_swaps != 1 for c in cs):
             return None
         self.steps += 1

@@ -479,12 +479,13 @@ class MixedExecutor:
     def can_decode_ahead(self, B: int, cache) -> bool:
         """Whether the next decode steps of batch B can run ahead (`decode_ahead`): a fused program
         with no host call that has run once (STRATA_DECODE_AHEAD=0 turns this off), the caches'
-        bookkeeping as one CacheGroup with a swap a layer, no trace."""
+        bookkeeping as one CacheGroup with a swap a layer, no trace file (`--stats` alone: each step
+        one span, `decode_ahead`)."""
         from strata_compiler.env import switch
 
         f = self.fused
         group = self.cache_group
-        return (f is not None and switch("STRATA_DECODE_AHEAD", True) and trace.ACTIVE is None
+        return (f is not None and switch("STRATA_DECODE_AHEAD", True) and (trace.ACTIVE is None or not trace.ACTIVE.full)
                 and f.ahead_ok() and f.ready(B, cache) and (not self.caches or (
                     group is not None and group.ok and all(c.max_swaps == 1 for c, *_ in self.caches))))
 
@@ -508,7 +509,11 @@ class MixedExecutor:
         deferred: list[tuple] = []      # swaps decided, not yet copied: (cache, slot, expert, old)
         row = {id(c): i for i, c in enumerate(group.caches)} if group is not None else {}
         t_prev = time.perf_counter()
+        tr = trace.ACTIVE       # (--stats alone) a span per step, on the steps' and the GPU's tracks:
+        # from its launch, or the step before's result if later, to its result on the host
+        t_fin = time.perf_counter_ns()
         cur = f.launch(tok, cache)
+        t_launch = [time.perf_counter_ns()]
         cache.advance(1)
         try:
             for i in range(n):
@@ -518,10 +523,16 @@ class MixedExecutor:
                     for c, slot, *_ in deferred:
                         masked.setdefault(c.key, set()).add(slot)
                     nxt = f.launch(cur.token, cache, masked)
+                    t_launch.append(time.perf_counter_ns())
                     cache.advance(1)
                 self._copy_s = 0.0
                 out[:, i] = f.finish(cur)
                 maps, cur = cur.maps, None
+                if tr is not None:
+                    end = time.perf_counter_ns()
+                    tr.add_span("decode step (ahead)", "step", t_fin, end, cat="step", batch=B, tokens=1)
+                    tr.add_span("decode step (ahead)", "gpu", max(t_launch[i], t_fin), end, batch=B)
+                    t_fin = end
                 # the copies of the swaps decided after the step before: the step in flight masks their slots
                 for sw in deferred:
                     self._issue_swap(*sw)

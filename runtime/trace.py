@@ -31,7 +31,10 @@ ACTIVE: "Tracer | None" = None     # set by strata-run --trace/--stats; executor
 
 
 class Tracer:
-    def __init__(self) -> None:
+    def __init__(self, full: bool = True) -> None:
+        """full=False: for `--stats` alone (no trace file): the runtime may then skip what only
+        the timeline shows (per-layer hit/miss instants) and decode ahead, each step one span."""
+        self.full = full
         self.t0 = time.perf_counter_ns()
         self.events: list[dict] = []
         self.bytes: dict[str, int] = defaultdict(int)        # link -> bytes moved

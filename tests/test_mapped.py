@@ -270,3 +270,33 @@ def test_decode_ahead_stops_at_a_stop_id(model, tmp_path, monkeypatch):
     first = int(np.flatnonzero(full[0] == stop)[0])
     _, new = s.generate(ids, N_NEW, Sampler(), stop_ids=(stop,))
     np.testing.assert_array_equal(new[0], full[0, :first + 1])
+
+
+def test_cli_stats_while_decoding_ahead(model, tmp_path, monkeypatch, capsys):
+    """`--stats` alone does not stop decoding ahead: a span per step on the steps' and the GPU's
+    tracks, the caches' lines; `--trace` decodes step by step (every step's spans and the caches'
+    hit/miss instants in the file), with the same tokens."""
+    import json
+
+    from hf_models import hf_greedy
+
+    from strata_compiler.runtime import partitions
+
+    d, m, ids = model
+    plan = cached_plan(d, tmp_path, monkeypatch, 0.9)
+    np.save(tmp_path / "ids.npy", ids)
+    calls = []
+    real = partitions.MixedExecutor.decode_ahead
+    monkeypatch.setattr(partitions.MixedExecutor, "decode_ahead", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    args = [str(plan / "plan.bin"), "--input-ids", str(tmp_path / "ids.npy"), "-n", str(N_NEW), "--ignore-eos",
+            "--device", "cpu", "--miss-path", "gpu"]
+    assert run_cli(strata_run, args + ["--stats", "--tokens-out", str(tmp_path / "a.npy")]) == 0
+    err = capsys.readouterr().err
+    assert calls and "hit rate" in err and "gpu partitions (xla)" in err and "steps (host)" in err
+    assert run_cli(strata_run, args + ["--trace", str(tmp_path / "t.json"), "--tokens-out", str(tmp_path / "b.npy")]) == 0
+    assert len(calls) == 1
+    want = hf_greedy(m, ids, N_NEW)[0]
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), want)
+    np.testing.assert_array_equal(np.load(tmp_path / "b.npy"), want)
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert any(e.get("ph") == "i" and "expert cache" in e["name"] for e in events)
