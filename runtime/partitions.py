@@ -479,85 +479,68 @@ class MixedExecutor:
     def can_decode_ahead(self, B: int, cache) -> bool:
         """Whether the next decode steps of batch B can run ahead (`decode_ahead`): a fused program
         with no host call that has run once (STRATA_DECODE_AHEAD=0 turns this off), the caches'
-        bookkeeping as one CacheGroup with a swap a layer, no trace file (`--stats` alone: each step
-        one span, `decode_ahead`)."""
-        from strata_compiler.env import switch
+        bookkeeping as one CacheGroup with a swap a layer, no trace file (`--stats` alone: each
+        step one span, runtime/ahead.py)."""
+        from . import ahead
 
         f = self.fused
         group = self.cache_group
-        return (f is not None and switch("STRATA_DECODE_AHEAD", True) and (trace.ACTIVE is None or not trace.ACTIVE.full)
+        return (f is not None and ahead.wanted() and not ahead.traced_fully()
                 and f.ahead_ok() and f.ready(B, cache) and (not self.caches or (
                     group is not None and group.ok and all(c.max_swaps == 1 for c, *_ in self.caches))))
 
     def decode_ahead(self, tok: np.ndarray, cache, n: int, stop_ids=(), done: np.ndarray | None = None) -> np.ndarray:
         """Greedy decode of n steps from the tokens `tok` (int64 [B]), each step dispatched before
-        the one before it has finished: its ids are that step's greedy token on the device, so
-        the host's work for a step (the dispatch, the caches' bookkeeping, the swaps' copies)
-        overlaps the GPU's work for the one before. The tokens of the n steps, int64 [B, <= n]
-        (fewer when every sequence reached a stop id, `done` marking those that had before; one
-        step past it has then run).
+        the one before it has finished (runtime/ahead.py): its ids are that step's greedy token on
+        the device. The tokens of the n steps, int64 [B, <= n].
 
         Swaps lag: the bookkeeping after step i runs while step i + 1 is in flight, reading the
         slots as they were. A swap decided then is masked (-1, its experts read in place) in the
         maps of step i + 2 and copied once step i + 1 has finished, on the bulk stream (landed
         before step i + 3 is dispatched). Hits and misses count what each step's maps held."""
+        from . import ahead
+
         f = self.fused
-        B = tok.shape[0]
-        out = np.zeros((B, n), np.int64)
-        done = np.zeros(B, bool) if done is None else done.copy()
         group = self.cache_group
         deferred: list[tuple] = []      # swaps decided, not yet copied: (cache, slot, expert, old)
         row = {id(c): i for i, c in enumerate(group.caches)} if group is not None else {}
-        t_prev = time.perf_counter()
-        tr = trace.ACTIVE       # (--stats alone) a span per step, on the steps' and the GPU's tracks:
-        # from its launch, or the step before's result if later, to its result on the host
-        t_fin = time.perf_counter_ns()
-        cur = f.launch(tok, cache)
-        t_launch = [time.perf_counter_ns()]
-        cache.advance(1)
-        try:
-            for i in range(n):
-                nxt = None
-                if i + 1 < n:
-                    masked: dict = {}
-                    for c, slot, *_ in deferred:
-                        masked.setdefault(c.key, set()).add(slot)
-                    nxt = f.launch(cur.token, cache, masked)
-                    t_launch.append(time.perf_counter_ns())
-                    cache.advance(1)
-                self._copy_s = 0.0
-                out[:, i] = f.finish(cur)
-                maps, cur = cur.maps, None
-                if tr is not None:
-                    end = time.perf_counter_ns()
-                    tr.add_span("decode step (ahead)", "step", t_fin, end, cat="step", batch=B, tokens=1)
-                    tr.add_span("decode step (ahead)", "gpu", max(t_launch[i], t_fin), end, batch=B)
-                    t_fin = end
-                # the copies of the swaps decided after the step before: the step in flight masks their slots
-                for sw in deferred:
-                    self._issue_swap(*sw)
-                deferred = []
-                if self.caches:
-                    res = None
-                    if group is not None:
-                        res = np.zeros(group.counts.shape, bool)
-                        for n_id, m in maps.items():
-                            res[row[id(self._cache_of_node[n_id])], m[m >= 0]] = True
-                    deferred = self._decide_swaps(res)
-                now = time.perf_counter()
-                own = now - t_prev - self._copy_s
-                self._step_s = own if not self._step_s else 0.8 * self._step_s + 0.2 * own
-                t_prev = now
-                done |= np.isin(out[:, i], stop_ids)
-                cur = nxt
-                if done.all():
-                    return out[:, :i + 1]
-            return out
-        finally:
-            if cur is not None:     # a step past the stop (or an error): its tokens and counts are not used
-                f.finish(cur, fold=False)
-            for sw in deferred:     # nothing in flight now: the decided swaps' copies (or their undoing)
+        t_prev = [time.perf_counter()]
+
+        def launch(prev):
+            masked: dict = {}
+            for c, slot, *_ in deferred:
+                masked.setdefault(c.key, set()).add(slot)
+            step = f.launch(tok if prev is None else prev.token, cache, masked)
+            cache.advance(1)
+            return step
+
+        def finish(step, use: bool) -> np.ndarray:
+            self._copy_s = 0.0
+            return f.finish(step, fold=use)
+
+        def after(step) -> None:
+            nonlocal deferred
+            # the copies of the swaps decided after the step before: the step in flight masks their slots
+            close()
+            if self.caches:
+                res = None
+                if group is not None:
+                    res = np.zeros(group.counts.shape, bool)
+                    for n_id, m in step.maps.items():
+                        res[row[id(self._cache_of_node[n_id])], m[m >= 0]] = True
+                deferred = self._decide_swaps(res)
+            now = time.perf_counter()
+            own = now - t_prev[0] - self._copy_s
+            self._step_s = own if not self._step_s else 0.8 * self._step_s + 0.2 * own
+            t_prev[0] = now
+
+        def close() -> None:        # (and once nothing is in flight: the decided swaps' copies or undoing)
+            nonlocal deferred
+            for sw in deferred:
                 self._issue_swap(*sw)
+            deferred = []
+
+        return ahead.run(launch, finish, n, tok.shape[0], stop_ids, done, after, close)
 
     def _copy_ok(self, c) -> bool:
         """Whether this step's copy budget has time left for cache c's layer (the first steps, with

@@ -44,6 +44,28 @@ def test_device_greedy_loop_matches_step_by_step(plans, quant):
     np.testing.assert_array_equal(np.concatenate([first[:, None], rest], 1), want)
 
 
+@pytest.mark.parametrize("quant", ["f32", "int4"])
+def test_generate_decodes_ahead_as_step_by_step(plans, quant, monkeypatch):
+    """Session.generate on a whole xla plan dispatches each greedy step before the last has
+    finished (runtime/ahead.py): the reference's tokens, and a stop id ends it where step-by-step
+    decoding ends."""
+    _, p = plans
+    plan = load_plan(p[quant])
+    ids = np.random.default_rng(0).integers(0, 100, (2, 5))
+    _, want = Session(plan, "reference").generate(ids, 9, Sampler())
+    s = Session(plan, "xla")
+    _, got = s.generate(ids, 9, Sampler())
+    np.testing.assert_array_equal(got, want)
+    assert s.executor._ahead_fn is not None
+    stop = int(want[0, 4])
+    monkeypatch.setenv("STRATA_DECODE_AHEAD", "0")
+    _, a = Session(plan, "xla").generate(ids[:1], 9, Sampler(), stop_ids=(stop,))
+    monkeypatch.delenv("STRATA_DECODE_AHEAD")
+    _, b = s.generate(ids[:1], 9, Sampler(), stop_ids=(stop,))
+    np.testing.assert_array_equal(a, b)
+    assert b.shape[1] <= 5 and b[0, -1] == stop
+
+
 @pytest.mark.parametrize("batch,length", [(1, 1), (3, 1), (2, 40)])   # slices, gather, ragged
 def test_moe_paths_match_reference(plans, batch, length, monkeypatch):
     _, p = plans

@@ -847,6 +847,50 @@ class XLAExecutor:
         cache.advance(n)
         return np.asarray(out).astype(np.int64)
 
+    def can_decode_ahead(self, B: int, cache) -> bool:
+        """Whether a whole plan's next decode steps can run ahead (runtime/ahead.py): on this
+        executor alone, its cache on the device, no trace file (STRATA_DECODE_AHEAD=0: never)."""
+        from strata_compiler.runtime import ahead
+
+        return (len(self.nodes) == len(self.g.nodes) and not self.cached and ahead.wanted()
+                and not ahead.traced_fully() and (not self.layers or hasattr(cache.k[self.layers[0]], "device")))
+
+    def _ahead_step(self, params, ks, vs, tok, pos):
+        """A decode step that also chooses its greedy token and the next position on the device."""
+        jnp = _jnp()
+        B = tok.shape[0]
+        res, ks, vs = self._forward(params, ks, vs, {}, tok[:, None], B, 1, pos)
+        nxt = jnp.argmax(res[self.g.outputs[0]].reshape(B, -1), axis=-1).astype(jnp.int32)
+        return nxt, pos + 1, ks, vs
+
+    def decode_ahead(self, tok: np.ndarray, cache, n: int, stop_ids=(), done: np.ndarray | None = None) -> np.ndarray:
+        """Greedy decode of n steps from the tokens `tok` (int64 [B]) of a whole plan, each step
+        dispatched before the one before has finished, its ids and position that step's results on
+        the device (runtime/ahead.py). The tokens, int64 [B, <= n]."""
+        from strata_compiler.runtime import ahead
+
+        jax = _jax()
+        if cache.length + n > cache.capacity:
+            raise UsageError(f"sequence of {cache.length + n} tokens exceeds the KV cache capacity {cache.capacity}")
+        fn = getattr(self, "_ahead_fn", None)
+        if fn is None:
+            fn = self._ahead_fn = jax.jit(self._ahead_step, donate_argnums=(1, 2))
+        first = (np.asarray(tok, np.int32).reshape(-1), np.int32(cache.length))
+
+        def launch(prev):
+            ks = {l: cache.k[l] for l in self.layers}
+            vs = {l: cache.v[l] for l in self.layers}
+            t, pos, ks, vs = fn(self.params, ks, vs, *(first if prev is None else prev))
+            for l in self.layers:
+                cache.k[l], cache.v[l] = ks[l], vs[l]
+            cache.advance(1)
+            return t, pos
+
+        def finish(step, use: bool) -> np.ndarray:
+            return np.asarray(cuda_rt.fetch(jax.block_until_ready(step[0]))).astype(np.int64)
+
+        return ahead.run(launch, finish, n, int(first[0].shape[0]), stop_ids, done)
+
     def run_segment(self, env: dict, input_ids: np.ndarray, cache, step_in: tuple | None = None) -> None:
         """Run this partition at the exact length (no padding: other devices share the step);
         `step_in`: step_inputs() of this device for this step, if the caller made them."""
