@@ -167,8 +167,17 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
 
         st = library().stats
         extra = f"; kernels: {st.compiled} compiled, {st.cached} from cache"
-    click.echo(f"[{session.backend}] prefill {ids.size} tokens at {pre:.1f} tok/s, "
-               f"decode {session.timings.decode_tokens} tokens at {dec:.1f} tok/s{extra}", err=True)
+    t = session.timings
+    warm_pre, warm_dec = t.warm_rates()
+    # the programs' compilation (a plan's first run; later runs load them from the persistent
+    # cache) would otherwise hide the rates a warm process decodes at
+
+    def warm(rate: float, sec: float) -> str:
+        return f" ({rate:.1f} tok/s without {sec:.1f} s of compiling)" if sec >= 0.05 and rate > 0 else ""
+
+    click.echo(f"[{session.backend}] prefill {ids.size} tokens at {pre:.1f} tok/s"
+               f"{warm(warm_pre, t.prefill_compile_seconds)}, decode {t.decode_tokens} tokens at "
+               f"{dec:.1f} tok/s{warm(warm_dec, t.decode_compile_seconds)}{extra}", err=True)
     if stats:
         from . import expert_cache as ec
 

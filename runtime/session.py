@@ -18,12 +18,43 @@ from .plan import Plan
 from .sampler import Sampler
 
 
+# JAX's compile events (tracing, lowering, XLA's compile or its persistent cache's load): their
+# seconds are summed by a listener that `compile_seconds` registers once
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_COMPILED = [0.0, False]     # seconds so far, listening
+
+
+def _on_event(event: str, seconds: float, **_kw) -> None:
+    if event in _COMPILE_EVENTS:
+        _COMPILED[0] += seconds
+
+
+def compile_seconds() -> float:
+    """Seconds JAX has spent compiling in this process since the first call (0 without JAX)."""
+    if not _COMPILED[1] and "jax" in sys.modules:
+        import jax
+
+        jax.monitoring.register_event_duration_secs_listener(_on_event)
+        _COMPILED[1] = True
+    return _COMPILED[0]
+
+
 @dataclass
 class Timings:
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    # of those seconds, JAX compiling the programs (the first run of a plan, or a new shape)
+    prefill_compile_seconds: float = 0.0
+    decode_compile_seconds: float = 0.0
+
+    def warm_rates(self) -> tuple[float, float]:
+        """Tokens/s without the seconds spent compiling."""
+        pre = self.prefill_seconds - self.prefill_compile_seconds
+        dec = self.decode_seconds - self.decode_compile_seconds
+        return (self.prefill_tokens / pre if pre > 0 else 0.0, self.decode_tokens / dec if dec > 0 else 0.0)
 
     def rates(self) -> tuple[float, float]:
         return (self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0,
@@ -154,9 +185,12 @@ class Session:
         """Prefill the prompt i64[B, T], then decode. Returns (prompt logits [B,T,V], new ids [B,N])."""
         B, T = prompt.shape
         self.reset(B, self.capacity_for(T, max_new_tokens))
+        c0 = compile_seconds()
         t0 = time.perf_counter()
         logits = self.step(prompt)
         self.timings.prefill_seconds += time.perf_counter() - t0
+        c1 = compile_seconds()
+        self.timings.prefill_compile_seconds += c1 - c0
         self.timings.prefill_tokens += B * T
         new = np.zeros((B, max_new_tokens), np.int64)
         done = np.zeros(B, bool)
@@ -175,5 +209,6 @@ class Session:
                 break
             last = self.step(tok[:, None])[:, -1]
         self.timings.decode_seconds += time.perf_counter() - t0
+        self.timings.decode_compile_seconds += compile_seconds() - c1
         self.timings.decode_tokens += B * max(new.shape[1] - 1, 0)
         return logits, new

@@ -160,3 +160,21 @@ def test_raw_copy_staging_round_trip(monkeypatch):
         assert cuda_rt.enable("gpu") is None and cuda_rt.mode is None
     finally:
         cuda_rt.disable()
+
+
+def test_timings_count_the_compiling(plans, capsys):
+    """A fresh session's first generation compiles its programs: the timings hold those seconds
+    apart, and strata-run reports the rates without them too."""
+    from strata_compiler.runtime.cli import strata_run
+
+    tmp, p = plans
+    s = Session(load_plan(p["f32"]), "xla")
+    s.generate(np.random.default_rng(0).integers(0, 100, (1, 5)), 6, Sampler())
+    t = s.timings
+    assert 0 < t.prefill_compile_seconds <= t.prefill_seconds and 0 < t.decode_compile_seconds <= t.decode_seconds
+    pre, dec = t.warm_rates()
+    assert pre > t.rates()[0] and dec > t.rates()[1]
+    np.save(tmp / "ids.npy", np.arange(1, 6))
+    assert run_cli(strata_run, [str(p["int4"]), "--input-ids", str(tmp / "ids.npy"), "-n", "4", "--backend", "xla",
+                                "--ignore-eos"]) == 0
+    assert "s of compiling)" in capsys.readouterr().err
