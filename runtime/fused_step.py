@@ -655,7 +655,7 @@ class FusedStep:
                 return (token,) + tuple(outs[n_out:-1]), k, v
 
             fn = self._ahead_fn[B] = jax.jit(fused_ahead, donate_argnums=(1, 2))
-        maps, used = [], []
+        maps = []
         for n, s in zip(self.cached, self._maps()):
             drop = (masked or {}).get(n.attr("cache"))
             if drop:

@@ -441,7 +441,11 @@ class MixedExecutor:
         if self._copy_ok(c):
             xla, gpu_node, host = self._cache_parts[c.key]
             self._copy_in(c, xla, gpu_node, host, slot, e, f"expert {e} -> {c.key}[{slot}]")
-            return
+        else:
+            self._undo_swap(c, slot, e, old)
+
+    @staticmethod
+    def _undo_swap(c, slot: int, e: int, old: int) -> None:
         c.slots[slot] = old
         c.nonresident[e], c.nonresident[old] = 1.0, 0.0
         c.swaps -= 1
@@ -454,15 +458,12 @@ class MixedExecutor:
         slots where that differs from the caches' own view (decode ahead: slots being swapped
         were masked); only with a CacheGroup."""
         group = self.cache_group
-        over = bool(self._step_s and self._copy_s >= self.copy_share * self._step_s)
-        swaps = group.after_step(resident) if group is not None and (not over or resident is not None) else None
+        swaps = group.after_step(resident) if group is not None else None
         if swaps is not None:
-            if not over:
+            if not (self._step_s and self._copy_s >= self.copy_share * self._step_s):
                 return swaps
-            for c, slot, e, old in swaps:   # as plan_swaps(max_swaps=0) leaves it
-                c.slots[slot] = old
-                c.nonresident[e], c.nonresident[old] = 1.0, 0.0
-                c.swaps -= 1
+            for sw in swaps:                # over the budget: as plan_swaps(max_swaps=0) leaves it
+                self._undo_swap(*sw)
             for c in group.caches:
                 c.budget_skips += 1
             return []
