@@ -117,6 +117,14 @@ def wake_wanted() -> bool:
     return switch("STRATA_HOST_CALL_WAKE", True)
 
 
+def _check_room(cache) -> None:
+    """A decode step needs one more position in the KV cache: one clear error line where it is full."""
+    if cache.length + 1 > cache.capacity:
+        from strata_compiler.errors import UsageError
+
+        raise UsageError(f"sequence of {cache.length + 1} tokens exceeds the KV cache capacity {cache.capacity}")
+
+
 class Ahead:
     """A decode step in flight (FusedStep.launch): its greedy token and expert counts (device
     values) and the slot maps it runs with (cached GPU share id -> int32 [slots], -1 masked)."""
@@ -639,10 +647,7 @@ class FusedStep:
         from strata_compiler.backends.xla import cuda_rt
 
         B = int(ids.shape[0])
-        if cache.length + 1 > cache.capacity:
-            from strata_compiler.errors import UsageError
-
-            raise UsageError(f"sequence of {cache.length + 1} tokens exceeds the KV cache capacity {cache.capacity}")
+        _check_room(cache)
         ver, flat, tree = self._params_now()
         fn = self._ahead_fn.get(B)
         if fn is None:
@@ -736,10 +741,7 @@ class FusedStep:
 
         B = input_ids.shape[0]
         m = self.m
-        if cache.length + 1 > cache.capacity:
-            from strata_compiler.errors import UsageError
-
-            raise UsageError(f"sequence of {cache.length + 1} tokens exceeds the KV cache capacity {cache.capacity}")
+        _check_room(cache)
         if not self._private and self.device.platform == "cpu":
             # in-step prefetches write the GPU shares' weights in place (MixedExecutor._copy_rows): on
             # JAX's CPU platform an array put there from the plan's read-only mapping may alias it

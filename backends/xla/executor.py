@@ -815,13 +815,11 @@ class XLAExecutor:
         """n greedy decode steps in one XLA computation: the token never leaves the device."""
         jax, jnp = _jax(), _jnp()
         B = tok.shape[0]
-        logits_id = self.g.outputs[0]
 
         def body(i, carry):
             ks, vs, tok, pos, out = carry
-            res, ks, vs = self._forward(params, ks, vs, {}, tok[:, None], B, 1, pos)
-            nxt = jnp.argmax(res[logits_id].reshape(B, -1), axis=-1).astype(jnp.int32)
-            return ks, vs, nxt, pos + 1, out.at[:, i].set(nxt)
+            nxt, pos, ks, vs = self._ahead_step(params, ks, vs, tok, pos)
+            return ks, vs, nxt, pos, out.at[:, i].set(nxt)
 
         out = jnp.zeros((B, n), jnp.int32)
         ks, vs, _, _, out = jax.lax.fori_loop(0, n, body, (ks, vs, tok, pos, out))
