@@ -1,4 +1,9 @@
-"""Backends: `reference` (NumPy oracle), `llvm` (CPU JIT kernels), `xla` (JAX: CUDA, or JAX-CPU)."""
+"""Backends: `reference` (NumPy oracle), `llvm` (CPU JIT kernels), `xla` (JAX: CUDA, or JAX-CPU).
+
+This package level names the backends and picks one for a host; backends/probe.py measures the
+host with them. Each backend imports only the ground (strata_compiler/) and its own modules (the
+xla backend's host calls also run the llvm backend's kernels); tests/test_layering.py checks it.
+"""
 
 from __future__ import annotations
 
@@ -43,18 +48,10 @@ def resolve_backend(name: str) -> str:
     raise BackendError(f"--backend {name}: unknown backend; choose one of reference, llvm, xla, auto")
 
 
-def make_executor(backend: str, graph, weights, device: str = "auto", mixed: bool = False,
-                  shrink_caches: bool = False, multi_gpu: str = "mesh", miss_path: str = "cpu"):
-    """An executor for a kernel-level graph: `.run(input_ids i64[B,T], cache) -> {output id: array}`.
-
-    `mixed`: run each node on the backend the plan bound it to (partitions, see runtime/partitions);
-    `shrink_caches`: when the GPU runs out of memory loading them, expert caches get fewer slots;
-    `miss_path`: where expert caches' misses compute (runtime/partitions.py MixedExecutor)."""
-    if mixed:
-        from strata_compiler.runtime.partitions import MixedExecutor
-
-        return MixedExecutor(graph, weights, device, shrink_caches=shrink_caches, multi_gpu=multi_gpu,
-                             miss_path=miss_path)
+def make_executor(backend: str, graph, weights, device: str = "auto"):
+    """An executor running every node of a kernel-level graph on one backend:
+    `.run(input_ids i64[B,T], cache) -> {output id: array}`. (A plan placed over several backends
+    runs through the runtime's MixedExecutor, runtime/partitions.py.)"""
     if backend == "xla":
         from .xla.executor import XLAExecutor
 

@@ -7,7 +7,7 @@ PLAN_DIR is a plan whose MoE layers are whole (not split, no cache): the all-CPU
 benchmarks/placement_bench.py, say. It decodes --tokens greedy tokens after a 32-token random
 prompt on the llvm backend and records, per token and layer, the experts the router chose and
 the experts the runtime's lookahead would predict (the layer's router applied to the residual
-stream entering the layer, normed as the router's input is: runtime/partitions.py _lookahead).
+stream entering the layer, normed as the router's input is: runtime/expert_swaps.py _lookahead).
 
 The first --calib tokens stand in for calibration: their routing frequencies pick the static
 split's GPU experts (the hottest --slots-frac of each layer) and give the cache's prior. The
@@ -52,7 +52,6 @@ def record(plan_dir: Path, tokens: int, seed: int = 0, sequences: int = 1
                          f"(placement_bench.py's `base`, or stratac compile without --gpu-mem)")
     s = Session(plan, "llvm")
     exe = s.executor
-    exe.native = False      # op by op in Python: the wrappers below see each route's value
     info = []
     for n in moes:
         r = g.node(n.args[1])
@@ -89,6 +88,7 @@ def record(plan_dir: Path, tokens: int, seed: int = 0, sequences: int = 1
                 f(step)
                 seen[nid] = frame.out(g.node(nid))[0].copy()
             ops[i] = grab
+    exe._programs.clear()   # the wrapped ops have no native form: steps now run op by op, past the wrappers
     chosen = np.zeros((per * sequences, len(info), E), bool)
     pred = np.zeros_like(chosen)
     ids = np.zeros(per * sequences, np.int64)

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from strata_compiler.hwprofile import read_bandwidth, time_linear
+from strata_compiler.backends.probe import read_bandwidth, time_linear
 
 
 def bench_gemv(pool, lib, target, fmt: str, N: int, K: int, q8: bool, reps: int) -> tuple[float, int]:

@@ -46,7 +46,7 @@ def main() -> int:
     from strata_compiler.backends.llvm_cpu import executor as lx
     from strata_compiler.backends.llvm_cpu.pool import get_pool
     from strata_compiler.ir import Op
-    from strata_compiler.passes.expert_split import static_nonresident
+    from strata_compiler.experts import static_nonresident
     from strata_compiler.runtime.plan import load_plan
     from strata_compiler.runtime.session import Session
 
@@ -94,9 +94,8 @@ def main() -> int:
                 moes.append((combs, mine))
         if not moes:
             continue
-        # whether the segment runs as one program (no expert cache's mask, programs on)
-        as_program = exe.native and exe._program(frame, exe.frames[1][1], lx.Step(1, 1, s.cache), 0,
-                                                 len(exe.nodes)) is not None
+        # whether the segment runs as one program
+        as_program = exe._program(frame, exe.frames[1][1], lx.Step(1, 1, s.cache), 0, len(exe.nodes)) is not None
         def segment_ns(k: int) -> list[int]:
             seg = []
             for _ in range(a.reps + 5):

@@ -81,7 +81,7 @@ def main() -> int:
     caps = tuple(float(c) for c in a.capacities.split(","))
     t0 = time.time()
     g, ctx = calibrate(a.model_dir, calib_file, a.calib_tokens, a.calib_ctx, a.tokenizer)
-    cal = ctx.analyses.get("calibration")
+    cal = ctx.analyses.calibration
     moes = ce.moe_layers(g)
     if cal is None or not moes:
         raise SystemExit(f"{a.model_dir}: no MoE layers to cluster")
@@ -98,7 +98,7 @@ def main() -> int:
         mats.append(ce.coactivation(t, E))
         Es.append(E)
 
-    clusters = ctx.analyses["expert_clusters"] if not size else {
+    clusters = ctx.analyses.expert_clusters if not size else {
         i: ce.cluster_layer(mats[i], cal.tokens, size) for i in range(len(moes))}
     print(f"\n{a.model_dir.name}: {len(moes)} MoE layers, {cal.tokens} calibration tokens of {calib_file.name}; "
           f"experts moved as {a.bytes_format}; LRU cache per layer\n")

@@ -137,7 +137,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--ab", metavar="ENV[=A,B,...]",
                     help="also time decode (each batch) with ENV=A, ENV=B, ... (default 1 and 0) alternately, twice each, "
-                         "in this process, e.g. STRATA_XLA_PALLAS_ATTN or STRATA_PALLAS_INT4=dp4a,bytes: a "
+                         "in this process, e.g. STRATA_PALLAS_ATTN=on,off or STRATA_PALLAS_LINEAR_TUNE='32,8|64,8': a "
                          "side-by-side A/B of a kernel switch ('ENV=A|B' when the values hold commas)")
     a = ap.parse_args()
     if a.ab:
@@ -154,7 +154,7 @@ def main() -> int:
 
     from strata_compiler.backends.xla.device import device
     from strata_compiler.backends.xla.executor import XLAExecutor
-    from strata_compiler.runtime.kv_cache import KVCache
+    from strata_compiler.kv_cache import KVCache
     from strata_compiler.runtime.plan import load_plan
 
     dev = device("auto")

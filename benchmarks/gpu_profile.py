@@ -63,7 +63,7 @@ def body_ops(hlo: str) -> collections.Counter:
 
 def kernel_times(exe, m, first, steps: int) -> None:
     """Device kernels of `steps` decode steps from a JAX profiler trace."""
-    from strata_compiler.runtime.kv_cache import KVCache
+    from strata_compiler.kv_cache import KVCache
 
     c = KVCache(m["n_layers"], 1, m["n_kv_heads"], m["head_dim"], 256)
     exe.new_cache(c)
@@ -86,13 +86,13 @@ GAP = 0.02     # a greedy step is clear when the reference's top-1/top-2 gap is 
 
 
 def check(exe, plan, m, batch: int = 1) -> None:
-    """Kernels on (exe) against a fresh executor with STRATA_XLA_PALLAS=0, for `batch` sequences
+    """Kernels on (exe) against a fresh executor with STRATA_PALLAS=off, for `batch` sequences
     of 32 prompt tokens: one decode step's logits, then 32 greedy tokens each. Then the same 32
     steps teacher-forced with the reference's tokens, one step at a time on both: the top-1
     agreement over all steps and over the sequences whose every step is clear (random models have
     near-ties, where executors that round differently pick different tokens)."""
     from strata_compiler.backends.xla.executor import XLAExecutor
-    from strata_compiler.runtime.kv_cache import KVCache
+    from strata_compiler.kv_cache import KVCache
 
     ids = (np.arange(1, 33)[None] + 7 * np.arange(batch)[:, None]) % m["vocab_size"]
 
@@ -105,7 +105,7 @@ def check(exe, plan, m, batch: int = 1) -> None:
 
     got, got_toks, _ = run(exe)
     ref = XLAExecutor(plan.graph, plan.weights)
-    with env_set("STRATA_XLA_PALLAS", "0"):
+    with env_set("STRATA_PALLAS", "off"):
         want, want_toks, want_first = run(ref)
     err = float(np.abs(got - want).max() / want.std())
     same = got_toks == want_toks
@@ -117,14 +117,14 @@ def check(exe, plan, m, batch: int = 1) -> None:
     exe.new_cache(caches[0])
     exe.run(ids, caches[0])
     ref.new_cache(caches[1])
-    with env_set("STRATA_XLA_PALLAS", "0"):
+    with env_set("STRATA_PALLAS", "off"):
         ref.run(ids, caches[1])
     feeds = np.concatenate([np.asarray(want_first)[:, None], want.argmax(-1)[:, None], np.asarray(want_toks)[:, :-1]], 1)
     agree, gaps, worst = [], [], 0.0
     for t in range(feeds.shape[1]):
         feed = feeds[:, t:t + 1].astype(np.int64)
         g = exe.run(feed, caches[0])[plan.graph.outputs[0]][:, -1]
-        with env_set("STRATA_XLA_PALLAS", "0"):
+        with env_set("STRATA_PALLAS", "off"):
             w = ref.run(feed, caches[1])[plan.graph.outputs[0]][:, -1]
         top2 = np.sort(w, axis=-1)[:, -2:]
         gaps.append((top2[:, 1] - top2[:, 0]) / w.std(axis=-1))
@@ -150,7 +150,7 @@ def main() -> int:
                          "time per step, and the device's busy time against the step's wall time")
     ap.add_argument("--check", action="store_true",
                     help="also compare one decode step's logits and 32 greedy tokens with the Pallas kernels "
-                         "on against STRATA_XLA_PALLAS=0 (the XLA path)")
+                         "on against STRATA_PALLAS=off (the XLA path)")
     ap.add_argument("--check-batch", type=int, default=1, help="sequences per --check run (default 1)")
     a = ap.parse_args()
     rates = {}
@@ -161,7 +161,7 @@ def main() -> int:
         import jax.numpy as jnp
 
         from strata_compiler.backends.xla.executor import XLAExecutor
-        from strata_compiler.runtime.kv_cache import KVCache
+        from strata_compiler.kv_cache import KVCache
         from strata_compiler.runtime.plan import load_plan
 
         plan = load_plan(plans[a.format], verify_weights="none")

@@ -5,7 +5,7 @@
 # traces of each variant) and then uniform (skew 0). Optional A/B variants (NAME@VAR=VALUE, each
 # in a process of its own) after the skewed run's; the cost model is refitted on the VM
 # (benchmarks/refit_cost_model.py on $OUT/pb.json with the same work dir rebuilt there).
-#   AB=strata-25@STRATA_FUSED_OVERLAP=0 bash benchmarks/h200_placement.sh   (outputs under $OUT, else /tmp/pbout;
+#   AB=strata-25@STRATA_HAND_OFF_SPIN_US=100 bash benchmarks/h200_placement.sh   (outputs under $OUT, else /tmp/pbout;
 #   LIMIT, UNIFORM_LIMIT: seconds for each run, UNIFORM_LIMIT=0 skips the uniform one; ROUNDS: the
 #   variant list run that many times in turn, medians reported; e.g. ROUNDS=2 LIMIT=520 UNIFORM_LIMIT=0)
 source "$(dirname "$0")/h200_setup.sh" /tmp/pbout

@@ -14,6 +14,6 @@ for st in ${STRENGTHS:-1.0,0.2,0.03}; do
     --router-skew 0.5 --topics 4 --topic-strength $st --budgets 25 --n-new 48 --repeats 2 --calib-tokens 256 \
     --hw benchmarks/profiles/h200-2026-11-29-raw.json --device ${DEVICE:-auto} --json "$OUT/topics-$tag.json" \
     --check-prompts ${CHECKS:-2} --rounds ${ROUNDS:-1} \
-    --only "${VARIANTS:-strata-25,cache-25,cache-25@STRATA_DECODE_AHEAD=0,cache-25@STRATA_MISS_PATH=cpu,cache-25/no-gpu}" \
+    --only "${VARIANTS:-strata-25,cache-25,cache-25/cpu-misses,cache-25/no-gpu}" \
     2>&1 | tee "$OUT/topics-$tag.log" || true
 done

@@ -5,8 +5,7 @@
         [--variants int4,laq:4.5,int3,laq:3.5] [--extra NAME=PLAN_OR_GGUF ...] [--json OUT]
 
 Variants: `FMT` (uniform `--quant FMT`; `FMT/embed=FMT2` also stores the embedding table as FMT2),
-`laq:B` (`--bits B --calib CALIB`; `laqt:B` the same with one format per expert tensor
-instead of per expert), `laq@NAME` (`--memory-budget` = the tensor bytes of the
+`laq:B` (`--bits B --calib CALIB`), `laq@NAME` (`--memory-budget` = the tensor bytes of the
 --extra GGUF called NAME: LAQ at exactly the size of, e.g., llama.cpp's own Q4_K_M file).
 
 MODEL is a Hugging Face folder or a .gguf file. The f32 compile of MODEL is the reference;
@@ -86,8 +85,6 @@ def main() -> int:
                    "--dump-after", "quantize"]
             if v.startswith("laq:"):
                 stratac("compile", str(a.model), "-o", str(out), "--bits", v[4:], *laq)
-            elif v.startswith("laqt:"):
-                stratac("compile", str(a.model), "-o", str(out), "--bits", v[5:], "--laq-granularity", "tensor", *laq)
             elif v.startswith("laq@"):
                 if v[4:] not in extras or not extras[v[4:]].endswith(".gguf"):
                     raise SystemExit(f"variant {v}: pass the GGUF as --extra {v[4:]}=FILE.gguf")
@@ -133,7 +130,7 @@ def main() -> int:
               f"{size / 2**20:9.2f} {r['mean_kl']:9.5f} {r['p99_kl']:8.4f} {r['top1']:7.4f} "
               f"{r['ppl']:8.3f} {r['ref_ppl']:8.3f}")
     for laq, uni in (("laq:4.5", "int4"), ("laq:3.5", "int3"), ("laq:4.5", "int4/embed=int4"),
-                     ("laq:3.5", "int3/embed=int3"), ("laq:4.5", "laqt:4.5"), ("laq:3.5", "laqt:3.5")):
+                     ("laq:3.5", "int3/embed=int3")):
         if laq in base and uni in base:
             x, y = base[laq], base[uni]
             print(f"{laq} / {uni}: mean KL x{x['mean_kl'] / y['mean_kl']:.3f}, p99 KL x{x['p99_kl'] / y['p99_kl']:.3f}, "

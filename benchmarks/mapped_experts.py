@@ -44,7 +44,7 @@ def main() -> None:
     from strata_compiler.backends.xla import cuda_rt, pallas_moe
     from strata_compiler.formats import get_format
     from strata_compiler.ir import WeightSpec
-    from strata_compiler.runtime import mapped
+    from strata_compiler.backends.xla import mapped
 
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({dev.platform})")

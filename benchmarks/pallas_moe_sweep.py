@@ -1,14 +1,14 @@
-"""Device time of the decode-MoE kernels of one layer, by variant: the Pallas kernels (int4 read as
-bytes or as u32 words, rows per program and warps) against XLA's multiply-reduce.
+"""Device time of the decode-MoE kernels of one layer, by variant: the Pallas kernels (rows per
+program and warps) against XLA's multiply-reduce.
 
     python benchmarks/pallas_moe_sweep.py [--layers 8] [--reps 20] [--variants V;V;...]
 
-A variant is `xla`, or `pallas:INT4:BN1,BN2,W1,W2` (INT4 = bytes | words | dp4a; STRATA_PALLAS_INT4
-and STRATA_PALLAS_TUNE). Each layer is x + MoE(rms_norm(x)); dp4a variants take the norm and the
-residual add inside their kernels (as the executor runs them; BN1 is then the group size, h
-passing between the kernels in q8), the others around them. Each variant's output after the --layers layers is compared with the first
-variant's (of what the layers add to x: max |difference| / max |value|; dp4a rounds activations to q8, the others should agree
-to f32 rounding). The model is the OLMoE shape of gpu_decode.py (D 2048, I 1024, 64 experts
+A variant is `xla`, or `pallas:BN1,BN2,W1,W2` (STRATA_PALLAS_TUNE). Each layer is
+x + MoE(rms_norm(x)); the Pallas variants take the norm and the residual add inside their kernels
+(as the executor runs them; BN1 is then the group size, h passing between the kernels in q8), XLA
+around them. Each variant's output after the --layers layers is compared with the first variant's
+(of what the layers add to x: max |difference| / max |value|; the kernels round activations to q8,
+so they come near XLA's f32 result, not to its rounding). The model is the OLMoE shape of gpu_decode.py (D 2048, I 1024, 64 experts
 top-8, int4, group 32), batch 1, routing inside the kernels; --layers distinct random layers
 (more than the L2 holds) run one after another in one jitted call. Device kernel times come from a
 JAX profiler trace (CUPTI): per layer, each kernel's time and the total, and the bytes the layer's
@@ -32,8 +32,8 @@ sys.path.insert(0, str(HERE))
 
 from common import device_kernels, log  # noqa: E402
 
-DEFAULT = ("xla;pallas:bytes:4,8,4,8;pallas:dp4a:32,4,4,4;pallas:dp4a:32,4,8,4;pallas:dp4a:32,4,16,4;"
-           "pallas:dp4a:32,2,4,2;pallas:dp4a:32,4,4,8;pallas:dp4a:32,8,8,8;pallas:dp4a:32,4,2,4")
+DEFAULT = ("xla;pallas:32,4,4,4;pallas:32,4,8,4;pallas:32,4,16,4;pallas:32,2,4,2;pallas:32,4,4,8;pallas:32,8,8,8;"
+           "pallas:32,4,2,4")
 
 
 def main() -> int:
@@ -45,15 +45,15 @@ def main() -> int:
     a = ap.parse_args()
     for v in a.variants.split(";"):
         parts = v.split(":")
-        if not (v == "xla" or (len(parts) == 3 and parts[0] == "pallas" and parts[1] in ("bytes", "words", "dp4a")
-                               and len(parts[2].split(",")) == 4 and all(t.isdigit() for t in parts[2].split(",")))):
-            ap.error(f"--variants: {v!r} is not `xla` or `pallas:bytes|words|dp4a:BN1,BN2,W1,W2`")
+        if not (v == "xla" or (len(parts) == 2 and parts[0] == "pallas" and len(parts[1].split(",")) == 4
+                               and all(t.isdigit() for t in parts[1].split(",")))):
+            ap.error(f"--variants: {v!r} is not `xla` or `pallas:BN1,BN2,W1,W2`")
 
     import jax
     import jax.numpy as jnp
 
     from strata_compiler.backends.xla import pallas_moe
-    from strata_compiler.backends.xla.executor import _silu, matvec
+    from strata_compiler.backends.xla.dequant import matvec, silu
     from strata_compiler.ir import WeightSpec
 
     E, D, I, k, G = (8, 64, 32, 2, 32) if a.tiny else (64, 2048, 1024, 8, 32)
@@ -76,22 +76,20 @@ def main() -> int:
     for v in a.variants.split(";"):
         parts = v.split(":")
         if parts[0] == "pallas":
-            os.environ["STRATA_PALLAS_INT4"], os.environ["STRATA_PALLAS_TUNE"] = parts[1], parts[2]
+            os.environ["STRATA_PALLAS_TUNE"] = parts[1]
 
         def layer(x, gu, dn, logits, v=v):
             """x + MoE(rms_norm(x)), as a decoder layer's MoE block (the norm and the residual
-            inside the dp4a kernels, as the executor runs them; around the others)."""
-            if v.startswith("pallas:dp4a"):
+            inside the Pallas kernels, as the executor runs them; around XLA's)."""
+            if v != "xla":
                 return pallas_moe.moe_decode(x, None, None, gs, gu, ds, dn, interpret=a.tiny, logits=logits, k=k,
                                              rms=(nw, 1e-6), residual=x)
             xn = x / jnp.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * nw
-            if v == "xla":
-                topw, topi = jax.lax.top_k(jax.nn.softmax(logits, -1), k)
-                g = matvec(jnp, gs, {r: t[topi] for r, t in gu.items()}, xn[:, None, :])
-                h = _silu(jnp, g[..., :I]) * g[..., I:]
-                y = matvec(jnp, ds, {r: t[topi] for r, t in dn.items()}, h)
-                return x + (y * topw[..., None]).sum(axis=1)
-            return x + pallas_moe.moe_decode(xn, None, None, gs, gu, ds, dn, interpret=a.tiny, logits=logits, k=k)
+            topw, topi = jax.lax.top_k(jax.nn.softmax(logits, -1), k)
+            g = matvec(jnp, gs, {r: t[topi] for r, t in gu.items()}, xn[:, None, :])
+            h = silu(jnp, g[..., :I]) * g[..., I:]
+            y = matvec(jnp, ds, {r: t[topi] for r, t in dn.items()}, h)
+            return x + (y * topw[..., None]).sum(axis=1)
 
         @jax.jit
         def run(x, layers):

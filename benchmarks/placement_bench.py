@@ -33,15 +33,8 @@ Variants, each compiled from the same folder at --quant with the same calibratio
                  layer's most used experts on the GPU (each layer split), static and with
                  `--expert-cache` (and the latter without prefetch): the issue-7 cache measured on a
                  layout that has something to cache, whatever the cost model would choose
-  strata-B/old-hand-off  (smallest budget) strata-B with the mixed runtime's GPU hand-off as it
-                 was: CPU workers spinning through the GPU's turn, GPU results copied one by one
-                 (now: their copies start at dispatch)
-  strata-B/jax-hand-off, ngl-B/jax-hand-off, hot-B/jax-hand-off  hand-offs through JAX's
-                 transfers instead of raw copies (backends/xla/cuda_rt.py)
-  strata-B/try-hand-off  (smallest budget) with MixedExecutor.try_hand_off(): ids and position on
-                 the GPU once per step, the results only the CPU reads packed into one buffer
-  ktransformers/old-hand-off, ktransformers/try-hand-off  the same for the KTransformers layout
-                 (two switches per layer)
+  cache-B/cpu-misses  (smallest budget) cache-B with its misses computed on the CPU
+                 (strata-run --miss-path cpu) instead of read by the GPU in place
   disk-half      (--disk) --host-mem = the dense weights + half the expert bytes: the rest on the
                  disk tier; its own process, peak RSS reported
 Decode: a 32-token prompt, then --n-new greedy tokens, batch 1, the mixed runtime (xla on the
@@ -135,7 +128,7 @@ def peak_rss() -> int:
 
 def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, info: dict | None = None,
                 prefetch: bool = True, trace_out: Path | None = None, backend: str = "auto",
-                device: str = "auto", expert_cache: bool = True, hand_off: str = "",
+                device: str = "auto", expert_cache: bool = True, miss_path: str = "auto",
                 multi_gpu: str = "mesh", checks: list | None = None, check_new: int = 0,
                 forced: list[int] | None = None, ref_logits: str | None = None) -> tuple[float, list[int]]:
     """Decode tokens/s (median of `repeats` after a warm-up pass) and the greedy tokens. With
@@ -146,19 +139,13 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, in
     where that file does not exist yet, this is the reference — fed its own tokens, it saves them
     there — else they are compared with it: per step, max |logit - reference| / std(reference
     logits) ("logit_dev")."""
-    from strata_compiler.runtime import trace
+    from strata_compiler import trace
     from strata_compiler.runtime.plan import load_plan
     from strata_compiler.runtime.sampler import Sampler
     from strata_compiler.runtime.session import Session
 
     s = Session(load_plan(plan_dir, verify_weights="none"), backend, device=device, prefetch=prefetch,
-                expert_cache=expert_cache, multi_gpu=multi_gpu)
-    if hand_off == "old" and hasattr(s.executor, "legacy_hand_off"):     # the runtime before its hand-off changes
-        s.executor.legacy_hand_off()
-    elif hand_off == "try" and hasattr(s.executor, "try_hand_off"):     # packed results, ids on the GPU once
-        s.executor.try_hand_off()
-    elif hand_off == "jax" and hasattr(s.executor, "jax_hand_off"):     # JAX's transfers, not raw copies
-        s.executor.jax_hand_off()
+                expert_cache=expert_cache, multi_gpu=multi_gpu, miss_path=miss_path)
     times, tokens = [], []
     for r in range(repeats + 1 + (trace_out is not None)):
         traced = trace_out is not None and r == repeats + 1
@@ -209,7 +196,8 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, in
             ref = np.load(path, allow_pickle=False)
             info["logit_dev"] = (np.abs(got - ref).max(axis=1) / ref.std(axis=1)).tolist()
     if info is not None:
-        caches = getattr(s.executor, "caches", [])
+        swaps = getattr(s.executor, "swaps", None)      # (a mixed plan's live expert caches)
+        caches = swaps.caches if swaps is not None else []
         hits = sum(c.hits for c, *_ in caches)
         miss = sum(c.misses for c, *_ in caches)
         pred = sum(c.pf_predicted for c, *_ in caches)
@@ -342,7 +330,7 @@ def main() -> int:
         tps, toks = decode_rate(a.rate_only, prompt, a.n_new, a.repeats, info=info, device=a.device,
                                 trace_out=a.trace_out, backend=v.get("backend", "auto"),
                                 prefetch=v.get("prefetch", True), expert_cache=v.get("expert_cache", True),
-                                hand_off=v.get("hand_off", ""), checks=v.get("checks"), check_new=v.get("check_new", 0),
+                                miss_path=v.get("miss_path", "auto"), checks=v.get("checks"), check_new=v.get("check_new", 0),
                                 forced=v.get("forced"), ref_logits=v.get("ref_logits"))
         print(json.dumps({"tok_s": tps, "tokens": toks, "info": info}))
         return 0
@@ -390,8 +378,6 @@ def main() -> int:
     if want("ktransformers") and not (out / "plan.bin").exists():
         stratac("compile", str(model), "-o", str(out), *common, "--place", "experts=cpu,all=gpu")
     variants["ktransformers"] = {"dir": out, "gpu_bytes": rest_b}
-    for tag in ("old", "try", "jax"):
-        variants[f"ktransformers/{tag}-hand-off"] = dict(variants["ktransformers"], hand_off=tag)
     kv_guess = 2 * dims["layers"] * dims["kv_heads"] * dims["head_dim"] * 4 * min(4096, 4096)
     for b in (int(x) for x in a.budgets.split(",")):
         gpu_bytes = rest_b + experts_b * b // 100
@@ -413,6 +399,7 @@ def main() -> int:
                 variants[f"cache-{b}/no-prefetch"] = {"dir": out, "gpu_bytes": pl["gpu_bytes"], "prefetch": False}
                 variants[f"cache-{b}/no-cache"] = {"dir": out, "gpu_bytes": pl["gpu_bytes"], "expert_cache": False}
                 variants[f"cache-{b}/no-gpu"] = {"dir": out, "gpu_bytes": 0, "backend": "llvm"}  # the fallback
+                variants[f"cache-{b}/cpu-misses"] = {"dir": out, "gpu_bytes": pl["gpu_bytes"], "miss_path": "cpu"}
         n, used = 0, 0
         while n in per_layer and used + per_layer[n] <= gpu_bytes:
             used += per_layer[n]
@@ -428,16 +415,9 @@ def main() -> int:
                 if want(name):
                     hp = json.loads((out / "dump" / "placement.json").read_text())
                     variants[name] = {"dir": out, "gpu_bytes": hp["gpu_bytes"], "predicted": hp["predicted_tok_s"]}
-            if want(f"hot-{b}"):
-                variants[f"hot-{b}/jax-hand-off"] = dict(variants[f"hot-{b}"], hand_off="jax")
-                variants[f"hot-{b}/jax-hand-off"].pop("predicted")
             if want(f"hot-cache-{b}"):
                 variants[f"hot-cache-{b}/no-prefetch"] = dict(variants[f"hot-cache-{b}"], prefetch=False)
                 variants[f"hot-cache-{b}/no-prefetch"].pop("predicted")
-        if b == min(int(x) for x in a.budgets.split(",")):   # A/B: the runtime's hand-off before this session
-            for tag in ("old", "try", "jax"):
-                variants[f"strata-{b}/{tag}-hand-off"] = dict(variants[f"strata-{b}"], hand_off=tag)
-                variants[f"strata-{b}/{tag}-hand-off"].pop("predicted", None)
         if b >= 100:            # every layer fits: the same as strata-100's own -ngl candidate
             n = 0
         out = a.work_dir / f"ngl-{b}"
@@ -446,10 +426,6 @@ def main() -> int:
             stratac("compile", str(model), "-o", str(out), *common, "--place", rule)
         if n:
             variants[f"ngl-{b}"] = {"dir": out, "gpu_bytes": used, "layers": n}
-        for v in (f"strata-{b}", f"ngl-{b}"):   # A/B at every budget: JAX's transfers, not raw copies
-            if v in variants and f"{v}/jax-hand-off" not in variants:
-                variants[f"{v}/jax-hand-off"] = dict(variants[v], hand_off="jax")
-                variants[f"{v}/jax-hand-off"].pop("predicted", None)
     if a.disk:      # half the experts beyond --host-mem: the disk tier (issue 7)
         out = a.work_dir / "disk-half"
         host = rest_b + experts_b // 2
@@ -515,7 +491,7 @@ def main() -> int:
                                 "--repeats", str(a.repeats), "--prompt", ",".join(map(str, prompt[0].tolist()))]
                                + (["--trace-out", str(tr)] if tr else []) + ["--device", a.device]
                                + ["--variant", json.dumps({**{k: v[k] for k in ("backend", "prefetch", "expert_cache",
-                                                                                "hand_off") if k in v},
+                                                                                "miss_path") if k in v},
                                                            **(extras if first else {})})],
                                capture_output=True, text=True, env=env)
             if r.returncode != 0:           # one failed A/B variant does not end the run
@@ -529,7 +505,7 @@ def main() -> int:
             tps, toks = decode_rate(v["dir"], prompt, a.n_new, a.repeats, info=v, trace_out=tr,
                                     backend=v.get("backend", "auto"), device=a.device,
                                     prefetch=v.get("prefetch", True), expert_cache=v.get("expert_cache", True),
-                                    hand_off=v.get("hand_off", ""), **(extras if first else {}))
+                                    miss_path=v.get("miss_path", "auto"), **(extras if first else {}))
         v.setdefault("tok_s_rounds", []).append(tps)
         v["tok_s"] = statistics.median(v["tok_s_rounds"])
         if first:

@@ -39,17 +39,17 @@ PAIRS = {"first layers on gpu (-ngl)": "ngl-{b}", "dense on gpu, experts on cpu"
 
 def graph_at_place(model: Path, calib_plan: Path, quant: str):
     """(graph, context) right before the place pass, as `stratac compile` makes them."""
-    from strata_compiler.compiler import cpu_backend
     from strata_compiler.frontend.hf import build_graph
     from strata_compiler.frontend.safetensors_reader import TensorStore
     from strata_compiler.pass_manager import CompileOptions, PassContext, run_pipeline
-    from strata_compiler.pipelines import DEFAULT
+    from strata_compiler.pipelines import DEFAULT, cpu_backend
+    from strata_compiler.runtime.plan import load_plan
 
     store = TensorStore.open(model)
     graph, _ = build_graph(model, store)
     opts = CompileOptions(quant=quant, calib=str(calib_plan), imatrix=False, backend=cpu_backend(),
                           cpu_backend=cpu_backend())
-    ctx = PassContext(opts, model_dir=model, store=store)
+    ctx = PassContext(opts, model_dir=model, store=store, calib_plan=load_plan(calib_plan, verify_weights="lazy"))
     before = DEFAULT[:DEFAULT.index("place")]
     return run_pipeline(graph, list(before), ctx, stop_after=before[-1]), ctx
 
@@ -104,7 +104,7 @@ def main() -> int:
                 mem = int((rest_b + experts_b * b // 100 + kv_guess) / (1 - place.GPU_RESERVE)) + (1 << 20)
                 ctx.options = replace(opts, gpu_mem=str(mem))
                 place.place_pass(g, ctx)
-                summary = ctx.analyses["placement"]
+                summary = ctx.analyses.placement
                 cands = summary["candidates"]
                 chosen[b] = (summary["choice"], summary["predicted_tok_s"])
                 strata_label = run["variants"][f"strata-{b}"].get("choice")

@@ -18,16 +18,14 @@ per-call overhead swamps calls of a few µs):
   other         the rest of the step (the runtime's loop, sampling glue, expert-cache work)
 
 with the number of calls per token of each, and the values that cross per token (count, bytes).
-Decode steps run as one program by default (runtime/fused_step.py): there the jitted calls,
-staging and fetches are gone and the program's time shows as "other", with the CPU partitions
-still under "llvm"; the plan's line then adds the fused step's own timeline (dispatch, the host
-calls' work and the stretches between them, medians). STRATA_FUSED_STEP=0 (or --ab
-STRATA_FUSED_STEP=0,1) times the partition-by-partition runtime.
+Decode steps of plans on one GPU run as one program (runtime/fused_step.py): there the jitted
+calls, staging and fetches are gone and the program's time shows as "other", with the CPU
+partitions still under "llvm"; the plan's line then adds the fused step's own timeline (dispatch,
+the host calls' work and the stretches between them, medians).
 Prints one table per plan, then one row per plan side by side. With --ab, each plan runs once per
-value of the environment variable (in this process, a fresh session each: for variables the
-runtime reads when a session starts, such as STRATA_PACK_HOST), and each run's decode logits are
-compared with the first value's: max |difference| and greedy tokens equal (the hand-off variants
-move values, never change them: expect 0).
+value of the environment variable (in this process, a fresh session each: for settings the
+runtime reads when a session starts, such as STRATA_HAND_OFF_SPIN_US), and each run's decode
+logits are compared with the first value's: max |difference| and greedy tokens equal.
 """
 
 from __future__ import annotations
@@ -89,10 +87,10 @@ def instrument(m: Meter):
     patch(cuda_rt, "fetch_into", timed("fetch wait", ("fetch copy",)))
     patch(lx.LLVMExecutor, "_fetch", timed("_fetch", ("fetch wait", "fetch copy")))   # the fallback path
     patch(lx.LLVMExecutor, "run_segment", timed("llvm", ("fetch wait", "fetch copy", "_fetch")))
-    from strata_compiler.runtime import partitions as rp
+    from strata_compiler.runtime.expert_swaps import ExpertSwaps
 
-    patch(rp.MixedExecutor, "_copy_in", timed("cache copy", ("xla stage", "fetch wait", "fetch copy")))
-    patch(rp.MixedExecutor, "_prefetch", timed("prefetch", ("cache copy", "fetch wait", "fetch copy")))
+    patch(ExpertSwaps, "_copy_in", timed("cache copy", ("xla stage", "fetch wait", "fetch copy")))
+    patch(ExpertSwaps, "prefetch_from", timed("prefetch", ("cache copy", "fetch wait", "fetch copy")))
 
     def undo():
         for obj, name, orig in reversed(saved):
@@ -188,11 +186,12 @@ def measure(plan_dir: Path, n_new: int, device: str, ref: list | None = None, ho
     us["other"] = 1e6 * dt / steps - sum(us.values())
     calls = {c: m.n.get(c, 0) / steps for c in CATS[:-1]}
     kinds = [k for k, _, _ in getattr(s.executor, "parts", [])]
-    caches = getattr(s.executor, "caches", [])
+    swaps = getattr(s.executor, "swaps", None)
+    caches = swaps.caches if swaps is not None else []
     hits, miss = sum(c.hits for c, *_ in caches), sum(c.misses for c, *_ in caches)
     cache = (f"; expert caches: hit rate {hits / max(hits + miss, 1):.1%}, "
              f"{sum(c.bytes_moved for c, *_ in caches) / 2**20:.0f} MiB copied over both passes, "
-             f"{getattr(s.executor, 'pinned_bytes', 0) / 2**20:.0f} MiB pinned") if caches else ""
+             f"{swaps.pinned_bytes / 2**20:.0f} MiB pinned") if caches else ""
     nvals, nb = crossings(s.executor)
     diff = same = None
     if ref:         # the first A/B value's logits (teacher forcing differs once tokens do: count those)

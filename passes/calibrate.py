@@ -11,11 +11,15 @@ backend in chunks of `calib_ctx` tokens (at most `calib_tokens` tokens in all) a
   * per MoE layer, the routing trace: the experts each token chose, i16[tokens, k] (what the
     cluster-experts pass groups experts by).
 
-The result is a `Calibration` in ctx.analyses["calibration"]: the quantize and emit passes read
+The result is a `Calibration` in ctx.analyses.calibration: the quantize and emit passes read
 it (importance-weighted scales), and emit stores it in the plan (a summary in the metadata,
 the vectors in plan.bin's "imatrix" section). With --dump-dir the summary is also written to
 calibration.json there, with counts from the routing trace (the trace itself stays in memory).
-Without --calib the pass does nothing.
+Without --calib the pass does nothing. `--calib PLAN.bin` reuses a plan's calibration instead.
+
+`sensitivity` is the other half of the calibration probe: layer-adaptive quantization's measured
+KL per tensor. These two are the only compiler code that executes the model (on the reference
+backend, the one import across the layers that tests/test_layering.py allows).
 """
 
 from __future__ import annotations
@@ -26,9 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
-from strata_compiler.errors import UsageError
+from strata_compiler.errors import PassError, UsageError
+from strata_compiler.formats import get_format
 from strata_compiler.ir import Graph, Level, Op
+from strata_compiler.kv_cache import KVCache
 from strata_compiler.pass_manager import PassContext, register
+from strata_compiler.passes.laq import PROBE_FORMAT
+from strata_compiler.plan_format import is_plan_file
 
 
 @dataclass
@@ -223,17 +231,18 @@ def calibrate(g: Graph, ctx: PassContext) -> Graph:
     opts = ctx.options
     if not opts.calib:
         return g
-    if _is_plan(Path(opts.calib)):
-        from strata_compiler.runtime.plan import load_plan
-
-        plan = load_plan(Path(opts.calib), verify_weights="lazy")
+    if is_plan_file(opts.calib):
+        plan = ctx.calib_plan
+        if plan is None:
+            raise PassError(f"--calib {opts.calib}: a plan is loaded by the compile driver "
+                            f"(pipelines.compile_model) into the pass context's calib_plan")
         calib = calibration_from_plan(plan, g)
-        ctx.analyses["calibration"] = calib
+        ctx.analyses.calibration = calib
         donor = _donor(plan, g, ctx.store)
         if donor is not None and plan.meta.get("options", {}).get("imatrix", True) != opts.imatrix:
             donor = None        # its scales were chosen the other way: quantize afresh
         if donor is not None:
-            ctx.analyses["donor_plan"] = donor       # emit copies its weights where the formats match
+            ctx.analyses.donor_plan = donor       # emit copies its weights where the formats match
         if ctx.dump_dir is not None:
             ctx.dump_dir.mkdir(parents=True, exist_ok=True)
             (ctx.dump_dir / "calibration.json").write_text(json.dumps(calib.summary(), indent=1, sort_keys=True))
@@ -245,7 +254,6 @@ def calibrate(g: Graph, ctx: PassContext) -> Graph:
     from tokenizers import Tokenizer
 
     from strata_compiler.backends.reference.executor import ReferenceExecutor
-    from strata_compiler.runtime.kv_cache import KVCache
 
     text = read_calibration_text(Path(opts.calib))
     ids = np.asarray(Tokenizer.from_str(ctx.tokenizer_json.decode()).encode(text).ids, np.int64)
@@ -262,49 +270,13 @@ def calibrate(g: Graph, ctx: PassContext) -> Graph:
         exe.run(chunk, cache)
         calib.tokens += chunk.shape[1]
     calib.probe_ids = ids[:min(ids.size, opts.calib_probe_tokens)][None]
-    ctx.analyses["calibration"] = calib
-    ctx.analyses["calibration_weights"] = exe.w      # the f32 weights, reused by the sensitivity probe
+    ctx.analyses.calibration = calib
+    ctx.analyses.calibration_weights = exe.w      # the f32 weights, reused by the sensitivity probe
     if ctx.dump_dir is not None:
         ctx.dump_dir.mkdir(parents=True, exist_ok=True)
         summary = dict(calib.summary(), routes=calib.route_summary())
         (ctx.dump_dir / "calibration.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     return g
-
-
-def imatrix_section(calib: Calibration) -> bytes:
-    """The "imatrix" section of plan.bin: a JSON index line, then the f32 arrays back to back."""
-    index, blobs, offset = {}, [], 0
-    for name in sorted(calib.sumsq):
-        a = np.ascontiguousarray(calib.importance(name), dtype="<f4")
-        index[name] = {"offset": offset, "shape": list(a.shape)}
-        blobs.append(a.tobytes())
-        offset += a.nbytes
-    head = json.dumps(index, sort_keys=True).encode() + b"\n"
-    return head + b"".join(blobs)
-
-
-def parse_imatrix_section(data: bytes) -> dict[str, np.ndarray]:
-    """Inverse of imatrix_section (no pickle: JSON index and raw little-endian f32)."""
-    nl = data.index(b"\n")
-    index = json.loads(data[:nl])
-    body = data[nl + 1:]
-    out = {}
-    for name, ent in index.items():
-        n = int(np.prod(ent["shape"]))
-        off = int(ent["offset"])
-        out[name] = np.frombuffer(body, "<f4", n, off).reshape(ent["shape"])
-    return out
-
-
-def _is_plan(path: Path) -> bool:
-    from strata_compiler.runtime.plan import PLAN_MAGIC
-
-    p = path / "plan.bin" if path.is_dir() else path
-    try:
-        with open(p, "rb") as f:
-            return f.read(len(PLAN_MAGIC)) == PLAN_MAGIC
-    except OSError:
-        return False
 
 
 def calibration_from_plan(plan, g: Graph) -> Calibration:
@@ -348,3 +320,48 @@ def _donor(plan, g: Graph, store):
         raise UsageError(f"--calib {plan.path}: that plan was compiled from other weights than this model's; "
                          f"calibrate this model (--calib TEXT) or pass a plan of the same checkpoint")
     return plan
+
+
+def sensitivity(graph, weights, calib, group_size: int, names: list[str], probe: str = PROBE_FORMAT,
+                progress=None) -> dict[str, float]:
+    """Measured sensitivity (for passes/laq.py): the mean KL(f32 || perturbed) of the next-token
+    distributions over the calibration probe tokens when only tensor t is stored at `probe` (the
+    rest f32)."""
+    from strata_compiler.backends.reference.executor import ReferenceExecutor
+
+    meta = dict(graph.meta)
+    ids = calib.probe_ids
+    f = get_format(probe)
+
+    class Perturbed:
+        target: str | None = None
+        value: np.ndarray | None = None
+
+        def get(self, name: str) -> np.ndarray:
+            return self.value if name == self.target else weights.get(name)
+
+    src = Perturbed()
+    exe = ReferenceExecutor(graph, src)
+
+    def log_probs() -> np.ndarray:
+        cache = KVCache(meta["n_layers"], 1, meta["n_kv_heads"], meta["head_dim"], ids.shape[1])
+        z = exe.run(ids, cache)[graph.outputs[0]].reshape(-1, meta["vocab_size"]).astype(np.float64)
+        z -= z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    ref = log_probs()
+    p_ref = np.exp(ref)
+    out = {}
+    for i, name in enumerate(names):
+        w = weights.get(name)
+        imp = calib.importance(name)
+        if imp is not None and imp.ndim == 2:
+            r = np.stack([f.roundtrip(w[e], group_size, imp[e]) for e in range(w.shape[0])])
+        else:
+            r = f.roundtrip(w, group_size, imp)
+        src.target, src.value = name, r
+        out[name] = float((p_ref * (ref - log_probs())).sum(-1).mean())
+        if progress:
+            progress(f"quantize: probed {i + 1}/{len(names)} tensors")
+    src.target = src.value = None
+    return out

@@ -11,7 +11,7 @@ layer (`Calibration.trace`). From that trace this pass builds, per MoE layer,
     balanced sizes (clusters are the unit an expert cache moves), then improved by swapping
     experts between clusters while that puts more co-activation weight inside clusters.
 
-Result: ctx.analyses["expert_clusters"] = {moe layer: [[expert ids], ...]} (MoE layers counted
+Result: ctx.analyses.expert_clusters = {moe layer: [[expert ids], ...]} (MoE layers counted
 in graph order, as in the calibration summary), and the graph meta `expert_clusters`, a tuple
 over MoE layers of tuples of clusters. With --dump-dir, expert_clusters.json there holds the
 clusters, the matrices and the metrics of `layer_metrics`: the share of co-activated expert
@@ -270,7 +270,7 @@ def _block(moe) -> int | None:
 @register("cluster-experts", Level.TENSOR)
 def cluster_experts(g: Graph, ctx: PassContext) -> Graph:
     """Cluster each MoE layer's experts by co-activation on the calibration text (--calib)."""
-    calib = ctx.analyses.get("calibration")
+    calib = ctx.analyses.calibration
     moes = moe_layers(g)
     if calib is None or not moes or not calib.routes:
         return g
@@ -279,7 +279,7 @@ def cluster_experts(g: Graph, ctx: PassContext) -> Graph:
     for layer, n in enumerate(moes):
         E = g.weight(n.weight("down")).shape[0]
         clusters[layer] = cluster_layer(coactivation(calib.trace(layer), E), calib.tokens, size)
-    ctx.analyses["expert_clusters"] = clusters
+    ctx.analyses.expert_clusters = clusters
     if ctx.dump_dir is not None:
         ctx.dump_dir.mkdir(parents=True, exist_ok=True)
         (ctx.dump_dir / "expert_clusters.json").write_text(

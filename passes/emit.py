@@ -10,40 +10,31 @@ written to a temp file and renamed; the same inputs give the same bytes.
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-from strata_compiler import __version__
+from strata_compiler import __version__, settings
 from strata_compiler.errors import PassError
 from strata_compiler.formats import get_format
 from strata_compiler.ir import Graph, Level, WeightSpec
 from strata_compiler.ir_text import print_graph
 from strata_compiler.pass_manager import PassContext, register
-from strata_compiler.plan_format import WEIGHTS_ALIGN, Container, ContainerWriter
+from strata_compiler.plan_format import (PLAN_MAGIC, WEIGHTS_ALIGN, WEIGHTS_FILE, WEIGHTS_MAGIC, Container,
+                                         ContainerWriter, imatrix_section, section_name)
 from strata_compiler.weights import iter_blocks, source_fingerprint
-
-PLAN_MAGIC = b"STRATAPL"
-WEIGHTS_MAGIC = b"STRATAWT"
-WEIGHTS_FILE = "weights.bin"
-
-
-def section_name(weight: str, array: str) -> str:
-    return f"{weight}:{array}"
-
 
 _POOL = None
 
 
 def compile_threads() -> int:
-    """Threads that quantize weight blocks: STRATA_COMPILE_THREADS, else the usable CPUs."""
-    import os
-
-    env = os.environ.get("STRATA_COMPILE_THREADS")
-    if env and env.isdigit() and int(env) > 0:
-        return int(env)
+    """Threads that quantize weight blocks: the compile_threads setting, else the usable CPUs."""
+    n = settings.get("compile_threads")
+    if n:
+        return n
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
@@ -126,10 +117,10 @@ def emit(g: Graph, ctx: PassContext) -> Graph:
     out = ctx.output_dir
     out.mkdir(parents=True, exist_ok=True)
     bytes_by_format: dict[str, int] = defaultdict(int)
-    donor = ctx.analyses.get("donor_plan")       # --calib PLAN.bin: its quantized weights, reused
+    donor = ctx.analyses.donor_plan       # --calib PLAN.bin: its quantized weights, reused
     reused = 0
     with ContainerWriter(out / WEIGHTS_FILE, WEIGHTS_MAGIC) as w:
-        calib = ctx.analyses.get("calibration")
+        calib = ctx.analyses.calibration
         for spec in g.weights:
             arrays = _from_donor(donor, spec) if donor is not None else None
             if arrays is not None:
@@ -141,7 +132,7 @@ def emit(g: Graph, ctx: PassContext) -> Graph:
                 continue
             imp = calib.importance(spec.name) if calib is not None and ctx.options.imatrix else None
             bytes_by_format[spec.fmt] += _write_weight(w, spec, ctx.store, ctx.progress_bytes, imp)
-    ctx.analyses["reused_weights"] = reused
+    ctx.analyses.reused_weights = reused
     with Container.open(out / WEIGHTS_FILE, WEIGHTS_MAGIC, verify="none") as c:
         weights_ref = {"file": WEIGHTS_FILE, "size": c.total_size, "checksum": c.body_checksum}
     meta = {
@@ -151,7 +142,7 @@ def emit(g: Graph, ctx: PassContext) -> Graph:
                     "tensor_format": ctx.options.tensor_format, "imatrix": ctx.options.imatrix},
         "model": {k: list(v) if isinstance(v, tuple) else v for k, v in g.meta},
         "weights": dict(weights_ref, bytes_by_format=dict(sorted(bytes_by_format.items()))),
-        "passes": [r["pass"] for r in ctx.analyses.get("pass_records", []) if r["pass"] != "input"],
+        "passes": [r["pass"] for r in ctx.analyses.pass_records if r["pass"] != "input"],
         "source_fingerprint": source_fingerprint(ctx.store, (k for s in g.weights for k in s.all_source_keys())),
     }
     if calib is not None:
@@ -160,9 +151,7 @@ def emit(g: Graph, ctx: PassContext) -> Graph:
     if ctx.tokenizer_json is not None:
         sections.append(("tokenizer", ctx.tokenizer_json))
     if calib is not None:
-        from strata_compiler.passes.calibrate import imatrix_section
-
-        sections.append(("imatrix", imatrix_section(calib)))
+        sections.append(("imatrix", imatrix_section({n: calib.importance(n) for n in calib.sumsq})))
     with ContainerWriter(out / "plan.bin", PLAN_MAGIC) as p:
         for name, data in sections:
             p.add(name, data)

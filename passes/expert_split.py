@@ -4,42 +4,37 @@ A moe_ffn node computes  y = residual + sum_e route[:, e] * expert_e(x)  over it
 sum splits: node 1 takes experts S1 and the residual, node 2 takes S2 and node 1's result as its
 residual, and so on — the chain gives the same y. Each share's weights are their own
 WeightSpecs (`expert_ids` names the model's experts they stack), so each share can have its own
-storage format (per-expert formats from LAQ) and its own device (placement). The node's
-`experts` attribute tells the executors which routing columns are its own.
+device (placement). The node's `experts` attribute tells the executors which routing columns are
+its own.
 
 An expert cache (`stratac compile --expert-cache`) is the dynamic form: the layer becomes its GPU
 share (the cache's slots, first holding the hottest experts) and a `whole` share on the host that
 holds every expert and computes those not resident in the cache; both carry `cache=<layer key>`,
-and the runtime (runtime/expert_cache.py) swaps experts into the slots as routing shifts.
+and the runtime (runtime/expert_cache.py) swaps experts into the slots as routing shifts. What the
+backends and the runtime read of these shares (residents, masks, mesh groups) is in
+strata_compiler/experts.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import numpy as np
-
+from strata_compiler.experts import moe_key
 from strata_compiler.ir import Graph, Node, Op, make_attrs
 from strata_compiler.passes.rewrite import Rewriter
 
 
 @dataclass(frozen=True)
 class Share:
-    """One moe_ffn node's experts; formats maps a weight role (gate_up, down, ...) to (fmt,
-    group size) for that share, unset roles keep the layer's format; device '' keeps the node's."""
+    """One moe_ffn node's experts and their device ('' keeps the node's); the share's weights keep
+    the layer's formats."""
 
     experts: tuple[int, ...]
-    formats: tuple[tuple[str, tuple[str, int]], ...] = ()
     device: str = ""
     whole: bool = False    # an expert cache's host side: all the layer's experts, those resident
                            # in the cache (the layer's other shares) masked out at run time
     prior: tuple[float, ...] = ()   # a whole share: each expert's calibrated share of the tokens
                                     # (the cache's starting scores), else empty
-
-
-def moe_key(n: Node) -> str:
-    """A stable name for a moe_ffn node across passes: its down weight's name."""
-    return n.weight("down")
 
 
 def split_experts(g: Graph, shares: dict[str, list[Share]], calib=None) -> Graph:
@@ -59,7 +54,7 @@ def split_experts(g: Graph, shares: dict[str, list[Share]], calib=None) -> Graph
             raise ValueError(f"shares of {moe_key(n)} do not partition its experts {list(mine)}: {flat}")
         if cached and n.attr("experts", ()):
             raise ValueError(f"{moe_key(n)}: an expert cache needs the whole layer, not a share")
-        if len(parts) == 1 and not parts[0].formats and not parts[0].device:
+        if len(parts) == 1 and not parts[0].device:
             continue
         pos = {e: i for i, e in enumerate(mine)}      # model expert id -> position in n's stacks
         x, route = n.args[0], n.args[1]
@@ -72,7 +67,6 @@ def split_experts(g: Graph, shares: dict[str, list[Share]], calib=None) -> Graph
         for si, share in enumerate(parts):
             if parallel and si > 0:
                 prev = None
-            fm = dict(share.formats)
             ws = {}
             attrs = dict(n.attrs)
             if cached:
@@ -89,10 +83,8 @@ def split_experts(g: Graph, shares: dict[str, list[Share]], calib=None) -> Graph
             for role, name in n.weights:
                 spec = rw.weights[name]
                 sub = f"{name}.s{si}"
-                fmt, gs = fm.get(role, (spec.fmt, spec.group_size))
                 rw.weights[sub] = replace(spec, name=sub, shape=(len(share.experts),) + spec.shape[1:],
-                                          experts=len(share.experts), expert_ids=tuple(share.experts),
-                                          fmt=fmt, group_size=gs)
+                                          experts=len(share.experts), expert_ids=tuple(share.experts))
                 ws[role] = sub
                 if calib is not None:
                     _slice_statistics(calib, name, sub, [pos[e] for e in share.experts])
@@ -117,69 +109,3 @@ def _slice_statistics(calib, name: str, sub: str, rows: list[int]) -> None:
     if name in calib.sumsq and getattr(calib.sumsq[name], "ndim", 0) == 2:
         calib.sumsq[sub] = calib.sumsq[name][rows]
         calib.rows[sub] = calib.rows[name][rows]
-
-
-def static_residents(g: Graph, key: str) -> tuple[int, ...]:
-    """The experts the plan puts in cache `key`'s GPU slots (its share node's `experts`)."""
-    for n in g.nodes:
-        if n.op is Op.MOE_FFN and n.attr("cache", "") == key and n.attr("experts", ()):
-            return tuple(n.attr("experts"))
-    return ()
-
-
-def nonresident_mask(g: Graph, n: Node) -> np.ndarray | None:
-    """f32[E] for a cache's `whole` node: 0 for the experts resident in the cache's slots (the
-    runtime cache's current ones when it runs one, else the plan's), 1 for the rest; None for
-    other nodes."""
-    key = n.attr("cache", "")
-    if not key or n.attr("experts", ()):
-        return None
-    from strata_compiler.runtime import expert_cache
-
-    live = expert_cache.lookup(g, key)
-    return live.nonresident if live is not None else static_nonresident(g, n)
-
-
-def static_nonresident(g: Graph, n: Node) -> np.ndarray:
-    """nonresident_mask as the plan has it (no runtime cache): the share node's experts are 0."""
-    mask = np.ones(g.weight(n.weight("down")).shape[0], np.float32)
-    mask[list(static_residents(g, n.attr("cache")))] = 0.0
-    return mask
-
-
-def share_groups(graph: Graph, nodes: list[Node]) -> list[list[Node]]:
-    """The moe_ffn shares of one layer on different GPUs (same x and routing inputs after
-    transfers), in node order; only groups with one share per device and one storage format."""
-
-    def origin(i: int) -> int:
-        while graph.node(i).op is Op.TRANSFER:
-            i = graph.node(i).args[0]
-        return i
-
-    groups: dict[tuple[int, int], list[Node]] = {}
-    for n in nodes:
-        if n.op is Op.MOE_FFN and n.attr("experts", ()) and not n.attr("cache", "") and n.device.startswith("gpu"):
-            groups.setdefault((origin(n.args[0]), origin(n.args[1])), []).append(n)
-    out = []
-    for members in groups.values():
-        devs = [m.device for m in members]
-        specs = {(graph.weight(m.weight(r)).fmt, graph.weight(m.weight(r)).group_size,
-                  graph.weight(m.weight(r)).shape[1:]) for m in members for r in ("gate_up", "down")}
-        if len(members) > 1 and len(set(devs)) == len(devs) and len(specs) == 2 \
-                and all(m.weight("gate_up") and m.weight("down") for m in members):
-            out.append(members)
-    return out
-
-
-def mesh_devices(graph: Graph) -> int:
-    """How many GPUs a striped plan's mesh spans (backends/xla/mesh.py; 0: the plan is not one
-    for a mesh: its GPU nodes are on one device, or off gpu:0 are other nodes than expert shares)."""
-    xla = [n for n in graph.nodes if n.device.startswith("gpu")]
-    devs = {n.device for n in xla}
-    if len(devs) < 2 or not all(d.startswith("gpu:") for d in devs):
-        return 0
-    grouped = {m.id for grp in share_groups(graph, xla) for m in grp}
-    for n in xla:
-        if n.device != "gpu:0" and n.id not in grouped and n.op is not Op.TRANSFER:
-            return 0
-    return 1 + max(int(d.split(":")[1]) for d in devs) if grouped else 0

@@ -61,11 +61,8 @@ def _sample_rows(spec, store, max_rows: int):
     return [(e, np.concatenate(b, 0), per / sum(len(x) for x in b)) for e, b in out.items()]
 
 
-def measure(spec, store, calib, group_size: int, candidates=CANDIDATES, max_rows: int = 256,
-            per_expert: dict | None = None) -> list[Option]:
-    """err(t, f) and bytes(t, f) for each candidate format (module docstring). With `per_expert`
-    (a dict, filled in) and a stacked weight, also each expert's share: per_expert[f] = its
-    errors f64[E] (summing to err(t, f))."""
+def measure(spec, store, calib, group_size: int, candidates=CANDIDATES, max_rows: int = 256) -> list[Option]:
+    """err(t, f) and bytes(t, f) for each candidate format (module docstring)."""
     imp = calib.importance(spec.name) if calib is not None else None
     a = calib.expert_weight(spec.name) if calib is not None else None
     rows = _sample_rows(spec, store, max_rows)
@@ -73,80 +70,18 @@ def measure(spec, store, calib, group_size: int, candidates=CANDIDATES, max_rows
     for name in candidates:
         f = get_format(name)
         gs = group_size if f.grouped else 32
-        errs = np.zeros(max(spec.experts, 1))
+        errs = np.zeros(max(spec.experts, 1))          # per expert, summed as one array
         for e, w, scale in rows:
             ie = None if imp is None else (imp[e] if imp.ndim == 2 else imp)
             r = f.roundtrip(w, gs, ie)
             d2 = (w.astype(np.float64) - r) ** 2
             s = float((d2 * (1.0 if ie is None else ie[None, :])).sum()) * scale
             errs[e or 0] += s * (1.0 if a is None or e is None else float(a[e]))
-        if per_expert is not None:
-            per_expert[name] = errs
         opts.append(Option(name, f.nbytes(spec.shape, gs), float(errs.sum())))
     return opts
 
 
-def expert_options(name: str, options: list[Option], per_expert: dict, experts: int) -> dict[str, list[Option]]:
-    """The allocator's items for a stacked weight decided per expert: 'NAME#e' -> that expert's
-    options (bytes a 1/E share, error its own, scaled as the tensor's options were)."""
-    out = {}
-    for e in range(experts):
-        item = []
-        for o in options:
-            raw = per_expert[o.fmt]
-            total = float(raw.sum())
-            share = raw[e] / total if total > 0 else 1.0 / experts
-            item.append(Option(o.fmt, o.nbytes // experts, o.error * share))
-        out[f"{name}#{e}"] = item
-    return out
-
-
 PROBE_FORMAT = "int3"
-
-
-def sensitivity(graph, weights, calib, group_size: int, names: list[str], probe: str = PROBE_FORMAT,
-                progress=None) -> dict[str, float]:
-    """Measured sensitivity: the mean KL(f32 || perturbed) of the next-token distributions over
-    the calibration probe tokens when only tensor t is stored at `probe` (the rest f32)."""
-    from strata_compiler.backends.reference.executor import ReferenceExecutor
-    from strata_compiler.runtime.kv_cache import KVCache
-
-    meta = dict(graph.meta)
-    ids = calib.probe_ids
-    f = get_format(probe)
-
-    class Perturbed:
-        target: str | None = None
-        value: np.ndarray | None = None
-
-        def get(self, name: str) -> np.ndarray:
-            return self.value if name == self.target else weights.get(name)
-
-    src = Perturbed()
-    exe = ReferenceExecutor(graph, src)
-
-    def log_probs() -> np.ndarray:
-        cache = KVCache(meta["n_layers"], 1, meta["n_kv_heads"], meta["head_dim"], ids.shape[1])
-        z = exe.run(ids, cache)[graph.outputs[0]].reshape(-1, meta["vocab_size"]).astype(np.float64)
-        z -= z.max(-1, keepdims=True)
-        return z - np.log(np.exp(z).sum(-1, keepdims=True))
-
-    ref = log_probs()
-    p_ref = np.exp(ref)
-    out = {}
-    for i, name in enumerate(names):
-        w = weights.get(name)
-        imp = calib.importance(name)
-        if imp is not None and imp.ndim == 2:
-            r = np.stack([f.roundtrip(w[e], group_size, imp[e]) for e in range(w.shape[0])])
-        else:
-            r = f.roundtrip(w, group_size, imp)
-        src.target, src.value = name, r
-        out[name] = float((p_ref * (ref - log_probs())).sum(-1).mean())
-        if progress:
-            progress(f"quantize: probed {i + 1}/{len(names)} tensors")
-    src.target = src.value = None
-    return out
 
 
 def calibrate_errors(options: dict[str, list[Option]], sens: dict[str, float],
@@ -216,21 +151,3 @@ def allocate(options: dict[str, list[Option]], budget: int, resolution: int = 20
         _, n, o = best
         left -= o.nbytes - choice[n].nbytes
         choice[n] = o
-
-
-def parse_size(text: str) -> int:
-    """'16GiB', '800MB', '123456' -> bytes."""
-    t = text.strip()
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
-    i = len(t)
-    while i > 0 and not (t[i - 1].isdigit() or t[i - 1] == "."):
-        i -= 1
-    num, unit = t[:i], t[i:].strip().lower()
-    try:
-        value = float(num)
-    except ValueError:
-        value = -1.0
-    if value <= 0 or unit not in units:
-        raise UsageError(f"--memory-budget {text!r}: use a size such as 800MiB, 12GB or 16GiB")
-    return int(value * units[unit])

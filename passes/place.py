@@ -1,112 +1,79 @@
 """`place`: a cost model decides which ops and which experts run on the GPU (with `--target`).
 
-Inputs: the tensor-level graph with its weight formats, a hardware profile (`stratac probe-hw`,
-or measured now with `--target auto`; `--gpu-mem` / `--host-mem` resize it to plan for another
-machine) and, with `--calib`, each expert's routing frequency (else every expert is equally
-likely: k/E).
+Inputs: the tensor-level graph with its weight formats, a hardware profile (ctx.hardware: read
+from `--target HW.json` or measured for `--target auto` by the compile driver; `--gpu-mem` /
+`--host-mem` resize it) and, with `--calib`, each expert's routing frequency (else k/E each).
 
-Cost model, per decode token at batch 1 (the roofline in the spirit of Fiddler and
-MoE-Lightning, with the per-kernel latencies that dominate small decode steps):
+Cost model, per decode token at batch 1 (a roofline in the spirit of Fiddler and MoE-Lightning,
+with the per-kernel latencies that dominate small decode steps):
 
-    t(op on cpu) = weight bytes / CPU GEMV rate of its format (profile) + the op dispatch cost
-                   (the profile's host.op_seconds, else CPU_OP_S)
-    t(op on gpu) = weight bytes / GPU GEMV rate of its format (profile) + kernels(op) * GPU_KERNEL_S
+    t(op on cpu) = weight bytes / CPU GEMV rate of its format + the op dispatch cost
+    t(op on gpu) = weight bytes / GPU GEMV rate of its format + kernels(op) * GPU_KERNEL_S
     an expert's weight bytes count with its probability of being chosen, p_e (sum_e p_e = k)
-    each switch between devices along the op order: a partition's round trip (the profile's
-                   gpu.partition_seconds, at least PARTITION_S) + activation bytes / link rate;
-                   a step starts and ends on the host (ids in, logits out), so a plan whose first
-                   or last op is on the GPU pays for that switch too
+    each switch between devices along the op order (a step starts and ends on the host): a
+                   partition's round trip (at least PARTITION_S) + activation bytes / link rate
 
-Placement units: the embedding, the head (final norm + lm_head), each layer's core (attention,
-norms, router, shared experts or dense MLP) and each routed expert. Solved by a bounded greedy
-over the multiple-choice knapsack (GPU bytes): units by time saved per GPU byte, hot experts
-before cold ones, under the GPU budget (its memory less the KV cache and a reserve); the result
-is compared with the structured candidates (all on the CPU; cores on the GPU and experts on the
-CPU — KTransformers' default; whole layers from the first — llama.cpp's -ngl) and the fastest
-predicted one wins. A layer whose experts end up on both devices becomes two expert shares
-(passes/expert_split.py), one per device; nodes get `device`, which select-kernels honours
-(`--place` rules still override). Weights left on the host beyond `--host-mem` are marked for
-the disk tier, coldest experts first.
+Placement units: the embedding, the head, each layer's core (attention, norms, router, shared or
+dense MLP) and each routed expert. A bounded greedy over the multiple-choice knapsack (GPU bytes:
+its memory less the KV cache and a reserve) takes units by time saved per GPU byte; the result
+competes with structured candidates (all on the CPU; KTransformers' cores-on-GPU; llama.cpp's
+-ngl) and the fastest predicted wins. A layer whose experts land on both devices becomes expert
+shares (passes/expert_split.py); nodes get `device`, which select-kernels honours (`--place` rules
+still override). Weights beyond `--host-mem` go to the disk tier, coldest experts first. Several
+GPUs (--gpus N): spread by layer blocks or striped over a mesh; --gpu-mode auto keeps the faster.
 
-Several GPUs (--gpus N): the one-GPU solution is spread by layer blocks (each hop between GPUs a
-host-driven switch) or striped (each layer's GPU experts dealt over the GPUs, run as one mesh:
-each GPU reads 1/N of the experts, each split layer pays an all-reduce); --gpu-mode auto keeps
-the faster predicted.
-
-The placement minimises decode time; the prefill of a 512-token prompt is predicted for it too
-(each matrix product bound by its weight bytes or its flops on that device; an expert's weights
-count once if any prompt token chose it). The prediction goes into the graph meta `placement`
-(JSON: predicted decode and prefill tokens/s, bytes per tier,
-per-layer device and time) for `stratac inspect`, and into placement.json with --dump-dir.
+The prediction (decode and a 512-token prefill, bytes per tier, per-layer device and time) goes
+into the graph meta `placement` for `stratac inspect`, and into placement.json with --dump-dir.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
-from strata_compiler.errors import UsageError
+from strata_compiler.errors import PassError, UsageError
+from strata_compiler.experts import mesh_devices, moe_key, share_groups
 from strata_compiler.formats import get_format
+from strata_compiler.hwprofile import HardwareProfile, override
 from strata_compiler.ir import Graph, Level, Node, Op, make_attrs
 from strata_compiler.pass_manager import PassContext, register
-from strata_compiler.passes.expert_split import Share, mesh_devices, moe_key, share_groups, split_experts
+from strata_compiler.passes.expert_split import Share, split_experts
 
-# Latencies the byte rates do not capture (seconds). GPU: one kernel launch at decode (an H200
-# profile of this backend: 58.8 us for 17.7 kernels per layer). CPU: the llvm executor's
-# dispatch of one op. PARTITION_S: entering another device's partition (a jitted call, the
-# activation's trip through host memory).
+# Latencies the byte rates do not capture (seconds), fitted to measured plans (BENCHMARKS.md).
+# GPU: one kernel launch at decode. CPU: the llvm executor's dispatch of one op. PARTITION_S:
+# entering another device's partition (a jitted call, the activation's trip through host memory).
 GPU_KERNEL_S = 3.3e-6
 CPU_OP_S = 12e-6
 # Kernel calls the llvm executor makes per op at decode (q8 activation quantization, routing
 # pairs, the two MoE halves, ...): the dispatch cost counts per call.
 CPU_CALLS = {Op.LINEAR: 2, Op.FUSED_ATTENTION: 3, Op.ROUTE: 1, Op.MOE_FFN: 5, Op.EMBED: 1, Op.RMS_NORM: 1}
 PARTITION_S = 60e-6
-# A real partition switch costs more than the probe's tiny jitted call: its jitted call launches a
-# layer's ~17 kernels and passes ~20 weight arrays and the donated KV cache from the host (each a
-# host-side cost on the critical path), and the CPU pool wakes its workers. Fitted on the H200
-# (2026-11-29, raw-copy hand-offs): a plan splitting all 16 layers (32 switches per token)
-# measured 17.8 ms per token where the tiny call's 0.167 ms per switch predicted 10.5 ms, i.e.
-# 0.40 ms per switch = 2.4 x the tiny call. Plans with few switches barely depend on it.
+# A real partition switch costs more than the probe's tiny jitted call: it launches a layer's
+# kernels, passes its weight arrays and the donated KV cache from the host, and wakes the CPU
+# pool's workers. Plans with few switches barely depend on it.
 SWITCH_FACTOR = 2.4
 # Decode steps of a single-GPU plan run as one jitted program in which CPU partitions are host
-# calls (runtime/fused_step.py): no jitted call per switch; refitted (below) to 0.35 x the tiny
-# call, under PARTITION_S's floor, so a switch costs 60 us (the host call's copies and sync, the
-# GPU's launch gaps around it; any factor up to 0.36 fits the run equally).
+# calls (runtime/fused_step.py): no jitted call per switch, a switch costs PARTITION_S's floor.
 FUSED_SWITCH_FACTOR = 0.35
-# The CPU's share of a mixed plan runs at this fraction of the probe's rates (its GEMV on a 256 MiB
-# matrix, alone on the machine): beside the GPU runtime's threads, on a layer's few cold experts,
-# inside host calls. A plan without GPU work keeps the probe's rates. Fitted together with
-# FUSED_SWITCH_FACTOR on one H200 run (2026-11-30 09:27, placement_bench.py, 16 layers, 25 %,
-# fused steps): -ngl 110.4, KTransformers' layout 82.2, hot experts 121.9 tok/s measured against
-# 109.0 / 84.6 / 120.0 predicted (rms 2.0 % in log; the VM replayed the place pass on the same
-# model and calibration with the H200 profile over a grid of both constants); the all-CPU plan,
-# measured at 83.8–95.3 tok/s there, is predicted at 96 with the probe's rates. The earlier fit (0.96 x the switch,
-# CPU at the probe's rates) put the CPU's slowness into the switches: it matched the split plan
-# but over-predicted -ngl by 22 % and chose it. Refitted after the CPU shares became native
-# programs (benchmarks/refit_cost_model.py on the H200 run of 2026-11-30 14:04, the plans'
-# committed profile: the split plan 169.4, -ngl 142.2, KTransformers' layout 98.7 tok/s at 25 %,
-# the split plan 203.3 and -ngl 169.6 at 50 %): 0.9 x the probe's rates and the 60 us switch
-# predict them within 9 % (rms 6.8 % in log; 0.75 and 84 us: 20.6 %, every one under-predicted).
+# The CPU's share of a mixed plan runs at this fraction of the probe's rates: beside the GPU
+# runtime's threads, on a layer's few cold experts, inside host calls (a plan without GPU work
+# keeps them). Fitted with FUSED_SWITCH_FACTOR (benchmarks/refit_cost_model.py).
 CPU_MIXED_EFFICIENCY = 0.9
-# Fused decode steps overlap a split layer's CPU and GPU experts (runtime/fused_step.py,
-# STRATA_FUSED_OVERLAP auto): the layer's MoE costs the longer of its two shares. Measured on the
-# H200 (2026-11-30 16:04, placement_bench.py, 16 layers, 25 %): the split plan 197.2 tok/s with
-# the overlap against 179.7 without, in one run.
+# Fused decode steps overlap a split layer's CPU and GPU experts (runtime/fused_step.py): the
+# layer's MoE costs the longer of its two shares.
 OVERLAP = True
-# One all-reduce of a token's activation among the GPUs of a mesh, inside the XLA computation, with
-# what sharding adds around it. Measured on 2 H200s (2026-11-29, benchmarks/multi_gpu.py, 16
-# layers): the striped plan as one mesh decoded at 319.3 tok/s against 432.2 on one GPU, i.e.
-# (3.132 - 2.314) ms / 16 layers = 51 us per split layer.
+# One all-reduce of a token's activation among the GPUs of a mesh, inside the XLA computation,
+# with what sharding adds around it (benchmarks/multi_gpu.py).
 ALLREDUCE_S = 51e-6
 GPU_RESERVE = 0.10              # of the GPU budget: XLA's workspace, fragmentation
 
 
 def cpu_op_s(hw) -> float:
     """One CPU kernel call's fixed cost: CPU_OP_S, or the profile's measured bare dispatch when
-    that is larger (the bare figure leaves out the executor's own work per call; on the 2-core VM
-    a tiny-MoE decode step measured ~16 us per call against a 3 us bare dispatch)."""
+    that is larger (the bare figure leaves out the executor's own work per call)."""
     return max(getattr(hw.host, "op_seconds", None) or 0.0, CPU_OP_S)
 
 
@@ -552,8 +519,14 @@ def place_pass(g: Graph, ctx: PassContext) -> Graph:
     opts = ctx.options
     if not opts.target:
         return g
-    hw = load_target(opts.target, opts.gpu_mem or None, opts.host_mem or None, progress=ctx.progress)
-    calib = ctx.analyses.get("calibration")
+    hw = ctx.hardware
+    if hw is None:      # the compile driver reads the profile (and measures `--target auto`)
+        if opts.target == "auto":
+            raise PassError("place: --target auto needs the profile the compile driver measures "
+                            "(pipelines.compile_model) in the pass context's `hardware`")
+        hw = HardwareProfile.from_json(Path(opts.target))
+    hw = override(hw, gpu_mem=opts.gpu_mem or None, host_mem=opts.host_mem or None)
+    calib = ctx.analyses.calibration
     probs = expert_probabilities(g, calib)
     units, unit_of = build_units(g, hw, probs, opts.plan_prompt)
     kv = kv_bytes(g, min(opts.plan_ctx, int(g.meta_value("max_position", opts.plan_ctx))))
@@ -619,43 +592,9 @@ def place_pass(g: Graph, ctx: PassContext) -> Graph:
         summary["gpu_mode"] = best
         summary["gpu_modes"] = {m: {"hops_per_token": v["hops"], "predicted_tok_s": round(1.0 / v["seconds"], 2)}
                                 for m, v in modes.items()}
-    ctx.analyses["placement"] = summary
+    ctx.analyses.placement = summary
     if ctx.dump_dir is not None:
         ctx.dump_dir.mkdir(parents=True, exist_ok=True)
         (ctx.dump_dir / "placement.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     meta = dict(out.meta, placement=json.dumps(summary, sort_keys=True, separators=(",", ":")))
     return out.with_(meta=make_attrs(**meta))
-
-
-def load_target(target: str, gpu_mem: str | None, host_mem: str | None, progress=None):
-    """`--target auto` (measure this machine with the full probe once, cached per host in Strata's
-    cache dir: a quick probe's rough figures changed the chosen layout between H200 machines, and
-    the plan it chose measured 153.5 tok/s against 169.4 for the full profile's, BENCHMARKS.md) or
-    a hw.json from `stratac probe-hw`; then the --gpu-mem / --host-mem overrides."""
-    from pathlib import Path
-
-    from strata_compiler import hwprofile
-
-    if target == "auto":
-        import os
-        import socket
-
-        from strata_compiler.backends.llvm_cpu.jit import cache_dir
-
-        path = Path(cache_dir()) / f"hw-full-{socket.gethostname()}.json"
-        if path.exists():
-            try:
-                hw = hwprofile.HardwareProfile.from_json(path)
-            except UsageError:
-                hw = None
-        else:
-            hw = None
-        if hw is None or hw.quick:
-            if progress:
-                progress("place: measuring this machine once (stratac probe-hw; cached for later compiles)")
-            hw = hwprofile.probe(disk_dir=os.environ.get("TMPDIR", "/tmp"))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            hw.save(path)
-    else:
-        hw = hwprofile.HardwareProfile.from_json(Path(target))
-    return hwprofile.override(hw, gpu_mem=gpu_mem, host_mem=host_mem)

@@ -71,44 +71,33 @@ def _quantizable(g: Graph) -> list:
 
 
 def _adaptive(g: Graph, ctx: PassContext) -> Graph:
-    """Layer-adaptive formats (passes/laq.py): measured error per tensor (and per routed expert)
-    and format, a knapsack; experts of one layer that get different formats become shares of
-    the layer (passes/expert_split.py), one moe_ffn node per format combination."""
+    """Layer-adaptive formats (passes/laq.py): measured error per tensor and format, a knapsack."""
     import json
 
     import numpy as np
 
     from strata_compiler.errors import UsageError
-    from strata_compiler.passes.laq import (PROBE_FORMAT, allocate, calibrate_errors, candidates, expert_options,
-                                           measure, parse_size, sensitivity)
+    from strata_compiler.hwprofile import parse_size
+    from strata_compiler.passes.calibrate import sensitivity
+    from strata_compiler.passes.laq import PROBE_FORMAT, allocate, calibrate_errors, candidates, measure
 
     opts = ctx.options
     if ctx.store is None:
         raise UsageError("--bits / --memory-budget need the model's weights")
     gs = opts.group_size
     todo = _quantizable(g)
-    calib = ctx.analyses.get("calibration")
-    per_expert = opts.laq_granularity == "expert"
-    options, split = {}, {}
+    calib = ctx.analyses.calibration
+    options = {}
     for i, w in enumerate(todo):
-        pe = {} if per_expert and w.experts > 1 else None
-        options[w.name] = measure(w, ctx.store, calib, gs, candidates=candidates(w), per_expert=pe)
-        if pe is not None:
-            split[w.name] = pe
+        options[w.name] = measure(w, ctx.store, calib, gs, candidates=candidates(w))
         if ctx.progress:
             ctx.progress(f"quantize: measured {i + 1}/{len(todo)} tensors")
     raw = options
     sens = None
     if calib is not None and calib.probe_ids is not None and opts.calib_probe_tokens > 0:
-        sens = sensitivity(g, ctx.analyses["calibration_weights"], calib, gs, [w.name for w in todo],
+        sens = sensitivity(g, ctx.analyses.calibration_weights, calib, gs, [w.name for w in todo],
                            progress=ctx.progress)
         options = calibrate_errors(options, sens)
-    items = {}
-    for name, o in options.items():
-        if name in split:
-            items.update(expert_options(name, o, split[name], g.weight(name).experts))
-        else:
-            items[name] = o
     params = sum(int(np.prod(w.shape)) for w in todo)
     if opts.bits:
         budget = int(opts.bits / 8.0 * params)
@@ -118,57 +107,20 @@ def _adaptive(g: Graph, ctx: PassContext) -> Graph:
         if budget <= 0:
             raise UsageError(f"--memory-budget {opts.memory_budget}: the weights that stay f32 (norms, "
                              f"routers) alone take {fixed} bytes; raise the budget")
-    choice = allocate(items, budget)
+    choice = allocate(options, budget)
     table = {n: {"fmt": choice[n].fmt, "bytes": choice[n].nbytes, "error": choice[n].error,
                  "options": {x.fmt: [x.nbytes, x.error] for x in options[n]},
                  "proxy": {x.fmt: x.error for x in raw[n]}}
-             for n in options if n in choice}
-    for n in split:
-        fm = [choice[f"{n}#{e}"].fmt for e in range(g.weight(n).experts)]
-        table[n] = {"fmt": "per-expert", "experts": fm,
-                    "bytes": sum(choice[f"{n}#{e}"].nbytes for e in range(len(fm))),
-                    "error": sum(choice[f"{n}#{e}"].error for e in range(len(fm))),
-                    "options": {x.fmt: [x.nbytes, x.error] for x in options[n]},
-                    "proxy": {x.fmt: x.error for x in raw[n]}}
-    ctx.analyses["laq"] = {"budget": budget, "params": params, "tensors": table, "granularity": opts.laq_granularity,
-                           "error_units": f"KL at {PROBE_FORMAT} (measured)" if sens else "activation-weighted MSE",
-                           "sensitivity": sens}
+             for n in options}
+    ctx.analyses.laq = {"budget": budget, "params": params, "tensors": table,
+                        "error_units": f"KL at {PROBE_FORMAT} (measured)" if sens else "activation-weighted MSE",
+                        "sensitivity": sens}
     if ctx.dump_dir is not None:
         ctx.dump_dir.mkdir(parents=True, exist_ok=True)
-        (ctx.dump_dir / "laq.json").write_text(json.dumps(ctx.analyses["laq"], indent=1, sort_keys=True))
+        (ctx.dump_dir / "laq.json").write_text(json.dumps(ctx.analyses.laq, indent=1, sort_keys=True))
 
     def with_fmt(w, fmt):
         return replace(w, fmt=fmt, group_size=gs if get_format(fmt).grouped else 0)
 
-    g = g.with_(weights=tuple(with_fmt(w, choice[w.name].fmt) if w.name in choice else w for w in g.weights))
-    return _expert_shares(g, {n: [choice[f"{n}#{e}"].fmt for e in range(g.weight(n).experts)] for n in split},
-                          gs, calib)
+    return g.with_(weights=tuple(with_fmt(w, choice[w.name].fmt) if w.name in choice else w for w in g.weights))
 
-
-def _expert_shares(g: Graph, per_expert: dict[str, list[str]], gs: int, calib) -> Graph:
-    """Each MoE layer whose experts got different formats becomes one moe_ffn per combination of
-    formats (over its weights: gate_up and down); a layer with one combination just takes it."""
-    from strata_compiler.ir import Op
-    from strata_compiler.passes.expert_split import Share, moe_key, split_experts
-
-    def fmt(f):
-        return (f, gs if get_format(f).grouped else 0)
-
-    shares, uniform = {}, {}
-    for n in g.nodes:
-        if n.op is not Op.MOE_FFN or not any(w in per_expert for _, w in n.weights):
-            continue
-        E = g.weight(n.weight("down")).shape[0]
-        combos: dict[tuple, list[int]] = {}
-        for e in range(E):
-            key = tuple((r, fmt(per_expert[w][e])) for r, w in n.weights if w in per_expert)
-            combos.setdefault(key, []).append(e)
-        if len(combos) == 1:
-            for r, (f, _) in next(iter(combos)):
-                uniform[n.weight(r)] = f
-        else:
-            shares[moe_key(n)] = [Share(tuple(ids), key) for key, ids in combos.items()]
-    if uniform:
-        g = g.with_(weights=tuple(replace(w, fmt=uniform[w.name], group_size=fmt(uniform[w.name])[1])
-                                  if w.name in uniform else w for w in g.weights))
-    return split_experts(g, shares, calib) if shares else g

@@ -70,11 +70,10 @@ def _save(path: Path, arr: np.ndarray) -> None:
 @click.option("--prefetch/--no-prefetch", default=False, show_default=True,
               help="With an expert cache: predict each cached layer's experts by applying its router to the "
                    "hidden state entering the layer, and start their copies before the layer runs. Off by "
-                   "default: on an H200 it has cost more than it saved in every run so far (BENCHMARKS.md). "
+                   "default: it has cost more than it saved in every measured run. "
                    "With --miss-path gpu only a cached layer that follows a CPU partition predicts (the others "
                    "have no host call to start copies from).")
 @click.option("--miss-path", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
-              envvar="STRATA_MISS_PATH", show_envvar=True,
               help="With an expert cache: where a missed expert computes. gpu: the GPU reads its weights from "
                    "host memory in place (page-locked, over PCIe) and the whole layer runs on the GPU, no host "
                    "call; cpu: the plan's CPU share computes it (two host calls per cached layer and token); "
@@ -135,7 +134,7 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
     session = Session(plan, backend, device=device, expert_cache=expert_cache, cache_policy=cache_policy,
                       prefetch=prefetch, multi_gpu=multi_gpu, miss_path=miss_path)
     stop = () if ignore_eos else tuple(plan.meta["model"].get("eos_token_ids") or ())
-    from . import trace
+    from strata_compiler import trace
 
     tracer = trace.Tracer(full=bool(trace_out)) if (trace_out or stats) else None
     trace.ACTIVE = tracer
@@ -181,7 +180,7 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
     if stats:
         from . import expert_cache as ec
 
-        for line in tracer.stats_lines(t_run) + ec.stats_lines(session.graph):
+        for line in tracer.stats_lines(t_run) + ec.stats_lines(session.executor.residency):
             click.echo(line, err=True)
 
 

@@ -12,26 +12,15 @@ import json
 import re
 
 from strata_compiler.formats import get_format
-from strata_compiler.passes.emit import section_name
-
-
-TIERS: dict[int, "DiskTier"] = {}     # id of a plan's graph -> its disk tier (executors look it up)
-
-
-def after(graph, weight_names) -> None:
-    """Called by a MoE kernel when it is done: its disk-tier experts' pages go now, so a prefill
-    that touches every expert holds one layer's at a time."""
-    t = TIERS.get(id(graph))
-    if t is not None:
-        for name in weight_names:
-            for off, n in t.by_weight.get(name, ()):
-                t.container.release(off, n)
+from strata_compiler.plan_format import section_name
 
 
 class DiskTier:
+    """A plan's disk-tier experts; with any, it sits on the plan's weights (`plan.weights.disk_tier`),
+    where the executors reading those weights find it."""
+
     def __init__(self, plan) -> None:
         self.container = plan.weights.c
-        self.graph = plan.graph     # held while registered: its id in TIERS cannot be another graph's
         self.ranges: list[tuple[int, int]] = []
         self.by_weight: dict[str, list[tuple[int, int]]] = {}
         sections: set[str] = set()
@@ -56,14 +45,18 @@ class DiskTier:
                         self.ranges.append((info.offset + i * per, per))
                         self.by_weight.setdefault(w.name, []).append((info.offset + i * per, per))
         self.bytes = sum(n for _, n in self.ranges)
-        if self.ranges:
-            TIERS[id(plan.graph)] = self
-        else:
-            TIERS.pop(id(plan.graph), None)
+        plan.weights.disk_tier = self if self.ranges else None
         for name in sections:   # checksum the sections now (that reads them), then let their pages go
             info = self.container.info(name)
             self.container.section(name)
             self.container.release(info.offset, info.length)
+
+    def after(self, weight_names) -> None:
+        """Called by a MoE kernel when it is done: its disk-tier experts' pages go now, so a
+        prefill that touches every expert holds one layer's at a time."""
+        for name in weight_names:
+            for off, n in self.by_weight.get(name, ()):
+                self.container.release(off, n)
 
     def release(self) -> None:
         for off, n in self.ranges:

@@ -10,14 +10,12 @@ most `max_swaps` per layer per step (the copy budget), so the next tokens hit.
 
 The scores start from the plan's calibrated expert probabilities where it has them (the whole
 share's `prior`: p_e / (1 - decay), the score an expert chosen with probability p_e settles at),
-and decay slowly (0.99 a step): a fast-forgetting count (0.9) lets one-off misses evict the
-hot experts, so reactive swaps fell below the static split's hit rate. Replayed on a recorded
-routing trace (benchmarks/cache_sim.py, BENCHMARKS.md; 2-layer benchmark shape), one prefetch a
-layer: 57.9 % hit rate with 1.73 copies per layer per token before, 62.6 % with 1.09 after (the
-static split: 50.7 %; plain LRU: 52.3 % with 1.99).
+and decay slowly (0.99 a step): a fast-forgetting count lets one-off misses evict the hot
+experts, so reactive swaps fall below the static split's hit rate (benchmarks/cache_sim.py
+replays recorded routing traces against each policy).
 
-The registry (`CACHES`) is set up by the session for mixed runs; executors look their layer up
-there, and without an entry they keep the plan's static split.
+A mixed run's caches sit in its MixedExecutor's Residency (strata_compiler/experts.py), handed to
+every partition's executor; a layer without a live cache keeps the plan's static split.
 """
 
 from __future__ import annotations
@@ -26,25 +24,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from strata_compiler.env import number, switch
+from strata_compiler import settings, trace
 
-from . import trace
-
-CACHES: dict[tuple[int, str], "ExpertCache"] = {}   # (id of the plan's graph, layer key) -> cache
 # the prefetch's idle back-off (ExpertCache.prefetch_outcome): predictions in a row that admit no
 # copy before a layer's prediction pauses, and the longest pause in steps
 PF_IDLE = 4
 PF_BACKOFF_MAX = 64
-SWAP_MARGIN = 1.0       # ExpertCache.swap_margin's default
-
-
-def lookup(graph, key: str) -> "ExpertCache | None":
-    return CACHES.get((id(graph), key))
-
-
-def clear(graph) -> None:
-    for k in [k for k in CACHES if k[0] == id(graph)]:
-        del CACHES[k]
 
 
 @dataclass
@@ -57,10 +42,8 @@ class ExpertCache:
     max_swaps: int = 1                # copies per layer per step
     # a missed expert replaces the weakest resident only when its score beats the resident's by
     # more than this (hysteresis: near-equal scores of a stationary router otherwise trade places
-    # step after step, each trade a copy); STRATA_SWAP_MARGIN overrides. H200, 2026-12-01, 16-layer
-    # benchmark model at 25 %, misses read in place (BENCHMARKS.md): margin 1 against 0, stationary
-    # router 193.0 against 185.6 tok/s (half the bytes copied), topics 471.0 against 445.8.
-    swap_margin: float = field(default_factory=lambda: number("STRATA_SWAP_MARGIN", SWAP_MARGIN))
+    # step after step, each trade a copy); the `swap_margin` setting
+    swap_margin: float = field(default_factory=lambda: settings.get("swap_margin"))
     policy: str = "hybrid"            # hybrid | lru
     score: np.ndarray = field(default=None)
     last_used: np.ndarray = field(default=None)
@@ -80,9 +63,8 @@ class ExpertCache:
     expert_bytes: int = 0             # one expert's stored bytes (what a miss read in place moves)
     prior: np.ndarray | None = None   # f64[E]: calibrated chance each expert is chosen (seeds the scores)
     _chosen: np.ndarray | None = None
-    admit: bool = field(default_factory=lambda: switch("STRATA_PREFETCH_ADMIT", True))
-    # the prefetch's idle back-off (prefetch_outcome; STRATA_PREFETCH_BACKOFF=0 turns it off)
-    backoff: bool = field(default_factory=lambda: switch("STRATA_PREFETCH_BACKOFF", True))
+    # the prefetch's idle back-off (prefetch_outcome; the `prefetch_backoff` setting)
+    backoff: bool = field(default_factory=lambda: settings.get("prefetch_backoff"))
     pf_wait: int = 0                  # steps the prediction still sits out (0: it runs)
     pf_paused: int = 0                # layer-steps it sat out
     pf_idle: int = 0
@@ -161,11 +143,9 @@ class ExpertCache:
         bonus): the prefetch admits it only over a victim it would outscore after the step, the
         rule the reactive swap applies then. So the prefetch makes the swaps the policy would make
         anyway, one step early (the step hits), and never evicts an expert the policy keeps for a
-        one-off prediction: without the rule, on the H200 (2026-11-30, 25 %, skewed router), the
-        prefetch copied 4.8 x the bytes of the reactive swaps for 5 points more hit rate, and
-        decode fell from 178 to 149 tok/s. LRU admits always (the newest use outranks all), and so
-        does STRATA_PREFETCH_ADMIT=0 (the rule off, for A/Bs)."""
-        return np.inf if self.policy == "lru" or not self.admit else 1.0 + self.recency
+        one-off prediction (without the rule the prefetch copies several times the bytes of the
+        reactive swaps for little more hit rate). LRU admits always (the newest use outranks all)."""
+        return np.inf if self.policy == "lru" else 1.0 + self.recency
 
     def prefetch(self, predicted: np.ndarray) -> list[tuple[int, int]]:
         """The lookahead: the experts the next layer's router picks from this layer's hidden
@@ -200,10 +180,9 @@ class ExpertCache:
         """After a step, the prefetch's idle back-off: PF_IDLE predictions in a row that admitted
         no copy pause the layer's prediction for `pf_backoff` steps (then 2x, up to
         PF_BACKOFF_MAX; back to 1 once a prediction copies). A prediction is the router's GEMV on
-        the host call's critical path: on an H200 ~27 µs a layer (2026-11-30), spent every step
-        even where the admission rule lets nothing through, as at 90 % hits
-        (BENCHMARKS.md, topics). While paused, `pf_wait` > 0: the native prefetch is not allowed
-        to run (native_stats[0] = 0, counted as a budget skip) nor the Python one."""
+        the host call's critical path, spent every step even where the admission rule lets
+        nothing through, as at high hit rates. While paused, `pf_wait` > 0: the native prefetch
+        is not allowed to run (native_stats[0] = 0, counted as a budget skip) nor the Python one."""
         if self.pf_wait:
             self.pf_wait -= 1
             self.pf_paused += 1
@@ -262,8 +241,9 @@ class ExpertCache:
         return self.hits / n if n else 0.0
 
 
-def stats_lines(graph) -> list[str]:
-    mine = [c for k, c in CACHES.items() if k[0] == id(graph)]
+def stats_lines(residency) -> list[str]:
+    """`--stats` lines of a run's live expert caches (its executor's Residency)."""
+    mine = list(residency.caches.values()) if residency is not None else []
     for c in mine:
         c.fold()
     if not mine:
@@ -296,8 +276,8 @@ class CacheGroup:
     """The caches of one plan that share an expert count and a policy, their per-expert arrays
     rows of shared [L, E] arrays (and their slots heads of an [L, S_max] one's rows), so that the bookkeeping
     after a step — hits and misses from what the native programs counted, the scores, one swap
-    per layer — runs as a few whole-array operations instead of ~25 small NumPy calls per layer
-    (~300 µs a token for 16 layers on the 2-core VM). Rows of a C-contiguous array keep their
+    per layer — runs as a few whole-array operations instead of ~25 small NumPy calls per layer.
+    Rows of a C-contiguous array keep their
     addresses, which the native programs and prefetch read; every update is in place.
 
     `after_step` does what ExpertCache.plan_swaps does on each cache (with what a native prefetch

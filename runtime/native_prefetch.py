@@ -1,14 +1,14 @@
 """The expert cache's prefetch as native code, run by a fused step's host call after its program.
 
-MixedExecutor._prefetch does this in Python: the next cached layer's router applied to the hidden
-state this CPU partition made (`lookahead`), the experts it picks that the GPU does not hold
-copied into the slots of the lowest-scoring residents it does not pick (ExpertCache.prefetch),
-the slot maps handed back to the GPU. Inside a host call that Python takes the GIL and costs
-~350 µs a layer on an H200 (BENCHMARKS.md), and it keeps the call from running natively, so a
-prefetching cache neither runs its CPU share without Python nor overlaps it with the GPU's.
+The Python prefetch (runtime/expert_swaps.py `ExpertSwaps.prefetch_from`) applies the next
+cached layer's router to the hidden state a CPU partition made (`lookahead`), copies the experts
+it picks that the GPU does not hold into the slots of the lowest-scoring residents it does not
+pick (ExpertCache.prefetch), and hands the slot maps back to the GPU. Inside a host call that
+Python takes the GIL and keeps the call from running natively, so a prefetching cache would
+neither run its CPU share without Python nor overlap it with the GPU's.
 
-`build` JIT-compiles one function per host call (STRATA_NATIVE_PREFETCH=1; runtime/fused_step.py)
-that does the same for each of the call's caches, its sizes and addresses baked in:
+`Prefetch` JIT-compiles one function per host call that does the same for each of the call's
+caches, its sizes and addresses baked in:
 
 - rms-norm the hidden state's rows, the router's logits (f32), the top k of each row: the
   prediction (`native_pred`);
@@ -21,10 +21,6 @@ that does the same for each of the call's caches, its sizes and addresses baked 
 - residency (`nonresident`, `slots`) updated in place, the slots written to the call's slot-map
   result, the counters in `native_stats` ([copies allowed, prefetches, bytes, prediction made,
   budget skips, first copy error]) that ExpertCache.fold adds up after the step.
-
-With STRATA_PREFETCH_STREAM=1 on a GPU the copies go on a copy stream and an event is recorded
-after them; the cached layer's start call makes the program wait for it on the GPU, so the
-layer's attention runs beside the copies.
 
 The destinations of the copies (the GPU share's weight buffers) are read from cells the fused
 step refreshes before every step (`Prefetch.refresh`): JAX may move an array between steps. The
@@ -61,10 +57,6 @@ class Entry:
     dst_of: list                         # per array: a function giving the destination array now
     maps_out: np.ndarray | None = None
     dst_cells: np.ndarray = field(default=None)
-    # STRATA_PREFETCH_STREAM on a GPU: the copies go on `copy_stream` and `event` is recorded after
-    # them; the layer's start call makes the program's stream wait for it (fused_step.py)
-    copy_stream: int = 0
-    event: int = 0
 
     def __post_init__(self) -> None:
         self.w = np.ascontiguousarray(self.w, np.float32)
@@ -77,7 +69,8 @@ class Entry:
 class Prefetch:
     """The native prefetch of one host call: `address` is a `void (ptr stream)` function."""
 
-    def __init__(self, entries: list[Entry], memcpy: int = 0, record: int = 0) -> None:
+    def __init__(self, entries: list[Entry], memcpy: int = 0) -> None:
+        """memcpy: the address of cudaMemcpyAsync, or 0 on JAX's CPU platform (a memmove)."""
         from strata_compiler.backends.llvm_cpu.jit import optimize
         from strata_compiler.backends.llvm_cpu.target import Target
 
@@ -86,7 +79,7 @@ class Prefetch:
         self.entries = entries
         self.refresh()
         name = f"strata_prefetch_{next(_IDS)}"
-        ir = _module(name, entries, memcpy, record)
+        ir = _module(name, entries, memcpy)
         mod, tm = optimize(ir, Target.host())
         ee = llvm.create_mcjit_compiler(mod, tm)
         ee.finalize_object()
@@ -140,7 +133,7 @@ def _first_best(L: str, i: str, n: int, pre: str, ok: str, scores: str, at: str,
                 accs=[(best, "double", "0.0", f"%{best}.n"), (arg, "i64", "-1", f"%{arg}.n")])
 
 
-def _module(name: str, entries: list[Entry], memcpy: int, record: int) -> str:
+def _module(name: str, entries: list[Entry], memcpy: int) -> str:
     from strata_compiler.backends.llvm_cpu.codegen.elementwise import NEG_INF, f32, loop
 
     copy_fn = "@host_copy" if not memcpy else f"inttoptr (i64 {memcpy} to ptr)"
@@ -240,7 +233,6 @@ def _module(name: str, entries: list[Entry], memcpy: int, record: int) -> str:
   %{p}.free = icmp eq i8 %{p}.pdv2, 0""", f"%{p}.free", sc, f"%{p}.sle", "olt", f"{p}.vb", f"{p}.vi"))
         copies = []
         total = 0
-        on = f"ptr {P(e.copy_stream)}" if e.copy_stream else "ptr %stream"
         for a, (src, stride, rb) in enumerate(e.srcs):
             total += rb
             copies.append(f"""  %{p}.dc{a} = load i64, ptr {P(_addr(e.dst_cells) + 8 * a)}, align 8
@@ -250,7 +242,7 @@ def _module(name: str, entries: list[Entry], memcpy: int, record: int) -> str:
   %{p}.so{a} = mul i64 %{p}.ei.out, {stride}
   %{p}.sa{a} = add i64 {src}, %{p}.so{a}
   %{p}.sptr{a} = inttoptr i64 %{p}.sa{a} to ptr
-  %{p}.rc{a} = call i32 {copy_fn}(ptr %{p}.dptr{a}, ptr %{p}.sptr{a}, i64 {rb}, i32 1, {on})
+  %{p}.rc{a} = call i32 {copy_fn}(ptr %{p}.dptr{a}, ptr %{p}.sptr{a}, i64 {rb}, i32 1, ptr %stream)
   call void @note_error(ptr {st}, i32 %{p}.rc{a})""")
         # admitted only where the expert would outscore its victim after the step (admit_margin)
         margin = c.admit_margin()
@@ -291,14 +283,6 @@ def _module(name: str, entries: list[Entry], memcpy: int, record: int) -> str:
   %{p}.n1 = add i64 %{p}.n, 1
   br label %{p}.pol
 {p}.maps:""")
-        if e.event and record:      # the copies of this call, if any, complete the event
-            body.append(f"""  %{p}.any = icmp sgt i64 %{p}.n, 0
-  br i1 %{p}.any, label %{p}.rec, label %{p}.maps2
-{p}.rec:
-  %{p}.rrc = call i32 inttoptr (i64 {record} to ptr)(ptr {P(e.event)}, {on})
-  call void @note_error(ptr {st}, i32 %{p}.rrc)
-  br label %{p}.maps2
-{p}.maps2:""")
         body.append(f"  br label %{p}.end\n{p}.end:")
         if e.maps_out is not None:      # the slot maps the GPU share reads: also when nothing ran
             body.append(f"  call void @llvm.memcpy.p0.p0.i64(ptr {P(_addr(e.maps_out))}, ptr {sl}, i64 {4 * S}, i1 false)")

@@ -17,8 +17,7 @@ from strata_compiler.errors import IRError, PlanError
 from strata_compiler.formats import get_format
 from strata_compiler.ir import Graph, Level
 from strata_compiler.ir_text import parse_graph
-from strata_compiler.passes.emit import PLAN_MAGIC, WEIGHTS_MAGIC, section_name
-from strata_compiler.plan_format import Container
+from strata_compiler.plan_format import PLAN_MAGIC, WEIGHTS_MAGIC, Container, parse_imatrix_section, section_name
 from strata_compiler.verify import verify
 
 
@@ -46,6 +45,7 @@ class PlanWeights:
         self.g = graph
         self._f32: dict[str, np.ndarray] = {}
         self._resident: dict[str, dict[str, np.ndarray]] = {}
+        self.disk_tier = None   # the DiskTier of these weights, when experts stay on disk (runtime/disk_tier.py)
         for spec in graph.weights:
             for arr in get_format(spec.fmt).array_shapes(spec.shape, spec.group_size or 32):
                 if section_name(spec.name, arr) not in container:
@@ -60,14 +60,13 @@ class PlanWeights:
     def resident_arrays(self, name: str) -> dict[str, np.ndarray]:
         """arrays(name), copied once into private anonymous memory the kernel may back with 2 MiB
         pages (madvise MADV_HUGEPAGE), the file's mapped pages dropped after the copy: a CPU
-        kernel streaming the weights then misses the TLB ~500 x less often (STRATA_HUGEPAGES=1;
-        the llvm executor asks). Weights with experts on the disk tier stay mapped from the file."""
+        kernel streaming the weights then misses the TLB far less often (the llvm executor
+        asks where the OS offers transparent huge pages). Weights with experts on the disk tier
+        stay mapped from the file."""
         cached = self._resident.get(name)
         if cached is not None:
             return cached
-        from strata_compiler.runtime import disk_tier
-
-        tier = disk_tier.TIERS.get(id(self.g))
+        tier = self.disk_tier
         src = self.arrays(name)
         if tier is not None and name in tier.by_weight:
             return src
@@ -145,8 +144,6 @@ def load_plan(path: str | Path, *, verify_weights: str = "lazy") -> Plan:
                         f"it belongs to another compile — recompile or copy both files together")
     imatrix = {}
     if "imatrix" in c:
-        from strata_compiler.passes.calibrate import parse_imatrix_section
-
         try:
             imatrix = parse_imatrix_section(bytes(c.section("imatrix")))
         except (ValueError, KeyError, TypeError):

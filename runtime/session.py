@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -12,8 +11,8 @@ import numpy as np
 from strata_compiler.backends import make_executor, resolve_backend
 from strata_compiler.errors import UsageError
 
-from . import trace
-from .kv_cache import KVCache
+from strata_compiler import trace
+from strata_compiler.kv_cache import KVCache
 from .plan import Plan
 from .sampler import Sampler
 
@@ -70,10 +69,9 @@ class Session:
     expert_cache: bool = True   # live GPU expert caches for the plan's cached layers (mixed runs)
     cache_policy: str = "hybrid"
     prefetch: bool = False      # start expert copies from the next layer's router on this layer's state
-                                # (off by default: slower on the H200 in every run, BENCHMARKS.md)
+                                # (off by default: it has cost more than it saved when measured)
     multi_gpu: str = "mesh"     # a striped plan on several GPUs: one sharded computation, or "host"-driven
-    # expert caches' misses: "cpu" (the plan's host share), "gpu" (read in place), "auto" (STRATA_MISS_PATH, else auto)
-    miss_path: str = field(default_factory=lambda: os.environ.get("STRATA_MISS_PATH", "auto"))
+    miss_path: str = "auto"     # expert caches' misses: "cpu" (the plan's host share), "gpu" (read in place), auto
 
     def __post_init__(self) -> None:
         bound = {n.backend for n in self.plan.graph.nodes}
@@ -107,20 +105,20 @@ class Session:
         if not self.disk.ranges:
             self.disk = None
         self.miss_path = self._miss_path(mixed)
-        self.graph = self.plan.graph    # the graph this session runs (the expert caches' registry key)
+        self.graph = self.plan.graph    # the graph this session runs
         if self.miss_path == "gpu":     # the caches' host shares on the GPU (read in place): a graph of its own
             from .mapped import rebind_misses
 
             self.graph = rebind_misses(self.plan.graph)
-        self.executor = make_executor(self.backend, self.graph, self.plan.weights, device=self.device,
-                                      mixed=mixed, shrink_caches=mixed and self.expert_cache,
-                                      multi_gpu=self.multi_gpu, miss_path=self.miss_path)
-        from . import expert_cache
+        if mixed:
+            from .partitions import MixedExecutor
 
-        expert_cache.clear(self.graph)
+            self.executor = MixedExecutor(self.graph, self.plan.weights, self.device, shrink_caches=self.expert_cache,
+                                          multi_gpu=self.multi_gpu, miss_path=self.miss_path)
+        else:
+            self.executor = make_executor(self.backend, self.graph, self.plan.weights, device=self.device)
         if mixed and self.expert_cache:
-            self.executor.enable_expert_cache(policy=self.cache_policy)
-            self.executor.prefetch = self.prefetch
+            self.executor.enable_expert_cache(policy=self.cache_policy, prefetch=self.prefetch)
         self.cache: KVCache | None = None
 
     def _miss_path(self, mixed: bool) -> str:
@@ -128,7 +126,7 @@ class Session:
         the plan has expert caches, their GPU shares run on a CUDA GPU, and no expert streams from
         disk; gpu pins the host shares' pages, which a disk tier must be free to drop)."""
         if self.miss_path not in ("auto", "cpu", "gpu"):
-            raise UsageError(f"miss path {self.miss_path!r} (--miss-path, STRATA_MISS_PATH): expected auto, cpu or gpu")
+            raise UsageError(f"miss path {self.miss_path!r} (--miss-path): expected auto, cpu or gpu")
         cached = [n for n in self.plan.graph.nodes if n.op.value == "moe_ffn" and n.attr("cache", "")]
         if not (mixed and self.expert_cache and cached) or self.miss_path == "cpu":
             return "cpu"

@@ -5,12 +5,15 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import Callable, Iterator
 
 import click
 
 from .cli_common import debug_option, run_cli
+from .errors import UsageError
 from .formats import FORMATS, get_format
 from .pass_manager import PASSES, CompileOptions, DumpConfig
 from .pipelines import DEFAULT
@@ -51,10 +54,6 @@ def stratac() -> None:
                    "Best with --calib. Replaces --quant.")
 @click.option("--memory-budget", default="", metavar="SIZE",
               help="Layer-adaptive quantization within SIZE bytes of weights in all (e.g. 800MiB); replaces --quant.")
-@click.option("--laq-granularity", type=click.Choice(["tensor", "expert"]), default="tensor", show_default=True,
-              help="With --bits/--memory-budget: one format per expert tensor, or each routed expert its own "
-                   "format (a layer's experts are then split into one kernel per format combination; measured no "
-                   "better on the tiny MoE, see BENCHMARKS.md).")
 @click.option("--tensor-format", default="", metavar="RULES",
               help="Per-weight format overrides, applied last: REGEX=FORMAT,... on weight names as `stratac "
                    "inspect` shows them, first match wins (e.g. 'L0\\.=int8,moe.down=int4').")
@@ -97,7 +96,7 @@ def stratac() -> None:
 @debug_option
 def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, calib: Path | None, calib_tokens: int,
                 imatrix: bool,
-                bits: float | None, memory_budget: str, laq_granularity: str, tensor_format: str, dump_dir: Path | None,
+                bits: float | None, memory_budget: str, tensor_format: str, dump_dir: Path | None,
                 dump_after: str, stop_after: str | None, backend: str, place: str, target: str, gpu_mem: str,
                 host_mem: str, gpus: int, gpu_mode: str, place_strategy: str, expert_cache: bool,
                 debug: bool) -> None:
@@ -105,8 +104,7 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
 
     \b
     Pipeline: """
-    from .compiler import compile_model, weight_source_bytes
-    from .errors import UsageError
+    from .pipelines import compile_model, weight_source_bytes
 
     dump = None
     if dump_dir is None and dump_after != "all":
@@ -132,7 +130,7 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
     opts = CompileOptions(quant=quant, group_size=group_size, backend=backend, place=place,
                           calib=str(calib) if calib else "", calib_tokens=calib_tokens, imatrix=imatrix,
                           bits=bits or 0.0,
-                          memory_budget=memory_budget, tensor_format=tensor_format, laq_granularity=laq_granularity,
+                          memory_budget=memory_budget, tensor_format=tensor_format,
                           target=target, gpu_mem=gpu_mem, host_mem=host_mem, expert_cache=expert_cache,
                           gpus=gpus, gpu_mode=gpu_mode, place_strategy=place_strategy)
     if gpus > 1 and not target:
@@ -198,7 +196,7 @@ def summarize(plan) -> dict:
             shares.setdefault((layer, tensor.rpartition(".")[0]), Counter())[w.fmt] += len(w.expert_ids)
         else:
             layers.setdefault(layer, {})[tensor] = w.fmt
-    for (layer, tensor), c in shares.items():   # e.g. int4*6+int2+int4a: formats of the layer's experts
+    for (layer, tensor), c in shares.items():   # e.g. int4*8: the formats of the layer's expert shares
         layers.setdefault(layer, {})[tensor] = "+".join(f + (f"*{k}" if k > 1 else "") for f, k in c.most_common())
     return {
         "plan": str(plan.path), "model": plan.meta["model"], "options": plan.meta["options"],
@@ -278,9 +276,134 @@ def inspect_cmd(plan_path: Path, as_json: bool, weights: bool, debug: bool) -> N
             click.echo(f"  {w['name']:40s} {w['format']:5s} {str(w['shape']):>18s} {w['bytes'] / 1024:10.1f} KiB")
 
 
-from .evaluate import eval_cmd  # noqa: E402  (stratac eval)
+# ------------------------------------------------------------------------------------------------
+# stratac eval (the scoring: runtime/evaluate.py)
 
-stratac.add_command(eval_cmd)
+
+def reference_kind(ref: Path) -> str:
+    """'hf' (a model folder), 'plan' (a plan directory or plan.bin), else a UsageError."""
+    if not ref.exists():
+        raise UsageError(f"--reference {ref}: no such file or directory; pass a Hugging Face model folder or a plan")
+    if ref.is_dir():
+        if (ref / "config.json").is_file():
+            return "hf"
+        if (ref / "plan.bin").is_file():
+            return "plan"
+        raise UsageError(f"--reference {ref}: neither a Hugging Face model folder (no config.json) nor a plan "
+                         f"directory (no plan.bin); pass one of those")
+    return "plan"
+
+
+def check_reference(ref: Path, kind: str, vocab: int, ctx: int, plan_path: Path) -> None:
+    """Cheap checks of an HF reference before it is compiled."""
+    if kind != "hf":
+        return
+    from strata_compiler.runtime import evaluate as ev
+
+    from .frontend.hf import read_config
+
+    cfg = read_config(ref)
+    if cfg.vocab_size != vocab:
+        raise UsageError(f"--reference {ref}: vocabulary of {cfg.vocab_size} tokens, but {plan_path} has {vocab}; "
+                         f"compare against the model the plan was compiled from")
+    ev.check_ctx(ctx, cfg.max_position, ref / "config.json")
+
+
+@contextlib.contextmanager
+def open_reference(ref: Path, kind: str, backend: str, *, say: Callable[[str], None] | None = None) -> Iterator:
+    """The reference as a loaded Plan; a model folder is compiled at f32 into a temporary
+    directory that is deleted afterwards."""
+    from strata_compiler.runtime.plan import load_plan
+
+    if kind == "plan":
+        yield load_plan(ref)
+        return
+    from .pipelines import compile_model
+
+    with tempfile.TemporaryDirectory(prefix="strata-eval-ref-") as tmp:
+        if say:
+            say(f"compiling reference {ref} at f32")
+        compile_model(ref, Path(tmp), CompileOptions(quant="f32", backend=backend))
+        yield load_plan(tmp)
+
+
+def _table(plan, ref: Path, kind: str, r: dict) -> str:
+    from strata_compiler.runtime.evaluate import scored_range
+
+    quant = plan.meta.get("options", {}).get("quant", "?")
+    first, last = scored_range(r["ctx"])
+    rows = [
+        ("plan", f"{plan.path} ({quant}, {r['bits_per_weight']:.3f} bits/weight, "
+                 f"{r['weight_bytes'] / 2**20:.2f} MiB of weights)"),
+        ("reference", f"{ref}" + (" (compiled at f32)" if kind == "hf" else "")
+                      + f" ({r['ref_bits_per_weight']:.3f} bits/weight)"),
+        ("scored", f"{r['tokens']} tokens: {r['chunks']} chunks of {r['ctx']}, positions {first}..{last - 1}"),
+        ("mean KL", f"{r['mean_kl']:.6f} ± {r['kl_stderr']:.6f}"),
+        ("99% KL", f"{r['p99_kl']:.6f}"),
+        ("max KL", f"{r['max_kl']:.6f}"),
+        ("top-1", f"{100 * r['top1']:.3f} ± {100 * r['top1_stderr']:.3f} %"),
+        ("PPL", f"{r['ppl']:.4f} (reference {r['ref_ppl']:.4f}, ratio {r['ppl_ratio']:.4f})"),
+        ("backend", r["backend"]),
+    ]
+    return "\n".join(f"{k:10s} {v}" for k, v in rows)
+
+
+@stratac.command("eval")
+@click.argument("plan_path", type=click.Path(path_type=Path))
+@click.option("--reference", "ref", type=click.Path(path_type=Path), required=True,
+              help="Reference: a Hugging Face model folder (compiled at f32 into a temporary directory) or a plan.")
+@click.option("--text", "text_path", type=click.Path(path_type=Path), required=True,
+              help="UTF-8 text file, tokenized with the plan's tokenizer.")
+@click.option("--ctx", type=int, default=512, show_default=True,
+              help="Tokens per chunk; the second half of each chunk is scored.")
+@click.option("--chunks", type=click.IntRange(1), default=None, help="Evaluate at most this many chunks (default all).")
+@click.option("--backend", type=click.Choice(["auto", "reference", "llvm", "xla"]), default="auto", show_default=True,
+              help="Where both models run.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@debug_option
+def eval_cmd(plan_path: Path, ref: Path, text_path: Path, ctx: int, chunks: int | None, backend: str,
+             as_json: bool, debug: bool) -> None:
+    """KL divergence, top-1 agreement and perplexity of PLAN_PATH against a reference (llama.cpp's
+    --kl-divergence conventions: chunks of --ctx tokens from an empty cache, second half scored)."""
+    import numpy as np
+
+    from strata_compiler.runtime import evaluate as ev
+    from strata_compiler.runtime.plan import load_plan
+
+    if ctx < ev.MIN_CTX:
+        raise UsageError(f"--ctx {ctx}: use at least {ev.MIN_CTX} tokens per chunk (default 512)")
+    text = ev.read_text(text_path)
+    plan = load_plan(plan_path)
+    tok = ev.plan_tokenizer(plan)
+    ev.check_ctx(ctx, plan.meta["model"].get("max_position"), plan.path)
+    vocab = plan.meta["model"]["vocab_size"]
+    kind = reference_kind(ref)
+    check_reference(ref, kind, vocab, ctx, plan.path)
+    ids = np.asarray(tok.encode(text, add_special_tokens=False).ids, np.int64)
+    if len(ids) < ctx:
+        raise UsageError(f"--text {text_path}: {len(ids)} tokens, fewer than one chunk of --ctx {ctx}; "
+                         f"give a longer text or a smaller --ctx")
+    if ids.max() >= vocab:
+        raise UsageError(f"{plan.path}: its tokenizer produced id {int(ids.max())}, outside the model's vocabulary "
+                         f"of {vocab}; the plan's tokenizer does not belong to its model")
+    n_chunks = min(len(ids) // ctx, chunks or len(ids))
+    show = sys.stderr.isatty()
+    say = (lambda m: click.echo(m, err=True)) if show else None
+    with open_reference(ref, kind, backend, say=say) as ref_plan:
+        if kind == "plan":
+            ref_vocab = ref_plan.meta["model"]["vocab_size"]
+            if ref_vocab != vocab:
+                raise UsageError(f"--reference {ref}: vocabulary of {ref_vocab} tokens, but {plan.path} has "
+                                 f"{vocab}; compare plans of the same model")
+            ev.check_ctx(ctx, ref_plan.meta["model"].get("max_position"), ref_plan.path)
+        bar = click.progressbar(length=n_chunks, label="evaluating chunks", file=sys.stderr, width=30)
+        with bar if show else contextlib.nullcontext():
+            r = ev.evaluate(plan, ref_plan, ids, ctx, chunks, backend, bos_id=ev.tokenizer_bos(tok, plan),
+                         progress=bar.update if show else None)
+    if as_json:
+        click.echo(json.dumps(r))
+    else:
+        click.echo(_table(plan, ref, kind, r))
 
 
 @stratac.command("probe-hw")
@@ -304,7 +427,7 @@ def probe_hw_cmd(output: Path | None, quick: bool, disk_dir: Path | None, disk_s
     import os
 
     from . import hwprofile
-    from .errors import UsageError
+    from .backends import probe as hwprobe
 
     if show is not None:
         if output is not None:
@@ -326,7 +449,7 @@ def probe_hw_cmd(output: Path | None, quick: bool, disk_dir: Path | None, disk_s
     if not os.access(parent, os.W_OK):
         raise UsageError(f"-o {output}: directory {parent} is not writable")
     disk_bytes = hwprofile.size_bytes(disk_size, "--disk-size") if disk_size else None
-    profile = hwprofile.probe(quick=quick, disk_dir=disk_dir, disk_bytes=disk_bytes,
+    profile = hwprobe.probe(quick=quick, disk_dir=disk_dir, disk_bytes=disk_bytes,
                               progress=lambda msg: click.echo(f"probe-hw: {msg}", err=True))
     profile.save(output)
     click.echo(hwprofile.describe(profile))

@@ -7,16 +7,22 @@ import sys
 
 import click
 
+from . import settings
 from .errors import StrataError
 
 
 def run_cli(cmd: click.Command, argv: list[str] | None = None) -> int:
     """Run a click command; user mistakes print one line `error: ...` and exit nonzero.
 
-    `--debug` anywhere on the command line (or STRATA_DEBUG=1) shows the traceback instead.
+    `--debug` anywhere on the command line (or the `debug` setting, STRATA_DEBUG=1) shows the
+    traceback instead.
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in args or os.environ.get("STRATA_DEBUG") == "1"
+    try:
+        debug = "--debug" in args or settings.get("debug")
+    except StrataError as e:        # a bad STRATA_DEBUG value
+        click.echo(f"error: {e}", err=True)
+        return e.exit_code
     try:
         rv = cmd.main(args=args, prog_name=os.path.basename(sys.argv[0]) or cmd.name, standalone_mode=False)
         return rv if isinstance(rv, int) else 0

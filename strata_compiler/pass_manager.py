@@ -15,6 +15,7 @@ from typing import Callable
 
 from .dot import graph_to_dot
 from .errors import PassError, StrataError
+from .hwprofile import HardwareProfile
 from .ir import Graph, Level
 from .ir_text import print_graph
 from .verify import verify
@@ -35,7 +36,6 @@ class CompileOptions:
     bits: float = 0.0            # --bits: layer-adaptive formats at this average bits per weight
     memory_budget: str = ""      # --memory-budget: layer-adaptive formats within this many weight bytes
     tensor_format: str = ""      # --tensor-format REGEX=FMT,...: per-weight overrides, applied last
-    laq_granularity: str = "tensor"  # --laq-granularity: one format per expert tensor, or per routed expert
     target: str = ""             # --target auto|hw.json: the place pass's hardware profile ("" = no placement)
     gpu_mem: str = ""            # --gpu-mem SIZE: plan for this much GPU memory
     host_mem: str = ""           # --host-mem SIZE: plan for this much host RAM
@@ -48,6 +48,22 @@ class CompileOptions:
 
 
 @dataclass
+class Analyses:
+    """What passes hand to later passes (and to the driver, the dumps and tests); each field
+    names the pass that sets it. Objects of the passes' own types are typed `object` here."""
+
+    pass_records: list[dict] = field(default_factory=list)  # the manager: one per pass (time, nodes, changed)
+    calibration: object | None = None          # calibrate: a passes/calibrate.Calibration (--calib)
+    calibration_weights: object | None = None  # calibrate: the f32 weights it ran (the sensitivity probe reuses them)
+    donor_plan: object | None = None           # calibrate, --calib PLAN: the plan whose quantized weights emit copies
+    expert_clusters: dict | None = None        # cluster-experts: {moe layer: [[expert ids], ...]}
+    laq: dict | None = None                    # quantize, --bits / --memory-budget: the formats chosen and why
+    placement: dict | None = None              # place, --target: the prediction (also in the graph meta)
+    cpu_kernels: dict | None = None            # cpu-codegen: kernels generated, compiled, found in the cache
+    reused_weights: int = 0                    # emit: weights copied from donor_plan
+
+
+@dataclass
 class PassContext:
     options: CompileOptions
     model_dir: Path | None = None
@@ -55,9 +71,12 @@ class PassContext:
     store: object | None = None         # frontend TensorStore, for passes that read weights
     tokenizer_json: bytes | None = None
     dump_dir: Path | None = None         # set with --dump-dir: passes may write extra artifacts
-    analyses: dict = field(default_factory=dict)
+    analyses: Analyses = field(default_factory=Analyses)
     progress: Callable[[str], None] | None = None        # called with each pass's name
     progress_bytes: Callable[[int], None] | None = None  # called as emit converts source bytes
+    # inputs the compile driver (pipelines.compile_model) reads or measures for the passes
+    hardware: HardwareProfile | None = None   # --target: the profile read, or measured for `auto` (place)
+    calib_plan: object | None = None          # --calib PLAN.bin: that plan, loaded (calibrate reuses its statistics)
 
 
 @dataclass(frozen=True)
@@ -103,8 +122,7 @@ def run_pipeline(g: Graph, pipeline: list[str], ctx: PassContext, *, dump: DumpC
             raise PassError(f"unknown pass {name!r}; passes: {', '.join(PASSES)}")
     if stop_after and stop_after not in pipeline:
         raise PassError(f"--stop-after {stop_after}: not in the pipeline ({', '.join(pipeline)})")
-    records: list[dict] = []
-    ctx.analyses["pass_records"] = records   # filled as passes run; emit records the pipeline
+    records = ctx.analyses.pass_records = []   # filled as passes run; emit records the pipeline
     if dump:
         dump.directory.mkdir(parents=True, exist_ok=True)
         txt, dot = _write_dump(dump, 0, g, "input")

@@ -1,4 +1,6 @@
-"""The Strata container: one binary format for `plan.bin` and `weights.bin`.
+"""The Strata container: one binary format for `plan.bin` and `weights.bin`, and the plan's layout on it.
+
+(Over 600 lines: the container and the plan's sections on it are one specification, read together.)
 
 A container is a fixed header, named sections (each aligned, checksummed, stored in the order
 they were added) and a table of contents (TOC) written last, so a writer can stream multi-GB
@@ -41,10 +43,15 @@ and every section checksum (one pass over the file); verify="lazy" checks a sect
 on its first access (multi-GB weights); verify="none" never reads section bytes to check them.
 
 The same sections in the same order always give byte-identical files (no timestamps, no pids).
+
+The plan is two containers (end of this file): plan.bin (PLAN_MAGIC; sections "meta" JSON, "ir"
+the kernel-level IR as text, "tokenizer", and with --calib "imatrix") and weights.bin
+(WEIGHTS_MAGIC; one 4 KiB-aligned section per stored array, named by `section_name`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import mmap
 import os
@@ -587,3 +594,55 @@ def _map(path: str) -> mmap.mmap | None:
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError, OverflowError) as e:
             raise _err(path, f"cannot map into memory ({e})", "check that it is a regular file") from None
+
+
+# ------------------------------------------------------------------------------------------------
+# the plan's layout
+
+PLAN_MAGIC = b"STRATAPL"
+WEIGHTS_MAGIC = b"STRATAWT"
+WEIGHTS_FILE = "weights.bin"
+
+
+def section_name(weight: str, array: str) -> str:
+    """weights.bin's section of one stored array of a weight, e.g. `L0.attn.q_k_v:qs`."""
+    return f"{weight}:{array}"
+
+
+def is_plan_file(path) -> bool:
+    """Whether `path` (a plan.bin, or the directory holding one) starts with PLAN_MAGIC."""
+    from pathlib import Path
+
+    p = Path(path)
+    p = p / "plan.bin" if p.is_dir() else p
+    try:
+        with open(p, "rb") as f:
+            return f.read(len(PLAN_MAGIC)) == PLAN_MAGIC
+    except OSError:
+        return False
+
+
+def imatrix_section(importance: dict[str, np.ndarray]) -> bytes:
+    """plan.bin's "imatrix" section (--calib): a JSON index line {weight: {offset, shape}}, then
+    each weight's mean-square input per column, f32 little-endian, back to back (no pickle)."""
+    index, blobs, offset = {}, [], 0
+    for name in sorted(importance):
+        a = np.ascontiguousarray(importance[name], dtype="<f4")
+        index[name] = {"offset": offset, "shape": list(a.shape)}
+        blobs.append(a.tobytes())
+        offset += a.nbytes
+    head = json.dumps(index, sort_keys=True).encode() + b"\n"
+    return head + b"".join(blobs)
+
+
+def parse_imatrix_section(data: bytes) -> dict[str, np.ndarray]:
+    """Inverse of imatrix_section."""
+    nl = data.index(b"\n")
+    index = json.loads(data[:nl])
+    body = data[nl + 1:]
+    out = {}
+    for name, ent in index.items():
+        n = int(np.prod(ent["shape"]))
+        off = int(ent["offset"])
+        out[name] = np.frombuffer(body, "<f4", n, off).reshape(ent["shape"])
+    return out

@@ -8,11 +8,19 @@ model's size.
 
 from __future__ import annotations
 
+from typing import Iterator, Protocol
+
 import numpy as np
 
 from .formats import get_format
-from .frontend.safetensors_reader import TensorStore
 from .ir import WeightSpec
+
+
+class TensorStore(Protocol):
+    """A checkpoint's tensors by key, as the frontends read them (frontend/safetensors_reader.py,
+    frontend/gguf_reader.py)."""
+
+    def iter_row_blocks(self, key: str, block_bytes: int) -> Iterator[np.ndarray]: ...
 
 
 def iter_blocks(spec: WeightSpec, store: TensorStore, block_bytes: int = 16 << 20, with_expert: bool = False):

@@ -30,8 +30,7 @@ from safetensors.numpy import load_file, save_file
 
 from strata_compiler.cli import stratac
 from strata_compiler.cli_common import run_cli
-from strata_compiler.passes.emit import PLAN_MAGIC, WEIGHTS_MAGIC
-from strata_compiler.plan_format import HEADER_SIZE, Container, write_container
+from strata_compiler.plan_format import HEADER_SIZE, PLAN_MAGIC, WEIGHTS_MAGIC, Container, write_container
 from strata_compiler.runtime.cli import strata_run
 
 BIN = Path(sys.executable).parent
@@ -838,18 +837,8 @@ def test_compile_bad_place_rules(capsys, tmp_path, built, rules, named):
     compile_fails(capsys, tmp_path, built.model, "--place", rules, names=("--place", named))
 
 
-def test_run_bad_switch_value_is_one_line(built, monkeypatch):
-    """An on/off runtime switch (strata_compiler/env.py: STRATA_NATIVE_SEGMENTS, the host-call
-    switches) with another value is one line naming it; unset or empty, the default."""
-    from strata_compiler.env import switch
-    from strata_compiler.errors import UsageError
-
+def test_run_bad_setting_value_is_one_line(built):
+    """A setting (strata_compiler/settings.py) with a value it does not take is one line naming
+    its variable and what it takes."""
     assert_one_line_error(script(STRATA_RUN, built.plan, "--input-ids", built.ids, "-n", "2",
-                                 env={"STRATA_NATIVE_SEGMENTS": "yes"}), "STRATA_NATIVE_SEGMENTS", "expected 0 or 1")
-    monkeypatch.delenv("STRATA_HOST_CALL_WAKE", raising=False)
-    assert switch("STRATA_HOST_CALL_WAKE", True) is True
-    monkeypatch.setenv("STRATA_HOST_CALL_WAKE", "0")
-    assert switch("STRATA_HOST_CALL_WAKE", True) is False
-    monkeypatch.setenv("STRATA_HOST_CALL_WAKE", "on")
-    with pytest.raises(UsageError, match="STRATA_HOST_CALL_WAKE='on': expected 0 or 1"):
-        switch("STRATA_HOST_CALL_WAKE", True)
+                                 env={"STRATA_NUM_THREADS": "many"}), "STRATA_NUM_THREADS", "whole number")

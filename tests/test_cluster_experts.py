@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from strata_compiler.cli_common import run_cli
-from strata_compiler.compiler import compile_model
 from strata_compiler.frontend.hf import build_graph
 from strata_compiler.frontend.safetensors_reader import TensorStore
 from strata_compiler.ir import Op
@@ -19,7 +18,7 @@ from strata_compiler.ir_text import parse_graph, print_graph
 from strata_compiler.pass_manager import CompileOptions, DumpConfig, PassContext, run_pipeline
 from strata_compiler.passes import cluster_experts as ce
 from strata_compiler.passes.calibrate import Calibration, Recorder, _F32Weights
-from strata_compiler.pipelines import DEFAULT
+from strata_compiler.pipelines import DEFAULT, compile_model
 from strata_compiler.runtime.cli import strata_run
 from strata_compiler.runtime.plan import load_plan
 from test_calibrate import demo  # noqa: F401  (fixture)
@@ -43,7 +42,7 @@ def test_trace_matches_transformers_routing(arch, tmp_path):
     from hf_models import build_model, load_model
 
     from strata_compiler.backends.reference.executor import ReferenceExecutor
-    from strata_compiler.runtime.kv_cache import KVCache
+    from strata_compiler.kv_cache import KVCache
 
     d = build_model(arch, tmp_path / "model")
     cfg = json.loads((d / "config.json").read_text())
@@ -90,7 +89,7 @@ def test_trace_through_the_calibrate_pass(demo):
     d, calib = demo
     cfg = json.loads((d / "config.json").read_text())
     g, ctx = _calibrated(d, calib, calib_tokens=300, calib_ctx=128)
-    c = ctx.analyses["calibration"]
+    c = ctx.analyses.calibration
     E, k = cfg["num_experts"], cfg["num_experts_per_tok"]
     assert sorted(c.routes) == list(range(cfg["num_hidden_layers"]))
     for layer in c.routes:
@@ -247,8 +246,8 @@ def test_no_op_on_a_dense_model(tmp_path):
     g, _ = build_graph(d, TensorStore.open(d))
     g = run_pipeline(g, ["lower", "fuse"], PassContext(CompileOptions()))
     ctx = PassContext(CompileOptions(calib="x"))
-    ctx.analyses["calibration"] = Calibration(tokens=10)
-    assert ce.cluster_experts(g, ctx) is g and "expert_clusters" not in ctx.analyses
+    ctx.analyses.calibration = Calibration(tokens=10)
+    assert ce.cluster_experts(g, ctx) is g and ctx.analyses.expert_clusters is None
 
 
 def test_pass_with_calib_meta_dump_and_identical_outputs(demo, tmp_path):

@@ -176,11 +176,11 @@ def test_layer_regex_keeps_glue_ops_with_their_layer(tmp_path):
     assert g.meta_value("placed_by") == "rules"
 
 
-def test_mixed_plan_hand_off_variants_give_the_same_logits(tmp_path, monkeypatch):
-    """The mixed runtime's hand-off variants (results packed into one device->host buffer, ids
-    and position on the device once per step; the legacy one-by-one copies; raw copies through
-    staging arrays, backends/xla/cuda_rt.py, here with memmove on JAX's CPU arrays) change how
-    values move, never what is computed: every decode step's logits are bit-identical."""
+def test_mixed_plan_raw_hand_offs_give_the_same_logits(tmp_path, monkeypatch):
+    """Raw copies through staging arrays (backends/xla/cuda_rt.py, here with memmove on JAX's CPU
+    arrays), the results only CPU kernels read packed into one buffer per partition, change how
+    values move, never what is computed: every step's logits are bit-identical to JAX's own
+    transfers'."""
     from strata_compiler.backends.xla import cuda_rt
     from strata_compiler.runtime.plan import load_plan
     from strata_compiler.runtime.session import Session
@@ -188,74 +188,31 @@ def test_mixed_plan_hand_off_variants_give_the_same_logits(tmp_path, monkeypatch
     d = build_model("olmoe", tmp_path / "model")
     compile_plan(d, tmp_path / "plan", "--place", "experts=cpu,all=gpu")
     runs = {}
-    for mode in ("default", "try", "legacy", "raw", "raw-unpacked", "raw-step-inputs"):
-        if mode.startswith("raw"):
+    for mode in ("jax", "raw"):
+        if mode == "raw":
             monkeypatch.setenv("STRATA_RAW_COPY", "host")
-            monkeypatch.setenv("STRATA_PACK_HOST", "0" if mode == "raw-unpacked" else "1")
-            monkeypatch.setenv("STRATA_STEP_INPUTS", "1" if mode == "raw-step-inputs" else "0")
         s = Session(load_plan(tmp_path / "plan"), "auto", device="cpu")
-        if mode.startswith("raw"):
-            assert s.executor.raw_copy and cuda_rt.mode == "host"
-            # raw copies pack the CPU-bound decode results into one buffer per partition by default
-            packed = any(exe.packed for kind, exe, _ in s.executor.parts if kind == "xla")
-            assert packed == (mode != "raw-unpacked")
-        else:
-            assert not s.executor.raw_copy
-        if mode == "try":
-            s.executor.try_hand_off()
-            assert any(exe.packed for kind, exe, _ in s.executor.parts if kind == "xla")
-        elif mode == "legacy":
-            s.executor.legacy_hand_off()
+        packed = any(exe.packed for kind, exe, _ in s.executor.parts if kind == "xla")
+        assert s.executor.raw_copy == packed == (mode == "raw") and (cuda_rt.mode == "host") == (mode == "raw")
         s.reset(1, 32)
         out = [s.step(np.array([[3, 5, 7, 11]], np.int64))]
         for t in (13, 17, 19, 23):
             out.append(s.step(np.array([[t]], np.int64)))
         runs[mode] = out
-        if mode.startswith("raw"):   # the host values the GPU partitions read went through staging arrays
+        if mode == "raw":   # the host values the GPU partitions read went through staging arrays
             staged = [k for kind, exe, _ in s.executor.parts if kind == "xla" and hasattr(exe, "_stage")
                       for k in exe._stage.bufs]
-            assert any(isinstance(k, int) for k in staged)
-            if mode == "raw-step-inputs":    # ids and position once per step, shared by the partitions
-                assert "ids" not in staged and "pos" not in staged
-                assert set(next(iter(s.executor._step_stage.values())).bufs) == {"ids", "pos"}
-            else:
-                assert "ids" in staged and "pos" in staged and not s.executor._step_stage
+            assert any(isinstance(k, int) for k in staged) and "ids" in staged and "pos" in staged
             cuda_rt.disable()
-    for mode in ("try", "legacy", "raw", "raw-unpacked", "raw-step-inputs"):
-        for a, b in zip(runs[mode], runs["default"]):
-            np.testing.assert_array_equal(a, b)
+    for a, b in zip(runs["raw"], runs["jax"]):
+        np.testing.assert_array_equal(a, b)
 
 
-def test_hand_off_spin_setting(monkeypatch):
-    """STRATA_HAND_OFF_SPIN_US (idle CPU workers' spin in plans that hand off to the GPU): the
-    default, a value, and a bad value as one clear error."""
-    from strata_compiler.errors import UsageError
-    from strata_compiler.runtime.partitions import HAND_OFF_SPIN_US, _spin_us
-
-    monkeypatch.delenv("STRATA_HAND_OFF_SPIN_US", raising=False)
-    assert _spin_us() == (HAND_OFF_SPIN_US, HAND_OFF_SPIN_US)
-    monkeypatch.setenv("STRATA_HAND_OFF_SPIN_US", "250")
-    assert _spin_us() == (250.0, 250.0)
-    monkeypatch.setenv("STRATA_HAND_OFF_SPIN_US", "0,1000")        # no spinning, then yielding
-    assert _spin_us() == (0.0, 1000.0)
-    for bad in ("fast", "-1", "1,2,3"):
-        monkeypatch.setenv("STRATA_HAND_OFF_SPIN_US", bad)
-        with pytest.raises(UsageError, match="STRATA_HAND_OFF_SPIN_US"):
-            _spin_us()
-
-
-def test_fused_spin_setting(monkeypatch):
-    """STRATA_FUSED_SPIN_US (idle workers between a fused step's host calls): the pool's defaults
-    unless set, a value, and a bad value as one clear error naming the variable."""
+def test_spin_settings_defaults():
+    """Idle CPU workers' (spin, yield) microseconds: a short spin at the hand-offs of partition by
+    partition steps, the pool's own defaults between a fused step's host calls."""
+    from strata_compiler import settings
     from strata_compiler.backends.llvm_cpu.pool import _DEFAULT_SPIN_US, _DEFAULT_YIELD_US
-    from strata_compiler.errors import UsageError
-    from strata_compiler.runtime.partitions import _spin_us
 
-    default = (_DEFAULT_SPIN_US, _DEFAULT_YIELD_US)
-    monkeypatch.delenv("STRATA_FUSED_SPIN_US", raising=False)
-    assert _spin_us("STRATA_FUSED_SPIN_US", default) == default
-    monkeypatch.setenv("STRATA_FUSED_SPIN_US", "0")
-    assert _spin_us("STRATA_FUSED_SPIN_US", default) == (0.0, 0.0)
-    monkeypatch.setenv("STRATA_FUSED_SPIN_US", "x")
-    with pytest.raises(UsageError, match="STRATA_FUSED_SPIN_US"):
-        _spin_us("STRATA_FUSED_SPIN_US", default)
+    assert settings.get("hand_off_spin_us") == (30.0, 30.0)
+    assert settings.get("fused_spin_us") == (_DEFAULT_SPIN_US, _DEFAULT_YIELD_US)

@@ -224,7 +224,7 @@ def test_cache_on_and_off_match_transformers(model, tmp_path, monkeypatch, capsy
     import json
     import re
 
-    from strata_compiler.runtime.trace import TRACKS, validate
+    from strata_compiler.trace import TRACKS, validate
 
     doc = json.loads((tmp_path / "trace.json").read_text())
     validate(doc)
@@ -257,16 +257,17 @@ def test_every_decode_step_matches_with_swaps(model, tmp_path, monkeypatch, batc
     b = runs[False, False][0]
     for mode in ((True, True), (True, False)):
         assert np.abs(runs[mode][0] - b).max() / b.std() <= 1e-5, mode
-    caches = runs[True, False][1].executor.caches
+    caches = runs[True, False][1].executor.swaps.caches
     assert caches and sum(c.swaps for c, *_ in caches) > 0
-    assert runs[True, False][1].executor.cache_group.steps >= 9      # the whole-array bookkeeping ran
-    caches = runs[True, True][1].executor.caches
+    assert runs[True, False][1].executor.swaps.cache_group.steps >= 9      # the whole-array bookkeeping ran
+    caches = runs[True, True][1].executor.swaps.caches
     assert sum(c.prefetches for c, *_ in caches) > 0 and sum(c.pf_predicted for c, *_ in caches) > 0
 
 
-def test_pinned_swaps_keep_the_logits(model, tmp_path, monkeypatch):
-    """STRATA_PINNED_SWAPS=1 (page-locked host weights, slot copies queued without waiting: on a
-    GPU; here, without CUDA, nothing is pinned and copies land at once) changes no logit."""
+def test_queued_swaps_keep_the_logits(model, tmp_path, monkeypatch):
+    """Slot copies queued without waiting from page-locked host weights (with fused decode steps;
+    here, without CUDA, nothing is pinned and copies land at once) give the logits of copies that
+    each wait (partition by partition)."""
     from strata_compiler.runtime.session import Session
 
     d, m, ids = model
@@ -281,17 +282,17 @@ def test_pinned_swaps_keep_the_logits(model, tmp_path, monkeypatch):
         return np.concatenate(steps)
 
     out = {}
-    for pinned in ("1", "0"):
-        monkeypatch.setenv("STRATA_PINNED_SWAPS", pinned)
+    for queued in (True, False):
         s = Session(plan, "auto", device="cpu")
-        assert s.executor.async_swaps == (pinned == "1") and s.executor.pinned_bytes == 0
-        out[pinned] = decode(s)
-        assert sum(c.swaps + c.prefetches for c, *_ in s.executor.caches) > 0
-    np.testing.assert_array_equal(out["1"], out["0"])
+        assert s.executor.swaps.async_swaps and s.executor.swaps.pinned_bytes == 0
+        s.executor.swaps.async_swaps = queued
+        out[queued] = decode(s)
+        assert sum(c.swaps + c.prefetches for c, *_ in s.executor.swaps.caches) > 0
+    np.testing.assert_array_equal(out[True], out[False])
     monkeypatch.setenv("STRATA_PREFETCH_PER_LAYER", "4")       # more prefetches a layer: the same logits
     s = Session(plan, "auto", device="cpu")
-    assert {c.max_prefetch for c, *_ in s.executor.caches} == {4}
-    assert np.abs(decode(s) - out["0"]).max() / out["0"].std() <= 1e-5
+    assert {c.max_prefetch for c, *_ in s.executor.swaps.caches} == {4}
+    assert np.abs(decode(s) - out[False]).max() / out[False].std() <= 1e-5
     monkeypatch.setenv("STRATA_PREFETCH_PER_LAYER", "many")
     with pytest.raises(UsageError, match="STRATA_PREFETCH_PER_LAYER"):
         Session(plan, "auto", device="cpu")
@@ -309,16 +310,16 @@ def test_copy_budget_caps_swaps_and_keeps_the_logits(model, tmp_path, monkeypatc
     for on in (True, False):
         s = Session(plan, "auto", device="cpu", expert_cache=on, prefetch=on)
         if on:
-            s.executor.copy_share = 0.0
+            s.executor.swaps.copy_share = 0.0
         s.reset(1, 64)
         steps = [s.step(ids)[:, -1]]
         rng = np.random.default_rng(1)
         moved = []
         for _ in range(8):
             steps.append(s.step(rng.integers(0, m.config.vocab_size, (1, 1)))[:, -1])
-            moved.append(sum(c.swaps + c.prefetches for c, *_ in s.executor.caches))
+            moved.append(sum(c.swaps + c.prefetches for c, *_ in s.executor.swaps.caches))
         out[on] = (np.concatenate(steps), s, moved)
-    caches = out[True][1].executor.caches
+    caches = out[True][1].executor.swaps.caches
     assert caches and sum(c.budget_skips for c, *_ in caches) > 0
     assert len(set(out[True][2][1:])) == 1          # nothing copied after the first decode step
     assert all(c.step > 1 for c, *_ in caches)     # the scores kept counting steps

@@ -3,17 +3,19 @@ unsplit layer's result on every backend, with shares in different formats and no
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from hf_models import build_model, clear_prompts, hf_greedy, hf_logits, load_model
-from strata_compiler.compiler import compile_model
 from strata_compiler.errors import IRError
 from strata_compiler.ir import Level, Op
 from strata_compiler.ir_text import parse_graph, print_graph
 from strata_compiler.pass_manager import PASSES, CompileOptions, register
-from strata_compiler.passes.expert_split import Share, moe_key, split_experts
-from strata_compiler.pipelines import DEFAULT
+from strata_compiler.experts import moe_key
+from strata_compiler.passes.expert_split import Share, split_experts
+from strata_compiler.pipelines import DEFAULT, compile_model
 from strata_compiler.verify import verify
 from test_e2e_transformers import run_plan
 
@@ -21,8 +23,8 @@ SHARE_FORMATS: dict = {}
 
 
 def _shares(g):
-    """Layer 0: experts {0, 2, ...} and the rest (non-contiguous); layer 1: two halves, the second
-    half in SHARE_FORMATS' format; other layers unsplit."""
+    """Layer 0: experts {0, 2, ...} and the rest (non-contiguous); layer 1: two halves; other
+    layers unsplit."""
     out, layer = {}, 0
     for n in g.nodes:
         if n.op is not Op.MOE_FFN:
@@ -31,8 +33,9 @@ def _shares(g):
         if layer == 0:
             out[moe_key(n)] = [Share(tuple(range(0, E, 2))), Share(tuple(range(1, E, 2)))]
         elif layer == 1:
-            fm = tuple((r, SHARE_FORMATS["fmt"]) for r, _ in n.weights) if SHARE_FORMATS else ()
-            out[moe_key(n)] = [Share(tuple(range(E // 2))), Share(tuple(range(E // 2, E)), fm)]
+            out[moe_key(n)] = [Share(tuple(range(E // 2))), Share(tuple(range(E // 2, E)))]
+            if SHARE_FORMATS:
+                SHARE_FORMATS["weights"] = [f"{w}.s1" for _, w in n.weights]
         layer += 1
     return out
 
@@ -40,8 +43,15 @@ def _shares(g):
 if "test-split-experts" not in PASSES:
     @register("test-split-experts", Level.TENSOR)
     def _test_split(g, ctx):
-        """Split the first two MoE layers' experts into shares (tests only)."""
-        return split_experts(g, _shares(g), ctx.analyses.get("calibration"))
+        """Split the first two MoE layers' experts into shares (tests only); with SHARE_FORMATS,
+        layer 1's second share is stored in that format."""
+        g = split_experts(g, _shares(g), ctx.analyses.calibration)
+        if not SHARE_FORMATS:
+            return g
+        fmt, gs = SHARE_FORMATS["fmt"]
+        own = set(SHARE_FORMATS["weights"])
+        return g.with_(weights=tuple(replace(w, fmt=fmt, group_size=gs) if w.name in own else w
+                                     for w in g.weights))
 
 
 def _compile(model_dir, out, quant="f32", backend="reference"):
@@ -97,8 +107,6 @@ def test_split_ir_prints_parses_and_verifies(model, tmp_path):
     assert sub and all(w.shape[0] == len(w.expert_ids) for w in sub)
     # a share whose weights hold other experts than the node says is refused
     n = next(n for n in g.nodes if n.op is Op.MOE_FFN and n.attr("experts", ()))
-    from dataclasses import replace
-
     bad_attrs = tuple((k, tuple(reversed(v)) if k == "experts" else v) for k, v in n.attrs)
     bad = g.with_(nodes=tuple(replace(x, attrs=bad_attrs) if x.id == n.id else x for x in g.nodes))
     with pytest.raises(IRError, match="holds experts"):

@@ -18,7 +18,7 @@ from strata_compiler.ir import Op
 from strata_compiler.ir_text import parse_graph, print_graph
 from strata_compiler.pass_manager import CompileOptions, PassContext, run_pipeline
 from strata_compiler.passes import fuse
-from strata_compiler.runtime.kv_cache import KVCache
+from strata_compiler.kv_cache import KVCache
 from strata_compiler.verify import verify
 from strata_compiler.weights import materialize_f32
 

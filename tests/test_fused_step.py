@@ -18,17 +18,21 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 
-def _host_call(ins, outs, fn, after=False, staging=False):
+def _host_call(ins, outs, fn, after=False):
     from strata_compiler.backends.xla.host_call import HostCall, python_work
 
     addr, _ = python_work(fn)
-    return HostCall(ins, outs, addr, platform="cpu", after=after, staging=staging)
+    return HostCall(ins, outs, addr, platform="cpu", after=after)
 
 
-@pytest.mark.parametrize("staging", [False, True])
-def test_host_call_copies_in_runs_and_copies_out(staging):
-    """Straight into the host buffers and through staging buffers of their own (page-locked on
-    a GPU: STRATA_HOST_CALL_STAGING=1)."""
+def partition_by_partition(s):
+    """Session s's decode steps partition by partition, as when a fused program fails to build
+    (the reference the fused steps are checked against)."""
+    s.executor.fused = None
+    return s
+
+
+def test_host_call_copies_in_runs_and_copies_out():
     hin, hout = np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float32)
     seen = []
 
@@ -37,7 +41,7 @@ def test_host_call_copies_in_runs_and_copies_out(staging):
         seen.append(hin.copy())
         np.multiply(hin, -2.0, out=hout)
 
-    hc = _host_call([hin], [hout], work, staging=staging)
+    hc = _host_call([hin], [hout], work)
     f = jax.jit(lambda x: hc(x * 3.0)[0] + 1.0)
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     np.testing.assert_array_equal(np.asarray(f(x)), x * 3.0 * -2.0 + 1.0)
@@ -62,8 +66,8 @@ def test_host_calls_chained_by_tokens_run_in_order_and_are_not_dropped():
     assert log == ["a", ("b", 5.0)]
 
 
-@pytest.mark.parametrize("staging", [False, True])
-def test_the_cuda_handler_ir_verifies(staging):
+@pytest.mark.parametrize("wake", [0, 0x7000])
+def test_the_cuda_handler_ir_verifies(wake):
     """The handler as built for a GPU (cudaMemcpyAsync / cudaStreamSynchronize at fixed addresses,
     the stream from XLA's API): CI cannot run it, but LLVM can verify and compile it."""
     import llvmlite.binding as llvm
@@ -72,17 +76,17 @@ def test_the_cuda_handler_ir_verifies(staging):
     from strata_compiler.backends.llvm_cpu.target import Target
     from strata_compiler.backends.xla.host_call import _handler_ir
 
-    ir = _handler_ir("h", [(0x1000, 64, 0x9000 if staging else 0), (0x2000, 8, 0xa000 if staging else 0)],
-                     [(0x3000, 64, 0xb000 if staging else 0)], 0x4000, 7, memcpy=0x5000, sync=0x6000, skip_in=1,
-                     wake=0x7000 if staging else 0)
-    assert ("call void @llvm.memcpy" in ir) == staging        # the host side of the staging
-    # the pool's wake comes first in the execute stage, before the copies and the sync
-    assert (f"call void inttoptr (i64 {0x7000} to ptr)()" in ir) == staging
-    if staging:
-        assert ir.index(f"i64 {0x7000}") < ir.index(f"i64 {0x5000}")
+    ir = _handler_ir("h", [(0x1000, 64), (0x2000, 8)], [(0x3000, 64)], 0x4000, 7, memcpy=0x5000, sync=0x6000,
+                     skip_in=1, wake=wake)
     mod, tm = optimize(ir, Target.host())       # parses and verifies, else BackendError
     assert tm.emit_object(mod)
     llvm.parse_assembly(ir).verify()
+    body = str(mod)
+    # the pool's wake comes first in the execute stage, before the copies and the sync
+    assert (f"call void inttoptr (i64 {0x7000} to ptr)()" in body) == bool(wake)
+    if wake:
+        assert body.index(f"i64 {0x7000}") < body.index(f"i64 {0x5000}")
+    assert body.index(f"i64 {0x5000}") < body.index(f"i64 {0x6000}") < body.index(f"i64 {0x4000}")
 
 
 def test_host_call_checks_its_operands():
@@ -97,29 +101,32 @@ def test_host_call_checks_its_operands():
 
 def test_handler_answers_the_metadata_query_and_skips_other_stages():
     """Called by hand with a fake call frame: a metadata extension gets the API's version and no
-    traits; a frame at a stage other than execute runs nothing."""
-    from strata_compiler.backends.xla import host_call as H
-
+    traits; a frame at a stage other than execute runs nothing. (Byte offsets of XLA's C API, as
+    backends/xla/host_call.ll reads them.)"""
+    FRAME_EXT, FRAME_API, FRAME_STAGE = 8, 16, 32
+    API_MAJOR, API_MINOR = 32, 36
+    EXT_TYPE, EXT_METADATA, EXT_TYPE_METADATA = 8, 24, 1
+    META_MAJOR, META_MINOR, META_TRAITS = 24, 28, 32
     ran = []
     hc = _host_call([], [], lambda _s: ran.append(1))
     fn = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(hc.address)
     api = (ctypes.c_uint8 * 128)()
-    ctypes.c_int32.from_buffer(api, H._API_VERSION_MAJOR).value = 7
-    ctypes.c_int32.from_buffer(api, H._API_VERSION_MINOR).value = 3
+    ctypes.c_int32.from_buffer(api, API_MAJOR).value = 7
+    ctypes.c_int32.from_buffer(api, API_MINOR).value = 3
     meta = (ctypes.c_uint8 * 40)()
-    ctypes.c_int32.from_buffer(meta, H._META_TRAITS).value = 99
+    ctypes.c_int32.from_buffer(meta, META_TRAITS).value = 99
     ext = (ctypes.c_uint8 * 32)()
-    ctypes.c_int32.from_buffer(ext, H._EXT_TYPE).value = H._EXT_TYPE_METADATA
-    ctypes.c_void_p.from_buffer(ext, H._EXT_METADATA).value = ctypes.addressof(meta)
+    ctypes.c_int32.from_buffer(ext, EXT_TYPE).value = EXT_TYPE_METADATA
+    ctypes.c_void_p.from_buffer(ext, EXT_METADATA).value = ctypes.addressof(meta)
     frame = (ctypes.c_uint8 * 176)()
-    ctypes.c_void_p.from_buffer(frame, H._FRAME_EXT).value = ctypes.addressof(ext)
-    ctypes.c_void_p.from_buffer(frame, H._FRAME_API).value = ctypes.addressof(api)
+    ctypes.c_void_p.from_buffer(frame, FRAME_EXT).value = ctypes.addressof(ext)
+    ctypes.c_void_p.from_buffer(frame, FRAME_API).value = ctypes.addressof(api)
     assert fn(ctypes.addressof(frame)) is None
-    assert ctypes.c_int32.from_buffer(meta, H._META_MAJOR).value == 7
-    assert ctypes.c_int32.from_buffer(meta, H._META_MINOR).value == 3
-    assert ctypes.c_int32.from_buffer(meta, H._META_TRAITS).value == 0
-    ctypes.c_void_p.from_buffer(frame, H._FRAME_EXT).value = None
-    ctypes.c_int32.from_buffer(frame, H._FRAME_STAGE).value = 0        # instantiate
+    assert ctypes.c_int32.from_buffer(meta, META_MAJOR).value == 7
+    assert ctypes.c_int32.from_buffer(meta, META_MINOR).value == 3
+    assert ctypes.c_int32.from_buffer(meta, META_TRAITS).value == 0
+    ctypes.c_void_p.from_buffer(frame, FRAME_EXT).value = None
+    ctypes.c_int32.from_buffer(frame, FRAME_STAGE).value = 0        # instantiate
     assert fn(ctypes.addressof(frame)) is None and not ran
 
 
@@ -131,8 +138,8 @@ def model(tmp_path_factory):
     return d, m, ids
 
 
-@pytest.mark.parametrize("batch,settings", [(1, "stream"), (2, "stream"), (1, "overlap"), (2, "overlap")])
-def test_fused_decode_steps_equal_the_partition_runtime(model, tmp_path, monkeypatch, batch, settings):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fused_decode_steps_equal_the_partition_runtime(model, tmp_path, monkeypatch, batch):
     """A split plan with live expert caches (slot maps change between steps and, by the prefetch,
     inside them): every decode step
     of the fused program gives the partition runtime's logits (to float rounding: XLA may fuse
@@ -144,38 +151,31 @@ def test_fused_decode_steps_equal_the_partition_runtime(model, tmp_path, monkeyp
     prompt = np.concatenate([ids, ids[:, ::-1]])[:batch]
     runs = {}
     monkeypatch.setenv("STRATA_SWAP_MARGIN", "0")     # swaps at the first edge: prefetches get admitted
-    if settings == "stream":     # the cached layer split around its GPU share, copies on their own stream
-        monkeypatch.setenv("STRATA_PREFETCH_STREAM", "1")
-        monkeypatch.setenv("STRATA_HOST_CALL_STAGING", "1")
-    else:                        # the split's CPU side on a worker thread while the GPU share runs
-        monkeypatch.setenv("STRATA_FUSED_OVERLAP", "1")
     for fused in ("1", "0"):
-        monkeypatch.setenv("STRATA_FUSED_STEP", fused)
         s = Session(plan, "auto", device="cpu", prefetch=True)
-        assert (s.executor.fused is not None) == (fused == "1")
-        s.executor.copy_share = 1e9       # no copy budget: the same copies in both runs, whatever the timing
+        assert s.executor.fused is not None
+        if fused == "0":
+            partition_by_partition(s)
+        s.executor.swaps.copy_share = 1e9       # no copy budget: the same copies in both runs, whatever the timing
         s.reset(batch, 64)
         out = [s.step(prompt)[:, -1]]
         rng = np.random.default_rng(1)
         for t in range(8):
             out.append(s.step(rng.integers(0, m.config.vocab_size, (batch, 1)))[:, -1])
             if t == 0:
-                before = sum(c.prefetches for c, *_ in s.executor.caches)
+                before = sum(c.prefetches for c, *_ in s.executor.swaps.caches)
         runs[fused] = (np.concatenate(out), s, before)
     a, b = runs["1"][0], runs["0"][0]
     assert np.abs(a - b).max() / b.std() <= 1e-5
     np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
     s = runs["1"][1]
     assert s.executor.fused.steps == 7          # the first decode step runs partition by partition
-    assert sum(c.swaps for c, *_ in s.executor.caches) > 0     # experts moved between fused steps
+    assert sum(c.swaps for c, *_ in s.executor.swaps.caches) > 0     # experts moved between fused steps
     # the prefetch runs inside the host calls (here: the embedding's), as often as partition by
     # partition, and the GPU shares read the slot maps it changed
-    pf = {k: sum(c.prefetches for c, *_ in r[1].executor.caches) for k, r in runs.items()}
+    pf = {k: sum(c.prefetches for c, *_ in r[1].executor.swaps.caches) for k, r in runs.items()}
     assert pf["1"] == pf["0"] and pf["1"] > runs["1"][2]
-    # the cached layer's CPU partition ran as two host calls around its GPU share
-    fused = s.executor.fused
-    assert fused._splits and {part for _, _, part in fused._calls} >= {"start", "finish"}
-    assert s.executor._copy_plans         # in-step copies took the raw path (addresses worked out once)
+    assert s.executor.swaps._copy_plans         # in-step copies took the raw path (addresses worked out once)
 
 
 def test_a_failing_cpu_partition_raises_after_the_step(model, tmp_path, monkeypatch):
@@ -219,9 +219,7 @@ def test_a_fused_program_that_fails_to_build_falls_back_with_one_warning(model, 
 
     d, m, ids = model
     plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
-    monkeypatch.setenv("STRATA_FUSED_STEP", "0")
-    ref = Session(plan, "auto", device="cpu")
-    monkeypatch.delenv("STRATA_FUSED_STEP")
+    ref = partition_by_partition(Session(plan, "auto", device="cpu"))
     s = Session(plan, "auto", device="cpu")
 
     def broken(self, *a, **k):
@@ -230,7 +228,7 @@ def test_a_fused_program_that_fails_to_build_falls_back_with_one_warning(model, 
     monkeypatch.setattr(FusedStep, "_step", broken)
     out = {}
     for name, sess in (("ref", ref), ("fb", s)):
-        sess.executor.copy_share = 1e9
+        sess.executor.swaps.copy_share = 1e9
         sess.reset(1, 64)
         steps = [sess.step(ids)[:, -1]] + [sess.step(ids[:, i:i + 1])[:, -1] for i in range(4)]
         out[name] = np.concatenate(steps)
@@ -241,9 +239,9 @@ def test_a_fused_program_that_fails_to_build_falls_back_with_one_warning(model, 
 
 
 def test_overlap_on_a_static_hot_split(model, tmp_path, monkeypatch):
-    """Every layer split with its hot experts on the GPU (no cache): with STRATA_FUSED_OVERLAP=1 each
-    layer's CPU side runs on the pool's runner thread beside its GPU share (the start call's inputs
-    come from the share's own partition), and the logits stay the partition runtime's."""
+    """Every layer split with its hot experts on the GPU (no cache): each layer's CPU side runs on
+    the pool's runner thread beside its GPU share (the start call's inputs come from the share's
+    own partition), and the logits stay the partition runtime's."""
     from strata_compiler.runtime.session import Session
     from test_place import _compile, budget_decides, fake_profile, gpu_mem_for, probe_placement
 
@@ -254,39 +252,31 @@ def test_overlap_on_a_static_hot_split(model, tmp_path, monkeypatch):
     _compile(d, tmp_path / "half", hw, gpu_mem_for(probe, probe["gpu_bytes"] * 0.5))
     plan = load_plan(tmp_path / "half")
     out = {}
-    for overlap in ("1", "", "0"):      # "": unset, the default (auto: the native splits overlap)
-        monkeypatch.setenv("STRATA_FUSED_OVERLAP", overlap)
+    for fused in (True, False):
         s = Session(plan, "auto", device="cpu")
+        if not fused:
+            partition_by_partition(s)
         s.reset(1, 64)
-        out[overlap] = np.concatenate([s.step(ids)[:, -1]] + [s.step(ids[:, i:i + 1])[:, -1] for i in range(5)])
-        f = s.executor.fused
-        if overlap != "0":
-            assert f.steps == 4 and f._splits and not any(n.attr("cache", "") for n, *_ in f._splits.values())
+        out[fused] = np.concatenate([s.step(ids)[:, -1]] + [s.step(ids[:, i:i + 1])[:, -1] for i in range(5)])
+        if fused:
+            f = s.executor.fused
+            splits = f.calls.splits()
+            assert f.steps == 4 and splits and not any(n.attr("cache", "") for n, *_ in splits.values())
             # both halves of every split partition run natively: the first on the pool's runner
             # thread (strata_async_start), the second after waiting for it
-            assert set(f._splits) == f.overlap and set(f._splits) <= f.native_calls
-        else:
-            assert not f._splits and not f.overlap
-    for overlap in ("1", ""):
-        assert np.abs(out[overlap] - out["0"]).max() / out["0"].std() <= 1e-6
-
-
-def test_overlap_switch_rejects_other_values(monkeypatch):
-    from strata_compiler.errors import UsageError
-    from strata_compiler.runtime.fused_step import overlap_mode
-
-    monkeypatch.setenv("STRATA_FUSED_OVERLAP", "yes")
-    with pytest.raises(UsageError, match="STRATA_FUSED_OVERLAP='yes'"):
-        overlap_mode()
-    monkeypatch.delenv("STRATA_FUSED_OVERLAP")
-    assert overlap_mode() == "auto"
+            assert set(splits) <= f.calls.native
+            assert {part for _, _, part in f.calls.calls} >= {"start", "finish"}
+    assert np.abs(out[True] - out[False]).max() / out[False].std() <= 1e-6
 
 
 def test_cpu_partitions_run_as_native_programs_with_the_same_logits(model, tmp_path, monkeypatch):
-    """A static split (no cache): with STRATA_NATIVE_SEGMENTS=1 (the default) each fused step's host
-    calls run their partition as one native program (pool.py strata_run_program), giving exactly
-    the logits of the op-by-op Python path; the all-CPU plan's steps (attention included) too.
-    The mixed plan's kernels split 4 chunks per thread, the all-CPU plan's 1."""
+    """A static split (no cache): each fused step's host calls run their partition as one native
+    program (pool.py strata_run_program) straight from the handler, giving exactly the logits of
+    the same fused program whose host calls run the partitions op by op in Python (as while the
+    MoE phases are timed); traced, the same programs with time stamps. The mixed plan's kernels
+    split 4 chunks per thread, the all-CPU plan's 1."""
+    from strata_compiler import trace
+    from strata_compiler.backends.llvm_cpu import executor as lx
     from strata_compiler.backends.llvm_cpu import pool as poolmod
     from strata_compiler.runtime.session import Session
     from test_place import _compile, budget_decides, fake_profile, gpu_mem_for, probe_placement
@@ -299,90 +289,94 @@ def test_cpu_partitions_run_as_native_programs_with_the_same_logits(model, tmp_p
     calls = []
     real = poolmod.ThreadPool.run_program
     monkeypatch.setattr(poolmod.ThreadPool, "run_program", lambda self, a, n: (calls.append(n), real(self, a, n)))
-    from strata_compiler.runtime import trace
-
-    for plan_dir, backend in ((tmp_path / "half", "auto"), (tmp_path / "half", "llvm")):
-        plan = load_plan(plan_dir)
-        out, ran, native_calls = {}, {}, {}
-        # op by op in Python; segment programs called from Python; programs called by the host calls
-        for name, seg, hc in (("python", "0", "0"), ("segments", "1", "0"), ("host calls", "1", "1"), ("traced", "1", "1")):
-            monkeypatch.setenv("STRATA_NATIVE_SEGMENTS", seg)
-            monkeypatch.setenv("STRATA_NATIVE_HOST_CALLS", hc)
-            calls.clear()
-            s = Session(plan, backend, device="cpu")
-            s.reset(1, 64)
-            tr = trace.Tracer() if name == "traced" else None
-            if tr is not None:
-                trace.ACTIVE = tr
-            try:
-                out[name] = np.concatenate([s.step(ids)[:, -1]] + [s.step(ids[:, i:i + 1])[:, -1] for i in range(5)])
-            finally:
-                trace.ACTIVE = None
-            ran[name] = len(calls)
-            fused = getattr(s.executor, "fused", None)
-            native_calls[name] = len(fused.native_calls) if fused is not None else 0
-            if fused is not None and name == "host calls":
-                # the benchmarks' timeline gets the native calls' entry and exit too (TSC records)
-                fused.timeline = []
-                s.step(ids[:, :1])
-                tl, fused.timeline = fused.timeline, None
-                entered = {p for ev, p, _ in tl if ev == "enter"}
-                assert fused.native_calls <= entered and [ev for ev, *_ in tl][0] == "dispatch"
-                assert [ev for ev, *_ in tl][-1] == "done" and all(a[2] <= b[2] for a, b in zip(tl, tl[1:]))
-            # CPU kernels beside the GPU runtime cut 4 chunks per thread (partitions.MIXED_POOL_SPLIT)
-            assert poolmod.get_pool().split == (4 if backend == "auto" else 1)
-        assert ran["python"] == 0 and ran["segments"] > 0, (plan_dir, ran)
-        if backend == "auto":
-            # every split layer's CPU partition runs from its host call: no Python call of a program
-            # in the fused steps (only in prefill and the first decode step, partition by partition)
-            assert native_calls["host calls"] > 0 and native_calls["segments"] == 0
-            assert ran["host calls"] < ran["segments"]
-            # while tracing, the same host calls run the program with time stamps between its ops:
-            # their spans (native=True) join the trace beside the GPU's stretches
-            assert ran["traced"] == 0 and any(e["name"] == "fused step: gpu segment 1" for e in tr.events), ran
-            assert any(e["name"] == "moe_ffn" and e.get("args", {}).get("native") for e in tr.events)
-        for name in out:
-            np.testing.assert_array_equal(out[name], out["python"], err_msg=name)
+    plan = load_plan(tmp_path / "half")
+    out, ran, native_calls = {}, {}, {}
+    # op by op in Python; partition by partition (programs called from Python); programs called
+    # by the host calls; the same, traced
+    for name in ("python", "partitions", "host calls", "traced"):
+        monkeypatch.setattr(lx, "PHASE_NS", {} if name == "python" else None)
+        calls.clear()
+        s = Session(plan, "auto", device="cpu")
+        if name == "partitions":
+            partition_by_partition(s)
+        s.reset(1, 64)
+        tr = trace.Tracer() if name == "traced" else None
+        if tr is not None:
+            trace.ACTIVE = tr
+        try:
+            out[name] = np.concatenate([s.step(ids)[:, -1]] + [s.step(ids[:, i:i + 1])[:, -1] for i in range(5)])
+        finally:
+            trace.ACTIVE = None
+        ran[name] = len(calls)
+        fused = s.executor.fused
+        native_calls[name] = len(fused.calls.native) if fused is not None else 0
+        if name == "host calls":
+            # the benchmarks' timeline gets the native calls' entry and exit too (TSC records)
+            fused.timeline = []
+            s.step(ids[:, :1])
+            tl, fused.timeline = fused.timeline, None
+            entered = {p for ev, p, _ in tl if ev == "enter"}
+            assert fused.calls.native <= entered and [ev for ev, *_ in tl][0] == "dispatch"
+            assert [ev for ev, *_ in tl][-1] == "done" and all(a[2] <= b[2] for a, b in zip(tl, tl[1:]))
+        # CPU kernels beside the GPU runtime cut 4 chunks per thread (partitions.MIXED_POOL_SPLIT)
+        assert poolmod.get_pool().split == 4
+    # every split layer's CPU partition runs its program from its host call, none from Python
+    assert native_calls["host calls"] > 0 and ran["host calls"] == 0, ran
+    # while tracing, the same host calls run the program with time stamps between its ops: their
+    # spans (native=True) join the trace beside the GPU's stretches
+    assert ran["traced"] == 0 and any(e["name"] == "fused step: gpu segment 1" for e in tr.events), ran
+    assert any(e["name"] == "moe_ffn" and e.get("args", {}).get("native") for e in tr.events)
+    for name in ("host calls", "traced"):
+        np.testing.assert_array_equal(out[name], out["python"], err_msg=name)
+    assert np.abs(out["partitions"] - out["python"]).max() / out["python"].std() <= 1e-6
+    s = Session(plan, "llvm", device="cpu")       # all on the CPU: one chunk per thread
+    s.reset(1, 64)
+    calls.clear()
+    s.step(ids)
+    assert poolmod.get_pool().split == 1 and calls        # (its program called from Python: counted)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_cached_layers_without_prefetch_run_natively_and_overlap(model, tmp_path, monkeypatch, batch):
     """With the prefetch off, a cached layer's CPU side needs no per-step Python: its program masks
     the routing weights by the live cache (pool.py MASK) and counts the routings per expert, so its
-    host calls run natively, split around the GPU share and overlapped (STRATA_FUSED_OVERLAP
-    auto). Logits, swaps, hits and misses equal the Python host calls'."""
+    host calls run natively, split around the GPU share and overlapped. Logits, swaps, hits and
+    misses equal those of Python host calls (op by op, as while the MoE phases are timed)."""
+    from strata_compiler.backends.llvm_cpu import executor as lx
     from strata_compiler.runtime.session import Session
 
     d, m, ids = model
     plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
     runs = {}
-    for native in ("1", "0"):
-        monkeypatch.setenv("STRATA_NATIVE_HOST_CALLS", native)
+    for native in (True, False):
+        monkeypatch.setattr(lx, "PHASE_NS", None if native else {})
         s = Session(plan, "auto", device="cpu", prefetch=False)
-        s.executor.copy_share = 1e9       # no copy budget: the same swaps in both runs, whatever the timing
+        s.executor.swaps.copy_share = 1e9       # no copy budget: the same swaps in both runs, whatever the timing
         s.reset(batch, 64)
         rng = np.random.default_rng(1)
         prompt = np.concatenate([ids, ids[:, ::-1]])[:batch]
         out = [s.step(prompt)[:, -1]] + [s.step(rng.integers(0, m.config.vocab_size, (batch, 1)))[:, -1]
                                          for _ in range(8)]
-        caches = [c for c, *_ in s.executor.caches]
+        caches = [c for c, *_ in s.executor.swaps.caches]
         runs[native] = (np.concatenate(out), [(c.hits, c.misses, c.swaps) for c in caches], s.executor.fused)
-    (a, stats_a, f), (b, stats_b, _) = runs["1"], runs["0"]
+    (a, stats_a, f), (b, stats_b, _) = runs[True], runs[False]
     assert np.abs(a - b).max() / b.std() <= 1e-5
     assert stats_a == stats_b and sum(sw for *_, sw in stats_a) > 0 and all(h + mi > 0 for h, mi, _ in stats_a)
-    cached_splits = {i for i, sp in f._splits.items() if sp[0].attr("cache", "")}
-    assert cached_splits and cached_splits <= f.native_calls and cached_splits <= f.overlap
+    cached_splits = {i for i, sp in f.calls.splits().items() if sp[0].attr("cache", "")}
+    assert cached_splits and cached_splits <= f.calls.native
 
 
-@pytest.mark.parametrize("batch,stream", [(1, "0"), (2, "0"), (1, "1")])
-def test_native_prefetch_equals_the_python_one(tmp_path, monkeypatch, batch, stream):
-    """STRATA_NATIVE_PREFETCH=1: a cached layer's prefetch (router, choice of copies, copies, slot
-    maps) runs as native code after its host call's program, so every CPU partition's call is
-    native and the cached splits overlap. The logits, and the prefetches, swaps, hits, misses,
-    prediction counts, bytes copied and the idle back-off's pauses (where a paused native
-    prefetch still hands back the slot maps), equal the Python prefetch's."""
+@pytest.mark.parametrize("batch", [1, 2])
+def test_native_prefetch_equals_the_python_one(tmp_path, monkeypatch, batch):
+    """A cached layer's prefetch (router, choice of copies, copies, slot maps) runs as native code
+    after its host call's program, so every CPU partition's call is native and the cached splits
+    overlap. The logits, and the prefetches, swaps, hits, misses, prediction counts, bytes copied
+    and the idle back-off's pauses (where a paused native prefetch still hands back the slot
+    maps), equal those of the Python prefetch (the host calls' Python work, as while the MoE
+    phases are timed)."""
     from benchmarks.placement_bench import TINY
     from benchmarks.placement_bench import build_model as synthetic
+    from strata_compiler.backends.llvm_cpu import executor as lx
     from strata_compiler.runtime.session import Session
     from test_place import _compile, budget_decides, fake_profile, gpu_mem_for, probe_placement
 
@@ -398,80 +392,63 @@ def test_native_prefetch_equals_the_python_one(tmp_path, monkeypatch, batch, str
              "--expert-cache", "--calib", str(calib), "--calib-tokens", "64", "--no-imatrix")
     plan = load_plan(tmp_path / "hot")
     ids = np.arange(1, 7)[None] * 37 % TINY["vocab"]
-    # STRATA_PREFETCH_STREAM=1: the cached layers split around their GPU shares for the copy
-    # stream (on a GPU the start call waits for the copies' event); natively too
-    monkeypatch.setenv("STRATA_PREFETCH_STREAM", stream)
     runs = {}
-    for native in ("1", "0"):
-        monkeypatch.setenv("STRATA_NATIVE_PREFETCH", native)
+    for native in (True, False):
+        monkeypatch.setattr(lx, "PHASE_NS", None if native else {})
         s = Session(plan, "auto", device="cpu", prefetch=True)
-        s.executor.copy_share = 1e9
+        s.executor.swaps.copy_share = 1e9
         s.reset(batch, 64)
         rng = np.random.default_rng(1)
         prompt = np.concatenate([ids, ids[:, ::-1]])[:batch]
         out = [s.step(prompt)[:, -1]] + [s.step(rng.integers(0, TINY["vocab"], (batch, 1)))[:, -1]
                                          for _ in range(8)]
-        caches = [c for c, *_ in s.executor.caches]
-        if native == "1":       # a traced step takes the Python path (its copies go into the trace)
-            from strata_compiler.runtime import trace
+        caches = [c for c, *_ in s.executor.swaps.caches]
+        if native:       # a traced step takes the Python path (its copies go into the trace)
+            from strata_compiler import trace
 
             trace.ACTIVE = trace.Tracer()
             try:
                 out.append(s.step(rng.integers(0, TINY["vocab"], (batch, 1)))[:, -1])
             finally:
                 trace.ACTIVE = None
-            assert s.executor.fused._cells[0] == 1
+            assert s.executor.fused.calls.cells[0] == 1
         else:
             out.append(s.step(rng.integers(0, TINY["vocab"], (batch, 1)))[:, -1])
         for c in caches:
             c.fold()
-        if native == "1":       # its bookkeeping ran as whole arrays (expert_cache.CacheGroup), the
-            assert s.executor.cache_group.steps >= 6        # Python prefetch's cache by cache
+        if native:       # its bookkeeping ran as whole arrays (expert_cache.CacheGroup), the
+            assert s.executor.swaps.cache_group.steps >= 6        # Python prefetch's cache by cache
         runs[native] = (np.concatenate(out), [(c.prefetches, c.swaps, c.hits, c.misses, c.pf_predicted, c.pf_correct,
                                                c.bytes_moved, c.pf_paused, c.slots.tolist()) for c in caches],
                         s.executor.fused)
-    (a, stats_a, f), (b, stats_b, fp) = runs["1"], runs["0"]
+    (a, stats_a, f), (b, stats_b, _) = runs[True], runs[False]
     assert np.abs(a - b).max() / b.std() <= 1e-5
     assert stats_a == stats_b and sum(st[0] for st in stats_a) > 0
     assert sum(st[7] for st in stats_a) > 0      # the idle back-off paused predictions, in both alike
-    assert f._prefetch and {i for i, _ in f._prefetch} <= f.native_calls
-    assert not fp._prefetch          # (the Python prefetch: no native one built)
-    cached_splits = {i for i, sp in f._splits.items() if sp[0].attr("cache", "")}
-    assert cached_splits and cached_splits <= f.native_calls and cached_splits <= f.overlap
+    assert f.calls.prefetches and {i for i, _ in f.calls.prefetches} <= f.calls.native
+    cached_splits = {i for i, sp in f.calls.splits().items() if sp[0].attr("cache", "")}
+    assert cached_splits and cached_splits <= f.calls.native
 
 
-@pytest.mark.parametrize("overlap", ["auto", "1"])
-def test_a_dropped_session_is_freed(model, tmp_path, monkeypatch, overlap):
+def test_a_dropped_session_is_freed(model, tmp_path, monkeypatch):
     """Host call handlers and native prefetches live as long as XLA keeps their targets, the
     process; they hold the fused step's work weakly, so a session dropped after decoding through
-    an expert cache with prefetch frees its executor (and the weights it holds), and the overlap
-    thread of STRATA_FUSED_OVERLAP=1 ends."""
+    an expert cache with prefetch frees its executor (and the weights it holds)."""
     import gc
-    import threading
     import weakref
 
     from strata_compiler.runtime.session import Session
 
     d, m, ids = model
     plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
-    monkeypatch.setenv("STRATA_FUSED_OVERLAP", overlap)
-    if overlap == "1":
-        monkeypatch.setenv("STRATA_NATIVE_HOST_CALLS", "0")    # Python host calls: the overlap thread
-    s = Session(plan, "auto", device="cpu")
+    s = Session(plan, "auto", device="cpu", prefetch=True)
     s.reset(1, 32)
     tok = int(s.step(ids)[0, -1].argmax())
     for _ in range(3):
         tok = int(s.step(np.array([[tok]], np.int64))[0, -1].argmax())
     f = s.executor.fused
-    assert f is not None and f.steps > 0 and s.executor.caches
-    if overlap == "1":
-        assert f.overlap and any(t.name == "strata-fused-overlap" for t in threading.enumerate())
+    assert f is not None and f.steps > 0 and s.executor.swaps.caches
     ref = weakref.ref(s.executor)
     del s, f
     gc.collect()
     assert ref() is None
-    for _ in range(100):
-        if not any(t.name == "strata-fused-overlap" for t in threading.enumerate()):
-            break
-        threading.Event().wait(0.01)
-    assert not any(t.name == "strata-fused-overlap" for t in threading.enumerate())

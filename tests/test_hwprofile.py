@@ -1,4 +1,4 @@
-"""The hardware profile (`strata_compiler/hwprofile.py`) and `stratac probe-hw`.
+"""The hardware profile (`strata_compiler/hwprofile.py`), its probes (`backends/probe.py`) and `stratac probe-hw`.
 
 One quick probe per module (a few seconds) backs the checks on measured figures; the JSON,
 override, time-estimate and CLI-error tests use a hand-made profile with round numbers. The GPU
@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 
 from strata_compiler import hwprofile
+from strata_compiler.backends import probe as hwprobe
 from strata_compiler.cli import stratac
 from strata_compiler.cli_common import run_cli
 from strata_compiler.errors import UsageError
 from strata_compiler.formats import FORMATS
-from strata_compiler.hwprofile import (CpuIsa, DiskProfile, GpuProfile, HardwareProfile, HostProfile, override,
-                                       probe)
+from strata_compiler.backends.probe import probe
+from strata_compiler.hwprofile import CpuIsa, DiskProfile, GpuProfile, HardwareProfile, HostProfile, override
 
 GiB = 2**30
 
@@ -95,7 +96,7 @@ def test_quick_probe_figures_are_sane(measured, tmp_path):
 
 def test_disk_test_file_is_removed(tmp_path):
     notes: list[str] = []
-    d = hwprofile.measure_disk(tmp_path, 1 << 20, notes)
+    d = hwprobe.measure_disk(tmp_path, 1 << 20, notes)
     assert d.read_bandwidth > 0 and d.test_bytes == 1 << 20
     assert list(tmp_path.iterdir()) == []
 
@@ -104,10 +105,10 @@ def test_gpu_measurements_on_jax_cpu_device():
     """measure_gpu's code path (every format through the xla matvec, copies, transfers) on JAX's CPU."""
     import jax
 
-    tiny = dataclasses.replace(hwprofile.QUICK, reps=1, gemv_bytes=256 << 10, gemv_k=256, gpu_bytes=1 << 20,
+    tiny = dataclasses.replace(hwprobe.QUICK, reps=1, gemv_bytes=256 << 10, gemv_k=256, gpu_bytes=1 << 20,
                                gpu_matmul=64)
     notes: list[str] = []
-    g = hwprofile.measure_gpu(jax.devices("cpu")[0], tiny, lambda msg: None, notes)
+    g = hwprobe.measure_gpu(jax.devices("cpu")[0], tiny, lambda msg: None, notes)
     assert set(g.gemv) == set(FORMATS) and all(r > 0 for r in g.gemv.values())
     assert g.copy_bandwidth > 0 and g.matmul_flops > 0 and g.h2d_pageable > 0 and g.d2h > 0
     assert g.h2d_pinned is None or g.h2d_pinned > 0
@@ -224,7 +225,7 @@ def test_cli_writes_profile_and_table(capsys, tmp_path, monkeypatch, measured):
         kw["progress"]("measuring")
         return measured
 
-    monkeypatch.setattr(hwprofile, "probe", fake_probe)
+    monkeypatch.setattr(hwprobe, "probe", fake_probe)
     out = tmp_path / "hw.json"
     code, stdout, stderr = cli(capsys, "probe-hw", "-o", out, "--quick", "--disk-size", "8MiB")
     assert code == 0, stderr

@@ -12,7 +12,8 @@ from strata_compiler.cli import stratac
 from strata_compiler.cli_common import run_cli
 from strata_compiler.errors import UsageError
 from strata_compiler.formats import get_format
-from strata_compiler.passes.laq import Option, allocate, expert_options, parse_size
+from strata_compiler.hwprofile import parse_size
+from strata_compiler.passes.laq import Option, allocate
 from strata_compiler.runtime.plan import load_plan
 from test_calibrate import demo  # noqa: F401  (fixture)
 
@@ -81,26 +82,18 @@ def test_bits_budget_end_to_end(demo, tmp_path, monkeypatch):  # noqa: F811
     d, calib = demo
     out = tmp_path / "p"
     assert run_cli(stratac, ["compile", str(d), "-o", str(out), "--bits", "4.0", "--calib", str(calib),
-                             "--calib-tokens", "256", "--laq-granularity", "expert",
-                             "--dump-dir", str(tmp_path / "dump")]) == 0
+                             "--calib-tokens", "256", "--dump-dir", str(tmp_path / "dump")]) == 0
     plan = load_plan(out)
     nbytes, params, ws = _quantized_bytes(plan)
     assert nbytes <= 4.0 / 8 * params
     assert nbytes >= 0.97 * 4.0 / 8 * params          # the budget is spent
     assert len({w.fmt for w in ws}) >= 2              # adaptive: not one format everywhere
     assert "embed" in {w.name for w in ws}            # the embedding table is decided too
-    laq_table = json.loads((tmp_path / "dump" / "laq.json").read_text())
-    per_expert = {n: t["experts"] for n, t in laq_table["tensors"].items() if t["fmt"] == "per-expert"}
-    assert per_expert                                  # routed experts are decided one by one
-    for name, fmts in per_expert.items():              # and the plan stores each expert as chosen
-        stored = {}
-        for w in plan.graph.weights:
-            if w.name == name:
-                stored.update({e: w.fmt for e in range(w.shape[0])})
-            elif w.name.startswith(name + ".s"):
-                stored.update({e: w.fmt for e in w.expert_ids})
-        assert [stored[e] for e in range(len(fmts))] == fmts
     laq = json.loads((tmp_path / "dump" / "laq.json").read_text())
+    # one format per tensor, expert stacks included: the plan stores each tensor whole, as chosen
+    assert {w.name: w.fmt for w in ws} == {n: t["fmt"] for n, t in laq["tensors"].items()}
+    assert any(w.experts > 1 for w in ws) and not any(w.expert_ids for w in plan.graph.weights)
+    assert sum(t["bytes"] for t in laq["tensors"].values()) == nbytes <= laq["budget"]
     # with --calib, each tensor's error is its measured KL at the probe format, scaled per format
     assert laq["sensitivity"] and set(laq["sensitivity"]) == set(laq["tensors"])
     for name, t in laq["tensors"].items():
@@ -163,13 +156,3 @@ def test_bad_tensor_format_rules(demo, tmp_path, capsys, rule, msg):  # noqa: F8
     err = capsys.readouterr().err
     assert rc != 0 and msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
-
-def test_expert_options_split_a_tensor_by_each_experts_share_of_the_error():
-    opts = [Option("int2", 400, 8.0), Option("int4", 800, 2.0)]
-    per = {"int2": np.array([6.0, 1.0, 1.0, 0.0]), "int4": np.array([1.0, 1.0, 0.0, 0.0])}
-    items = expert_options("L0.moe.down", opts, per, 4)
-    assert sorted(items) == [f"L0.moe.down#{e}" for e in range(4)]
-    assert [o.nbytes for o in items["L0.moe.down#0"]] == [100, 200]
-    assert items["L0.moe.down#0"][0].error == pytest.approx(6.0) and items["L0.moe.down#0"][1].error == 1.0
-    for f in range(2):   # the experts' errors add up to the tensor's
-        assert sum(items[f"L0.moe.down#{e}"][f].error for e in range(4)) == pytest.approx(opts[f].error)

@@ -32,7 +32,7 @@ from strata_compiler.backends.reference.executor import (  # noqa: E402
     topk_mask,
 )
 from strata_compiler.rope import rope_inv_freq  # noqa: E402
-from strata_compiler.runtime.kv_cache import KVCache  # noqa: E402
+from strata_compiler.kv_cache import KVCache  # noqa: E402
 
 KERNEL = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 SENTINEL = np.float32(-7.25)
@@ -444,37 +444,74 @@ def test_avx512_codegen():
         assert emit_artifacts(ks.ir, t)["s"]
 
 
-def test_hugepage_resident_weights_keep_the_logits(tmp_path, monkeypatch):
-    """STRATA_HUGEPAGES=1 copies the llvm kernels' weights out of the plan's mmap into anonymous
-    memory (2 MiB pages where the OS has them): same logits as the mapped weights, the copies
-    read-only and apart from the file's mapping."""
+@pytest.fixture(scope="module")
+def moe_plan(tmp_path_factory):
+    """A compiled int4 qwen3_moe plan and the token ids of a prompt."""
     from hf_models import build_model
     from strata_compiler.cli import stratac
     from strata_compiler.cli_common import run_cli
+
+    tmp = tmp_path_factory.mktemp("moe_plan")
+    d = build_model("qwen3_moe", tmp / "model")
+    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp / "plan"), "--quant", "int4"]) == 0
+    return tmp / "plan", np.array([[3, 17, 42, 8, 99]], np.int64)
+
+
+def _logits(plan_dir, ids, steps: int = 1):
     from strata_compiler.runtime.plan import load_plan
     from strata_compiler.runtime.session import Session
 
-    d = build_model("qwen3_moe", tmp_path / "model")
-    assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "plan"), "--quant", "int4"]) == 0
-    ids = np.array([[3, 17, 42, 8, 99]], np.int64)
+    plan = load_plan(plan_dir)
+    s = Session(plan, "llvm")
+    s.reset(1, 16)
+    out = [s.step(ids)[:, -1]] + [s.step(ids[:, i:i + 1])[:, -1] for i in range(steps)]
+    return plan, s, np.concatenate(out)
+
+
+def test_hugepage_resident_weights_keep_the_logits(moe_plan, monkeypatch):
+    """Where the OS offers transparent huge pages, the llvm kernels' weights are copied out of the
+    plan's mmap into anonymous memory (2 MiB pages): same logits as the mapped weights, the copies
+    read-only and apart from the file's mapping."""
+    from strata_compiler.backends.llvm_cpu import executor as lx
+
     out = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("STRATA_HUGEPAGES", flag)
-        plan = load_plan(tmp_path / "plan")
-        s = Session(plan, "llvm")
-        s.reset(1, 16)
-        out[flag] = np.concatenate([s.step(ids)[:, -1], s.step(ids[:, :1])[:, -1]])
-        assert s.executor.hugepages == (flag == "1")
-        if flag == "1":
+    for thp in (False, True):
+        monkeypatch.setattr(lx, "hugepages_available", lambda: thp)
+        plan, s, out[thp] = _logits(*moe_plan)
+        assert s.executor.hugepages == thp
+        if thp:
             name = next(w.name for w in plan.graph.weights if w.fmt == "int4")
             res, mapped = plan.weights.resident_arrays(name), plan.weights.arrays(name)
             for k in mapped:
                 np.testing.assert_array_equal(res[k], mapped[k])
                 assert not res[k].flags.writeable and not np.shares_memory(res[k], mapped[k])
             assert plan.weights.resident_arrays(name) is res           # copied once
-    np.testing.assert_array_equal(out["0"], out["1"])
-    monkeypatch.setenv("STRATA_HUGEPAGES", "yes")
-    from strata_compiler.backends.llvm_cpu.executor import hugepages_wanted
-    from strata_compiler.errors import UsageError
-    with pytest.raises(UsageError, match="STRATA_HUGEPAGES"):
-        hugepages_wanted()
+    np.testing.assert_array_equal(out[False], out[True])
+
+
+def test_segment_program_matches_the_op_by_op_path(moe_plan, monkeypatch):
+    """An all-CPU step runs as one native segment program (pool.ll strata_run_program); timing the
+    MoE phases (PHASE_NS) or tracing runs it op by op from Python instead: the same logits, bit
+    for bit, and the phase timer gets the MoE op's phases."""
+    from strata_compiler.backends.llvm_cpu import executor as lx
+    from strata_compiler.backends.llvm_cpu import pool as poolmod
+    from strata_compiler import trace
+
+    calls = []
+    real = poolmod.ThreadPool.run_program
+    monkeypatch.setattr(poolmod.ThreadPool, "run_program", lambda self, a, n: (calls.append(n), real(self, a, n)))
+    out, ran = {}, {}
+    for name in ("program", "phases", "traced"):
+        calls.clear()
+        monkeypatch.setattr(lx, "PHASE_NS", {} if name == "phases" else None)
+        trace.ACTIVE = trace.Tracer() if name == "traced" else None
+        try:
+            _, _, out[name] = _logits(*moe_plan, steps=4)
+        finally:
+            trace.ACTIVE = None
+        ran[name] = len(calls)
+        if name == "phases":
+            assert lx.PHASE_NS["moe.gate_up"] and len(lx.PHASE_NS["moe.down"]) == len(lx.PHASE_NS["moe.pairs"])
+    assert ran == {"program": 5, "phases": 0, "traced": 0}
+    np.testing.assert_array_equal(out["program"], out["phases"])
+    np.testing.assert_array_equal(out["program"], out["traced"])

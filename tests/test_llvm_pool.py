@@ -253,8 +253,8 @@ def test_every_chunk_runs_exactly_once(K, pool2, total, n_chunks):
 
 
 def test_split_default_chunks(K, monkeypatch):
-    """STRATA_POOL_SPLIT=3: a default parallel_for cuts 3 chunks per thread (min_chunk still caps
-    it); a bad value is one clear error."""
+    """STRATA_POOL_SPLIT=3 (the pool_split setting): a default parallel_for cuts 3 chunks per thread
+    (min_chunk still caps it); a bad value is one clear error; unset, the caller's default."""
     monkeypatch.setenv("STRATA_POOL_SPLIT", "3")
     p = poolmod.ThreadPool(2)
     assert p.split == 3
@@ -269,7 +269,9 @@ def test_split_default_chunks(K, monkeypatch):
     monkeypatch.setenv("STRATA_POOL_SPLIT", "0")
     from strata_compiler.errors import UsageError
     with pytest.raises(UsageError, match="STRATA_POOL_SPLIT"):
-        poolmod.split_from_env()
+        poolmod.pool_split()
+    monkeypatch.delenv("STRATA_POOL_SPLIT")
+    assert poolmod.pool_split() == 1 and poolmod.pool_split(4) == 4
 
 
 def test_workers_take_chunks(K, pool2):
@@ -470,9 +472,12 @@ def test_pool_works_in_forked_child(K, pool2):
 def test_default_threads_and_singleton(monkeypatch):
     monkeypatch.setenv("STRATA_NUM_THREADS", "3")
     assert poolmod.default_threads() == 3
-    monkeypatch.setenv("STRATA_NUM_THREADS", "zero")
-    with pytest.raises(ValueError):
-        poolmod.default_threads()
+    from strata_compiler.errors import UsageError
+
+    for bad in ("zero", "0"):
+        monkeypatch.setenv("STRATA_NUM_THREADS", bad)
+        with pytest.raises(UsageError, match="STRATA_NUM_THREADS"):
+            poolmod.default_threads()
     monkeypatch.delenv("STRATA_NUM_THREADS")
     assert poolmod.default_threads() == len(os.sched_getaffinity(0))
     assert poolmod.get_pool() is poolmod.get_pool()

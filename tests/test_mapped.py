@@ -10,6 +10,8 @@ import pytest
 
 from strata_compiler.cli_common import run_cli
 from strata_compiler.ir import Op
+from strata_compiler.backends.xla import mapped as xla_mapped
+from strata_compiler.experts import in_place_weights
 from strata_compiler.runtime import mapped
 from strata_compiler.runtime.cli import strata_run
 from strata_compiler.runtime.plan import load_plan
@@ -21,19 +23,18 @@ jax = pytest.importorskip("jax")
 def test_dlpack_view_aliases_the_host_array():
     """The capsule's struct layout: JAX reads it as a view of the host array itself (here as a CPU
     tensor; on a GPU the same struct carries the pages' device address)."""
-    a = mapped.aligned_copy(np.arange(24, dtype=np.uint16).reshape(4, 6))
+    a = xla_mapped.aligned_copy(np.arange(24, dtype=np.uint16).reshape(4, 6))
     assert a.ctypes.data % 4096 == 0
-    cap = mapped._Capsule(a.ctypes.data, a.shape, a.dtype, 0, device_type=1)
+    cap = xla_mapped._Capsule(a.ctypes.data, a.shape, a.dtype, 0, device_type=1)
     x = jax.dlpack.from_dlpack(cap, copy=False)
     assert x.unsafe_buffer_pointer() == a.ctypes.data
     np.testing.assert_array_equal(np.asarray(x), a)
     with pytest.raises(TypeError, match="not supported"):
-        mapped._Capsule(a.ctypes.data, a.shape, np.dtype(bool), 0)
+        xla_mapped._Capsule(a.ctypes.data, a.shape, np.dtype(bool), 0)
 
 
 def test_rebind_moves_each_cached_layers_cpu_side(model, tmp_path, monkeypatch):
     d, m, ids = model
-    monkeypatch.setenv("STRATA_MAPPED_EMBED", "0")
     g = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3)).graph
     r = mapped.rebind_misses(g)
     pairs = mapped.in_place_pairs(r)
@@ -45,16 +46,13 @@ def test_rebind_moves_each_cached_layers_cpu_side(model, tmp_path, monkeypatch):
         assert add.op is Op.ADD and add.backend == "xla"
         assert all(r.node(a).backend == "xla" for a in (*host.args, *add.args))
         assert g.node(hid).backend == "llvm"
+    # the embedding the plan left on the CPU goes too, its table read in place, so no host call
+    # opens the step
     emb = next(n for n in r.nodes if n.op is Op.EMBED)
-    assert emb.backend == "llvm" and mapped.in_place_weights(r) == {w for h in pairs.values() for _, w in r.node(h).weights}
-    # STRATA_MAPPED_EMBED (default 1): the embedding the plan left on the CPU goes too, its table
-    # read in place, so no host call opens the step
-    monkeypatch.delenv("STRATA_MAPPED_EMBED")
-    r2 = mapped.rebind_misses(g)
-    emb = r2.node(emb.id)
     assert g.node(emb.id).backend == "llvm" and emb.backend == "xla"
-    assert mapped.in_place_weights(r2) == mapped.in_place_weights(r) | {emb.weight("table")}
-    assert mapped.in_place_weights(g) == set()
+    assert in_place_weights(r) == ({w for h in pairs.values() for _, w in r.node(h).weights}
+                                   | {emb.weight("table")})
+    assert in_place_weights(g) == set()
     from strata_compiler.runtime.partitions import partitions
 
     # each cached layer's nodes now fall into GPU partitions only
@@ -90,11 +88,11 @@ def test_decode_steps_match_the_static_split_and_the_cpu_misses(model, tmp_path,
     # no CPU partition is left inside a cached layer: the GPU share computes it whole
     hosts = set(gpu.executor.mapped.values())
     assert all(kind == "xla" for kind, _, ids_ in gpu.executor.parts if hosts & set(ids_))
-    stats = lambda s: [(c.hits, c.misses, c.swaps) for c, *_ in s.executor.caches]   # noqa: E731
+    stats = lambda s: [(c.hits, c.misses, c.swaps) for c, *_ in s.executor.swaps.caches]   # noqa: E731
     assert stats(gpu) == stats(cpu) and sum(sw for *_, sw in stats(gpu)) > 0
-    assert all(c.miss_path == "gpu" and c.expert_bytes > 0 for c, *_ in gpu.executor.caches)
+    assert all(c.miss_path == "gpu" and c.expert_bytes > 0 for c, *_ in gpu.executor.swaps.caches)
     # the device's counts went into the CacheGroup's rows as one operation
-    assert gpu.executor._count_rows and all(r is not False for r in gpu.executor._count_rows.values())
+    assert gpu.executor.swaps._count_rows and all(r is not False for r in gpu.executor.swaps._count_rows.values())
 
 
 def test_cli_miss_path_gpu_matches_transformers_and_reports_the_reads(model, tmp_path, monkeypatch, capsys):
@@ -111,27 +109,24 @@ def test_cli_miss_path_gpu_matches_transformers_and_reports_the_reads(model, tmp
     np.testing.assert_array_equal(np.load(tmp_path / "t.npy"), hf_greedy(m, ids, N_NEW)[0])
     err = capsys.readouterr().err
     assert "hit rate" in err and "read by the GPU from host memory in place" in err
-    # auto on a host without a GPU: the CPU miss path, no line about reads in place
-    monkeypatch.setenv("STRATA_MISS_PATH", "auto")
+    # auto (the default) on a host without a GPU: the CPU miss path, no line about reads in place
     assert run_cli(strata_run, [str(plan / "plan.bin"), "--input-ids", str(tmp_path / "ids.npy"), "-n", "2",
                                 "--device", "cpu", "--stats"]) == 0
     err = capsys.readouterr().err
     assert "hit rate" in err and "in place" not in err
-    monkeypatch.setenv("STRATA_MISS_PATH", "sometimes")
     assert run_cli(strata_run, [str(plan / "plan.bin"), "--input-ids", str(tmp_path / "ids.npy"), "-n", "2",
-                                "--device", "cpu"]) == 2
-    assert "STRATA_MISS_PATH" in capsys.readouterr().err
+                                "--device", "cpu", "--miss-path", "sometimes"]) == 2
+    assert "--miss-path" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("share,embed", [(0.9, "0"), (0.3, "1")])
-def test_a_step_without_host_calls_runs_as_one_program(model, tmp_path, monkeypatch, share, embed):
+@pytest.mark.parametrize("share", [0.9, 0.3])
+def test_a_step_without_host_calls_runs_as_one_program(model, tmp_path, monkeypatch, share):
     """Where rebinding leaves no CPU partition before the GPU's work (a plan whose only CPU ops
-    were a cached layer's share; or the embedding moved too, STRATA_MAPPED_EMBED=1), decode steps
-    still run as one fused program — one packed input with the slot maps, swaps queued — and give
-    the static split's logits."""
+    were a cached layer's share; or the embedding moved too), decode steps still run as one fused
+    program — one packed input with the slot maps, swaps queued — and give the static split's
+    logits."""
     from strata_compiler.runtime.session import Session
 
-    monkeypatch.setenv("STRATA_MAPPED_EMBED", embed)
     d, m, ids = model
     plan = load_plan(cached_plan(d, tmp_path, monkeypatch, share))
     runs = {}
@@ -146,7 +141,7 @@ def test_a_step_without_host_calls_runs_as_one_program(model, tmp_path, monkeypa
     a, b = runs["gpu"][0], runs["static"][0]
     assert np.abs(a - b).max() / b.std() <= 1e-5
     ex = runs["gpu"][1].executor
-    assert ex.parts[0][0] == "xla" and ex.fused is not None and ex.fused.steps == 7 and ex.async_swaps
+    assert ex.parts[0][0] == "xla" and ex.fused is not None and ex.fused.steps == 7 and ex.swaps.async_swaps
     if share == 0.9:
         assert [k for k, _, _ in ex.parts] == ["xla"]        # nothing left on the CPU: no host call at all
 
@@ -178,10 +173,10 @@ def test_other_architectures(arch, tmp_path, monkeypatch):
 
 
 def test_the_gpu_kernels_read_slots_and_host_arrays_in_a_model(model, tmp_path, monkeypatch):
-    """The path the H200 runs: an int4 cached plan whose GPU share goes through the Pallas MoE
-    kernels (interpret mode here, f32 activations) with the slot map, the routing inside the
-    kernels and the chosen experts counted from theirs, step by step while experts move; against
-    the same plan through XLA's multiply-reduce with the same slots."""
+    """The path a GPU runs: an int4 cached plan whose GPU share goes through the Pallas MoE kernels
+    (interpret mode here) with the slot map, the routing inside the kernels and the chosen experts
+    counted from theirs, step by step while experts move; against the same plan through XLA's
+    multiply-reduce with the same slots."""
     from test_place import budget_decides, fake_profile, gpu_mem_for, probe_placement
 
     from strata_compiler.cli import stratac
@@ -194,8 +189,7 @@ def test_the_gpu_kernels_read_slots_and_host_arrays_in_a_model(model, tmp_path, 
     assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / "plan"), "--target", str(hw), "--quant", "int4",
                              "--gpu-mem", str(gpu_mem_for(probe, probe["gpu_bytes"] * 0.3)), "--expert-cache"]) == 0
     plan = load_plan(tmp_path / "plan")
-    monkeypatch.setenv("STRATA_PALLAS_INT4", "bytes")
-    monkeypatch.setenv("STRATA_XLA_PALLAS_ATTN", "0")
+    monkeypatch.setenv("STRATA_PALLAS_ATTN", "off")
     from strata_compiler.backends.xla import pallas_moe
 
     calls = []
@@ -203,19 +197,19 @@ def test_the_gpu_kernels_read_slots_and_host_arrays_in_a_model(model, tmp_path, 
     monkeypatch.setattr(pallas_moe, "moe_decode", lambda *a, **kw: calls.append(kw.get("slots") is not None)
                         or real(*a, **kw))
     runs = {}
-    for kernels in ("interpret", "0"):
-        monkeypatch.setenv("STRATA_XLA_PALLAS", kernels)
+    for kernels in ("interpret", "off"):
+        monkeypatch.setenv("STRATA_PALLAS", kernels)
         s = Session(plan, "auto", device="cpu", miss_path="gpu")
         s.reset(1, 64)
         out = [s.step(ids)[:, -1]]
         rng = np.random.default_rng(3)
         for _ in range(6):
             out.append(s.step(rng.integers(0, m.config.vocab_size, (1, 1)))[:, -1])
-        runs[kernels] = (np.concatenate(out), [(c.hits, c.misses, c.swaps) for c, *_ in s.executor.caches])
+        runs[kernels] = (np.concatenate(out), [(c.hits, c.misses, c.swaps) for c, *_ in s.executor.swaps.caches])
     assert any(calls)                                       # the kernels ran with the slot map
-    a, b = runs["interpret"][0], runs["0"][0]
-    assert np.abs(a - b).max() / b.std() <= 1e-4
-    assert runs["interpret"][1] == runs["0"][1] and sum(sw for *_, sw in runs["0"][1]) > 0
+    a, b = runs["interpret"][0], runs["off"][0]
+    assert np.abs(a - b).max() / b.std() <= 0.05        # the kernels' q8 activations (dp4a) against f32
+    assert runs["interpret"][1] == runs["off"][1] and sum(sw for *_, sw in runs["off"][1]) > 0
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -235,9 +229,17 @@ def test_decode_ahead_gives_the_greedy_tokens_while_experts_move(model, tmp_path
     prompt = np.concatenate([ids, ids[:, ::-1]])[:batch]
     runs = {}
     for ahead in ("1", "0"):
-        monkeypatch.setenv("STRATA_DECODE_AHEAD", ahead)
         s = Session(plan, "auto", device="cpu", miss_path="gpu")
-        _, new = s.generate(prompt, N_NEW, Sampler())
+        if ahead == "1":
+            _, new = s.generate(prompt, N_NEW, Sampler())
+        else:       # step by step: greedy tokens from each step's logits, as under a trace
+            s.reset(batch, s.capacity_for(prompt.shape[1], N_NEW))
+            tok = s.step(prompt)[:, -1].argmax(-1)
+            new = [tok]
+            for _ in range(N_NEW - 1):
+                tok = s.step(tok[:, None])[:, -1].argmax(-1)
+                new.append(tok)
+            new = np.stack(new, 1)
         runs[ahead] = (new, s)
     new, s = runs["1"]
     np.testing.assert_array_equal(new, runs["0"][0])
@@ -247,14 +249,14 @@ def test_decode_ahead_gives_the_greedy_tokens_while_experts_move(model, tmp_path
     # the first decode step runs partition by partition, the rest ahead (none: step by step)
     assert ex.fused.steps == N_NEW - 2 and ex.fused._ahead_fn and not ex.fused._fn
     assert runs["0"][1].executor.fused._fn and not runs["0"][1].executor.fused._ahead_fn
-    caches = [c for c, *_ in ex.caches]
+    caches = [c for c, *_ in ex.swaps.caches]
     assert sum(c.swaps for c in caches) > 0
-    routed = lambda s: sum(c.hits + c.misses for c, *_ in s.executor.caches)    # noqa: E731
+    routed = lambda s: sum(c.hits + c.misses for c, *_ in s.executor.swaps.caches)    # noqa: E731
     assert routed(s) == routed(runs["0"][1]) > 0
     # no swap is left decided and uncopied: each cache's slots hold what its map says
-    for c, xla, n, host in ex.caches:
+    for c, xla, n, host in ex.swaps.caches:
         gu = np.asarray(xla.params[n.weight("gate_up")][next(iter(xla.params[n.weight("gate_up")]))])
-        src = ex._host_arrays(host.weight("gate_up"))
+        src = ex.swaps.host_arrays(host.weight("gate_up"))
         np.testing.assert_array_equal(gu, np.asarray(src[next(iter(src))])[c.slots])
 
 

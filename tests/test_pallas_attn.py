@@ -1,7 +1,7 @@
 """The Pallas decode-attention kernel (backends/xla/pallas_attn.py) in Pallas interpret mode on the
 CPU: against a NumPy reference (norm modes, GQA, a cache not a multiple of the block, positions
 in the first, a middle and the last block, clip, batch > 1, the in-place cache write), and tiny
-models' decode logits and greedy tokens with the kernel forced (STRATA_XLA_PALLAS=interpret)
+models' decode logits and greedy tokens with the kernel forced (STRATA_PALLAS=interpret)
 against the XLA path."""
 
 from __future__ import annotations
@@ -94,21 +94,23 @@ def test_kernel_matches_reference(norm, H, KV, S, pos, B, clip, tune, monkeypatc
 
 
 def test_use_rules(monkeypatch):
-    monkeypatch.setenv("STRATA_XLA_PALLAS", "1")
-    monkeypatch.delenv("STRATA_XLA_PALLAS_ATTN", raising=False)
+    monkeypatch.delenv("STRATA_PALLAS", raising=False)
+    monkeypatch.delenv("STRATA_PALLAS_ATTN", raising=False)
     S = pallas_attn.MAX_S
     assert pallas_attn.use(True, 16, 16, 128, 1, S) == (True, False)       # default: short caches only
     assert pallas_attn.use(True, 16, 16, 128, 1, S + 64) == (False, False)
     assert pallas_attn.use(False, 16, 16, 128, 1, S) == (False, False)     # CPU: the XLA path
-    monkeypatch.setenv("STRATA_XLA_PALLAS_ATTN", "1")
+    monkeypatch.setenv("STRATA_PALLAS_ATTN", "on")
     assert pallas_attn.use(True, 16, 16, 128, 1, 4 * S) == (True, False)   # forced on
     assert pallas_attn.use(True, 16, 16, 128, 2, S)[0] is False            # prefill: XLA
     assert pallas_attn.use(True, 12, 4, 128, 1, S)[0] is False             # rep 3: not 2^n
     assert pallas_attn.use(True, 16, 16, 96, 1, S)[0] is False             # hd/2 = 48: not 2^n
-    monkeypatch.setenv("STRATA_XLA_PALLAS_ATTN", "0")
+    monkeypatch.setenv("STRATA_PALLAS_ATTN", "off")
     assert pallas_attn.use(True, 16, 16, 128, 1, 64) == (False, False)
-    monkeypatch.setenv("STRATA_XLA_PALLAS_ATTN", "1")
-    monkeypatch.setenv("STRATA_XLA_PALLAS", "interpret")
+    monkeypatch.setenv("STRATA_PALLAS", "off")
+    monkeypatch.setenv("STRATA_PALLAS_ATTN", "on")
+    assert pallas_attn.use(True, 16, 16, 128, 1, S) == (False, False)      # no Pallas kernels at all
+    monkeypatch.setenv("STRATA_PALLAS", "interpret")
     assert pallas_attn.use(False, 16, 16, 128, 1, S) == (True, True)
 
 
@@ -137,9 +139,9 @@ def test_model_decode_unchanged_with_kernel(f32_plans, monkeypatch, arch, batch)
     ids = np.random.default_rng(batch).integers(0, 100, (batch, 5))
     calls = _spy(monkeypatch, pallas_attn, "attention_decode")
 
-    monkeypatch.setenv("STRATA_XLA_PALLAS_ATTN", "1")
+    monkeypatch.setenv("STRATA_PALLAS_ATTN", "on")
     # 80 cache rows: two blocks; 66 greedy tokens cross into the second
-    want, want_toks = _decode(plan, ids, monkeypatch, "0", capacity=80, n=66)
+    want, want_toks = _decode(plan, ids, monkeypatch, "off", capacity=80, n=66)
     assert not calls
     got, got_toks = _decode(plan, ids, monkeypatch, "interpret", capacity=80, n=66)
     assert calls and all(kw["interpret"] for kw in calls)

@@ -193,6 +193,32 @@ def test_target_profile_without_gpu_places_everything_on_the_cpu(model, tmp_path
     assert {n.device for n in load_plan(tmp_path / "p").graph.nodes} == {"cpu"}
 
 
+def test_target_auto_measures_this_machine_once(model, tmp_path, monkeypatch):
+    """--target auto: the compile driver (pipelines.hardware) measures the machine with the full
+    probe (backends/probe.py) and caches the profile per host in Strata's cache dir; the next
+    compile reads it back, and a quick profile found there is measured again."""
+    import dataclasses
+    import socket
+
+    from strata_compiler.backends import probe as hwprobe
+
+    d = model[0]
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path / "cache"))
+    cached = tmp_path / "cache" / f"hw-full-{socket.gethostname()}.json"
+    cached.parent.mkdir()
+    quick = fake_profile(cached)                     # a quick profile: not good enough to plan with
+    full = dataclasses.replace(hwp.HardwareProfile.from_json(quick), quick=False)
+    calls = []
+    monkeypatch.setattr(hwprobe, "probe", lambda **kw: calls.append(kw) or full)
+    for out in ("a", "b"):
+        assert run_cli(stratac, ["compile", str(d), "-o", str(tmp_path / out), "--target", "auto",
+                                 "--dump-dir", str(tmp_path / out / "dump"), "--dump-after", "place"]) == 0
+        placement = json.loads((tmp_path / out / "dump" / "placement.json").read_text())
+        assert placement["profile"]["gpu"] == "test gpu"
+    assert len(calls) == 1 and not calls[0].get("quick", False)
+    assert hwp.HardwareProfile.from_json(cached) == full
+
+
 def test_plan_placed_on_the_cpu_runs_there_beside_a_gpu(model, tmp_path, monkeypatch):
     """--backend auto on a GPU host: a plan the cost model put wholly on the CPU (planned for a
     machine without a GPU) runs on the CPU as placed; an unplaced plan takes the host's best backend."""
@@ -246,7 +272,7 @@ def test_cpu_share_runs_before_the_gpu_share_is_waited_for(model, tmp_path):
     GPU computes its own — the overlap the runtime trace shows."""
     from strata_compiler.backends.llvm_cpu import executor as llvm_exe
     from strata_compiler.ir import Op
-    from strata_compiler.runtime.kv_cache import KVCache
+    from strata_compiler.kv_cache import KVCache
     from strata_compiler.runtime.partitions import MixedExecutor
 
     d, m, ids, ref_logits, ref_tokens = model

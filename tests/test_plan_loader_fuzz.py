@@ -32,8 +32,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from strata_compiler.errors import StrataError
-from strata_compiler.passes.emit import PLAN_MAGIC, WEIGHTS_MAGIC
-from strata_compiler.plan_format import HEADER_SIZE, Container, SectionInfo, write_container
+from strata_compiler.plan_format import (HEADER_SIZE, PLAN_MAGIC, WEIGHTS_MAGIC, Container, SectionInfo,
+                                         write_container)
 from strata_compiler.runtime.plan import load_plan
 
 # STRATA_FUZZ_EXAMPLES: more examples per test for a longer hunt (CI: 200)

@@ -1,4 +1,4 @@
-"""strata-run --trace / --stats (runtime/trace.py): valid trace-event JSON with a track per device
+"""strata-run --trace / --stats (strata_compiler/trace.py): valid trace-event JSON with a track per device
 and per copy direction, spans for every kernel and partition, and the stats lines."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hf_models import build_model
 from strata_compiler.cli import stratac
 from strata_compiler.cli_common import run_cli
 from strata_compiler.runtime.cli import strata_run
-from strata_compiler.runtime.trace import TRACKS, Tracer, validate
+from strata_compiler.trace import TRACKS, Tracer, validate
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_mixed_plan_trace_has_every_track_and_validates(model, tmp_path, capsys)
 
 def test_overlap_of_two_tracks():
     """Each track's spans are merged first (nested spans count once), then intersected."""
-    from strata_compiler.runtime.trace import overlap_seconds
+    from strata_compiler.trace import overlap_seconds
 
     def x(tid, ts, dur):
         return {"name": "k", "ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur}
@@ -123,7 +123,7 @@ def test_the_committed_h200_trace_validates_and_shows_overlap():
     import gzip
     from pathlib import Path
 
-    from strata_compiler.runtime.trace import overlap_seconds
+    from strata_compiler.trace import overlap_seconds
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / "h200-2026-11-30-strata-25-overlap.json.gz"
     doc = json.loads(gzip.decompress(path.read_bytes()))
@@ -146,7 +146,7 @@ def test_the_committed_h200_cache_trace_has_hits_misses_prefetches_and_overlap()
     import gzip
     from pathlib import Path
 
-    from strata_compiler.runtime.trace import overlap_seconds
+    from strata_compiler.trace import overlap_seconds
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / "h200-2026-11-30-cache-25-prefetch.json.gz"
     doc = json.loads(gzip.decompress(path.read_bytes()))

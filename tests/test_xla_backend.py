@@ -47,7 +47,7 @@ def test_device_greedy_loop_matches_step_by_step(plans, quant):
 @pytest.mark.parametrize("quant", ["f32", "int4"])
 def test_generate_decodes_ahead_as_step_by_step(plans, quant, monkeypatch):
     """Session.generate on a whole xla plan dispatches each greedy step before the last has
-    finished (runtime/ahead.py): the reference's tokens, and a stop id ends it where step-by-step
+    finished (backends/ahead.py): the reference's tokens, and a stop id ends it where step-by-step
     decoding ends."""
     _, p = plans
     plan = load_plan(p[quant])
@@ -58,9 +58,7 @@ def test_generate_decodes_ahead_as_step_by_step(plans, quant, monkeypatch):
     np.testing.assert_array_equal(got, want)
     assert s.executor._ahead_fn is not None
     stop = int(want[0, 4])
-    monkeypatch.setenv("STRATA_DECODE_AHEAD", "0")
-    _, a = Session(plan, "xla").generate(ids[:1], 9, Sampler(), stop_ids=(stop,))
-    monkeypatch.delenv("STRATA_DECODE_AHEAD")
+    _, a = Session(plan, "reference").generate(ids[:1], 9, Sampler(), stop_ids=(stop,))    # step by step
     _, b = s.generate(ids[:1], 9, Sampler(), stop_ids=(stop,))
     np.testing.assert_array_equal(a, b)
     assert b.shape[1] <= 5 and b[0, -1] == stop
@@ -125,7 +123,7 @@ def test_raw_copy_staging_round_trip(monkeypatch):
     """cuda_rt's staging and fetch logic, with memmove on JAX's CPU arrays standing in for
     cudaMemcpy: a staged value reaches the jitted call (0-d arrays stay 0-d), a rewrite waits for
     the previous call, fetch_into copies a result into a caller's buffer and declines a buffer
-    of another dtype; STRATA_RAW_COPY=0 keeps raw copies off."""
+    of another dtype; without a CUDA runtime a GPU gets no raw copies."""
     import jax
 
     from strata_compiler.backends.xla import cuda_rt
@@ -156,8 +154,10 @@ def test_raw_copy_staging_round_trip(monkeypatch):
         with pytest.raises(ValueError, match="does not fit"):
             cuda_rt.to_device(np.zeros(4, np.float32), buf, offset=20)
         assert cuda_rt.pin([x]) == 0          # page-locking needs CUDA
-        monkeypatch.setenv("STRATA_RAW_COPY", "0")
-        assert cuda_rt.enable("gpu") is None and cuda_rt.mode is None
+        monkeypatch.delenv("STRATA_RAW_COPY")
+        assert cuda_rt.enable("cpu") is None and cuda_rt.mode is None     # the default on JAX's CPU platform
+        if not cuda_rt.available():
+            assert cuda_rt.enable("gpu") is None
     finally:
         cuda_rt.disable()
 

@@ -4,7 +4,7 @@ A kernel module is LLVM IR text. It is optimised with the new pass manager at O3
 target, emitted as an object file, and cached on disk under a key that hashes the IR, the
 target (CPU name, features, LLVM version) and llvmlite's version: a second run of the same plan
 compiles nothing. Cache entries carry a header with a length and SHA-256; a corrupt entry is
-rebuilt. Cache directory: $STRATA_CACHE_DIR, else $XDG_CACHE_HOME/strata, else ~/.cache/strata.
+rebuilt. Cache directory: `kernels` under settings.cache_root() (the `cache_dir` setting).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 import llvmlite
 import llvmlite.binding as llvm
 
+from strata_compiler import settings
 from strata_compiler.errors import BackendError
 
 from .target import Target
@@ -29,11 +30,8 @@ _HEADER = struct.Struct("<8sQ32s")   # magic, body length, sha256(body)
 
 
 def cache_dir() -> Path:
-    if os.environ.get("STRATA_CACHE_DIR"):
-        base = Path(os.environ["STRATA_CACHE_DIR"])
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "strata"
-    return base / "kernels"
+    """Where compiled kernel objects are cached."""
+    return settings.cache_root() / "kernels"
 
 
 def optimize(ir_text: str, target: Target) -> tuple[llvm.ModuleRef, llvm.TargetMachine]:

@@ -2,7 +2,7 @@
 
 On AVX-512 hosts the features string gets `-prefer-256-bit`: the X86 backend otherwise treats
 512-bit vectors as illegal in functions that do not ask for them and splits them in two.
-`STRATA_CPU_FEATURES=avx2` (or `Target.host(force="avx2")`) drops every AVX-512 feature, so the
+The `cpu_features` setting `avx2` (or `Target.host(force="avx2")`) drops every AVX-512 feature, so the
 AVX2 code path can be tested on any AVX-512 machine; `Target.named("sapphirerapids")` builds a
 target for another CPU (for emitting and checking assembly; such code is not run here).
 """
@@ -10,11 +10,11 @@ target for another CPU (for emitting and checking assembly; such code is not run
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import llvmlite.binding as llvm
 
+from strata_compiler import settings
 from strata_compiler.errors import BackendError
 
 
@@ -54,7 +54,7 @@ class Target:
     @staticmethod
     def host(force: str | None = None) -> "Target":
         _init()
-        force = force or os.environ.get("STRATA_CPU_FEATURES") or None
+        force = force or settings.get("cpu_features") or None
         cpu = llvm.get_host_cpu_name()
         feats = [f for f in llvm.get_host_cpu_features().flatten().split(",") if f]
         if force == "avx2":
@@ -62,7 +62,7 @@ class Target:
                      for f in feats]
             cpu = "haswell" if cpu in _AVX512_CPUS else cpu
         elif force not in (None, "native"):
-            raise BackendError(f"STRATA_CPU_FEATURES={force!r}: use 'avx2' or 'native'")
+            raise BackendError(f"Target.host(force={force!r}): use 'avx2' or 'native'")
         if "+avx2" not in feats or "+fma" not in feats:
             raise BackendError(f"the llvm backend needs a CPU with AVX2 and FMA; this one ({cpu}) lacks them: use --backend reference")
         if "+avx512f" in feats:

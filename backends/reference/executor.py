@@ -14,9 +14,10 @@ from typing import Callable, Protocol
 import numpy as np
 
 from strata_compiler.errors import BackendError
+from strata_compiler.experts import Residency, nonresident_mask
 from strata_compiler.ir import Graph, Node, Op
+from strata_compiler.kv_cache import KVCache
 from strata_compiler.rope import rope_cos_sin
-from strata_compiler.runtime.kv_cache import KVCache
 
 
 class WeightSource(Protocol):
@@ -105,10 +106,11 @@ class ReferenceExecutor:
     `route` method also gets observer.route(node, combine) with each moe_ffn's routing weights
     [B, T, E] (zero for the experts a token did not choose)."""
 
-    def __init__(self, graph: Graph, weights: WeightSource, observer=None) -> None:
+    def __init__(self, graph: Graph, weights: WeightSource, observer=None, residency: Residency | None = None) -> None:
         self.g = graph
         self.w = weights
         self.observer = observer
+        self.residency = residency     # the live expert caches of a mixed run (else the plan's split)
         last_use: dict[int, int] = {}
         for i, n in enumerate(graph.nodes):
             for a in n.args:
@@ -121,7 +123,7 @@ class ReferenceExecutor:
     def run(self, input_ids: np.ndarray, cache: KVCache) -> dict[int, np.ndarray]:
         T = input_ids.shape[1]
         ctx = _Step(self.w, cache, np.arange(cache.length, cache.length + T), input_ids, self.observer)
-        ctx.graph = self.g
+        ctx.graph, ctx.residency = self.g, self.residency
         env: dict[int, np.ndarray] = {}
         outputs = set(self.g.outputs)
         for i, n in enumerate(self.g.nodes):
@@ -136,7 +138,7 @@ class ReferenceExecutor:
         """Run just `nodes` (a partition of a mixed plan), reading and writing the shared env."""
         B, T = input_ids.shape
         ctx = _Step(self.w, cache, np.arange(cache.length, cache.length + T), input_ids, self.observer)
-        ctx.graph = self.g
+        ctx.graph, ctx.residency = self.g, self.residency
         for nid in nodes:
             n = self.g.node(nid)
             args = [np.asarray(env[a]).reshape(B, T, -1) if self.g.node(a).op is not Op.INPUT_IDS else env[a]
@@ -215,9 +217,7 @@ def _moe_ffn(c: _Step, n: Node, a: list) -> np.ndarray:
     ids = n.attr("experts", ())
     route = a[1][..., list(ids)] if ids else a[1]   # a share of the layer's experts: their columns
     if n.attr("cache", "") and not ids:             # an expert cache's host side: the non-resident ones
-        from strata_compiler.passes.expert_split import nonresident_mask
-
-        route = route * nonresident_mask(c.graph, n)
+        route = route * nonresident_mask(c.graph, n, c.residency)
     y = moe_ffn(a[0], route, pair, lambda e: down[e],
                 None if obs is None else (lambda e, x, h, w: obs.expert(n, e, x, h, w)))
     return y + a[2] if len(a) == 3 else y

@@ -1,27 +1,22 @@
 """Raw copies for the small hand-offs between GPU partitions and CPU kernels.
 
 A decode step of a plan that splits layers between the devices crosses between them about twice
-per layer, each time with a few KiB. Through JAX such a crossing is slow on an H200 host
-(`benchmarks/gpu_roundtrip.py`, 2026-11-29): `np.asarray` of a fresh result 362 us (d2h + wait,
-mostly thread hand-offs inside the runtime), a NumPy argument of a jitted call 50-60 us more per
-argument (a synchronous host->device copy inside the dispatch). libcudart's cudaMemcpy on the
-buffers JAX owns (`unsafe_buffer_pointer`), in the calling thread, takes 12 us device->host and
-8 us host->device; a whole trip (copy in, jitted call, wait, copy out) 93 us against 374.
-
-So on a CUDA GPU the mixed runtime (when `enable()`d):
+per layer, each time with a few KiB. Through JAX each crossing pays the runtime's thread
+hand-offs and a synchronous copy inside the dispatch; libcudart's cudaMemcpy on the buffers JAX
+owns (`unsafe_buffer_pointer`), in the calling thread, costs a fraction of that
+(benchmarks/gpu_roundtrip.py). So on a CUDA GPU the mixed runtime (when `enable()`d):
 - writes each host value a GPU partition reads into a device *staging* array the partition owns
-  (`stage`), and passes that array to the jitted call instead of the NumPy array;
+  (`Staging.stage`), and passes that array to the jitted call instead of the NumPy array;
 - copies each GPU result a CPU kernel reads straight into the kernel's own buffer (`fetch_into`)
   after waiting for it (`block_until_ready`: JAX's readiness, so never a half-written result).
 
 Ordering: a staging array is rewritten only after the partition's previous run has finished
-(its outputs are ready), so no queued computation can still be reading it; the host->device copy
-from pageable memory may still be in flight when cudaMemcpy returns, so the legacy stream is
-synchronised before the jitted call that reads it.
+(its outputs are ready), so no queued computation can still be reading it. Every copy runs on a
+non-blocking stream of ours and is synchronised there (`_stream_of`).
 
-`mode` "cuda" uses libcudart; "host" (tests, JAX's CPU platform) does the same with memmove on
-the CPU arrays' buffers, so CI exercises the staging logic; None (default) leaves everything to
-JAX. STRATA_RAW_COPY=0 keeps it off.
+`mode` "cuda" uses libcudart; "host" (the `raw_copy` setting's `host`: tests on JAX's CPU
+platform) does the same with memmove on the CPU arrays' buffers, so CI exercises the staging
+logic; None leaves everything to JAX.
 """
 
 from __future__ import annotations
@@ -30,10 +25,11 @@ import ctypes
 import glob
 import os
 import sys
-
 import time
 
 import numpy as np
+
+from strata_compiler import settings
 
 _LIB = None
 _TRIED = False
@@ -70,12 +66,6 @@ def lib():
         L.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
         L.cudaStreamCreateWithFlags.restype = ctypes.c_int
         L.cudaSetDevice.argtypes = [ctypes.c_int]
-        L.cudaEventCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-        L.cudaEventCreateWithFlags.restype = ctypes.c_int
-        L.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        L.cudaEventRecord.restype = ctypes.c_int
-        L.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
-        L.cudaStreamWaitEvent.restype = ctypes.c_int
         count = ctypes.c_int(0)
         if L.cudaGetDeviceCount(ctypes.byref(count)) != 0 or count.value < 1:
             break               # a runtime library but no usable GPU (or driver) here
@@ -90,14 +80,11 @@ def available() -> bool:
 
 def enable(platform: str) -> str | None:
     """Turn raw copies on for xla partitions on `platform` ("gpu" or "cpu"); returns the mode."""
-    global mode, _RAW_STREAM
-    _RAW_STREAM = os.environ.get("STRATA_RAW_STREAM", "1") not in ("0", "off", "false", "no")
+    global mode
     _BY_SHARDING.clear()
-    if os.environ.get("STRATA_RAW_COPY", "1") == "0":
-        mode = None
-    elif platform == "gpu":
+    if platform == "gpu":
         mode = "cuda" if available() else None
-    elif platform == "cpu" and os.environ.get("STRATA_RAW_COPY") == "host":
+    elif platform == "cpu" and settings.get("raw_copy") == "host":
         mode = "host"
     else:
         mode = None
@@ -115,8 +102,7 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed (CUDA error {rc})")
 
 
-_STREAMS: dict[tuple, ctypes.c_void_p] = {}     # (device, bulk flag or "copy") -> stream
-_RAW_STREAM = True          # STRATA_RAW_STREAM, read by enable()
+_STREAMS: dict[tuple, ctypes.c_void_p] = {}     # (device, bulk flag) -> stream
 # per sharding object (JAX shares one per device; kept alive here so its id is not reused): the
 # array's platform is ours and its copy stream. Looking both up through x.devices() costs a few
 # Python-level microseconds per copy, as much as the copy of a hidden state itself.
@@ -141,21 +127,15 @@ def _info(x) -> tuple[bool, object]:
 
 
 def _stream_of(d, bulk: bool = False):
-    """A non-blocking CUDA stream of device d for the raw copies (default), or None with
-    STRATA_RAW_STREAM=0 (the legacy default stream); `bulk`: a second one, for the expert-cache
-    copies queued without waiting (to_device(wait=False)).
+    """A non-blocking CUDA stream of device d for the raw copies; `bulk`: a second one, for the
+    expert-cache copies queued without waiting (to_device(wait=False)).
 
-    cudaMemcpy on the legacy stream also waits for the work queued on XLA's stream, though the
-    copy's source is known ready: in a traced H200 run, a CPU share's input copy returned only when
-    the GPU share dispatched after it had finished, which serialises the two devices. A stream of
-    our own, synchronised after each copy, waits for nothing else. That is safe because every raw
+    cudaMemcpy on the legacy default stream would also wait for the work queued on XLA's stream,
+    though the copy's source is known ready, which serialises the two devices. A stream of our
+    own, synchronised after each copy, waits for nothing else. That is safe because every raw
     copy is ordered explicitly: a device->host copy waits for its source (`fetch`, `fetch_into`),
     a staging rewrite for the partition's previous call (`Staging.guard`), an expert-slot write
-    for the last call that read the slot's weights (`XLAExecutor.set_slot`). On an H200
-    (BENCHMARKS.md, separate runs): the cached split 37.4 -> 49.7 tok/s, the static one 119.1 ->
-    127.8, the same tokens."""
-    if not _RAW_STREAM:
-        return None
+    for the last call that read the slot's weights (`XLAExecutor.set_slot`)."""
     dev = int(getattr(d, "local_hardware_id", None) or d.id)
     return _stream((dev, bulk))     # bulk copies on a stream of their own: a hand-off never waits behind them
 
@@ -178,12 +158,7 @@ def _stream(key: tuple) -> ctypes.c_void_p:
 
 
 def _copy(dst: int, src: int, n: int, kind: int, s) -> None:
-    """A raw copy on stream s (None: the legacy stream) that has landed when this returns."""
-    if s is None:
-        _check(_LIB.cudaMemcpy(dst, src, n, kind), "cudaMemcpy")
-        if kind == H2D:     # from pageable memory the copy may still be in flight
-            _check(_LIB.cudaStreamSynchronize(None), "cudaStreamSynchronize")
-        return
+    """A raw copy on stream s that has landed when this returns."""
     _check(_LIB.cudaMemcpyAsync(dst, src, n, kind, s), "cudaMemcpyAsync")
     _check(_LIB.cudaStreamSynchronize(s), "cudaStreamSynchronize")
 
@@ -209,7 +184,7 @@ def to_device(src: np.ndarray, x, offset: int = 0, wait: bool = True) -> None:
     if mode != "cuda":
         ctypes.memmove(dst, src.ctypes.data, src.nbytes)
         return
-    if wait or not _RAW_STREAM:
+    if wait:
         _copy(dst, src.ctypes.data, src.nbytes, H2D, _info(x)[1])
         return
     s = _stream_of(next(iter(x.devices())), bulk=True)
@@ -224,15 +199,15 @@ def copy_bulk(dst: int, src: int, n: int, x) -> None:
     """n bytes from host address `src` (pinned memory that outlives the copy) to device address
     `dst` inside device array x, queued on the bulk stream of x's device as to_device(wait=False)
     queues them (`wait_bulk()` before anything reads x): an expert-cache swap from its copy plan,
-    without building arrays per copy. Only with mode "cuda" and raw streams (`bulk_ok`)."""
+    without building arrays per copy. Only with mode "cuda" (`bulk_ok`)."""
     s = _stream_of(next(iter(x.devices())), bulk=True)
     _check(_LIB.cudaMemcpyAsync(dst, src, n, H2D, s), "cudaMemcpyAsync")
     _PENDING[s.value] = s
 
 
 def bulk_ok() -> bool:
-    """Whether copy_bulk may be used: raw copies on a CUDA GPU, on streams of their own."""
-    return mode == "cuda" and _RAW_STREAM
+    """Whether copy_bulk may be used: raw copies on a CUDA GPU."""
+    return mode == "cuda"
 
 
 def wait_bulk() -> None:
@@ -247,18 +222,18 @@ _PINNED: list[tuple[int, int]] = []     # page ranges registered with cudaHostRe
 
 def pin(arrays, force: bool = False) -> int:
     """Page-lock the host memory under `arrays` (cudaHostRegister, read-only) so that copies from
-    it run at the pinned rate (an H200 host: 52 against 6.5 GB/s pageable, BENCHMARKS.md) and
-    without a staging copy on the host. Page ranges are merged first (neighbouring arrays share
+    it run at the pinned rate (several times the pageable one) and without a staging copy on the
+    host. Page ranges are merged first (neighbouring arrays share
     pages; a range registered twice is an error). Returns the bytes pinned; 0 without a CUDA
     runtime, and whatever fails to register stays pageable. Registrations last as long as the
     process (the driver holds the pages), so pin only memory that lives as long: the plan's
     weight mapping of a session. The pages are mapped into the GPUs' address space too
-    (runtime/mapped.py reads them in place). `force`: with raw copies off (STRATA_RAW_COPY=0) too."""
+    (runtime/mapped.py reads them in place). `force`: also before raw copies are enabled."""
     if (mode != "cuda" and not force) or lib() is None:
         return 0
     import mmap
 
-    from strata_compiler.runtime.trace import merged
+    from strata_compiler.trace import merged
 
     page = mmap.PAGESIZE
     ranges = merged((a.ctypes.data // page * page, -(-(a.ctypes.data + a.nbytes) // page) * page)
@@ -285,46 +260,9 @@ def sync() -> None:
     _check(_LIB.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
 
 
-def copy_stream(device) -> int:
-    """A non-blocking stream of `device` for copies that run beside a program's kernels (the
-    fused step's prefetch: `record` an event after them, `wait_event` it on the program's stream
-    where their destination is read)."""
-    return _stream((int(getattr(device, "local_hardware_id", None) or device.id), "copy")).value
-
-
-def host_alloc(nbytes: int) -> int:
-    """The address of `nbytes` of page-locked host memory (cudaHostAlloc), never freed: small,
-    long-lived staging (the host calls' buffers)."""
-    L = _LIB
-    if not hasattr(L, "_host_alloc_typed"):
-        L.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
-        L.cudaHostAlloc.restype = ctypes.c_int
-        L._host_alloc_typed = True
-    p = ctypes.c_void_p()
-    _check(L.cudaHostAlloc(ctypes.byref(p), nbytes, 1), "cudaHostAlloc")      # cudaHostAllocPortable
-    return p.value
-
-
 def copy_async(dst: int, src: int, n: int, stream: int) -> None:
     """A host->device copy of n bytes queued on `stream` (raw addresses; the caller orders it)."""
     _check(_LIB.cudaMemcpyAsync(dst, src, n, H2D, ctypes.c_void_p(stream)), "cudaMemcpyAsync")
-
-
-def event() -> int:
-    """A new CUDA event without timing (cudaEventDisableTiming), for ordering only."""
-    e = ctypes.c_void_p()
-    _check(_LIB.cudaEventCreateWithFlags(ctypes.byref(e), 2), "cudaEventCreateWithFlags")
-    return e.value
-
-
-def record(ev: int, stream: int) -> None:
-    """Event `ev` completes when the work queued on `stream` so far has."""
-    _check(_LIB.cudaEventRecord(ctypes.c_void_p(ev), ctypes.c_void_p(stream)), "cudaEventRecord")
-
-
-def wait_event(stream: int, ev: int) -> None:
-    """Work queued on `stream` after this waits (on the GPU) for event `ev`."""
-    _check(_LIB.cudaStreamWaitEvent(ctypes.c_void_p(stream), ctypes.c_void_p(ev), 0), "cudaStreamWaitEvent")
 
 
 def _raw_ok(v) -> bool:

@@ -7,16 +7,9 @@ inside); Strata asks `jax.devices()` itself and says in one line what is missing
 from __future__ import annotations
 
 import functools
-import os
-from pathlib import Path
 
+from strata_compiler import settings
 from strata_compiler.errors import BackendError
-
-
-def _cache_root() -> Path:
-    if os.environ.get("STRATA_CACHE_DIR"):
-        return Path(os.environ["STRATA_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "strata"
 
 
 @functools.cache
@@ -26,7 +19,7 @@ def _jax():
     except ImportError as e:   # pragma: no cover - jax is a dependency
         raise BackendError(f"the xla backend needs JAX, which does not import here ({e})") from None
     # Compiled executables persist across runs: a second run on the same host compiles nothing.
-    jax.config.update("jax_compilation_cache_dir", str(_cache_root() / "xla"))
+    jax.config.update("jax_compilation_cache_dir", str(settings.cache_root() / "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     return jax

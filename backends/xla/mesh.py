@@ -27,16 +27,19 @@ from dataclasses import replace
 import numpy as np
 
 from strata_compiler.ir import Graph, Node
-from strata_compiler.passes.expert_split import share_groups
+from strata_compiler.experts import Residency, share_groups
 
 from .device import _jax, device as pick_device
-from .executor import XLAExecutor, _Ctx, moe_core
+from .executor import XLAExecutor
+from .lowering import _Ctx
+from .moe import moe_core
 
 
 class MeshXLAExecutor(XLAExecutor):
     """The xla nodes of a striped plan as one jitted function over a mesh of `n_devices`."""
 
-    def __init__(self, graph: Graph, weights, nodes: list[int], n_devices: int, device_kind: str = "auto") -> None:
+    def __init__(self, graph: Graph, weights, nodes: list[int], n_devices: int, device_kind: str = "auto",
+                 residency: Residency | None = None) -> None:
         jax = _jax()
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -48,7 +51,7 @@ class MeshXLAExecutor(XLAExecutor):
         self.groups = share_groups(graph, [graph.node(i) for i in nodes])
         self.leader = {grp[0].id: gi for gi, grp in enumerate(self.groups)}
         self.follower = {m.id for grp in self.groups for m in grp[1:]}
-        super().__init__(graph, weights, nodes=nodes, device_kind=device_kind, device_index=0)
+        super().__init__(graph, weights, nodes=nodes, device_kind=device_kind, device_index=0, residency=residency)
 
     def _staging(self):
         """No raw-copy staging: a mesh's host inputs are replicated over its devices by JAX."""
@@ -81,19 +84,25 @@ class MeshXLAExecutor(XLAExecutor):
                                       for role, arrs in stacks.items()}}
         return params
 
-    def run_segment(self, env: dict, input_ids: np.ndarray, cache, step_in: tuple | None = None) -> None:
+    def run_segment(self, env: dict, input_ids: np.ndarray, cache) -> None:
         """With several processes (hosts), every input must be a global array: host values go to
-        the mesh replicated (each process holds the same ones), and so do ids and position."""
+        the mesh replicated (each process holds the same ones), and so do ids and position
+        (`_host_args`)."""
         if self.processes == 1:
-            return super().run_segment(env, input_ids, cache, step_in)
+            return super().run_segment(env, input_ids, cache)
         jax = _jax()
         local = dict(env)
         for i in self.inputs:
             v = local.get(i)
             if v is not None and not hasattr(v, "sharding"):       # NumPy (a CPU partition's result)
                 local[i] = jax.device_put(np.asarray(v), self.replicated)
-        super().run_segment(local, input_ids, cache, step_in or self.step_inputs(input_ids, cache))
+        super().run_segment(local, input_ids, cache)
         env.update({o: local[o] for o in self.outputs})
+
+    def _host_args(self, ids: np.ndarray, pos: np.int32) -> tuple:
+        if self.processes == 1:
+            return ids, pos
+        return tuple(_jax().device_put((ids, pos), self.replicated))
 
     def _value(self, c: _Ctx, n: Node, args: list):
         """A share group's first node computes the whole group over the mesh; the others give 0

@@ -30,36 +30,25 @@ per program, BS rows per loop step.
 from __future__ import annotations
 
 import functools
-import os
 
-from .pallas_moe import OFF, _is_pow2, _load, _pow2, gate, tune
+from strata_compiler import settings
 
-# rows per block (a power of two), warps, programs aimed at (B x KV x chunks); STRATA_PALLAS_ATTN_TUNE=
-# "bs,warps,programs". Measured with (64, 4) and one block per program up to S 1216 (BENCHMARKS.md);
-# the chunked loop for long caches (more than `programs` blocks) is not yet measured on a GPU.
-TUNING = (64, 4, 256)
+from .pallas_quant import _is_pow2, _load, _pow2, gate
 
-
-def tuning() -> tuple[int, int, int]:
-    return tune("STRATA_PALLAS_ATTN_TUNE", TUNING)
-
-
-# Cache capacities up to which the kernel is the default. H200, OLMoE shape, int4, batch 1, one
-# process, alternated twice (BENCHMARKS.md): S 192 1459 against 1400 tok/s for XLA's kernels,
-# S 512 1384 against 1325, S 1216 1189 against 1218 (its 4-warp programs stream long caches less
-# well than XLA's reductions); the crossover between 512 and 1216 is not measured.
+# Cache capacities up to which the kernel is the default: above it, its 4-warp programs stream long
+# caches less well than XLA's reductions.
 MAX_S = 512
 
 
+def tuning() -> tuple[int, int, int]:
+    """Rows per block, warps, programs aimed at (B x KV x chunks)."""
+    return settings.get("pallas_attn_tune")
+
+
 def enabled(S: int) -> bool:
-    """STRATA_XLA_PALLAS_ATTN: 'auto' (default): the kernel for caches of at most MAX_S rows; '1':
-    always; '0': never."""
-    v = os.environ.get("STRATA_XLA_PALLAS_ATTN", "auto").strip().lower()
-    if v in ("1", "on", "true", "yes"):
-        return True
-    if v in OFF:
-        return False
-    return S <= MAX_S
+    """The `pallas_attn` setting: auto, the kernel for caches of at most MAX_S rows; on; off."""
+    v = settings.get("pallas_attn")
+    return v == "on" or (v == "auto" and S <= MAX_S)
 
 
 def supported(H: int, KV: int, hd: int) -> bool:

@@ -463,12 +463,8 @@ def pair_layout(target: Target, fmt: str, group_size: int) -> bool:
     bytes and 16..31 in the high ones, so with the activations in that order two groups' low
     and high nibbles dot against them as they come: no weight shuffle per group, and the two
     halves' products add in 16 bits before one widening (6.5 instead of 8.5 vector ops per
-    group on AVX2). AVX2 hosts only (AVX-512 packs two groups per vector already);
-    STRATA_CPU_Q8_PAIRS=0 turns it off."""
-    import os
-
-    return (fmt == "int4" and group_size == Q8_BLOCK and not target.avx512
-            and os.environ.get("STRATA_CPU_Q8_PAIRS", "1") != "0")
+    group on AVX2). AVX2 hosts only (AVX-512 packs two groups per vector already)."""
+    return fmt == "int4" and group_size == Q8_BLOCK and not target.avx512
 
 
 def _q8_pair_pair(t: str, base: str, w: str) -> str:

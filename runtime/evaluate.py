@@ -10,26 +10,22 @@ chunk's first token is replaced by it (as llama.cpp does). Per scored position:
     top-1 agreement = argmax p_ref == argmax p_plan
     NLL             = -log p(actual next token), for both models; perplexity = exp(mean NLL)
 
-`evaluate` is the testable core (plans and token ids in, a dict of numbers out);
-`eval_cmd` is the click command registered as `stratac eval`.
+`evaluate` is the testable core (plans and token ids in, a dict of numbers out), run through the
+runtime's sessions; `stratac eval` (strata_compiler/cli.py) reads its inputs and prints the result.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import sys
-import tempfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
-import click
 import numpy as np
 
-from .cli_common import debug_option
-from .errors import UsageError
-from .formats import get_format
+from strata_compiler.errors import UsageError
+from strata_compiler.formats import get_format
+
+from .session import Session
 
 MIN_CTX = 4
 # Logits of one batch (f32 [B, ctx, V]) per model stay under this many bytes (B >= 1).
@@ -124,8 +120,6 @@ def evaluate(plan, reference_plan, token_ids: np.ndarray, ctx: int, chunks: int 
     (of `plan`), then kl_stderr, median_kl, max_kl, top1_stderr, ppl_ratio, ref_bits_per_weight,
     ref_weight_bytes, ctx, chunks, backend. `progress(n)` is called after each batch of n chunks.
     """
-    from strata_compiler.runtime.session import Session
-
     if ctx < MIN_CTX:
         raise UsageError(f"--ctx {ctx}: use at least {MIN_CTX} tokens per chunk (default 512)")
     vocab, ref_vocab = plan.meta["model"]["vocab_size"], reference_plan.meta["model"]["vocab_size"]
@@ -179,7 +173,7 @@ def evaluate(plan, reference_plan, token_ids: np.ndarray, ctx: int, chunks: int 
 
 
 # ------------------------------------------------------------------------------------------------
-# inputs: the text, the tokenizer, the reference
+# inputs: the text, the tokenizer
 
 
 def read_text(path: Path) -> str:
@@ -217,131 +211,7 @@ def tokenizer_bos(tok, plan) -> int | None:
     return bos if len(with_special) > len(plain) and with_special[0] == bos else None
 
 
-def _check_ctx(ctx: int, max_position, source) -> None:
+def check_ctx(ctx: int, max_position, source) -> None:
     if isinstance(max_position, int) and 0 < max_position < ctx:
         raise UsageError(f"--ctx {ctx}: larger than the {max_position} positions of {source} "
                          f"(max_position_embeddings); use --ctx {max_position} or less")
-
-
-def reference_kind(ref: Path) -> str:
-    """'hf' (a model folder), 'plan' (a plan directory or plan.bin), else a UsageError."""
-    if not ref.exists():
-        raise UsageError(f"--reference {ref}: no such file or directory; pass a Hugging Face model folder or a plan")
-    if ref.is_dir():
-        if (ref / "config.json").is_file():
-            return "hf"
-        if (ref / "plan.bin").is_file():
-            return "plan"
-        raise UsageError(f"--reference {ref}: neither a Hugging Face model folder (no config.json) nor a plan "
-                         f"directory (no plan.bin); pass one of those")
-    return "plan"
-
-
-def check_reference(ref: Path, kind: str, vocab: int, ctx: int, plan_path: Path) -> None:
-    """Cheap checks of an HF reference before it is compiled."""
-    if kind != "hf":
-        return
-    from .frontend.hf import read_config
-
-    cfg = read_config(ref)
-    if cfg.vocab_size != vocab:
-        raise UsageError(f"--reference {ref}: vocabulary of {cfg.vocab_size} tokens, but {plan_path} has {vocab}; "
-                         f"compare against the model the plan was compiled from")
-    _check_ctx(ctx, cfg.max_position, ref / "config.json")
-
-
-@contextlib.contextmanager
-def open_reference(ref: Path, kind: str, backend: str, *, say: Callable[[str], None] | None = None) -> Iterator:
-    """The reference as a loaded Plan; a model folder is compiled at f32 into a temporary
-    directory that is deleted afterwards."""
-    from strata_compiler.runtime.plan import load_plan
-
-    if kind == "plan":
-        yield load_plan(ref)
-        return
-    from .compiler import compile_model
-    from .pass_manager import CompileOptions
-
-    with tempfile.TemporaryDirectory(prefix="strata-eval-ref-") as tmp:
-        if say:
-            say(f"compiling reference {ref} at f32")
-        compile_model(ref, Path(tmp), CompileOptions(quant="f32", backend=backend))
-        yield load_plan(tmp)
-
-
-# ------------------------------------------------------------------------------------------------
-# the command
-
-
-def _table(plan, ref: Path, kind: str, r: dict) -> str:
-    quant = plan.meta.get("options", {}).get("quant", "?")
-    first, last = scored_range(r["ctx"])
-    rows = [
-        ("plan", f"{plan.path} ({quant}, {r['bits_per_weight']:.3f} bits/weight, "
-                 f"{r['weight_bytes'] / 2**20:.2f} MiB of weights)"),
-        ("reference", f"{ref}" + (" (compiled at f32)" if kind == "hf" else "")
-                      + f" ({r['ref_bits_per_weight']:.3f} bits/weight)"),
-        ("scored", f"{r['tokens']} tokens: {r['chunks']} chunks of {r['ctx']}, positions {first}..{last - 1}"),
-        ("mean KL", f"{r['mean_kl']:.6f} ± {r['kl_stderr']:.6f}"),
-        ("99% KL", f"{r['p99_kl']:.6f}"),
-        ("max KL", f"{r['max_kl']:.6f}"),
-        ("top-1", f"{100 * r['top1']:.3f} ± {100 * r['top1_stderr']:.3f} %"),
-        ("PPL", f"{r['ppl']:.4f} (reference {r['ref_ppl']:.4f}, ratio {r['ppl_ratio']:.4f})"),
-        ("backend", r["backend"]),
-    ]
-    return "\n".join(f"{k:10s} {v}" for k, v in rows)
-
-
-@click.command("eval")
-@click.argument("plan_path", type=click.Path(path_type=Path))
-@click.option("--reference", "ref", type=click.Path(path_type=Path), required=True,
-              help="Reference: a Hugging Face model folder (compiled at f32 into a temporary directory) or a plan.")
-@click.option("--text", "text_path", type=click.Path(path_type=Path), required=True,
-              help="UTF-8 text file, tokenized with the plan's tokenizer.")
-@click.option("--ctx", type=int, default=512, show_default=True,
-              help="Tokens per chunk; the second half of each chunk is scored.")
-@click.option("--chunks", type=click.IntRange(1), default=None, help="Evaluate at most this many chunks (default all).")
-@click.option("--backend", type=click.Choice(["auto", "reference", "llvm", "xla"]), default="auto", show_default=True,
-              help="Where both models run.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-@debug_option
-def eval_cmd(plan_path: Path, ref: Path, text_path: Path, ctx: int, chunks: int | None, backend: str,
-             as_json: bool, debug: bool) -> None:
-    """KL divergence, top-1 agreement and perplexity of PLAN_PATH against a reference (llama.cpp's
-    --kl-divergence conventions: chunks of --ctx tokens from an empty cache, second half scored)."""
-    from strata_compiler.runtime.plan import load_plan
-
-    if ctx < MIN_CTX:
-        raise UsageError(f"--ctx {ctx}: use at least {MIN_CTX} tokens per chunk (default 512)")
-    text = read_text(text_path)
-    plan = load_plan(plan_path)
-    tok = plan_tokenizer(plan)
-    _check_ctx(ctx, plan.meta["model"].get("max_position"), plan.path)
-    vocab = plan.meta["model"]["vocab_size"]
-    kind = reference_kind(ref)
-    check_reference(ref, kind, vocab, ctx, plan.path)
-    ids = np.asarray(tok.encode(text, add_special_tokens=False).ids, np.int64)
-    if len(ids) < ctx:
-        raise UsageError(f"--text {text_path}: {len(ids)} tokens, fewer than one chunk of --ctx {ctx}; "
-                         f"give a longer text or a smaller --ctx")
-    if ids.max() >= vocab:
-        raise UsageError(f"{plan.path}: its tokenizer produced id {int(ids.max())}, outside the model's vocabulary "
-                         f"of {vocab}; the plan's tokenizer does not belong to its model")
-    n_chunks = min(len(ids) // ctx, chunks or len(ids))
-    show = sys.stderr.isatty()
-    say = (lambda m: click.echo(m, err=True)) if show else None
-    with open_reference(ref, kind, backend, say=say) as ref_plan:
-        if kind == "plan":
-            ref_vocab = ref_plan.meta["model"]["vocab_size"]
-            if ref_vocab != vocab:
-                raise UsageError(f"--reference {ref}: vocabulary of {ref_vocab} tokens, but {plan.path} has "
-                                 f"{vocab}; compare plans of the same model")
-            _check_ctx(ctx, ref_plan.meta["model"].get("max_position"), ref_plan.path)
-        bar = click.progressbar(length=n_chunks, label="evaluating chunks", file=sys.stderr, width=30)
-        with bar if show else contextlib.nullcontext():
-            r = evaluate(plan, ref_plan, ids, ctx, chunks, backend, bos_id=tokenizer_bos(tok, plan),
-                         progress=bar.update if show else None)
-    if as_json:
-        click.echo(json.dumps(r))
-    else:
-        click.echo(_table(plan, ref, kind, r))

@@ -1,10 +1,13 @@
-"""Host KV cache: per layer K and V as f32[B, KV, S, hd], S = the cache's capacity."""
+"""Host KV cache: per layer K and V as f32[B, KV, S, hd], S = the cache's capacity.
+
+The runtime owns one per session; the CPU backends and the calibration probe read and write it.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
-from strata_compiler.errors import UsageError
+from .errors import UsageError
 
 
 class KVCache:

@@ -9,6 +9,9 @@ for an executor's `launch` / `finish` (runtime/partitions.py MixedExecutor.decod
 backends/xla/executor.py XLAExecutor.decode_ahead). One step runs past a stop id (its result is
 dropped). Under `--stats` alone each step is one span on the steps' and the GPU's tracks: from
 its launch, or the step before's result if later, to its result on the host.
+
+It sits at the backends' package level: a whole-plan xla executor drives itself with it, and the
+runtime's MixedExecutor drives a fused step with it.
 """
 
 from __future__ import annotations
@@ -18,14 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import trace
-
-
-def wanted() -> bool:
-    """STRATA_DECODE_AHEAD (default 1): greedy decoding runs ahead where the executor can."""
-    from strata_compiler.env import switch
-
-    return switch("STRATA_DECODE_AHEAD", True)
+from strata_compiler import trace
 
 
 def traced_fully() -> bool:

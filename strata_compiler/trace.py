@@ -10,6 +10,9 @@ prefetches and swaps are host->device spans). Times are host wall clock: a GPU p
 runs from its dispatch to the moment its results are ready on the device (a watcher thread waits
 for them, so the host is not held up and the CPU work it does meanwhile shows beside it); a
 device->host span is the host's wait for a GPU result it needs plus the copy.
+
+The backends record their kernels and copies here and the runtime its steps and caches, so the
+recorder sits in the ground, below both.
 """
 
 from __future__ import annotations

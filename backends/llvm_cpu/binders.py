@@ -1,0 +1,394 @@
+"""Binders of the llvm executor: for each op, Node -> (Frame -> step function). A binder generates
+and compiles the op's kernels once per plan; what it returns sets up their argument arrays once
+per step shape; the step function launches them (and carries its segment-program form).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from strata_compiler.errors import BackendError, UsageError
+from strata_compiler.ir import Node, Op
+from strata_compiler.rope import rope_inv_freq
+
+from .codegen import attention as attn_gen
+from .codegen import elementwise as ew
+from .codegen.common import float_slot
+from .codegen.dot import needs_q8
+from .codegen.linear import LinearSpec, generate as linear_gen
+from .codegen.moe import MoESpec, down as moe_down_gen, gate_up as moe_gate_up_gen, h_stride, pairs as moe_pairs_gen
+from .frame import COPY, GATHER, MASK, ONE, SET, Frame, Kernel, Step, ld, ins, step_fn
+
+if TYPE_CHECKING:
+    from .executor import LLVMExecutor
+
+#: Node -> (Frame -> step function)
+Binder = Callable[["LLVMExecutor", Node], Callable[[Frame], Callable[[Step], None]]]
+
+
+def _no_clock() -> int:
+    return 0
+
+
+_PHASES = ("moe.mask", "moe.pairs", "moe.quant_x", "moe.gate_up", "moe.quant_h", "moe.down")
+
+
+def _record_phases(phases: dict, t: list[int], active: np.ndarray, gate_up: tuple, down: tuple) -> None:
+    """A MoE call's phase times (t: the clock before, between and after its steps) and the weight
+    bytes of its active experts, into `phases`."""
+    for k, a, b in zip(_PHASES, t, t[1:]):
+        phases.setdefault(k, []).append(b - a)
+    for key, (w, s) in (("moe.gate_up_bytes", gate_up), ("moe.down_bytes", down)):
+        phases.setdefault(key, []).append(int(sum(w[e].nbytes + (s[e].nbytes if s is not None else 0)
+                                                  for e in active)))
+
+
+def _src(frame: Frame, n: Node, i: int = 0) -> np.ndarray:
+    """Operand i of n: the f32[M, C] result of the node that defines it."""
+    return frame.out(frame.exe.g.node(n.args[i]))
+
+
+def _bind_input(exe: LLVMExecutor, n: Node):
+    return lambda frame: step_fn(lambda step: None, lambda step: [])
+
+
+def _bind_embed(exe: LLVMExecutor, n: Node):
+    spec = exe.g.weight(n.weight("table"))
+    if spec.fmt != "f32":   # a quantized table: gather the stored rows, decode them with formats.py
+        from strata_compiler.formats import get_format
+        f, arrays = get_format(spec.fmt), exe.w.arrays(spec.name)
+
+        def prepare_q(frame: Frame):
+            out = frame.out(n)
+            return lambda step: out.__setitem__(slice(None), f.dequantize(
+                {k: v[frame.ids] for k, v in arrays.items()}, spec.shape[-1], spec.group_size or 32))
+        return prepare_q
+    table, _ = exe.weight(n.weight("table"))
+    D = table.shape[1]
+    k = Kernel(exe.lib, ew.embed(D, exe.target))
+
+    def prepare(frame: Frame):
+        a = k.args(ids=frame.ids, table=table, y=frame.out(n), ldy=D)
+        return a.go_op(exe.pool, frame.M, 16)
+    return prepare
+
+
+def _norm_args(exe: LLVMExecutor, C: int, group: int, weight: str, eps: float):
+    w, _ = exe.weight(weight)
+    k = Kernel(exe.lib, ew.rms_norm(C, group, exe.target))
+    return lambda x, y: k.args(x=x, w=w, y=y, ldx=ld(x), ldy=ld(y), eps=float_slot(eps))
+
+
+def _bind_rms_norm(exe: LLVMExecutor, n: Node):
+    C = n.type.shape[-1]
+    mk = _norm_args(exe, C, n.attr("group", 0), n.weight("w"), n.attr("eps"))
+
+    def prepare(frame: Frame):
+        a = mk(_src(frame, n), frame.out(n))
+        return a.go_op(exe.pool, frame.M, 4)
+    return prepare
+
+
+def _bind_linear(exe: LLVMExecutor, n: Node):
+    spec_w = exe.g.weight(n.weight("w"))
+    fmt, G = spec_w.fmt, spec_w.group_size
+    K = spec_w.shape[1]
+    N = n.type.shape[-1]
+    q8 = exe.act == "q8" and needs_q8(fmt, G)
+    spec = LinearSpec(fmt, N, K, G, q8, bias=n.weight("b") is not None,
+                      silu_mul=n.attr("epilogue", "none") == "silu_mul", residual=len(n.args) == 2)
+    k = Kernel(exe.lib, linear_gen(spec, exe.target))
+    w, s = exe.weight(n.weight("w"))
+    b, _ = exe.weight(n.weight("b"))
+    norm = (_norm_args(exe, K, 0, n.weight("norm"), n.attr("eps"))
+            if n.attr("prologue", "none") == "rms_norm" else None)
+    quant = exe.q8(K, fmt, G) if q8 else None
+    kp = -(-K // G) * G if G else K
+
+    def prepare(frame: Frame):
+        M = frame.M
+        pool = exe.pool
+        x = _src(frame, n)
+        before: list[Callable[[], None]] = []    # what must run ahead of the matrix kernel
+        prog: list | None = []                   # ... as program instructions (None: not expressible)
+        if norm is not None:
+            xn = frame.temp("norm", (M, kp))    # columns past K stay zero (whole groups)
+            na = norm(x, xn[:, :K] if kp != K else xn)
+            before.append(lambda: na.go(pool, M, min_chunk=4))
+            prog.append(na.par(M, 4))
+            x = xn
+        elif kp != K and not q8:
+            xp, src = frame.temp("pad", (M, kp)), x
+            before.append(lambda: np.copyto(xp[:, :K], src))
+            prog = None
+            x = xp
+        xd = xs = None
+        if quant is not None:
+            (x, xd, xs), qrun = quant.prepare(frame, x[:, :K] if x.shape[1] != K else x, "x")
+            before.append(qrun)
+            if prog is not None:
+                prog.append(qrun.args.par(M, 4))
+        r = _src(frame, n, 1) if len(n.args) == 2 else None
+        a = k.args(y=frame.out(n), x=x, xd=xd, xs=xs, w=w, s=s, b=b, r=r, xidx=None, M=M,
+                   ldx=ld(x), ldy=N, ldr=N)
+
+        def run(step: Step) -> None:
+            for f in before:
+                f()
+            a.go(pool, N, min_chunk=16)
+        return step_fn(run, None if prog is None else lambda step: prog + [a.par(N, 16)])
+    return prepare
+
+
+def _bind_attention(exe: LLVMExecutor, n: Node):
+    H, KV, hd = n.attr("n_heads"), n.attr("n_kv_heads"), n.attr("head_dim")
+    prep = Kernel(exe.lib, attn_gen.attn_prep(H, KV, hd, n.attr("qk_norm"), n.has_attr("clip_qkv"), exe.target))
+    core = Kernel(exe.lib, attn_gen.attn_core(H, KV, hd, exe.target))
+    inv = np.ascontiguousarray(rope_inv_freq(hd, dict(n.attrs)), np.float32)
+    qn, _ = exe.weight(n.weight("q_norm"))
+    kn, _ = exe.weight(n.weight("k_norm"))
+    layer = n.attr("layer")
+
+    def prepare(frame: Frame):
+        qkv = _src(frame, n)
+        q = frame.temp("attn.q", (frame.M, H * hd))
+        o = frame.out(n)
+        ap = prep.args(qkv=qkv, qnw=qn, knw=kn, qout=q, ldq=ld(qkv), inv_freq=inv,
+                       eps=float_slot(n.attr("eps", 1e-6)), clip=float_slot(n.attr("clip_qkv", 0.0)))
+        ac = core.args(qout=q, o=o, ldo=H * hd)
+        pool = exe.pool
+
+        def pre(step: Step) -> None:
+            c = step.cache
+            if c.length + step.T > c.capacity:
+                raise UsageError(f"sequence of {c.length + step.T} tokens exceeds the KV cache capacity {c.capacity}")
+            kc, vc = c.k[layer], c.v[layer]
+            ap.set(kc=kc, vc=vc, T=step.T, past=c.length, cap=c.capacity)
+            ac.set(kc=kc, vc=vc, T=step.T, past=c.length, cap=c.capacity)
+
+        def run(step: Step) -> None:
+            pre(step)
+            ap.go(pool, frame.M, min_chunk=2)
+            ac.go(pool, step.B * H)
+        return step_fn(run, lambda step: [ap.par(frame.M, 2), ac.par(step.B * H)], pre)
+    return prepare
+
+
+def _bind_moe(exe: LLVMExecutor, n: Node):
+    if n.weight("gate_up") is None:
+        raise BackendError(f"moe_ffn %{n.id} has separate gate and up weights; the llvm backend needs the fused "
+                           f"gate_up of the fuse pass — recompile the plan")
+    gu_spec = exe.g.weight(n.weight("gate_up"))
+    fmt, G = gu_spec.fmt, gu_spec.group_size
+    E, I2, D = gu_spec.shape
+    I = I2 // 2
+    q8 = exe.act == "q8" and needs_q8(fmt, G)
+    dn_spec = exe.g.weight(n.weight("down"))
+    dG = dn_spec.group_size
+    spec = MoESpec(fmt, D, I, G, q8, residual=len(n.args) == 3, down_fmt=dn_spec.fmt,
+                   down_q8=exe.act == "q8" and needs_q8(dn_spec.fmt, dG), down_group_size=dG)
+    ku = Kernel(exe.lib, moe_gate_up_gen(spec, exe.target))
+    kd = Kernel(exe.lib, moe_down_gen(spec, exe.target))
+    kp = Kernel(exe.lib, moe_pairs_gen(E, exe.target))
+    wu, su = exe.weight(n.weight("gate_up"))
+    wd, sd = exe.weight(n.weight("down"))
+    qx = exe.q8(D, fmt, G) if q8 else None
+    qh = exe.q8(I, dn_spec.fmt, dG) if spec.dq8 else None
+    dp = -(-D // G) * G if (G and not q8) else D     # f32 rows padded to whole groups
+    ip = h_stride(spec)
+    ids = tuple(n.attr("experts", ()))
+    idx = np.array(ids, np.int64)
+    from strata_compiler.experts import static_nonresident
+
+    cache_key = n.attr("cache", "") if not ids else ""    # an expert cache's host side
+    plan_mask = static_nonresident(exe.g, n) if cache_key else None
+    weight_names = [w for _, w in n.weights]
+
+    def prepare(frame: Frame):
+        M = frame.M
+        x, comb = _src(frame, n, 0), _src(frame, n, 1)
+        gather = None
+        if cache_key:   # every expert but those resident in the GPU cache (the live cache's, else the plan's)
+            full, comb = comb, frame.temp(f"moe.comb{n.id}", (M, E))
+
+            def masked():
+                live = exe.residency.get(cache_key)
+                np.multiply(full, (plan_mask if live is None else live.nonresident)[None, :], out=comb)
+                if live is not None:
+                    live.observe(full)
+            gather = masked
+        elif ids:   # this node computes a share of the layer's experts: their routing columns
+            if ids == tuple(range(ids[0], ids[0] + E)):
+                comb = comb[:, ids[0]:ids[0] + E]          # a strided view: the kernel takes ldc
+            else:
+                full, comb = comb, frame.temp(f"moe.comb{n.id}", (M, E))
+                gather = lambda: np.take(full, idx, axis=1, out=comb)  # noqa: E731
+        Pmax = M * E
+        tok = frame.temp("moe.tok", (Pmax,), np.int64)
+        exp = frame.temp("moe.exp", (Pmax,), np.int64)
+        pw = frame.temp("moe.w", (Pmax,), np.float32)
+        first = frame.temp("moe.first", (E + 1,), np.int64)
+        active = frame.temp("moe.active", (E,), np.int64)
+        count = frame.temp("moe.count", (2,), np.int64)
+        h = frame.temp("moe.h", (Pmax, ip))
+        xin = x
+        if dp != D:
+            xin = frame.temp("moe.xpad", (M, dp))
+        xd = xs = hd = hs = None
+        qxrun = qhrun = None
+        hin = h
+        if qx is not None:
+            (xin, xd, xs), qxrun = qx.prepare(frame, x, "moe.x")
+        if qh is not None:
+            (hin, hd, hs), qhrun = qh.prepare(frame, h[:, :I] if ip != I else h, "moe.h")
+        r = _src(frame, n, 2) if len(n.args) == 3 else None
+        au = ku.args(h=h, x=xin, xd=xd, xs=xs, w=wu, s=su, pair_tok=tok, first=first, active=active,
+                     ldx=ld(xin))
+        ad = kd.args(y=frame.out(n), r=r, h=hin, hd=hd, hs=hs, w=wd, s=sd, pair_tok=tok, pair_exp=exp, pair_w=pw,
+                     M=M, ldy=D, ldr=D)
+        ap = kp.args(comb=comb, ldc=ld(comb), M=M, tok=tok, exp=exp, pw=pw, first=first, active=active, count=count)
+        pool = exe.pool
+        # the program: count = [P pairs, nA active experts] written by the pairs kernel sizes the rest
+        prog: list | None = None
+        if not (xin is not x and qxrun is None):
+            prog = []
+            if gather is not None and not cache_key:      # the share's routing columns (32-bit values)
+                prog.append(ins(GATHER, f3=M, src=full.ctypes.data, f5=ld(full), f6=ld(comb),
+                                dst=comb.ctypes.data, f8=idx.ctypes.data, f9=E))
+            prog.append(ins(ONE, kp.addr, ap.addr, 0, f8=1))
+            if qxrun is not None:
+                prog.append(qxrun.args.par(M, 4))
+            prog.append(au.par(0, 8, src=count.ctypes.data + 8, mult=I))
+            if qhrun is not None:
+                prog.append(qhrun.args.par(0, 4, src=count.ctypes.data, mult=1))
+            prog.append(ins(SET, src=count.ctypes.data, f5=1, dst=ad.slot("P")))
+            prog.append(ad.par(D, 16))
+        native = None if prog is None else lambda step: prog
+        if prog is not None and cache_key:
+            keep: list = []     # the counts of a plan without a live cache, alive as long as its program
+
+            def masked_native(step):
+                """The routing weights of the experts the GPU does not hold (the live cache's mask,
+                read as the program runs: its swaps and prefetch change it in place), counted per
+                expert into the cache's counts (ExpertCache.fold turns them into hits, misses and
+                what the swaps learn from); looked up when the program is built, after the
+                session registered its caches."""
+                live = exe.residency.get(cache_key)
+                mask = plan_mask if live is None else live.nonresident
+                counts = np.zeros(E, np.int64) if live is None else live.counts
+                keep.append((mask, counts))
+                return [ins(MASK, fn=counts.ctypes.data, f3=M, src=full.ctypes.data, f5=ld(full), f6=ld(comb),
+                            dst=comb.ctypes.data, f8=mask.ctypes.data, f9=E)] + prog
+            native = masked_native
+
+        def run(step: Step) -> None:
+            clock = _no_clock if step.phases is None else time.perf_counter_ns
+            t = [clock()]
+            if gather is not None:
+                gather()
+            t.append(clock())
+            pool.run(kp.addr, ap.addr, 0, 1)                    # routing pairs, grouped by expert
+            P, nA = int(count[0]), int(count[1])
+            t.append(clock())
+            if xin is not x and qxrun is None:
+                xin[:, :D] = x
+            if qxrun is not None:
+                qxrun()
+            t.append(clock())
+            au.go(pool, nA * I, min_chunk=8)
+            t.append(clock())
+            if qhrun is not None:
+                qhrun(P)
+            t.append(clock())
+            ad.set(P=P).go(pool, D, min_chunk=16)
+            t.append(clock())
+            tier = getattr(exe.w, "disk_tier", None)
+            if tier is not None:                 # experts on the disk tier (runtime/disk_tier.py): their pages go now
+                tier.after(weight_names)
+            if step.phases is not None:
+                _record_phases(step.phases, t, active[:nA], (wu, su), (wd, sd))
+        return step_fn(run, native)
+    return prepare
+
+
+def _bind_route(exe: LLVMExecutor, n: Node):
+    E = n.type.shape[-1]
+    k = Kernel(exe.lib, ew.route(E, n.attr("k"), bool(n.attr("norm")), exe.target))
+
+    def prepare(frame: Frame):
+        x = _src(frame, n)
+        a = k.args(x=x, y=frame.out(n), ldx=ld(x), ldy=E)
+        return a.go_op(exe.pool, frame.M, 16)
+    return prepare
+
+
+def _bind_binary(op: str):
+    def bind(exe: LLVMExecutor, n: Node):
+        C = n.type.shape[-1]
+        a_cols, b_cols = (exe.g.node(a).type.shape[-1] for a in n.args)
+        swap = a_cols != C                               # the kernel broadcasts its second operand
+        k = Kernel(exe.lib, ew.binary(op, C, a_cols if swap else b_cols, exe.target))
+
+        def prepare(frame: Frame):
+            a, b = _src(frame, n, 0), _src(frame, n, 1)
+            if swap:
+                a, b = b, a
+            args = k.args(a=a, b=b, y=frame.out(n), lda=ld(a), ldb=ld(b), ldy=C)
+            return args.go_op(exe.pool, frame.M, 16)
+        return prepare
+    return bind
+
+
+def _bind_unary(op: str):
+    def bind(exe: LLVMExecutor, n: Node):
+        C = n.type.shape[-1]
+        k = Kernel(exe.lib, ew.unary(op, C, exe.target))
+
+        def prepare(frame: Frame):
+            x = _src(frame, n)
+            a = k.args(x=x, y=frame.out(n), ldx=ld(x), ldy=C, limit=float_slot(n.attr("limit", 0.0)))
+            return a.go_op(exe.pool, frame.M, 16)
+        return prepare
+    return bind
+
+
+def _bind_transfer(exe: LLVMExecutor, n: Node):
+    """An activation arriving from another device: its operand was copied into place already."""
+    def prepare(frame: Frame):
+        dst, src = frame.out(n), _src(frame, n)
+        same = dst.flags.c_contiguous and src.flags.c_contiguous and dst.dtype == src.dtype and dst.shape == src.shape
+        native = (lambda step: [ins(COPY, f3=dst.nbytes, src=src.ctypes.data, dst=dst.ctypes.data)]) if same else None
+        return step_fn(lambda step: np.copyto(dst, src), native)
+    return prepare
+
+
+def _bind_slice(exe: LLVMExecutor, n: Node):
+    start, stop = n.attr("start"), n.attr("stop")
+    k = Kernel(exe.lib, ew.slice_copy(start, stop, exe.target))
+
+    def prepare(frame: Frame):
+        x = _src(frame, n)
+        a = k.args(x=x, y=frame.out(n), ldx=ld(x), ldy=stop - start)
+        return a.go_op(exe.pool, frame.M, 16)
+    return prepare
+
+
+BINDERS: dict[Op, Binder] = {
+    Op.INPUT_IDS: _bind_input,
+    Op.EMBED: _bind_embed,
+    Op.RMS_NORM: _bind_rms_norm,
+    Op.LINEAR: _bind_linear,
+    Op.FUSED_ATTENTION: _bind_attention,
+    Op.MOE_FFN: _bind_moe,
+    Op.ROUTE: _bind_route,
+    Op.ADD: _bind_binary("add"),
+    Op.MUL: _bind_binary("mul"),
+    Op.SIGMOID: _bind_unary("sigmoid"),
+    Op.SILU: _bind_unary("silu"),
+    Op.CLAMP: _bind_unary("clamp"),
+    Op.SLICE: _bind_slice,
+    Op.TRANSFER: _bind_transfer,
+}
