@@ -309,8 +309,11 @@ class FusedCalls:
         if not k:
             return
         rec = self.records[3:3 + 3 * k].reshape(k, 3)
-        to_ns = lambda t: ns0 + int((int(t) - tsc0) * 1000 / ticks)     # noqa: E731
         start = max(j for j, ev in enumerate(tl) if ev[0] == "dispatch")
+        # the TSC's rate is calibrated, not exact: a call converted past the step's bounds (it ran
+        # between the dispatch and the program's end) is held to them
+        lo, hi = tl[start][2], max(t for _, _, t in tl[start:])
+        to_ns = lambda t: min(hi, max(lo, ns0 + int((int(t) - tsc0) * 1000 / ticks)))     # noqa: E731
         evs = tl[start:] + [(kind, int(p), to_ns(t)) for p, a, b in rec for kind, t in (("enter", a), ("leave", b))]
         order = {"dispatch": 0, "dispatched": 2, "done": 3}
         tl[start:] = sorted(evs, key=lambda e: (e[2], order.get(e[0], 1)))
