@@ -39,6 +39,12 @@ CORPUS = Path(__file__).resolve().with_name("demo_corpus.txt")
 
 TOKENIZER_VOCAB = 1024
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, the classic Qwen template: each message "<|im_start|>{role}\n{content}<|im_end|>\n", then
+# "<|im_start|>assistant\n" when a reply is wanted (stored in tokenizer_config.json's chat_template)
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 TRANSFORMERS_VERSION = "5.0.0"
 
 # Model dimensions (Qwen3-MoE, tiny).
@@ -238,6 +244,7 @@ def make_demo_model(out_dir: Path, seed: int = 0, quiet: bool = False) -> Path:
             "added_tokens_decoder": added,
             "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
             "bos_token": None,
+            "chat_template": CHATML_TEMPLATE,
             "clean_up_tokenization_spaces": False,
             "eos_token": "<|endoftext|>",
             "errors": "replace",

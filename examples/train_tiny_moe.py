@@ -52,6 +52,12 @@ import numpy as np  # noqa: E402
 
 VOCAB = 4096
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, the classic Qwen template: each message "<|im_start|>{role}\n{content}<|im_end|>\n", then
+# "<|im_start|>assistant\n" when a reply is wanted (stored in tokenizer_config.json's chat_template)
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 HIDDEN = 256
 LAYERS = 6
 HEADS = 4
@@ -430,7 +436,7 @@ def write_tokenizer_files(tok, out: Path) -> None:
     _write_json(out / "tokenizer_config.json", {
         "add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": added,
         "additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "bos_token": None,
-        "clean_up_tokenization_spaces": False, "eos_token": "<|endoftext|>", "errors": "replace",
+        "chat_template": CHATML_TEMPLATE, "clean_up_tokenization_spaces": False, "eos_token": "<|endoftext|>", "errors": "replace",
         "model_max_length": MAX_POS, "pad_token": "<|endoftext|>", "split_special_tokens": False,
         "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": None,
     })

@@ -145,6 +145,8 @@ def emit(g: Graph, ctx: PassContext) -> Graph:
         "passes": [r["pass"] for r in ctx.analyses.pass_records if r["pass"] != "input"],
         "source_fingerprint": source_fingerprint(ctx.store, (k for s in g.weights for k in s.all_source_keys())),
     }
+    if ctx.chat is not None:
+        meta["chat"] = ctx.chat
     if calib is not None:
         meta["calibration"] = dict(calib.summary(), file=Path(ctx.options.calib).name)
     sections = [("meta", json.dumps(meta, sort_keys=True, indent=1).encode()), ("ir", print_graph(g).encode())]

@@ -133,7 +133,9 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
         ids = _load_ids(input_ids)
     session = Session(plan, backend, device=device, expert_cache=expert_cache, cache_policy=cache_policy,
                       prefetch=prefetch, multi_gpu=multi_gpu, miss_path=miss_path)
-    stop = () if ignore_eos else tuple(plan.meta["model"].get("eos_token_ids") or ())
+    from .chat import stop_ids
+
+    stop = () if ignore_eos else stop_ids(plan)   # config.json's and generation_config.json's EOS ids
     from strata_compiler import trace
 
     tracer = trace.Tracer(full=bool(trace_out)) if (trace_out or stats) else None

@@ -70,6 +70,7 @@ class PassContext:
     output_dir: Path | None = None
     store: object | None = None         # frontend TensorStore, for passes that read weights
     tokenizer_json: bytes | None = None
+    chat: dict | None = None            # meta["chat"]: chat template and special tokens (frontend/chat.py)
     dump_dir: Path | None = None         # set with --dump-dir: passes may write extra artifacts
     analyses: Analyses = field(default_factory=Analyses)
     progress: Callable[[str], None] | None = None        # called with each pass's name

@@ -94,6 +94,7 @@ def compile_model(model_dir: Path, out_dir: Path | None, opts: CompileOptions, *
                   dump: DumpConfig | None = None, stop_after: str | None = None,
                   pipeline: list[str] | None = None, progress: Callable[[str], None] | None = None,
                   progress_bytes: Callable[[int], None] | None = None) -> Graph:
+    from .frontend.chat import hf_chat
     from .frontend.hf import build_graph
     from .frontend.safetensors_reader import TensorStore
 
@@ -107,17 +108,18 @@ def compile_model(model_dir: Path, out_dir: Path | None, opts: CompileOptions, *
     if model_dir.suffix.lower() == ".gguf" and model_dir.is_file():
         from .frontend.gguf_reader import open_gguf
 
-        store, cfg, tokenizer_json = open_gguf(model_dir)
+        store, cfg, tokenizer_json, chat = open_gguf(model_dir, with_chat=True)
         graph, _ = build_graph(model_dir, store, cfg)
     else:
         if not model_dir.is_dir():
             raise ModelError(f"{model_dir}: not a directory; pass a Hugging Face model folder or a .gguf file")
         store = TensorStore.open(model_dir)
-        graph, _ = build_graph(model_dir, store)
+        graph, cfg = build_graph(model_dir, store)
         tok = model_dir / "tokenizer.json"
         tokenizer_json = tok.read_bytes() if tok.exists() else None
+        chat = hf_chat(model_dir, cfg.eos_token_ids, cfg.vocab_size)
     ctx = PassContext(opts, model_dir=model_dir, output_dir=out_dir, store=store,
-                      tokenizer_json=tokenizer_json,
+                      tokenizer_json=tokenizer_json, chat=chat,
                       progress=progress, progress_bytes=progress_bytes,
                       dump_dir=dump.directory if dump else None)
     if opts.target and _runs("place", pipeline, stop_after):

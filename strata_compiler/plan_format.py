@@ -45,7 +45,8 @@ on its first access (multi-GB weights); verify="none" never reads section bytes 
 The same sections in the same order always give byte-identical files (no timestamps, no pids).
 
 The plan is two containers (end of this file): plan.bin (PLAN_MAGIC; sections "meta" JSON, "ir"
-the kernel-level IR as text, "tokenizer", and with --calib "imatrix") and weights.bin
+the kernel-level IR as text, "tokenizer", and with --calib "imatrix"; meta["chat"] holds the chat template
+and special tokens, frontend/chat.py) and weights.bin
 (WEIGHTS_MAGIC; one 4 KiB-aligned section per stored array, named by `section_name`).
 """
 

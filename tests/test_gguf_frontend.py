@@ -104,7 +104,7 @@ def train_tokenizer():
 
 
 def write_gguf(path: Path, model, tokens, merges, *, qtypes: dict[str, QT] | None = None, arch: str = "llama",
-               pre: str = "smollm", drop: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+               pre: str = "smollm", drop: tuple[str, ...] = (), chat_template=None) -> dict[str, np.ndarray]:
     """The model as llama.cpp lays it out; returns {HF key: f32 weight as stored, back in HF layout}."""
     qtypes = qtypes or {}
     c = model.config
@@ -129,6 +129,8 @@ def write_gguf(path: Path, model, tokens, merges, *, qtypes: dict[str, QT] | Non
     w.add_bos_token_id(tokens.index("<|im_start|>"))
     w.add_eos_token_id(tokens.index("<|im_end|>"))
     w.add_add_bos_token(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     stored: dict[str, np.ndarray] = {}
     for key, t in model.state_dict().items():
         if key == "lm_head.weight" and c.tie_word_embeddings:
@@ -288,6 +290,30 @@ def test_tokenizer_matches_source_bpe_and_llama_cpp(tiny, tmp_path, pre):
     for t in texts:
         ref = llm.tokenize(t.encode(), add_bos=False, special=True)
         assert ours.encode(t).ids == ref, (pre, t[:40])
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_chat_template_stored_in_plan(tiny, tmp_path, capsys):
+    from strata_compiler.runtime.chat import render_chat, stop_ids
+    from strata_compiler.runtime.plan import load_plan
+
+    path = tmp_path / "chat.gguf"
+    write_gguf(path, tiny["model_untied"], tiny["tokens"], tiny["merges"], chat_template=CHATML)
+    *_, chat = open_gguf(path, with_chat=True)
+    assert chat == {"template": CHATML, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+                    "eos_token_ids": [tiny["tokens"].index("<|im_end|>")]}
+    plan = load_plan(compile_ok(path, tmp_path / "plan"))
+    assert plan.meta["chat"] == chat and stop_ids(plan) == (tiny["tokens"].index("<|im_end|>"),)
+    assert render_chat(plan, [{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert open_gguf(tiny["base"] / "untied.gguf", with_chat=True)[3]["template"] is None   # none in the file
+    capsys.readouterr()
+    bad = tmp_path / "big.gguf"
+    write_gguf(bad, tiny["model_untied"], tiny["tokens"], tiny["merges"], chat_template="x" * (256 * 1024 + 1))
+    line = compile_error(capsys, bad, tmp_path / "o")
+    assert "tokenizer.chat_template" in line and "256 KiB" in line
 
 
 def test_prompt_runs_through_plan_tokenizer(tiny, tmp_path, capsys):

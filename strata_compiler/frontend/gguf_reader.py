@@ -330,8 +330,9 @@ def is_gguf(path: Path) -> bool:
     return path.suffix.lower() == ".gguf" and path.is_file()
 
 
-def open_gguf(path: Path) -> tuple[GGUFTensorStore, ModelConfig, bytes | None]:
-    """The tensor store, model config and tokenizer JSON (or None) of a llama GGUF file."""
+def open_gguf(path: Path, *, with_chat: bool = False) -> tuple:
+    """The tensor store, model config and tokenizer JSON (or None) of a llama GGUF file; with
+    `with_chat`, also its meta["chat"] (chat template and special tokens, frontend/chat.py)."""
     reader = _open_reader(path)
     meta = _Meta(path, reader)
     arch = meta.get("general.architecture", str, required=True)
@@ -348,4 +349,11 @@ def open_gguf(path: Path) -> tuple[GGUFTensorStore, ModelConfig, bytes | None]:
             raise ModelError(f"{path}: tensor {t.gguf_name} has {t.shape[0]} rows, not whole heads of "
                              f"{t.permute_heads} heads")
     cfg = _config(meta, store)
-    return store, cfg, build_tokenizer_json(meta)
+    if not with_chat:
+        return store, cfg, build_tokenizer_json(meta)
+    from .chat import gguf_chat
+
+    tokens = meta.get("tokenizer.ggml.tokens", list, default=None)
+    chat = gguf_chat(path, meta.get("tokenizer.chat_template", str, default=None), tokens,
+                     cfg.bos_token_id, cfg.eos_token_ids)
+    return store, cfg, build_tokenizer_json(meta), chat

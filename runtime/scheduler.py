@@ -1,0 +1,236 @@
+"""The server's scheduler: one thread owns the Session and turns queued requests into tokens.
+
+This first scheduler is serial: one sequence at a time, prefill then decode, token by token. A
+batching scheduler replaces it behind the same surface (`submit`, `start`, `shutdown`, `ready`,
+`Request` with its async queue of events and its cancel flag), admitting requests between steps.
+
+Events a request's queue receives (put from the scheduler thread with `call_soon_threadsafe`):
+("text", str) — newly decoded text, never an incomplete UTF-8 character nor a possible start of
+a stop string; ("done", finish_reason, prompt_tokens, completion_tokens); ("error", message, http_status).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .sampler import Sampler
+
+
+class QueueFull(Exception):
+    """The scheduler's queue of waiting requests is full (the server answers 429)."""
+    status = 429
+
+
+class ShuttingDown(QueueFull):
+    """The server is shutting down and admits nothing new (503)."""
+    status = 503
+
+
+class TextStream:
+    """Token ids in, text out: incremental detokenization (a text is released only once the bytes
+    of its last character are complete) and stop strings (text that might begin one is held back;
+    a stop string ends the stream, itself not included)."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()):
+        self.tok = tokenizer
+        self.ids = list(prompt_ids[-4:])        # a few prompt tokens give the first new ones their context
+        self.prefix = self.read = len(self.ids)
+        self.stop = tuple(s for s in stop if s)
+        self.pending = ""       # decoded, not yet released
+        self.stopped = False
+
+    def _hold(self, text: str) -> int:
+        """How many trailing characters of text could begin a stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def push(self, tok: int) -> str:
+        """Add one token; the text it releases (maybe empty). After a stop string, `stopped` is set."""
+        self.ids.append(int(tok))
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        now = self.tok.decode(self.ids[self.prefix:])
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return ""           # an incomplete character: wait for its other bytes
+        self.pending += now[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        return self._release()
+
+    def _release(self) -> str:
+        cut = min((i for i in (self.pending.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.pending, self.stopped = self.pending[:cut], "", True
+            return out
+        keep = self._hold(self.pending)
+        out = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(out):]
+        return out
+
+    def flush(self) -> str:
+        """At the end of a stream: whatever is held back (an incomplete character as U+FFFD)."""
+        if self.stopped:
+            return ""
+        tail = self.tok.decode(self.ids[self.prefix:])
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        out = self.pending + tail[len(before):]
+        self.pending = ""
+        return out
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    sampler: Sampler
+    stop_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    why: str = "the request was cancelled"
+
+    def emit(self, *event) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            try:
+                self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+            except RuntimeError:        # the loop closed meanwhile (shutdown)
+                pass
+
+    def cancel(self, why: str | None = None) -> None:
+        if why:
+            self.why = why
+        self.cancelled.set()
+
+
+class SerialScheduler:
+    """A thread that owns `session` and serves one request at a time from a bounded queue."""
+
+    max_batch = 1
+
+    def __init__(self, session, tokenizer, ctx: int, queue_size: int = 64):
+        self.session = session
+        self.tokenizer = tokenizer
+        self.ctx = ctx
+        self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.ready = threading.Event()
+        self.warm_error: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="strata-scheduler", daemon=True)
+        self._stopping = False
+        self._current: Request | None = None
+        # served / cancelled requests and the tokens generated for them (GET /stats)
+        self.stats = {"requests": 0, "cancelled": 0, "prompt_tokens": 0, "completion_tokens": 0}
+
+    @property
+    def plan(self):
+        return self.session.plan
+
+    def start(self, warm: bool = True) -> None:
+        self._warm = warm
+        self._thread.start()
+
+    def submit(self, req: Request) -> None:
+        if self._stopping:
+            raise ShuttingDown("the server is shutting down")
+        try:
+            self.queue.put_nowait(req)
+        except queue.Full:
+            raise QueueFull(f"{self.queue.maxsize} requests are already waiting; try again later") from None
+
+    def stop_admitting(self) -> None:
+        self._stopping = True
+
+    def abort(self) -> None:
+        """Cancel the running sequence and every waiting one (their clients get a 503 / an error event)."""
+        self._stopping = True
+        why = "the server is shutting down"
+        cur = self._current
+        if cur is not None:
+            cur.cancel(why)
+        while True:
+            try:
+                r = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if r is not None:
+                self.stats["cancelled"] += 1
+                r.emit("error", why, 503)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Abort what runs and waits, stop the thread."""
+        self.abort()
+        self.queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def warm_up(self) -> None:
+        """One short generation, so that the programs are built before the server says ready."""
+        vocab = self.plan.meta["model"]["vocab_size"]
+        s = self.session
+        s.reset(1, s.capacity_for(4, 2))
+        s.step(np.array([[1, 2, 3, 4]], np.int64) % vocab)
+        s.step(np.array([[5]], np.int64) % vocab)
+
+    def _loop(self) -> None:
+        if self._warm:
+            try:
+                self.warm_up()
+            except Exception as e:      # noqa: BLE001 — reported by /health, not a dead thread
+                self.warm_error = f"{e.__class__.__name__}: {e}"
+        self.ready.set()
+        while True:
+            req = self.queue.get()
+            if req is None:
+                return
+            if req.cancelled.is_set():
+                self.stats["cancelled"] += 1
+                req.emit("error", req.why, 503)
+                continue
+            self._current = req
+            self.stats["requests"] += 1
+            try:
+                self._run(req)
+            except Exception as e:      # noqa: BLE001 — one request fails, the server goes on
+                req.emit("error", f"{e.__class__.__name__}: {e}", 500)
+            finally:
+                self._current = None
+
+    def _run(self, req: Request) -> None:
+        s = self.session
+        T = len(req.prompt)
+        s.reset(1, s.capacity_for(T, req.max_tokens))
+        logits = s.step(np.asarray(req.prompt, np.int64)[None])[:, -1]
+        text = TextStream(self.tokenizer, req.prompt, req.stop)
+        self.stats["prompt_tokens"] += T
+        n, reason = 0, "length"
+        while n < req.max_tokens:
+            if req.cancelled.is_set():      # the client went away (or shutdown): the next request runs
+                self.stats["cancelled"] += 1
+                req.emit("error", req.why, 503)
+                return
+            tok = int(req.sampler(logits)[0])
+            n += 1
+            self.stats["completion_tokens"] += 1
+            if tok in req.stop_ids:
+                reason = "stop"
+                break
+            out = text.push(tok)
+            if out:
+                req.emit("text", out)
+            if text.stopped:
+                reason = "stop"
+                break
+            if n < req.max_tokens:
+                logits = s.step(np.array([[tok]], np.int64))[:, -1]
+        out = text.flush()
+        if out:
+            req.emit("text", out)
+        req.emit("done", reason, T, n)

@@ -1,0 +1,283 @@
+"""strata-server's HTTP layer: OpenAI-compatible endpoints (FastAPI) over a scheduler.
+
+`make_app(engine)` takes a scheduler (runtime/scheduler.py: `submit`, `ready`, `plan`, `tokenizer`,
+`ctx`) and serves GET /health, GET /v1/models, POST /v1/completions and POST /v1/chat/completions,
+with `stream: true` as server-sent events. Errors come in OpenAI's shape,
+{"error": {"message", "type", "param", "code"}}, so the official client reads them unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from typing import Any, Optional, Union
+
+from fastapi import Depends, FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from strata_compiler.errors import StrataError
+
+from . import chat as chat_mod    # the plan's chat template (jinja2, sandboxed) and stop ids
+from .sampler import Sampler
+from .scheduler import QueueFull, Request
+
+MAX_STOP = 4            # stop strings per request, as OpenAI's API
+MAX_STOP_LEN = 256      # characters per stop string
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def _error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status)
+
+
+class _Common(BaseModel):
+    """Fields both endpoints take. Unknown fields are refused (400), not silently ignored."""
+    model_config = ConfigDict(extra="forbid")
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[dict[str, Any]] = None
+    user: Optional[str] = None
+    # accepted at their neutral values only
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    logprobs: Optional[Union[bool, int]] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        if any(len(s) > MAX_STOP_LEN for s in stops):
+            raise ValueError(f"a stop string is at most {MAX_STOP_LEN} characters")
+        return stops
+
+    def check(self) -> None:
+        if self.n != 1:
+            raise APIError(400, f"n={self.n}: this server makes one choice per request (n must be 1)", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported (only 0)", param=name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if self.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+
+
+class CompletionBody(_Common):
+    prompt: Union[str, list[int], list[str]]
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+class ChatBody(_Common):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+
+
+def _usage(p: int, c: int) -> dict:
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> FastAPI:
+    app = FastAPI(title="strata-server", docs_url=None, redoc_url=None, openapi_url=None)
+    plan = engine.plan
+    tok = engine.tokenizer
+    eos = tuple(chat_mod.stop_ids(plan))
+    vocab = plan.meta["model"]["vocab_size"]
+
+    @app.exception_handler(APIError)
+    async def _api_error(_req, e: APIError):
+        return _error(e.status, e.message, e.type, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_req, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            return _error(400, f"the request body is not valid JSON ({msg})")
+        where = ".".join(loc)
+        return _error(400, f"{where}: {msg}" if where else msg, param=where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req, e: StarletteHTTPException):
+        return _error(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
+
+    @app.exception_handler(Exception)
+    async def _bug(_req, e: Exception):
+        return _error(500, f"{e.__class__.__name__}: {e}", "server_error")
+
+    async def auth(request: HTTPRequest):
+        if api_key is not None and not secrets.compare_digest(request.headers.get("authorization", ""),
+                                                              f"Bearer {api_key}"):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                           "authentication_error", code="invalid_api_key")
+
+    guarded = [Depends(auth)]
+
+    @app.get("/health")
+    async def health():
+        if engine.warm_error:
+            return JSONResponse({"status": "error", "message": engine.warm_error}, 500)
+        if not engine.ready.is_set():
+            return JSONResponse({"status": "loading"}, 503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "strata", "max_model_len": engine.ctx}]}
+
+    @app.get("/stats", dependencies=guarded)
+    async def stats():
+        """The scheduler's counters and how many requests wait (not part of OpenAI's API)."""
+        return {**engine.stats, "waiting": engine.queue.qsize(), "max_batch": engine.max_batch}
+
+    def encode(text: str) -> list[int]:
+        if tok is None:
+            raise APIError(400, "the plan has no tokenizer: give the prompt as token ids", param="prompt")
+        return tok.encode(text).ids
+
+    def make_request(body: _Common, ids: list[int], max_tokens: int | None, stop_ids) -> Request:
+        body.check()
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if any(not 0 <= i < vocab for i in ids):
+            raise APIError(400, f"a prompt token id is outside the vocabulary [0, {vocab})", param="prompt")
+        room = engine.ctx - len(ids)
+        if max_tokens is None:
+            max_tokens = room
+        if max_tokens > room or room <= 0:
+            raise APIError(400, f"this model's context is {engine.ctx} tokens; the prompt has {len(ids)} and "
+                                f"max_tokens is {max_tokens}", param="max_tokens", code="context_length_exceeded")
+        if body.stop and tok is None:
+            raise APIError(400, "stop strings need the plan's tokenizer", param="stop")
+        seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
+        req = Request(ids, max_tokens, Sampler(body.temperature, body.top_p, seed), tuple(stop_ids), tuple(body.stop or ()))
+        req.loop = asyncio.get_running_loop()
+        try:
+            engine.submit(req)
+        except QueueFull as e:
+            if e.status != 429:
+                raise APIError(e.status, str(e), "server_error") from None
+            raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
+        return req
+
+    async def events(req: Request):
+        """The request's events until done; cancels the sequence if the client goes away."""
+        try:
+            while True:
+                ev = await req.events.get()
+                if ev[0] == "error":
+                    raise APIError(ev[2], ev[1], "server_error")
+                yield ev
+                if ev[0] == "done":
+                    return
+        finally:
+            req.cancel()
+
+    async def hang_up(http: HTTPRequest, req: Request) -> None:
+        """A client that goes away while its whole answer is made: cancel the sequence."""
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        req.cancel()
+
+    async def respond(body: _Common, req: Request, kind: str, http: HTTPRequest):
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        head = {"id": rid, "created": created, "model": body.model or model_name}
+        if not body.stream:
+            parts, reason, usage = [], "length", None
+            watch = asyncio.create_task(hang_up(http, req))
+            try:
+                async for ev in events(req):
+                    if ev[0] == "text":
+                        parts.append(ev[1])
+                    else:
+                        reason, usage = ev[1], _usage(ev[2], ev[3])
+            finally:
+                watch.cancel()
+            text = "".join(parts)
+            if kind == "chat":
+                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                          "finish_reason": reason}
+                return {**head, "object": "chat.completion", "choices": [choice], "usage": usage}
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            return {**head, "object": "text_completion", "choices": [choice], "usage": usage}
+
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+
+        def chunk(text: str | None, reason: str | None, first: bool = False) -> str:
+            if kind == "chat":
+                delta = {"role": "assistant", "content": text or ""} if first else \
+                    ({"content": text} if text is not None else {})
+                c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return f"data: {json.dumps({**head, 'object': obj, 'choices': [c]})}\n\n"
+
+        async def sse():
+            if kind == "chat":
+                yield chunk("", None, first=True)
+            try:
+                async for ev in events(req):
+                    if ev[0] == "text":
+                        yield chunk(ev[1], None)
+                    else:
+                        yield chunk(None, ev[1])
+                        if include_usage:
+                            yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': _usage(ev[2], ev[3])})}\n\n"
+            except APIError as e:
+                err = {"error": {"message": e.message, "type": e.type, "param": None, "code": None}}
+                yield f"data: {json.dumps(err)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(body: CompletionBody, http: HTTPRequest):
+        if body.echo or body.suffix or (body.best_of or 1) != 1:
+            raise APIError(400, "echo, suffix and best_of are not supported")
+        p = body.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str):
+            if len(p) != 1:
+                raise APIError(400, "one prompt per request (a list of one string at most)", param="prompt")
+            p = p[0]
+        ids = encode(p) if isinstance(p, str) else list(p)
+        req = make_request(body, ids, body.max_tokens or 16, eos)      # 16: OpenAI's default
+        return await respond(body, req, "completion", http)
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat(body: ChatBody, http: HTTPRequest):
+        try:
+            text = chat_mod.render_chat(plan, body.messages, add_generation_prompt=True)
+        except StrataError as e:
+            raise APIError(400, str(e), param="messages") from None
+        ids = encode(text)
+        req = make_request(body, ids, body.max_completion_tokens or body.max_tokens, eos)
+        return await respond(body, req, "chat", http)
+
+    return app

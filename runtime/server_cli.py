@@ -1,0 +1,134 @@
+"""`strata-server`: serve a plan over an OpenAI-compatible HTTP API (runtime/server.py)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+from strata_compiler.cli_common import debug_option, run_cli
+from strata_compiler.errors import UsageError
+
+_KEYS = {"host", "port", "ctx", "max_batch", "api_key", "backend", "device", "queue_size", "model_name"}
+
+
+def _read_config(ctx: click.Context, _param, path: Path | None):
+    """--config FILE.toml: the same keys as the flags (dashes or underscores); flags override it."""
+    if path is None:
+        return None
+    try:
+        import tomllib
+    except ImportError:         # Python 3.10
+        raise UsageError("--config needs Python 3.11 or later (tomllib)") from None
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise UsageError(f"--config {path}: cannot read it ({e.strerror or e})") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"--config {path}: not valid TOML ({e})") from None
+    data = {k.replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(data) - _KEYS)
+    if unknown:
+        raise UsageError(f"--config {path}: unknown key(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(_KEYS))}")
+    ctx.default_map = {**(ctx.default_map or {}), **data}
+    return path
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("plan_path", type=click.Path(path_type=Path))
+@click.option("--config", type=click.Path(path_type=Path, dir_okay=False), is_eager=True, expose_value=False,
+              callback=_read_config, help="A TOML file holding any of these options (host, port, ctx, max-batch, "
+                                          "api-key, backend, device, queue-size, model-name); flags override it.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind (0.0.0.0 serves other machines too).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--ctx", type=click.IntRange(min=2), default=None,
+              help="Context length per sequence (prompt + generated tokens). Default: the model's.")
+@click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Sequences decoded together. Accepted for forward compatibility; this version's scheduler is "
+                   "serial and runs one sequence at a time whatever the value.")
+@click.option("--queue-size", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Requests that may wait; beyond it the server answers 429.")
+@click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on every endpoint but /health.")
+@click.option("--model-name", default=None, help="The model id /v1/models reports. Default: the plan's folder name.")
+@click.option("--backend", type=click.Choice(["auto", "reference", "llvm", "xla"]), default="auto", show_default=True,
+              help="Where kernels run, as in strata-run.")
+@click.option("--device", type=click.Choice(["auto", "gpu", "cpu"]), default="auto", show_default=True,
+              help="Where xla partitions run, as in strata-run.")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
+              show_default=True, help="uvicorn's log level.")
+@debug_option
+def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_batch: int, queue_size: int,
+                  api_key: str | None, model_name: str | None, backend: str, device: str, log_level: str,
+                  debug: bool) -> None:
+    """Serve PLAN_PATH (a plan.bin, or its directory) over an OpenAI-compatible API: /v1/completions,
+    /v1/chat/completions, /v1/models, /health."""
+    import uvicorn
+
+    _Server = _server_class()
+
+    from .plan import load_plan
+    from .scheduler import SerialScheduler
+    from .server import make_app
+    from .session import Session
+
+    plan = load_plan(plan_path)
+    tokenizer = None
+    if plan.tokenizer_json is not None:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_str(plan.tokenizer_json.decode())
+    limit = int(plan.meta["model"].get("max_position") or 0)
+    if ctx is None:
+        ctx = limit or 4096
+    elif limit and ctx > limit:
+        raise UsageError(f"--ctx {ctx}: the model's positions end at {limit}; give --ctx {limit} or less")
+    session = Session(plan, backend, device=device)
+    engine = SerialScheduler(session, tokenizer, ctx, queue_size=queue_size)
+    name = model_name or (plan.path.parent.name if plan.path.name == "plan.bin" else plan.path.stem)
+    app = make_app(engine, api_key=api_key, model_name=name)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                            lifespan="off")
+    server = _Server(config)
+    server.engine, server.grace = engine, config.timeout_graceful_shutdown
+    engine.start(warm=True)     # builds the programs; /health says "loading" until it is done
+    # uvicorn handles SIGINT/SIGTERM (a graceful shutdown), then re-raises the signal to the handler
+    # that was there before it: a quiet one here, so that the process exits 0 without a traceback
+    quiet = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+        for sig, h in quiet.items():
+            signal.signal(sig, h)
+    if not server.started:      # the port was taken, say (uvicorn logged why)
+        raise UsageError(f"could not serve on {host}:{port}")
+
+
+def _server_class():
+    import asyncio
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's graceful shutdown, and the scheduler's: no new sequences; the running ones get
+        most of the grace period to finish, then are aborted (their clients see an error, not a
+        cut connection)."""
+
+        async def shutdown(self, sockets=None):
+            self.engine.stop_admitting()
+            asyncio.get_running_loop().call_later(max(self.grace - 1, 0.1), self.engine.abort)
+            await super().shutdown(sockets)
+
+    return Server
+
+
+def main() -> None:
+    sys.exit(run_cli(strata_server))
+
+
+if __name__ == "__main__":
+    main()
