@@ -91,19 +91,33 @@ def _save(path: Path, arr: np.ndarray) -> None:
 @click.option("--num-processes", type=click.IntRange(min=1), default=None, help="With --coordinator: how many hosts.")
 @click.option("--process-id", type=click.IntRange(min=0), default=None,
               help="With --coordinator: this host's index (0 prints the output).")
+@click.option("--chat", is_flag=True, help="An interactive chat in the terminal under the plan's chat template: "
+              "answers stream as they are made, the KV cache is kept across turns, -n caps each answer; Ctrl-C "
+              "stops an answer, /reset starts over, /exit or Ctrl-D quits.")
+@click.option("--system", "system_prompt", metavar="TEXT", help="With --chat: the system message.")
 @debug_option
 def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_new_tokens: int, greedy: bool,
                temperature: float, top_p: float, seed: int, ignore_eos: bool, logits_out: Path | None,
                tokens_out: Path | None, backend: str, device: str, trace_out: Path | None, stats: bool,
                expert_cache: bool, prefetch: bool, miss_path: str, cache_policy: str, multi_gpu: str,
                coordinator: str | None,
-               num_processes: int | None, process_id: int | None, debug: bool) -> None:
+               num_processes: int | None, process_id: int | None, chat: bool, system_prompt: str | None,
+               debug: bool) -> None:
     """Run PLAN_PATH (a plan.bin, or the directory holding it): prefill the prompt, then decode."""
     from .plan import load_plan
     from .sampler import Sampler
     from .session import Session
 
-    if (prompt is None) == (input_ids is None):
+    if chat:
+        if prompt is not None or input_ids is not None:
+            raise UsageError("--chat reads the conversation from the terminal; drop --prompt / --input-ids")
+        bad = [f for f, v in (("--logits-out", logits_out), ("--tokens-out", tokens_out), ("--trace", trace_out),
+                              ("--stats", stats), ("--coordinator", coordinator)) if v]
+        if bad:
+            raise UsageError(f"--chat does not combine with {', '.join(bad)}")
+    elif system_prompt is not None:
+        raise UsageError("--system goes with --chat")
+    elif (prompt is None) == (input_ids is None):
         raise UsageError("give exactly one of --prompt TEXT or --input-ids FILE.npy")
     if greedy and temperature > 0:
         raise UsageError("--greedy and --temperature > 0 contradict each other; pick one")
@@ -123,6 +137,14 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
     if plan.tokenizer_json is not None:
         from tokenizers import Tokenizer
         tokenizer = Tokenizer.from_str(plan.tokenizer_json.decode())
+    if chat:
+        from .chat_cli import start_chat
+
+        session = Session(plan, backend, device=device, expert_cache=expert_cache, cache_policy=cache_policy,
+                          prefetch=prefetch, multi_gpu=multi_gpu, miss_path=miss_path)
+        start_chat(plan, session, tokenizer, Sampler(temperature, top_p, seed), max_new_tokens, system_prompt,
+                   ignore_eos)
+        return
     if prompt is not None:
         if tokenizer is None:
             raise UsageError(f"{plan.path}: the plan has no tokenizer (the model folder had no tokenizer.json); use --input-ids")

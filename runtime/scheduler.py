@@ -31,6 +31,23 @@ class ShuttingDown(QueueFull):
     status = 503
 
 
+def sample_steps(session, logits: np.ndarray, sampler: Sampler, max_tokens: int, fed: list | None = None):
+    """Tokens one by one from a Session whose last step gave `logits` f32[1, V]: sample one, yield
+    it, and (once asked for the next) step it through the session. The last token is never stepped;
+    a consumer that stops early leaves the cache at the tokens it has stepped. `fed`, if given,
+    gets each stepped token appended, -1 while its step runs (a cache an interrupt leaves there
+    is not to be trusted)."""
+    for n in range(1, max_tokens + 1):
+        tok = int(sampler(logits)[0])
+        yield tok
+        if n < max_tokens:
+            if fed is not None:
+                fed.append(-1)
+            logits = session.step(np.array([[tok]], np.int64))[:, -1]
+            if fed is not None:
+                fed[-1] = tok
+
+
 class TextStream:
     """Token ids in, text out: incremental detokenization (a text is released only once the bytes
     of its last character are complete) and stop strings (text that might begin one is held back;
@@ -211,12 +228,11 @@ class SerialScheduler:
         text = TextStream(self.tokenizer, req.prompt, req.stop)
         self.stats["prompt_tokens"] += T
         n, reason = 0, "length"
-        while n < req.max_tokens:
+        for tok in sample_steps(s, logits, req.sampler, req.max_tokens):
             if req.cancelled.is_set():      # the client went away (or shutdown): the next request runs
                 self.stats["cancelled"] += 1
                 req.emit("error", req.why, 503)
                 return
-            tok = int(req.sampler(logits)[0])
             n += 1
             self.stats["completion_tokens"] += 1
             if tok in req.stop_ids:
@@ -228,8 +244,6 @@ class SerialScheduler:
             if text.stopped:
                 reason = "stop"
                 break
-            if n < req.max_tokens:
-                logits = s.step(np.array([[tok]], np.int64))[:, -1]
         out = text.flush()
         if out:
             req.emit("text", out)
