@@ -24,3 +24,18 @@ _REPO_ROOT = _TESTS_DIR.parent
 for _p in (str(_REPO_ROOT), str(_TESTS_DIR)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
+
+
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_int8_plan(tmp_path_factory) -> Path:
+    """examples/models/tiny-moe compiled once with --quant int8 (the server and chat tests' plan)."""
+    out = tmp_path_factory.mktemp("tiny_int8")
+    subprocess.run([sys.executable, "-c", "from strata_compiler.cli import main; main()", "compile",
+                    str(_REPO_ROOT / "examples" / "models" / "tiny-moe"), "-o", str(out), "--quant", "int8"],
+                   check=True, capture_output=True, timeout=300)
+    return out

@@ -27,11 +27,8 @@ N = 24
 
 
 @pytest.fixture(scope="module")
-def plan_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny_int8_chat")
-    subprocess.run([sys.executable, "-c", "from strata_compiler.cli import main; main()", "compile", str(TINY),
-                    "-o", str(out), "--quant", "int8"], check=True, capture_output=True, timeout=300)
-    return out
+def plan_dir(tiny_int8_plan) -> Path:
+    return tiny_int8_plan
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,13 @@ token strings of the bos/eos ids.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..errors import ModelError
+from .hf import read_json_object
 
 MAX_TEMPLATE_BYTES = 256 * 1024     # real templates are a few KiB; the largest known are ~20 KiB
 MAX_TOKEN_CHARS = 256
-MAX_JSON_BYTES = 16 * 1024 * 1024   # tokenizer_config.json may carry a big added_tokens_decoder
 
 
 def check_template(value: object, where: str) -> str | None:
@@ -69,24 +68,10 @@ def _ids(value: object, where: str, vocab: int) -> list[int]:
     return list(items)
 
 
-def _json(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    if path.stat().st_size > MAX_JSON_BYTES:
-        raise ModelError(f"{path}: larger than {MAX_JSON_BYTES >> 20} MiB; refusing it")
-    try:
-        obj = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelError(f"{path}: not valid JSON ({e.__class__.__name__}); fix or re-download it") from None
-    if not isinstance(obj, dict):
-        raise ModelError(f"{path}: expected a JSON object")
-    return obj
-
-
 def hf_chat(model_dir: Path, config_eos: tuple[int, ...], vocab: int) -> dict:
     """meta["chat"] of a Hugging Face folder (its template None when the folder has none)."""
     tc_path = model_dir / "tokenizer_config.json"
-    tc = _json(tc_path) or {}
+    tc = read_json_object(tc_path) or {}
     template = check_template(tc.get("chat_template"), f"{tc_path}: field 'chat_template'")
     jinja = model_dir / "chat_template.jinja"
     if template is None and jinja.is_file():
@@ -98,9 +83,9 @@ def hf_chat(model_dir: Path, config_eos: tuple[int, ...], vocab: int) -> dict:
             raise ModelError(f"{jinja}: not UTF-8 text") from None
     cj_path = model_dir / "chat_template.json"
     if template is None and cj_path.is_file():
-        template = check_template((_json(cj_path) or {}).get("chat_template"), f"{cj_path}: field 'chat_template'")
+        template = check_template((read_json_object(cj_path) or {}).get("chat_template"), f"{cj_path}: field 'chat_template'")
     gc_path = model_dir / "generation_config.json"
-    gen_eos = _ids((_json(gc_path) or {}).get("eos_token_id"), f"{gc_path}: field 'eos_token_id'", vocab)
+    gen_eos = _ids((read_json_object(gc_path) or {}).get("eos_token_id"), f"{gc_path}: field 'eos_token_id'", vocab)
     cfg_eos = _ids(list(config_eos), f"{model_dir / 'config.json'}: field 'eos_token_id'", vocab)
     return {
         "template": template,

@@ -56,16 +56,25 @@ class ModelConfig:
     bos_token_id: int
 
 
-def _load_config(path: Path) -> dict:
-    if not path.exists():
-        raise ModelError(f"{path}: missing; a Hugging Face model folder needs config.json")
+MAX_JSON_BYTES = 16 * 1024 * 1024   # tokenizer_config.json may carry a big added_tokens_decoder
+
+
+def read_json_object(path: Path, missing: str | None = None) -> dict | None:
+    """A model folder's JSON file as a dict; None when absent, unless `missing` says why it is needed."""
+    if not path.is_file():
+        if missing:
+            raise ModelError(f"{path}: missing; {missing}")
+        return None
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise ModelError(f"{path}: larger than {MAX_JSON_BYTES >> 20} MiB; refusing it")
     try:
-        cfg = json.loads(path.read_text())
+        obj = json.loads(path.read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelError(f"{path}: not valid JSON ({e.__class__.__name__} at {getattr(e, 'pos', '?')}); fix or re-download it") from None
-    if not isinstance(cfg, dict):
+        raise ModelError(f"{path}: not valid JSON ({e.__class__.__name__} at {getattr(e, 'pos', '?')}); "
+                         "fix or re-download it") from None
+    if not isinstance(obj, dict):
         raise ModelError(f"{path}: expected a JSON object")
-    return cfg
+    return obj
 
 
 def _field(cfg: dict, path: Path, *names: str, default=None, kind=int):
@@ -111,7 +120,7 @@ def _rope(cfg: dict, path: Path) -> tuple:
 
 def read_config(model_dir: Path) -> ModelConfig:
     path = model_dir / "config.json"
-    cfg = _load_config(path)
+    cfg = read_json_object(path, "a Hugging Face model folder needs config.json")
     archs = cfg.get("architectures") or []
     known = [a for a in archs if a in ARCHITECTURES] if isinstance(archs, list) else []
     if not known:
