@@ -192,12 +192,6 @@ def get(name: str) -> Any:
     return s.parse(raw)
 
 
-def is_set(name: str) -> bool:
-    """Whether `name` has a value other than its declared default's source (an override or the environment)."""
-    s = declared(name)
-    return name in _OVERRIDES or bool(os.environ.get(s.env, "").strip())
-
-
 def set_value(name: str, value: Any) -> None:
     """Override `name` for this process (a CLI flag); a string is parsed as the variable would be."""
     s = declared(name)
@@ -225,11 +219,6 @@ def cache_root() -> Path:
         return Path(d)
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "strata"
-
-
-def export(key: str, value: str) -> None:
-    """Set a process environment variable read by a library Strata starts (e.g. XLA_FLAGS)."""
-    os.environ[key] = value
 
 
 def environ(key: str, default: str | None = None) -> str | None:
