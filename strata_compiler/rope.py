@@ -27,7 +27,7 @@ def rope_inv_freq(head_dim: int, attrs: dict) -> np.ndarray:
 
 
 def rope_cos_sin(positions: np.ndarray, head_dim: int, attrs: dict) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin f32[T, hd] for rotate-half RoPE (the halves repeat the frequencies)."""
-    freqs = positions.astype(np.float32)[:, None] * rope_inv_freq(head_dim, attrs)[None, :]
+    """cos, sin f32[..., hd] for positions [...] (rotate-half RoPE: the halves repeat the frequencies)."""
+    freqs = positions.astype(np.float32)[..., None] * rope_inv_freq(head_dim, attrs)
     emb = np.concatenate([freqs, freqs], axis=-1)
     return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)

@@ -54,28 +54,31 @@ def topk_mask(p: np.ndarray, k: int) -> np.ndarray:
 
 
 def rope(x: np.ndarray, positions: np.ndarray, head_dim: int, attrs: dict) -> np.ndarray:
+    """positions i64[B, T] (each row its own)."""
     B, T, C = x.shape
-    cos, sin = rope_cos_sin(positions, head_dim, attrs)           # [T, hd]
+    cos, sin = rope_cos_sin(positions, head_dim, attrs)           # [B, T, hd]
     h = x.reshape(B, T, C // head_dim, head_dim)
     half = head_dim // 2
     rot = np.concatenate([-h[..., half:], h[..., :half]], axis=-1)
-    return (h * cos[None, :, None, :] + rot * sin[None, :, None, :]).reshape(B, T, C).astype(np.float32)
+    return (h * cos[:, :, None, :] + rot * sin[:, :, None, :]).reshape(B, T, C).astype(np.float32)
 
 
 def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache, layer: int,
          H: int, KV: int, hd: int) -> np.ndarray:
-    """Causal attention of the T new tokens over the cache plus themselves (GQA: H/KV groups)."""
+    """Causal attention of the T new tokens over the cache plus themselves (GQA: H/KV groups); each
+    row at its own position (the cache's lengths)."""
     B, T, _ = q.shape
     qh = q.reshape(B, T, H, hd).transpose(0, 2, 1, 3)               # [B, H, T, hd]
     kh = k.reshape(B, T, KV, hd).transpose(0, 2, 1, 3)
     vh = v.reshape(B, T, KV, hd).transpose(0, 2, 1, 3)
+    past = cache.positions(T)                                        # [B]
     ks, vs = cache.append(layer, kh, vh)                             # [B, KV, S, hd]
-    S, past = ks.shape[2], cache.length
+    S = ks.shape[2]
     rep = H // KV
     ks, vs = np.repeat(ks, rep, axis=1), np.repeat(vs, rep, axis=1)  # [B, H, S, hd]
     scores = qh @ ks.transpose(0, 1, 3, 2) / np.float32(np.sqrt(hd))  # [B, H, T, S]
-    mask = np.arange(S)[None, :] > (past + np.arange(T))[:, None]   # key after query
-    scores = np.where(mask[None, None], -np.inf, scores)
+    mask = np.arange(S)[None, None, :] > (past[:, None] + np.arange(T))[:, :, None]   # [B, T, S]: key after query
+    scores = np.where(mask[:, None], -np.inf, scores)
     out = softmax(scores) @ vs                                       # [B, H, T, hd]
     return out.transpose(0, 2, 1, 3).reshape(B, T, H * hd).astype(np.float32)
 
@@ -122,7 +125,7 @@ class ReferenceExecutor:
 
     def run(self, input_ids: np.ndarray, cache: KVCache) -> dict[int, np.ndarray]:
         T = input_ids.shape[1]
-        ctx = _Step(self.w, cache, np.arange(cache.length, cache.length + T), input_ids, self.observer)
+        ctx = _Step(self.w, cache, cache.positions(T)[:, None] + np.arange(T), input_ids, self.observer)
         ctx.graph, ctx.residency = self.g, self.residency
         env: dict[int, np.ndarray] = {}
         outputs = set(self.g.outputs)
@@ -137,7 +140,7 @@ class ReferenceExecutor:
     def run_segment(self, env: dict, input_ids: np.ndarray, cache: KVCache, nodes: list[int]) -> None:
         """Run just `nodes` (a partition of a mixed plan), reading and writing the shared env."""
         B, T = input_ids.shape
-        ctx = _Step(self.w, cache, np.arange(cache.length, cache.length + T), input_ids, self.observer)
+        ctx = _Step(self.w, cache, cache.positions(T)[:, None] + np.arange(T), input_ids, self.observer)
         ctx.graph, ctx.residency = self.g, self.residency
         for nid in nodes:
             n = self.g.node(nid)
