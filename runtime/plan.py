@@ -36,6 +36,13 @@ class Plan:
     def model(self, key: str):
         return self.meta["model"][key]
 
+    def digest(self) -> str:
+        """SHA-256 of plan.bin (which holds the weights file's checksums): what derived files
+        (the server's prompt cache) are keyed by."""
+        import hashlib
+
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()
+
 
 class PlanWeights:
     """Stored arrays by weight name (zero-copy views of the mmap) and f32 dequantized copies."""

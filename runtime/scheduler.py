@@ -1,8 +1,8 @@
-"""The server's scheduler: one thread owns the Session and turns queued requests into tokens.
+"""The server's scheduler surface: requests, their events, incremental text, the bounded queue.
 
-This first scheduler is serial: one sequence at a time, prefill then decode, token by token. A
-batching scheduler replaces it behind the same surface (`submit`, `start`, `shutdown`, `ready`,
-`Request` with its async queue of events and its cancel flag), admitting requests between steps.
+One thread owns the Session and turns queued requests into tokens (runtime/batching.py); the
+HTTP layer sees `submit`, `start`, `shutdown`, `ready` and `Request` with its async queue of
+events and its cancel flag.
 
 Events a request's queue receives (put from the scheduler thread with `call_soon_threadsafe`):
 ("text", str) — newly decoded text, never an incomplete UTF-8 character nor a possible start of
@@ -128,8 +128,9 @@ class Request:
         self.cancelled.set()
 
 
-class SerialScheduler:
-    """A thread that owns `session` and serves one request at a time from a bounded queue."""
+class Scheduler:
+    """The surface a server drives: a thread that owns `session`, fed from a bounded queue (the
+    loop itself: runtime/batching.py's BatchScheduler)."""
 
     max_batch = 1
 
@@ -142,7 +143,6 @@ class SerialScheduler:
         self.warm_error: str | None = None
         self._thread = threading.Thread(target=self._loop, name="strata-scheduler", daemon=True)
         self._stopping = False
-        self._current: Request | None = None
         # served / cancelled requests and the tokens generated for them (GET /stats)
         self.stats = {"requests": 0, "cancelled": 0, "prompt_tokens": 0, "completion_tokens": 0}
 
@@ -166,12 +166,10 @@ class SerialScheduler:
         self._stopping = True
 
     def abort(self) -> None:
-        """Cancel the running sequence and every waiting one (their clients get a 503 / an error event)."""
+        """Cancel every waiting request (their clients get a 503 / an error event); a subclass
+        cancels the running ones too."""
         self._stopping = True
         why = "the server is shutting down"
-        cur = self._current
-        if cur is not None:
-            cur.cancel(why)
         while True:
             try:
                 r = self.queue.get_nowait()
@@ -188,63 +186,5 @@ class SerialScheduler:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def warm_up(self) -> None:
-        """One short generation, so that the programs are built before the server says ready."""
-        vocab = self.plan.meta["model"]["vocab_size"]
-        s = self.session
-        s.reset(1, s.capacity_for(4, 2))
-        s.step(np.array([[1, 2, 3, 4]], np.int64) % vocab)
-        s.step(np.array([[5]], np.int64) % vocab)
-
     def _loop(self) -> None:
-        if self._warm:
-            try:
-                self.warm_up()
-            except Exception as e:      # noqa: BLE001 — reported by /health, not a dead thread
-                self.warm_error = f"{e.__class__.__name__}: {e}"
-        self.ready.set()
-        while True:
-            req = self.queue.get()
-            if req is None:
-                return
-            if req.cancelled.is_set():
-                self.stats["cancelled"] += 1
-                req.emit("error", req.why, 503)
-                continue
-            self._current = req
-            self.stats["requests"] += 1
-            try:
-                self._run(req)
-            except Exception as e:      # noqa: BLE001 — one request fails, the server goes on
-                req.emit("error", f"{e.__class__.__name__}: {e}", 500)
-            finally:
-                self._current = None
-
-    def _run(self, req: Request) -> None:
-        s = self.session
-        T = len(req.prompt)
-        s.reset(1, s.capacity_for(T, req.max_tokens))
-        logits = s.step(np.asarray(req.prompt, np.int64)[None])[:, -1]
-        text = TextStream(self.tokenizer, req.prompt, req.stop)
-        self.stats["prompt_tokens"] += T
-        n, reason = 0, "length"
-        for tok in sample_steps(s, logits, req.sampler, req.max_tokens):
-            if req.cancelled.is_set():      # the client went away (or shutdown): the next request runs
-                self.stats["cancelled"] += 1
-                req.emit("error", req.why, 503)
-                return
-            n += 1
-            self.stats["completion_tokens"] += 1
-            if tok in req.stop_ids:
-                reason = "stop"
-                break
-            out = text.push(tok)
-            if out:
-                req.emit("text", out)
-            if text.stopped:
-                reason = "stop"
-                break
-        out = text.flush()
-        if out:
-            req.emit("text", out)
-        req.emit("done", reason, T, n)
+        raise NotImplementedError

@@ -55,6 +55,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: Optional[dict[str, Any]] = None
     user: Optional[str] = None
+    ignore_eos: bool = False        # vLLM's and llama-server's extension: run to max_tokens past an EOS
     # accepted at their neutral values only
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -175,7 +176,8 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
         if body.stop and tok is None:
             raise APIError(400, "stop strings need the plan's tokenizer", param="stop")
         seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
-        req = Request(ids, max_tokens, Sampler(body.temperature, body.top_p, seed), tuple(stop_ids), tuple(body.stop or ()))
+        req = Request(ids, max_tokens, Sampler(body.temperature, body.top_p, seed),
+                      () if body.ignore_eos else tuple(stop_ids), tuple(body.stop or ()))
         req.loop = asyncio.get_running_loop()
         try:
             engine.submit(req)

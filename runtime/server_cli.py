@@ -11,7 +11,8 @@ import click
 from strata_compiler.cli_common import debug_option, run_cli
 from strata_compiler.errors import UsageError
 
-_KEYS = {"host", "port", "ctx", "max_batch", "api_key", "backend", "device", "queue_size", "model_name"}
+_KEYS = {"host", "port", "ctx", "max_batch", "api_key", "backend", "device", "queue_size", "model_name",
+         "prefill_chunk", "prompt_cache", "kv_cache_dir"}
 
 
 def _read_config(ctx: click.Context, _param, path: Path | None):
@@ -41,15 +42,23 @@ def _read_config(ctx: click.Context, _param, path: Path | None):
 @click.argument("plan_path", type=click.Path(path_type=Path))
 @click.option("--config", type=click.Path(path_type=Path, dir_okay=False), is_eager=True, expose_value=False,
               callback=_read_config, help="A TOML file holding any of these options (host, port, ctx, max-batch, "
-                                          "api-key, backend, device, queue-size, model-name); flags override it.")
+                                          "prefill-chunk, prompt-cache, kv-cache-dir, api-key, backend, device, "
+                                          "queue-size, model-name); flags override it.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind (0.0.0.0 serves other machines too).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--ctx", type=click.IntRange(min=2), default=None,
-              help="Context length per sequence (prompt + generated tokens). Default: the model's.")
-@click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Sequences decoded together. Accepted for forward compatibility; this version's scheduler is "
-                   "serial and runs one sequence at a time whatever the value.")
+              help="Context length per sequence (prompt + generated tokens); the KV cache holds --max-batch of "
+                   "them. Default: the model's, at most 4096.")
+@click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True,
+              help="Sequences decoded together (each its own KV row of --ctx positions); more requests wait.")
+@click.option("--prefill-chunk", type=click.IntRange(1, 8192), default=256, show_default=True,
+              help="Prompt tokens prefilled between two decode steps: running streams wait at most one chunk.")
+@click.option("--prompt-cache", type=click.IntRange(min=0), default=1024, show_default=True, metavar="MIB",
+              help="Host memory for the KV of prompts seen (a shared system prompt, earlier chat turns), "
+                   "reused by later requests that start with them; 0 turns it off.")
+@click.option("--kv-cache-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Keep the prompt cache in this folder across restarts (written at shutdown, read at start).")
 @click.option("--queue-size", type=click.IntRange(min=1), default=64, show_default=True,
               help="Requests that may wait; beyond it the server answers 429.")
 @click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on every endpoint but /health.")
@@ -61,9 +70,9 @@ def _read_config(ctx: click.Context, _param, path: Path | None):
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True, help="uvicorn's log level.")
 @debug_option
-def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_batch: int, queue_size: int,
-                  api_key: str | None, model_name: str | None, backend: str, device: str, log_level: str,
-                  debug: bool) -> None:
+def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_batch: int, prefill_chunk: int,
+                  prompt_cache: int, kv_cache_dir: Path | None, queue_size: int, api_key: str | None,
+                  model_name: str | None, backend: str, device: str, log_level: str, debug: bool) -> None:
     """Serve PLAN_PATH (a plan.bin, or its directory) over an OpenAI-compatible API: /v1/completions,
     /v1/chat/completions, /v1/models, /health."""
     import uvicorn
@@ -71,7 +80,8 @@ def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_ba
     _Server = _server_class()
 
     from .plan import load_plan
-    from .scheduler import SerialScheduler
+    from .batching import BatchScheduler
+    from .prompt_cache import PromptCache
     from .server import make_app
     from .session import Session
 
@@ -83,11 +93,20 @@ def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_ba
         tokenizer = Tokenizer.from_str(plan.tokenizer_json.decode())
     limit = int(plan.meta["model"].get("max_position") or 0)
     if ctx is None:
-        ctx = limit or 4096
+        ctx = min(limit or 4096, 4096)
     elif limit and ctx > limit:
         raise UsageError(f"--ctx {ctx}: the model's positions end at {limit}; give --ctx {limit} or less")
     session = Session(plan, backend, device=device)
-    engine = SerialScheduler(session, tokenizer, ctx, queue_size=queue_size)
+    cache = None
+    if prompt_cache:
+        m = plan.meta["model"]
+        cache = PromptCache(prompt_cache << 20, plan.digest(), kv_cache_dir,
+                            shape=(m["n_layers"], m["n_kv_heads"], m["head_dim"]))
+    engine = BatchScheduler(session, tokenizer, ctx, max_batch=max_batch, queue_size=queue_size,
+                            chunk=prefill_chunk, prompt_cache=cache)
+    m = plan.meta["model"]
+    kv_mib = 2 * 4 * m["n_layers"] * m["n_kv_heads"] * m["head_dim"] * engine.capacity * (max_batch + 1) / 2**20
+    click.echo(f"strata-server: {max_batch} sequences of up to {ctx} tokens; KV cache {kv_mib:.0f} MiB", err=True)
     name = model_name or (plan.path.parent.name if plan.path.name == "plan.bin" else plan.path.stem)
     app = make_app(engine, api_key=api_key, model_name=name)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
@@ -102,6 +121,8 @@ def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_ba
         server.run()
     finally:
         engine.shutdown()
+        if cache is not None:
+            cache.save()
         for sig, h in quiet.items():
             signal.signal(sig, h)
     if not server.started:      # the port was taken, say (uvicorn logged why)

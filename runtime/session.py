@@ -148,6 +148,15 @@ class Session:
         m = self.plan.meta["model"]
         self.cache = KVCache(m["n_layers"], batch, m["n_kv_heads"], m["head_dim"], capacity)
 
+    def load_row(self, cache: KVCache, slot: int, src: KVCache, row: int = 0) -> None:
+        """Row `row` of `src` (a sequence prefilled in a cache of its own) into row `slot` of `cache`,
+        wherever this session's executor keeps their layers (host arrays, a device)."""
+        fn = getattr(self.executor, "load_row", None)
+        if fn is not None:
+            fn(cache, slot, src, row)
+        else:
+            cache.load_row(slot, src, row)
+
     @staticmethod
     def capacity_for(T: int, max_new_tokens: int) -> int:
         """The KV cache length `generate` gives a prompt of T tokens: room for the xla backend's

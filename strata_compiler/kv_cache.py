@@ -74,3 +74,13 @@ class KVCache:
             for layer in range(len(dst)):
                 dst[layer][slot, :, :n] = s[layer][row, :, :n]
         self.lengths[slot] = n
+
+    def head(self, rows: int) -> "KVCache":
+        """A cache of the first `rows` rows sharing this one's arrays and lengths (views: a backend
+        that writes host arrays in place writes this cache)."""
+        view = KVCache.__new__(KVCache)
+        view.k = [a[:rows] for a in self.k]
+        view.v = [a[:rows] for a in self.v]
+        view.capacity = self.capacity
+        view.lengths = self.lengths[:rows]
+        return view

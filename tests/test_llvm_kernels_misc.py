@@ -243,7 +243,7 @@ def ref_fused_attention(qkv, cache: KVCache, H, KV, hd, mode, qnw, knw, eps, cli
     if clip is not None:
         q, k, v = (np.clip(t, -clip, clip) for t in (q, k, v))
     T = qkv.shape[1]
-    pos = np.arange(cache.length, cache.length + T)
+    pos = cache.positions(T)[:, None] + np.arange(T)      # [B, T]
     q, k = rope(q, pos, hd, attrs), rope(k, pos, hd, attrs)
     out = sdpa(q, k, v, cache, 0, H, KV, hd)
     cache.advance(T)
@@ -268,10 +268,10 @@ class Attention:
         ldo = H * hd + ld_pad
         ob = np.full((B * T, ldo), SENTINEL, np.float32)
         call(self.lib, self.prep, B * T, cuts=prep_cuts, qkv=qkv_buf, qnw=qnw, knw=knw, qout=qout,
-             kc=self.kc, vc=self.vc, T=T, past=self.past, cap=self.cap, ldq=ldq, eps=eps,
+             kc=self.kc, vc=self.vc, T=T, pasts=np.full(B, self.past, np.int64), cap=self.cap, ldq=ldq, eps=eps,
              clip=float(self.clip or 0.0), inv_freq=self.inv_freq)
         call(self.lib, self.core, B * H, cuts=core_cuts, qout=qout, kc=self.kc, vc=self.vc, o=ob,
-             T=T, past=self.past, cap=self.cap, ldo=ldo)
+             T=T, pasts=np.full(B, self.past, np.int64), cap=self.cap, ldo=ldo)
         check_pad(ob, H * hd)
         self.past += T
         return ob[:, :H * hd].reshape(B, T, H * hd)
@@ -333,9 +333,9 @@ def test_attention_rope_matches_reference_rope(lib):
     kc = np.zeros((B, KV, 16, hd), np.float32)
     vc = np.zeros_like(kc)
     call(lib, at.attn_prep(H, KV, hd, "none", False, lib.target), B * T, qkv=qkv, qnw=None, knw=None,
-         qout=qout, kc=kc, vc=vc, T=T, past=past, cap=16, ldq=W, eps=1e-6, clip=0.0,
+         qout=qout, kc=kc, vc=vc, T=T, pasts=np.full(B, past, np.int64), cap=16, ldq=W, eps=1e-6, clip=0.0,
          inv_freq=rope_inv_freq(hd, attrs))
-    ref = rope(qkv[:, :H * hd].reshape(B, T, H * hd), np.arange(past, past + T), hd, attrs)
+    ref = rope(qkv[:, :H * hd].reshape(B, T, H * hd), np.tile(np.arange(past, past + T), (B, 1)), hd, attrs)
     np.testing.assert_allclose(qout.reshape(B, T, H * hd), ref, rtol=1e-6, atol=1e-6)
 
 
@@ -397,7 +397,7 @@ def test_core_with_no_tokens_is_noop(lib):
     ks = at.attn_core(4, 2, 24, lib.target)
     o = np.full((1, 96), SENTINEL, np.float32)
     kc = np.zeros((1, 2, 4, 24), np.float32)
-    call(lib, ks, 4, qout=o, kc=kc, vc=kc, o=o, T=0, past=2, cap=4, ldo=96)
+    call(lib, ks, 4, qout=o, kc=kc, vc=kc, o=o, T=0, pasts=np.full(1, 2, np.int64), cap=4, ldo=96)
     assert np.all(o == SENTINEL)
 
 

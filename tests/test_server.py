@@ -200,6 +200,40 @@ def test_disconnect_cancels_the_sequence(server, client, reference):
     assert r.choices[0].text == run(tok.encode(PROMPT).ids, 8)
 
 
+PROMPTS = ["The Python", "Once upon a time", "def main():", "import numpy as np", "Hello world",
+           "In the beginning", "A list is", "class Foo:"]
+
+
+def test_concurrent_requests_get_their_tokens_alone(server, client, reference):
+    """8 greedy requests at once (the server's 8 slots) each get the text they get alone."""
+    import concurrent.futures as cf
+
+    plan, tok, run = reference
+    want = [run(tok.encode(p).ids, 16) for p in PROMPTS]
+    base, auth = server[1], {"Authorization": f"Bearer {KEY}"}
+    before = httpx.get(base + "/stats", headers=auth).json()
+
+    def one(p: str) -> str:
+        return client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(one, PROMPTS))
+    assert got == want and all(want)
+    now = httpx.get(base + "/stats", headers=auth).json()
+    assert now["rows_stepped"] - before["rows_stepped"] > now["steps"] - before["steps"]   # steps of several rows
+
+
+def test_prompt_cache_serves_a_shared_system_prompt(server, client):
+    base, auth = server[1], {"Authorization": f"Bearer {KEY}"}
+    system = {"role": "system", "content": "You are a careful assistant who answers questions about Python code."}
+    client.chat.completions.create(model="tiny", messages=[system, {"role": "user", "content": "What is a list?"}],
+                                   max_tokens=4, temperature=0)
+    before = httpx.get(base + "/stats", headers=auth).json()["prompt_cache_tokens"]
+    client.chat.completions.create(model="tiny", messages=[system, {"role": "user", "content": "What is a dict?"}],
+                                   max_tokens=4, temperature=0)
+    assert httpx.get(base + "/stats", headers=auth).json()["prompt_cache_tokens"] - before >= 16
+
+
 def test_seeded_sampling_repeats(client):
     kw = dict(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.9, top_p=0.95)
     a, b = (client.completions.create(seed=7, **kw).choices[0].text for _ in range(2))
@@ -268,6 +302,69 @@ def test_sigterm_exits_cleanly(server):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert "Traceback" not in log.read_text()
+
+
+def _spawn(plan_dir, args: list[str], log: Path):
+    """A server on a free port with `args`; (process, base url) once /health says ok."""
+    port = _free_port()
+    err = open(log, "w")
+    proc = subprocess.Popen([sys.executable, "-c", "from strata_compiler.runtime.server_cli import main; main()",
+                             str(plan_dir), "--port", str(port), "--backend", "llvm", "--ctx", "1024",
+                             "--log-level", "warning", *args], stdout=subprocess.DEVNULL, stderr=err)
+    err.close()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, "the server never became ready"
+        time.sleep(0.2)
+
+
+def test_one_slot_freed_by_a_cancel_and_the_prompt_cache_kept(plan_dir, tmp_path):
+    """--max-batch 1: a stream that hangs up frees the only slot and the waiting request runs at
+    once; --kv-cache-dir: the prompt cache is written at shutdown and read by the next server."""
+    import threading
+
+    kv = tmp_path / "kv"
+    proc, base = _spawn(plan_dir, ["--max-batch", "1", "--kv-cache-dir", str(kv)], tmp_path / "a.txt")
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True, "ignore_eos": True}
+        done = {}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    break           # the long stream holds the slot; a second request waits for it
+            t = threading.Thread(target=lambda: done.setdefault("r", httpx.post(
+                base + "/v1/completions", json={"prompt": "Hello world", "max_tokens": 4, "temperature": 0},
+                timeout=60)))
+            t.start()
+            time.sleep(0.05)
+            assert "r" not in done
+        t0 = time.time()            # hung up: the slot frees
+        t.join(30)
+        assert done["r"].status_code == 200 and time.time() - t0 < 10
+        stats = httpx.get(base + "/stats").json()
+        assert stats["cancelled"] == 1 and stats["completion_tokens"] < 1000
+        httpx.post(base + "/v1/completions", timeout=60,
+                   json={"prompt": "The Python language is a language that people use for", "max_tokens": 4})
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    assert list(kv.glob("*.kv"))
+    proc, base = _spawn(plan_dir, ["--kv-cache-dir", str(kv)], tmp_path / "b.txt")
+    try:
+        httpx.post(base + "/v1/completions", timeout=60,
+                   json={"prompt": "The Python language is a language that people use for", "max_tokens": 4})
+        assert httpx.get(base + "/stats").json()["prompt_cache_tokens"] >= 8
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    assert "Traceback" not in (tmp_path / "a.txt").read_text() + (tmp_path / "b.txt").read_text()
 
 
 def test_cli_errors_are_one_line(plan_dir, tmp_path, capsys):

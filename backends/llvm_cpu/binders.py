@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from strata_compiler.errors import BackendError, UsageError
+from strata_compiler.errors import BackendError
 from strata_compiler.ir import Node, Op
 from strata_compiler.rope import rope_inv_freq
 
@@ -156,18 +156,18 @@ def _bind_attention(exe: LLVMExecutor, n: Node):
         qkv = _src(frame, n)
         q = frame.temp("attn.q", (frame.M, H * hd))
         o = frame.out(n)
-        ap = prep.args(qkv=qkv, qnw=qn, knw=kn, qout=q, ldq=ld(qkv), inv_freq=inv,
+        pasts = frame.temp("attn.pasts", (frame.M,), np.int64)   # each batch row's position (B <= M)
+        ap = prep.args(qkv=qkv, qnw=qn, knw=kn, qout=q, ldq=ld(qkv), inv_freq=inv, pasts=pasts,
                        eps=float_slot(n.attr("eps", 1e-6)), clip=float_slot(n.attr("clip_qkv", 0.0)))
-        ac = core.args(qout=q, o=o, ldo=H * hd)
+        ac = core.args(qout=q, o=o, ldo=H * hd, pasts=pasts)
         pool = exe.pool
 
         def pre(step: Step) -> None:
             c = step.cache
-            if c.length + step.T > c.capacity:
-                raise UsageError(f"sequence of {c.length + step.T} tokens exceeds the KV cache capacity {c.capacity}")
+            pasts[:step.B] = c.positions(step.T)     # checks the capacity; T > 1 needs uniform rows
             kc, vc = c.k[layer], c.v[layer]
-            ap.set(kc=kc, vc=vc, T=step.T, past=c.length, cap=c.capacity)
-            ac.set(kc=kc, vc=vc, T=step.T, past=c.length, cap=c.capacity)
+            ap.set(kc=kc, vc=vc, T=step.T, cap=c.capacity)
+            ac.set(kc=kc, vc=vc, T=step.T, cap=c.capacity)
 
         def run(step: Step) -> None:
             pre(step)

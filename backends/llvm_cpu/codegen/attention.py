@@ -3,20 +3,24 @@
 The semantic definition is the reference backend's `_fused_attention` (backends/reference/executor.py):
 
     q, k, v = split(qkv); q, k = rms_norm(q/k, q_norm/k_norm) (qk_norm head|full); clip q, k, v;
-    q, k = rope(q), rope(k) at positions past + t; cache[past:past+T] = k, v; o = sdpa(q, cache)
+    q, k = rope(q), rope(k) at positions past_b + t; cache[b, past_b:past_b+T] = k, v; o = sdpa(q, cache)
+
+Each batch row b has its own position past_b = pasts[b] (its cache length): rows of a continuous
+batch decode at ragged positions; a step of T > 1 tokens comes with equal pasts (the caller checks).
 
 attn_prep(H, KV, hd, qk_norm, clip) is parallel over rows r in [0, B*T) (r = b*T + t):
-  args: qkv, qnw, knw, qout, kc, vc, T, past, cap, ldq, eps(f32), clip(f32), inv_freq
+  args: qkv, qnw, knw, qout, kc, vc, T, pasts, cap, ldq, eps(f32), clip(f32), inv_freq
     qkv    f32[B*T, ldq]   q (H*hd) | k (KV*hd) | v (KV*hd)
     qnw    f32[hd] (head) or f32[H*hd] (full) q_norm weight; knw likewise for k (unused for none)
     qout   f32[B*T, H*hd]  the normed, clipped, rotated q
-    kc, vc f32[B, KV, cap, hd]  one layer of the KV cache; row r writes position past + t
+    kc, vc f32[B, KV, cap, hd]  one layer of the KV cache; row r writes position pasts[b] + t
+    pasts  i64[B]          each batch row's tokens already in the cache
     inv_freq f32[hd/2]     RoPE inverse frequencies (strata_compiler.rope.rope_inv_freq)
   cos/sin are computed in f32 from f32(pos) * inv_freq, as rope_cos_sin does.
 
 attn_core(H, KV, hd) is parallel over (b, h) pairs p in [0, B*H) (b = p // H, h = p % H):
-  args: qout, kc, vc, o, T, past, cap, ldo
-  For each t < T, query qout[b*T+t, h] attends causally over cache positions [0, past+t] of kv head
+  args: qout, kc, vc, o, T, pasts, cap, ldo
+  For each t < T, query qout[b*T+t, h] attends causally over cache positions [0, pasts[b]+t] of kv head
   h // (H/KV), scale 1/sqrt(hd), o f32[B*T, ldo]. Softmax is online, over blocks of KEY_BLOCK keys:
   the block's scores and their max first, one rescale of the accumulator when the running max
   grows, then p = exp(score - max) and acc += p * v (in column chunks that stay in registers);
@@ -31,10 +35,10 @@ from ..target import Target
 from .common import KernelSource
 from .elementwise import NEG_INF, clamp, f32, loop, row_kernel, row_ptr, rsqrt_mean, sumsq
 
-PREP_PARAMS = ("qkv", "qnw", "knw", "qout", "kc", "vc", "T", "past", "cap", "ldq", "eps", "clip", "inv_freq")
-PREP_POINTERS = {"qkv", "qnw", "knw", "qout", "kc", "vc", "inv_freq"}
-CORE_PARAMS = ("qout", "kc", "vc", "o", "T", "past", "cap", "ldo")
-CORE_POINTERS = {"qout", "kc", "vc", "o"}
+PREP_PARAMS = ("qkv", "qnw", "knw", "qout", "kc", "vc", "T", "pasts", "cap", "ldq", "eps", "clip", "inv_freq")
+PREP_POINTERS = {"qkv", "qnw", "knw", "qout", "kc", "vc", "pasts", "inv_freq"}
+CORE_PARAMS = ("qout", "kc", "vc", "o", "T", "pasts", "cap", "ldo")
+CORE_POINTERS = {"qout", "kc", "vc", "o", "pasts"}
 KEY_BLOCK = 16   # keys whose scores attn_core computes before one online-softmax update
 
 
@@ -45,6 +49,12 @@ def _cache_row(tag: str, base: str, kvh: str, hd: int) -> str:
   %{tag}.co2 = add nsw i64 %{tag}.co1, %pos
   %{tag}.co3 = mul nsw i64 %{tag}.co2, {hd}
   %{tag}.dst = getelementptr inbounds float, ptr %{base}, i64 %{tag}.co3"""
+
+
+def _past() -> str:
+    """%past = pasts[%b]: batch row b's position (a load before the loops over hd)."""
+    return """  %pastp = getelementptr inbounds i64, ptr %pasts, i64 %b
+  %past = load i64, ptr %pastp, align 8"""
 
 
 def attn_prep(H: int, KV: int, hd: int, qk_norm: str, clip: bool, target: Target) -> KernelSource:
@@ -112,6 +122,7 @@ def attn_prep(H: int, KV: int, hd: int, qk_norm: str, clip: bool, target: Target
     body = f"""  %b = sdiv i64 %m, %T
   %bt = mul nsw i64 %b, %T
   %t = sub nsw i64 %m, %bt
+{_past()}
   %pos = add nsw i64 %past, %t
   %posf = sitofp i64 %pos to float
   %kvb0 = mul nsw i64 %b, {KV}
@@ -248,6 +259,7 @@ join:
   %kbase = getelementptr inbounds float, ptr %kc, i64 %kvb
   %vbase = getelementptr inbounds float, ptr %vc, i64 %kvb
   %bT = mul nsw i64 %b, %T
+{_past()}
   %hoff = mul nuw nsw i64 %h, {hd}
 """ + loop("tl", "t", "%T", query, guard=True)
     return row_kernel(f"attn_core_h{H}_kv{KV}_d{hd}", CORE_PARAMS, CORE_POINTERS, body, target,

@@ -1,0 +1,260 @@
+"""Continuous batching: one decode step runs every active sequence, each at its own position.
+
+The scheduler thread owns the Session and two KV caches: the batch's (`max_batch` rows, a row per
+running sequence, rows at ragged positions) and a one-row cache where a new request's prompt is
+prefilled, one chunk of at most `chunk` tokens per loop turn, so that a long prompt stalls the
+running streams by one chunk at a time. A prompt done, its row moves into a free slot of the
+batch (Session.load_row) and joins the next decode step. A request waits in the bounded queue
+while every slot is taken; a finished or cancelled sequence frees its slot at once.
+
+Between two decode steps, in this order: new requests are taken from the queue, one prefill
+chunk runs, the batch steps (rows without a sequence run a dummy token at position 0 and are
+ignored). A sequence samples its tokens with its own Sampler, so a request's tokens do not
+depend on what else runs beside it (up to the float differences of batched kernels).
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from strata_compiler.kv_cache import KVCache
+
+from .prompt_cache import PromptCache
+from .scheduler import Request, Scheduler, TextStream
+
+
+@dataclass
+class _Seq:
+    req: Request
+    text: TextStream
+    prompt_len: int
+    slot: int = -1
+    done: int = 0           # prompt tokens prefilled so far
+    n: int = 0              # tokens generated
+    last: int = -1          # the last sampled token: the next decode step's input
+    tokens: list[int] = field(default_factory=list)    # prompt + the generated tokens stepped
+
+
+class BatchScheduler(Scheduler):
+    """Serves up to `max_batch` sequences at once."""
+
+    def __init__(self, session, tokenizer, ctx: int, max_batch: int = 8, queue_size: int = 64, chunk: int = 256,
+                 prompt_cache: PromptCache | None = None):
+        super().__init__(session, tokenizer, ctx, queue_size)
+        self.max_batch = max_batch
+        self.chunk = chunk
+        self.prompt_cache = prompt_cache
+        m = self.plan.meta["model"]
+        self.capacity = -(-ctx // 64) * 64 + 64        # room for a padded last prefill chunk
+        self.kv = KVCache(m["n_layers"], max_batch, m["n_kv_heads"], m["head_dim"], self.capacity)
+        self.pre = KVCache(m["n_layers"], 1, m["n_kv_heads"], m["head_dim"], self.capacity)
+        self.slots: list[_Seq | None] = [None] * max_batch
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.filling: _Seq | None = None       # the sequence whose prompt is being prefilled
+        self.stats.update({"steps": 0, "rows_stepped": 0, "prefill_chunks": 0, "prompt_cache_tokens": 0})
+
+    # -- the surface -------------------------------------------------------------------------------
+
+    def abort(self) -> None:
+        super().abort()
+        why = "the server is shutting down"
+        for r in list(self.waiting):
+            r.cancel(why)
+        for s in [*self.slots, self.filling]:
+            if s is not None:
+                s.req.cancel(why)
+
+    def warm_up(self) -> None:
+        """Build every program serving needs before the server says ready: each prefill length up
+        to one chunk (the xla backend pads to buckets), the row hand-over, the batch's decode step."""
+        vocab = self.plan.meta["model"]["vocab_size"]
+        s = self.session
+        T = 1
+        while True:
+            self.pre.length = 0
+            s.cache = self.pre
+            s.step((np.arange(T, dtype=np.int64) % vocab)[None])
+            if T >= min(self.chunk, self.ctx):
+                break
+            T = min(T * 2 if T > 1 else 16, self.chunk, self.ctx)
+        s.load_row(self.kv, 0, self.pre)
+        self._decode_step()
+        self.kv.length = 0
+        self.pre.length = 0
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def _active(self) -> list[_Seq]:
+        return [s for s in self.slots if s is not None]
+
+    def _take(self, block: bool) -> bool:
+        """Move queued requests to `waiting` (blocking while there is nothing else to do); False
+        once the shutdown sentinel arrives."""
+        while True:
+            try:
+                r = self.queue.get(block=block)
+            except queue.Empty:
+                return True
+            if r is None:
+                return False
+            self.waiting.append(r)
+            block = False
+
+    def _loop(self) -> None:
+        if self._warm:
+            try:
+                self.warm_up()
+            except Exception as e:      # noqa: BLE001 — reported by /health, not a dead thread
+                self.warm_error = f"{e.__class__.__name__}: {e}"
+        self.ready.set()
+        while True:
+            idle = self.filling is None and not self.waiting and not self._active()
+            if not self._take(block=idle):      # shutdown: whatever is left gets its error event
+                for r in [*self.waiting, *(x.req for x in [*self.slots, self.filling] if x is not None)]:
+                    r.cancel("the server is shutting down")
+                    self._cancelled(r)
+                return
+            try:
+                self._admit()
+                if self._active():
+                    self._decode()
+            except Exception as e:      # noqa: BLE001 — the running requests fail, the server goes on
+                why = f"{e.__class__.__name__}: {e}"
+                for s in [*self.slots, self.filling]:
+                    if s is not None:
+                        s.req.emit("error", why, 500)
+                self.slots = [None] * self.max_batch
+                self.filling = None
+                self.kv.length = 0
+
+    def _cancelled(self, r: Request) -> bool:
+        if r.cancelled.is_set():
+            self.stats["cancelled"] += 1
+            r.emit("error", r.why, 503)
+            return True
+        return False
+
+    def _admit(self) -> None:
+        """One prefill chunk of the sequence being admitted (taking the next waiting request when
+        none is and a slot is free)."""
+        if self.filling is None:
+            if None not in self.slots:
+                return
+            while self.waiting:
+                r = self.waiting.popleft()
+                if not self._cancelled(r):
+                    self._start(r)
+                    break
+            if self.filling is None:
+                return
+        seq = self.filling
+        if self._cancelled(seq.req):
+            self.filling = None
+            return
+        prompt = seq.req.prompt
+        end = min(seq.done + self.chunk, len(prompt))
+        s = self.session
+        s.cache = self.pre
+        logits = s.step(np.asarray(prompt[seq.done:end], np.int64)[None])[:, -1]
+        self.stats["prefill_chunks"] += 1
+        seq.done = end
+        if end < len(prompt):
+            return
+        self.filling = None
+        if self.prompt_cache is not None:
+            self.prompt_cache.store(prompt, self.pre, 0)
+        tok = int(seq.req.sampler(logits)[0])
+        if self._emit(seq, tok):
+            return
+        seq.slot = self.slots.index(None)
+        s.load_row(self.kv, seq.slot, self.pre)
+        seq.tokens = list(prompt)
+        seq.last = tok
+        self.slots[seq.slot] = seq
+
+    def _start(self, r: Request) -> None:
+        self.stats["requests"] += 1
+        self.stats["prompt_tokens"] += len(r.prompt)
+        seq = _Seq(r, TextStream(self.tokenizer, r.prompt, r.stop), len(r.prompt))
+        self.pre.length = 0
+        if self.prompt_cache is not None:     # the longest cached prefix (at least one token is left to prefill)
+            seq.done = self.prompt_cache.load(r.prompt[:-1], self.pre, 0)
+            self.stats["prompt_cache_tokens"] += seq.done
+        self.filling = seq
+
+    def _emit(self, seq: _Seq, tok: int) -> bool:
+        """A sampled token to its stream; True when the sequence has ended (its done event sent)."""
+        seq.n += 1
+        self.stats["completion_tokens"] += 1
+        reason = None
+        if tok in seq.req.stop_ids:
+            reason = "stop"
+        else:
+            out = seq.text.push(tok)
+            if out:
+                seq.req.emit("text", out)
+            if seq.text.stopped:
+                reason = "stop"
+            elif seq.n >= seq.req.max_tokens:
+                reason = "length"
+        if reason is None:
+            return False
+        out = seq.text.flush()
+        if out:
+            seq.req.emit("text", out)
+        seq.req.emit("done", reason, seq.prompt_len, seq.n)
+        return True
+
+    def _free(self, seq: _Seq) -> None:
+        self.slots[seq.slot] = None
+        self.kv.lengths[seq.slot] = 0
+
+    def _decode_step(self) -> np.ndarray:
+        """One step of the batch's rows (the dummy token 0 where no sequence runs); logits [rows, V]."""
+        rows = self._rows()
+        ids = np.zeros((rows, 1), np.int64)
+        for seq in self._active():
+            ids[seq.slot, 0] = seq.last
+        s = self.session
+        s.cache = self.kv if rows == self.max_batch else self.kv.head(rows)
+        logits = s.step(ids)[:, -1]
+        self.stats["steps"] += 1
+        self.stats["rows_stepped"] += rows
+        return logits
+
+    def _rows(self) -> int:
+        """How many leading rows a step runs: all of them where the cache may live on a device (one
+        compiled program), else up to the last busy slot (the CPU backends write the host arrays in
+        place: a view of the first rows costs nothing)."""
+        if self.session.backend not in ("llvm", "reference"):
+            return self.max_batch
+        busy = [i for i, s in enumerate(self.slots) if s is not None]
+        return busy[-1] + 1 if busy else 1
+
+    def _decode(self) -> None:
+        for seq in self._active():         # free the slots of cancelled sequences before stepping
+            if self._cancelled(seq.req):
+                self._free(seq)
+        if not self._active():
+            return
+        for i, s in enumerate(self.slots):
+            if s is None:
+                self.kv.lengths[i] = 0
+        logits = self._decode_step()
+        for seq in self._active():
+            seq.tokens.append(seq.last)
+            if seq.req.cancelled.is_set():
+                self._cancelled(seq.req)
+                self._free(seq)
+                continue
+            tok = int(seq.req.sampler(logits[seq.slot:seq.slot + 1])[0])
+            if self._emit(seq, tok):
+                if self.prompt_cache is not None:
+                    self.prompt_cache.store(seq.tokens, self.kv, seq.slot)
+                self._free(seq)
+            else:
+                seq.last = tok

@@ -1,0 +1,142 @@
+"""Continuous batching (runtime/batching.py), in process on the tiny MoE (f32): sequences decoded
+together get the tokens they get alone, prompts prefilled in chunks give the same text, a
+cancelled sequence frees its slot for the next request, the prompt cache is used."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from strata_compiler.runtime.batching import BatchScheduler
+from strata_compiler.runtime.plan import load_plan
+from strata_compiler.runtime.prompt_cache import PromptCache
+from strata_compiler.runtime.sampler import Sampler
+from strata_compiler.runtime.scheduler import Request
+from strata_compiler.runtime.session import Session
+
+tokenizers = pytest.importorskip("tokenizers")
+
+TEXTS = ["The Python language", "Once upon a time there was", "def main():", "import numpy as np\n",
+         "Hello", "In the beginning of the", "A list is", "class Foo:"]
+
+
+class _Req(Request):
+    """A request whose events land in a list (no event loop)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.got, self.fin = [], threading.Event()
+
+    def emit(self, *event):
+        self.got.append(event)
+        if event[0] in ("done", "error"):
+            self.fin.set()
+
+    def text(self) -> str:
+        assert self.fin.wait(60), "no answer within 60 s"
+        return "".join(e[1] for e in self.got if e[0] == "text")
+
+
+@pytest.fixture(scope="module")
+def plan(tiny_f32_plan):
+    return load_plan(tiny_f32_plan)
+
+
+@pytest.fixture(scope="module")
+def tok(plan):
+    return tokenizers.Tokenizer.from_str(plan.tokenizer_json.decode())
+
+
+def _scheduler(plan, tok, backend, **kw) -> BatchScheduler:
+    s = BatchScheduler(Session(plan, backend), tok, 256, **kw)
+    s.start(warm=True)
+    assert s.ready.wait(120) and s.warm_error is None
+    return s
+
+
+def _req(tok, text, n=12, **kw) -> _Req:
+    return _Req(prompt=tok.encode(text).ids, max_tokens=n, sampler=Sampler(**kw))
+
+
+@pytest.mark.parametrize("backend", ["reference", "llvm"])
+def test_batched_sequences_get_their_tokens_alone(plan, tok, backend):
+    sch = _scheduler(plan, tok, backend, max_batch=4, chunk=4)
+    try:
+        alone = []
+        for t in TEXTS:
+            r = _req(tok, t)
+            sch.submit(r)
+            alone.append(r.text())
+        rs = [_req(tok, t) for t in TEXTS]      # 8 requests, 4 slots: half wait, then take freed slots
+        for r in rs:
+            sch.submit(r)
+        assert [r.text() for r in rs] == alone and all(alone)
+        assert all(r.got[-1][0] == "done" for r in rs)
+        st = sch.stats
+        assert st["requests"] == 16 and st["rows_stepped"] > st["steps"]     # some steps ran several rows
+        # prompts of more than one 4-token chunk were prefilled in several
+        assert st["prefill_chunks"] > st["requests"]
+    finally:
+        sch.shutdown()
+
+
+def test_seeded_sampling_does_not_depend_on_neighbours(plan, tok):
+    sch = _scheduler(plan, tok, "llvm", max_batch=4)
+    try:
+        kw = dict(temperature=0.9, top_p=0.95, seed=5)
+        r = _req(tok, TEXTS[0], 16, **kw)
+        sch.submit(r)
+        alone = r.text()
+        rs = [_req(tok, TEXTS[0], 16, **kw)] + [_req(tok, t, 16, temperature=1.0, seed=i) for i, t in enumerate(TEXTS[1:4])]
+        for x in rs:
+            sch.submit(x)
+        assert rs[0].text() == alone
+    finally:
+        sch.shutdown()
+
+
+def test_cancelled_sequence_frees_its_slot(plan, tok):
+    sch = _scheduler(plan, tok, "llvm", max_batch=1)
+    try:
+        long = _req(tok, TEXTS[0], 200)
+        sch.submit(long)
+        deadline = time.time() + 30
+        while not any(e[0] == "text" for e in long.got):
+            assert time.time() < deadline
+            time.sleep(0.001)
+        nxt = _req(tok, TEXTS[1], 4)
+        sch.submit(nxt)
+        long.cancel()
+        assert nxt.fin.wait(30) and nxt.got[-1][0] == "done"
+        assert long.got[-1][0] == "error" and long.got[-1][2] == 503
+        assert sch.stats["cancelled"] == 1 and sch.stats["completion_tokens"] < 200
+    finally:
+        sch.shutdown()
+
+
+def test_prompt_cache_serves_a_shared_start(plan, tok):
+    m = plan.meta["model"]
+    pc = PromptCache(64 << 20, plan.digest(), shape=(m["n_layers"], m["n_kv_heads"], m["head_dim"]))
+    sch = _scheduler(plan, tok, "llvm", max_batch=2, prompt_cache=pc)
+    try:
+        system = "You are a helpful assistant who answers questions about Python programs. "
+        first = _req(tok, system + "What is a list?")
+        sch.submit(first)
+        first.text()
+        before = sch.stats["prompt_cache_tokens"]
+        r = _req(tok, system + "What is a dict?")
+        sch.submit(r)
+        got = r.text()
+        assert sch.stats["prompt_cache_tokens"] - before >= len(tok.encode(system).ids) - 2
+        plain = _scheduler(plan, tok, "llvm", max_batch=2)
+        try:
+            again = _req(tok, system + "What is a dict?")
+            plain.submit(again)
+            assert again.text() == got
+        finally:
+            plain.shutdown()
+    finally:
+        sch.shutdown()
