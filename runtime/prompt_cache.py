@@ -1,7 +1,8 @@
 """The server's prompt cache: KV of token prefixes already computed (a system prompt, earlier turns
 of a chat), reused by later requests that start with them.
 
-Entries are host copies of one sequence's keys and values, an LRU bounded in bytes. A request
+Entries are copies of one sequence's keys and values, an LRU bounded in bytes, kept where the
+cache's layers live (host arrays, or device arrays: no trip to the host per request). A request
 takes the longest prefix it shares with any entry (a shared start of an entry counts, not only
 whole entries), so its prefill computes only the rest. With a folder (`--kv-cache-dir`), entries
 are written there at shutdown and read at start: one file per entry, its header naming the plan
@@ -31,34 +32,43 @@ PAD = 64            # rows move to and from a device cache in blocks of PAD posi
 @dataclass
 class _Entry:
     tokens: np.ndarray          # i64[n]
-    k: list[np.ndarray]         # per layer f32[KV, n, hd]
-    v: list[np.ndarray]
+    k: list                     # per layer [KV, >= n, hd]: host f32, or a device array (padded to PAD positions)
+    v: list
     saved: bool = False
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v) + self.tokens.nbytes
+        return sum(a.size * a.dtype.itemsize for a in (*self.k, *self.v)) + self.tokens.nbytes
 
 
-def _read_rows(a, row: int, n: int, capacity: int) -> np.ndarray:
-    """Positions [0, n) of row `row` of one layer's cache array (host or device), on the host."""
+def _padded(n: int, limit: int) -> int:
+    return min(-(-n // PAD) * PAD, limit)
+
+
+def _read_rows(a, row: int, n: int):
+    """Positions [0, n) of row `row` of one layer's cache array: a host copy, or for a device array
+    a device copy of PAD-rounded positions (no trip to the host; a bounded set of slice programs)."""
     if isinstance(a, np.ndarray):
         return a[row, :, :n].copy()
-    m = min(-(-n // PAD) * PAD, capacity)
-    return np.asarray(a[row, :, :m])[:, :n].copy()
+    return a[row, :, :_padded(n, a.shape[2])]
 
 
-def _write_rows(a, row: int, block: np.ndarray, capacity: int):
-    """block f32[KV, n, hd] into positions [0, n) of row `row`; returns the array (a device array
-    is replaced: JAX's arrays are values)."""
-    n = block.shape[1]
+def _write_rows(a, row: int, block, n: int):
+    """The first n positions of `block` [KV, >= n, hd] into row `row` of a cache array; returns the
+    array (a device array is replaced: JAX's arrays are values). Positions of a device block past n
+    up to the PAD rounding are written too: they lie past the row's length (masked, then overwritten)."""
     if isinstance(a, np.ndarray):
-        a[row, :, :n] = block
+        a[row, :, :n] = np.asarray(block[:, :n]) if not isinstance(block, np.ndarray) else block[:, :n]
         return a
-    m = min(-(-n // PAD) * PAD, capacity)
-    padded = np.zeros((block.shape[0], m, block.shape[2]), np.float32)
-    padded[:, :n] = block
-    return a.at[row, :, :m].set(padded.astype(a.dtype))
+    m = _padded(n, a.shape[2])
+    if isinstance(block, np.ndarray):
+        padded = np.zeros((block.shape[0], m, block.shape[2]), np.float32)
+        k = min(m, block.shape[1])
+        padded[:, :k] = block[:, :k]
+        block = padded
+    elif block.shape[1] != m:
+        block = block[:, :m]
+    return a.at[row, :, :m].set(block.astype(a.dtype))
 
 
 class PromptCache:
@@ -98,8 +108,8 @@ class PromptCache:
             return 0
         self.entries.move_to_end(self._key(e.tokens))
         for layer in range(len(cache.k)):
-            cache.k[layer] = _write_rows(cache.k[layer], row, e.k[layer][:, :n], cache.capacity)
-            cache.v[layer] = _write_rows(cache.v[layer], row, e.v[layer][:, :n], cache.capacity)
+            cache.k[layer] = _write_rows(cache.k[layer], row, e.k[layer], n)
+            cache.v[layer] = _write_rows(cache.v[layer], row, e.v[layer], n)
         cache.lengths[row] = n
         return n
 
@@ -116,8 +126,7 @@ class PromptCache:
         for key, old in list(self.entries.items()):      # entries that are a prefix of this one: superseded
             if len(old.tokens) <= n and (tokens[:len(old.tokens)] == old.tokens).all():
                 self._drop(key)
-        new = _Entry(tokens, [_read_rows(a, row, n, cache.capacity) for a in cache.k],
-                     [_read_rows(a, row, n, cache.capacity) for a in cache.v])
+        new = _Entry(tokens, [_read_rows(a, row, n) for a in cache.k], [_read_rows(a, row, n) for a in cache.v])
         self._add(new)
 
     def _add(self, e: _Entry) -> None:
@@ -148,9 +157,11 @@ class PromptCache:
         for key, e in self.entries.items():
             if e.saved:
                 continue
+            t = len(e.tokens)
             payload = b"".join([e.tokens.astype("<i8").tobytes()]
-                               + [a.astype("<f4").tobytes() for pair in zip(e.k, e.v) for a in pair])
-            head = json.dumps({"version": VERSION, "plan": self.plan_id, "n": int(len(e.tokens)),
+                               + [np.ascontiguousarray(np.asarray(a)[:, :t], "<f4").tobytes()
+                                  for pair in zip(e.k, e.v) for a in pair])
+            head = json.dumps({"version": VERSION, "plan": self.plan_id, "n": int(t),
                                "layers": len(e.k), "kv_heads": int(e.k[0].shape[0]), "head_dim": int(e.k[0].shape[2]),
                                "sha256": hashlib.sha256(payload).hexdigest()}).encode()
             path = self.dir / f"{key.hex()[:32]}.kv"

@@ -334,20 +334,28 @@ def test_one_slot_freed_by_a_cancel_and_the_prompt_cache_kept(plan_dir, tmp_path
     proc, base = _spawn(plan_dir, ["--max-batch", "1", "--kv-cache-dir", str(kv)], tmp_path / "a.txt")
     try:
         body = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True, "ignore_eos": True}
-        done = {}
-        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line:
-                    break           # the long stream holds the slot; a second request waits for it
-            t = threading.Thread(target=lambda: done.setdefault("r", httpx.post(
-                base + "/v1/completions", json={"prompt": "Hello world", "max_tokens": 4, "temperature": 0},
-                timeout=60)))
-            t.start()
-            time.sleep(0.05)
-            assert "r" not in done
-        t0 = time.time()            # hung up: the slot frees
-        t.join(30)
+        started, hang_up, done = threading.Event(), threading.Event(), {}
+
+        def long_stream():          # reads until told to hang up (leaving the loop closes the connection)
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    started.set()
+                    if hang_up.is_set():
+                        break
+
+        a = threading.Thread(target=long_stream)
+        a.start()
+        assert started.wait(30)
+        b = threading.Thread(target=lambda: done.setdefault("r", httpx.post(
+            base + "/v1/completions", json={"prompt": "Hello world", "max_tokens": 4, "temperature": 0}, timeout=60)))
+        b.start()
+        time.sleep(0.2)
+        assert "r" not in done and a.is_alive()      # the only slot is the long stream's: the request waits
+        hang_up.set()
+        t0 = time.time()
+        b.join(30)
         assert done["r"].status_code == 200 and time.time() - t0 < 10
+        a.join(30)
         stats = httpx.get(base + "/stats").json()
         assert stats["cancelled"] == 1 and stats["completion_tokens"] < 1000
         httpx.post(base + "/v1/completions", timeout=60,
