@@ -7,9 +7,9 @@ is traced into one program for the GPU:
 * each xla partition's traced body (`XLAExecutor._flat`) is inlined, in plan order;
 * each llvm partition becomes a host call (runtime/fused_calls.py), which runs the partition's
   kernels on the host between the GPU's kernels, natively where it can;
-* the step's token ids, cache position and the expert caches' slot maps go in as one int32
-  array; the xla partitions' KV caches are donated and come back updated; the llvm partitions
-  keep theirs on the host.
+* the step's token ids, each row's cache position and the expert caches' slot maps go in as
+  one int32 array; the xla partitions' KV caches are donated and come back updated; the llvm
+  partitions keep theirs on the host.
 
 A step is then one dispatch and one wait, whatever the number of switches. It applies to decode
 steps of plans whose xla partitions share one device, with no reference partition (and with no
@@ -29,17 +29,10 @@ import numpy as np
 
 from strata_compiler import trace
 from strata_compiler.backends.xla import cuda_rt
+from strata_compiler.backends.xla.executor import on_device
 from strata_compiler.ir import Op
 
 from .fused_calls import FusedCalls
-
-
-def _check_room(cache) -> None:
-    """A decode step needs one more position in the KV cache: one clear error line where it is full."""
-    if cache.length + 1 > cache.capacity:
-        from strata_compiler.errors import UsageError
-
-        raise UsageError(f"sequence of {cache.length + 1} tokens exceeds the KV cache capacity {cache.capacity}")
 
 
 class Ahead:
@@ -114,7 +107,7 @@ class FusedStep:
             if kind == "llvm" and B not in exe.frames:
                 return False
             if kind == "xla" and ((B, 1) not in exe._out_keys
-                                  or (exe.layers and not hasattr(cache.k[exe.layers[0]], "device"))):
+                                  or (exe.layers and not on_device(cache.k[exe.layers[0]]))):
                 return False
         return True
 
@@ -147,7 +140,7 @@ class FusedStep:
     # -- the traced step -----------------------------------------------------------------------
 
     def _step(self, params, ks, vs, packed, B: int, ids=None):
-        """The decode step of batch B; `packed`: int32 [ids (B) | position | slot maps...];
+        """The decode step of batch B; `packed`: int32 [ids (B) | positions (B) | slot maps...];
         `ids` (int32 [B], a device value: the step before's greedy token) in place of packed's."""
         import jax
 
@@ -156,8 +149,8 @@ class FusedStep:
         parts = self.m.parts
         splits = self.calls.splits()
         ids = packed[:B].reshape(B, 1) if ids is None else ids.reshape(B, 1)
-        pos = packed[B]
-        off = B + 1
+        pos = packed[B:2 * B]       # each row's position (ragged rows decode at their own)
+        off = 2 * B
         slots = {}
         for n in self.cached:
             k = self.n_slots[n.id]
@@ -216,7 +209,7 @@ class FusedStep:
 
         B = input_ids.shape[0]
         m = self.m
-        _check_room(cache)
+        pos = np.asarray(cache.positions(1), np.int32)     # (a full cache: a clear error)
         if not self._private and self.device.platform == "cpu":
             # in-step prefetches write the GPU shares' weights in place (ExpertSwaps._copy_rows): on
             # JAX's CPU platform an array put there from the plan's read-only mapping may alias it
@@ -235,7 +228,7 @@ class FusedStep:
                 return self._step(jax.tree_util.tree_unflatten(tree, p), k, v, s, B)
 
             fn = self._fn[B] = jax.jit(fused_step, donate_argnums=(1, 2))
-        packed = np.concatenate([np.asarray(input_ids, np.int32).reshape(-1), [np.int32(cache.length)],
+        packed = np.concatenate([np.asarray(input_ids, np.int32).reshape(-1), pos,
                                  *[np.asarray(s, np.int32) for s in self._maps()]]).astype(np.int32)
         if cuda_rt.mode is not None:
             if self._stage is None:
@@ -283,16 +276,17 @@ class FusedStep:
 
     def launch(self, ids, cache, masked: dict | None = None):
         """Dispatch a decode step of the tokens `ids` (NumPy int64 [B], or the device token of the
-        step before: `Ahead.token`) at the cache's position and return at once, the step in flight
-        (`finish` waits for it). `masked`: {cache key: slots} whose experts are being swapped
-        (their copies wait until no step in flight reads the slot): -1 in this step's maps, so
-        their experts are read in place like any miss. The program also returns its greedy
-        token, which the next launch takes as its ids without a round trip through the host."""
+        step before: `Ahead.token`) at the cache's positions (each row's) and return at once, the
+        step in flight (`finish` waits for it). `masked`: {cache key: slots} whose experts are
+        being swapped (their copies wait until no step in flight reads the slot): -1 in this
+        step's maps, so their experts are read in place like any miss. The program also returns
+        its greedy token, which the next launch takes as its ids without a round trip through the
+        host."""
         import jax
         import jax.numpy as jnp
 
         B = int(ids.shape[0])
-        _check_room(cache)
+        pos = np.asarray(cache.positions(1), np.int32)     # (a full cache: a clear error)
         ver, flat, tree = self._params_now()
         fn = self._ahead_fn.get(B)
         if fn is None:
@@ -312,7 +306,7 @@ class FusedStep:
                 s = s.copy()
                 s[sorted(drop)] = -1
             maps.append(np.asarray(s, np.int32))
-        packed = np.concatenate([np.zeros(B, np.int32), [np.int32(cache.length)], *maps]).astype(np.int32)
+        packed = np.concatenate([np.zeros(B, np.int32), pos, *maps]).astype(np.int32)
         if cuda_rt.mode is not None:
             # two staging buffers, one per step in flight: the step two back has finished with its own
             k = self._ahead_parity = 1 - self._ahead_parity

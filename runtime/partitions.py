@@ -213,6 +213,26 @@ class MixedExecutor:
         how many. `prefetch`: start expert copies from the next layer's router on this layer's state."""
         return self.swaps.enable(max_swaps, policy, prefetch)
 
+    def load_row(self, cache, slot: int, src, row: int = 0) -> None:
+        """Row `row` of cache `src` (a sequence prefilled on its own, by this executor) into row
+        `slot` of `cache`: the xla partitions' layers on their devices (XLAExecutor.load_row),
+        the others' host arrays by NumPy copies; the slot's length becomes the row's."""
+        from strata_compiler.errors import UsageError
+
+        n = int(src.lengths[row])
+        if n > cache.capacity:
+            raise UsageError(f"a sequence of {n} tokens does not fit a KV cache of {cache.capacity}")
+        on_device = set()
+        for kind, exe, _ in self.parts:
+            if kind == "xla":
+                exe.load_row(cache, slot, src, row)
+                on_device.update(exe.layers)
+        for layer in range(len(cache.k)):
+            if layer not in on_device:
+                for dst, s in ((cache.k, src.k), (cache.v, src.v)):
+                    dst[layer][slot, :, :n] = np.asarray(s[layer][row, :, :n])
+        cache.lengths[slot] = n
+
     def can_decode_ahead(self, B: int, cache) -> bool:
         """Whether the next decode steps of batch B can run ahead (`decode_ahead`): a fused program
         with no host call that has run once, the caches' bookkeeping as one CacheGroup with a swap

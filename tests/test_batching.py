@@ -61,7 +61,7 @@ def _req(tok, text, n=12, **kw) -> _Req:
     return _Req(prompt=tok.encode(text).ids, max_tokens=n, sampler=Sampler(**kw))
 
 
-@pytest.mark.parametrize("backend", ["reference", "llvm"])
+@pytest.mark.parametrize("backend", ["reference", "llvm", "xla"])
 def test_batched_sequences_get_their_tokens_alone(plan, tok, backend):
     sch = _scheduler(plan, tok, backend, max_batch=4, chunk=4)
     try:

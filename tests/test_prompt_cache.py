@@ -22,7 +22,7 @@ def _shape(plan):
     return m["n_layers"], m["n_kv_heads"], m["head_dim"]
 
 
-@pytest.mark.parametrize("backend", ["reference", "llvm"])
+@pytest.mark.parametrize("backend", ["reference", "llvm", "xla"])
 def test_hit_gives_the_logits_of_a_fresh_prefill(plan, backend):
     vocab = plan.meta["model"]["vocab_size"]
     ids = np.random.default_rng(1).integers(0, vocab, 40)

@@ -52,6 +52,22 @@ class HostSlice:
         return a if dtype is None else a.astype(dtype)
 
 
+def on_device(a) -> bool:
+    """Whether a KV cache array is a JAX array, not a host NumPy one (`hasattr(a, "device")` cannot
+    tell: NumPy 2's arrays have a `device` too)."""
+    return isinstance(a, _jax().Array)
+
+
+def _copy_row(dst, src, slot, row):
+    """Row `row` of src [Bs, KV, Ss, hd] into row `slot` of dst [B, KV, S, hd], its first min(S, Ss)
+    positions (load_row: traced, once per shape)."""
+    import jax
+
+    m = min(dst.shape[2], src.shape[2])
+    r = jax.lax.dynamic_index_in_dim(src, row, 0, keepdims=True)[:, :, :m].astype(dst.dtype)
+    return jax.lax.dynamic_update_slice(dst, r, (slot, 0, 0, 0))
+
+
 class GPUOutOfMemory(BackendError):
     """The device could not hold a partition's weights."""
 
@@ -229,12 +245,45 @@ class XLAExecutor:
             self._bulk_pending = False
 
     def new_cache(self, cache) -> None:
-        """Put this partition's layers of the cache on the device (zeros)."""
+        """Put this partition's layers of the cache on the device: zeros for an empty cache, else
+        the host arrays (rows loaded on the host: KVCache.load_row)."""
         jax, jnp = _jax(), _jnp()
+        home = self._home()
         for layer in self.layers:
+            if cache.length:
+                cache.k[layer] = jax.device_put(np.asarray(cache.k[layer], self.kv_dtype), home)
+                cache.v[layer] = jax.device_put(np.asarray(cache.v[layer], self.kv_dtype), home)
+                continue
             shape = cache.k[layer].shape
-            cache.k[layer] = jax.device_put(jnp.zeros(shape, self.kv_dtype), self._home())
-            cache.v[layer] = jax.device_put(jnp.zeros(shape, self.kv_dtype), self._home())
+            cache.k[layer] = jax.device_put(jnp.zeros(shape, self.kv_dtype), home)
+            cache.v[layer] = jax.device_put(jnp.zeros(shape, self.kv_dtype), home)
+
+    def load_row(self, cache, slot: int, src, row: int = 0) -> None:
+        """Row `row` of cache `src` (a sequence prefilled on its own; its arrays on this device or
+        the host) into row `slot` of `cache`, for this partition's layers, on the device (one
+        jitted copy per shape, the destination donated); the slot's length becomes the row's.
+        Layers of other partitions are left to them (MixedExecutor.load_row)."""
+        jax = _jax()
+        n = int(src.lengths[row])
+        if n > cache.capacity:
+            raise UsageError(f"a sequence of {n} tokens does not fit a KV cache of {cache.capacity}")
+        if not 0 <= slot < len(cache.lengths) or not 0 <= row < len(src.lengths):
+            raise UsageError(f"row {row} into slot {slot}: the caches have {len(src.lengths)} and "
+                             f"{len(cache.lengths)} rows")
+        if self.layers and not on_device(cache.k[self.layers[0]]):
+            self.new_cache(cache)
+        fn = getattr(self, "_load_row_fn", None)
+        if fn is None:
+            fn = self._load_row_fn = jax.jit(_copy_row, donate_argnums=0)
+        home = self._home()
+        at = (np.int32(slot), np.int32(row))
+        for layer in self.layers:
+            for dst, s in ((cache.k, src.k), (cache.v, src.v)):
+                a = s[layer]
+                if on_device(a) and a.sharding != dst[layer].sharding:
+                    a = jax.device_put(a, home)
+                dst[layer] = fn(dst[layer], a, *at)
+        cache.lengths[slot] = n
 
     def bucket(self, T: int, room: int) -> int:
         """The padded prefill length: the smallest bucket >= T that fits the cache (else T)."""
@@ -246,7 +295,10 @@ class XLAExecutor:
         return T
 
     def run_partition(self, ext: dict, input_ids: np.ndarray, cache, T_pad: int) -> dict:
+        """One step of this partition: ids i64[B, T] (padded to T_pad) at the cache's positions (each
+        row's; a step of T > 1 tokens needs uniform rows: KVCache.positions)."""
         B, T = input_ids.shape
+        pos = np.asarray(cache.positions(T), np.int32)
         if cache.length + T_pad > cache.capacity:
             raise UsageError(f"sequence of {cache.length + T} tokens exceeds the KV cache capacity {cache.capacity}")
         ids = input_ids
@@ -261,9 +313,9 @@ class XLAExecutor:
             # only what the partition reads is rewritten (ids: the embedding; pos: the attention),
             # the other is any array of the right shape: a copy less per call
             ids_arg = staging.stage("ids", np.asarray(ids, np.int32), self._reads_ids)
-            pos_arg = staging.stage("pos", np.asarray(cache.length, np.int32), bool(self.layers))
+            pos_arg = staging.stage("pos", pos, bool(self.layers))
         else:
-            ids_arg, pos_arg = self._host_args(np.asarray(ids, np.int32), np.int32(cache.length))
+            ids_arg, pos_arg = self._host_args(np.asarray(ids, np.int32), pos)
         if staging is not None:
             ext = {i: staging.stage(i, v) if isinstance(v, np.ndarray) else v for i, v in ext.items()}
         flat, kt, vt = self._fn(self.params, ks, vs, ext, ids_arg, B, T_pad, pos_arg)
@@ -278,9 +330,10 @@ class XLAExecutor:
             cache.k[l], cache.v[l] = k, v
         return outs
 
-    def _host_args(self, ids: np.ndarray, pos: np.int32) -> tuple:
-        """The step's token ids and position as arguments of the jitted call: NumPy, which goes to
-        the device inside jit's C++ dispatch (jnp.asarray here would take JAX's slower Python path)."""
+    def _host_args(self, ids: np.ndarray, pos: np.ndarray) -> tuple:
+        """The step's token ids and positions (int32 [B]) as arguments of the jitted call: NumPy,
+        which goes to the device inside jit's C++ dispatch (jnp.asarray here would take JAX's
+        slower Python path)."""
         return ids, pos
 
     def _staging(self):
@@ -306,7 +359,8 @@ class XLAExecutor:
         return out, ks, vs
 
     def greedy_decode(self, first: np.ndarray, cache, n: int) -> np.ndarray:
-        """n greedy tokens after `first` (i64[B], the token the prefill chose), all on the device.
+        """n greedy tokens after `first` (i64[B], the token the prefill chose), all on the device,
+        each row from its own position.
 
         Returns i64[B, n]. Whole-plan executors only."""
         jax, jnp = _jax(), _jnp()
@@ -319,7 +373,7 @@ class XLAExecutor:
         ks = {l: cache.k[l] for l in self.layers}
         vs = {l: cache.v[l] for l in self.layers}
         out, ks, vs = self._loop(self.params, ks, vs, jnp.asarray(first, jnp.int32),
-                                 jnp.asarray(cache.length, jnp.int32), n)
+                                 jnp.asarray(cache.positions(1), jnp.int32), n)
         for l in self.layers:
             cache.k[l], cache.v[l] = ks[l], vs[l]
         cache.advance(n)
@@ -331,10 +385,11 @@ class XLAExecutor:
         from strata_compiler.backends import ahead
 
         return (len(self.nodes) == len(self.g.nodes) and not self.cached
-                and not ahead.traced_fully() and (not self.layers or hasattr(cache.k[self.layers[0]], "device")))
+                and not ahead.traced_fully() and (not self.layers or on_device(cache.k[self.layers[0]])))
 
     def _ahead_step(self, params, ks, vs, tok, pos):
-        """A decode step that also chooses its greedy token and the next position on the device."""
+        """A decode step that also chooses its greedy token and the next positions (each row's
+        + 1) on the device."""
         jnp = _jnp()
         B = tok.shape[0]
         res, ks, vs = self._forward(params, ks, vs, {}, tok[:, None], B, 1, pos)
@@ -353,7 +408,7 @@ class XLAExecutor:
         fn = getattr(self, "_ahead_fn", None)
         if fn is None:
             fn = self._ahead_fn = jax.jit(self._ahead_step, donate_argnums=(1, 2))
-        first = (np.asarray(tok, np.int32).reshape(-1), np.int32(cache.length))
+        first = (np.asarray(tok, np.int32).reshape(-1), np.asarray(cache.positions(1), np.int32))
 
         def launch(prev):
             ks = {l: cache.k[l] for l in self.layers}
@@ -371,7 +426,7 @@ class XLAExecutor:
 
     def run_segment(self, env: dict, input_ids: np.ndarray, cache) -> None:
         """Run this partition at the exact length (no padding: other devices share the step)."""
-        if self.layers and not hasattr(cache.k[self.layers[0]], "device"):
+        if self.layers and not on_device(cache.k[self.layers[0]]):
             self.new_cache(cache)
         ext = {i: env[i] for i in self.inputs if self.g.node(i).op is not Op.INPUT_IDS}
         jax = _jax()
@@ -430,7 +485,7 @@ class XLAExecutor:
     def run(self, input_ids: np.ndarray, cache) -> dict[int, np.ndarray]:
         """Whole-plan execution (every node on this executor)."""
         B, T = input_ids.shape
-        if self.layers and not hasattr(cache.k[self.layers[0]], "device"):
+        if self.layers and not on_device(cache.k[self.layers[0]]):
             self.new_cache(cache)
         T_pad = self.bucket(T, cache.capacity - cache.length)
         outs = self.run_partition({}, input_ids, cache, T_pad)

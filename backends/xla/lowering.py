@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 class _Ctx:
-    """What the traced ops see: parameters, positions, cache, compute dtype."""
+    """What the traced ops see: parameters, each row's position (int32 [B]), cache, compute dtype."""
 
     def __init__(self, exe: XLAExecutor, params, ks, vs, ids, pos, B, T):
         self.exe, self.params, self.ks, self.vs = exe, params, ks, vs
@@ -154,14 +154,27 @@ def _linear_tail(c: _Ctx, n: Node, a: list, y, added: bool):
 
 
 def _rope(jnp, x, pos, hd, inv):
-    """x [B, T, n, hd], rotate-half RoPE at positions pos + t."""
+    """x [B, T, n, hd], rotate-half RoPE of row b's token t at position pos[b] + t (pos f32[B])."""
     T = x.shape[1]
-    freqs = (pos + jnp.arange(T, dtype=jnp.float32))[:, None] * inv[None, :]
+    freqs = (pos[:, None] + jnp.arange(T, dtype=jnp.float32)[None, :])[..., None] * inv      # [B, T, hd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    cos, sin = jnp.cos(emb)[None, :, None, :], jnp.sin(emb)[None, :, None, :]
+    cos, sin = jnp.cos(emb)[:, :, None, :], jnp.sin(emb)[:, :, None, :]
     half = hd // 2
     rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rot * sin
+
+
+def _cache_write(lax, jnp, cache, new, pos):
+    """new [B, KV, T, hd] into the cache [B, KV, S, hd] at each row's positions pos[b] + [0, T):
+    one slice update where the rows are uniform (T > 1 needs them: KVCache.positions; B == 1),
+    else (ragged decode) a scatter of each row's one new entry (indices (b, pos[b]): sorted,
+    unique, in bounds: KVCache.positions checked the capacity)."""
+    new = new.astype(cache.dtype)
+    B, T = new.shape[0], new.shape[2]
+    if T > 1 or B == 1:
+        return lax.dynamic_update_slice(cache, new, (0, 0, pos[0], 0))
+    return cache.at[jnp.arange(B), :, pos].set(new[:, :, 0], indices_are_sorted=True, unique_indices=True,
+                                               mode="promise_in_bounds")
 
 
 def _attention(c: _Ctx, n: Node, a: list):
@@ -194,16 +207,17 @@ def _attention(c: _Ctx, n: Node, a: list):
     q = _rope(jnp, q.reshape(B, T, H, hd), posf, hd, inv)
     k = _rope(jnp, k.reshape(B, T, KV, hd), posf, hd, inv)
     v = v.reshape(B, T, KV, hd)
-    K = lax.dynamic_update_slice(c.ks[layer], k.transpose(0, 2, 1, 3).astype(c.ks[layer].dtype), (0, 0, c.pos, 0))
-    V = lax.dynamic_update_slice(c.vs[layer], v.transpose(0, 2, 1, 3).astype(c.vs[layer].dtype), (0, 0, c.pos, 0))
+    K = _cache_write(lax, jnp, c.ks[layer], k.transpose(0, 2, 1, 3), c.pos)
+    V = _cache_write(lax, jnp, c.vs[layer], v.transpose(0, 2, 1, 3), c.pos)
     c.ks[layer], c.vs[layer] = K, V
     S = K.shape[2]
     rep = H // KV
     qg = q.reshape(B, T, KV, rep, hd).transpose(0, 2, 3, 1, 4)               # [B, KV, rep, T, hd]
     prec = lax.Precision.HIGHEST
     scores = jnp.einsum("bgrtd,bgsd->bgrts", qg, K.astype(jnp.float32), precision=prec) / np.float32(np.sqrt(hd))
-    allowed = jnp.arange(S)[None, :] <= (c.pos + jnp.arange(T))[:, None]    # causal over the cache
-    scores = jnp.where(allowed[None, None, None], scores, -jnp.inf)
+    # causal over the cache, per row: row b's token t sees keys [0, pos[b] + t]
+    allowed = jnp.arange(S)[None, None, :] <= (c.pos[:, None] + jnp.arange(T)[None, :])[..., None]   # [B, T, S]
+    scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
     p = c.jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bgrts,bgsd->bgrtd", p, V.astype(jnp.float32), precision=prec)
     return out.transpose(0, 3, 1, 2, 4).reshape(B * T, H * hd)

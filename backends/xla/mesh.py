@@ -99,7 +99,7 @@ class MeshXLAExecutor(XLAExecutor):
         super().run_segment(local, input_ids, cache)
         env.update({o: local[o] for o in self.outputs})
 
-    def _host_args(self, ids: np.ndarray, pos: np.int32) -> tuple:
+    def _host_args(self, ids: np.ndarray, pos: np.ndarray) -> tuple:
         if self.processes == 1:
             return ids, pos
         return tuple(_jax().device_put((ids, pos), self.replicated))

@@ -9,13 +9,14 @@ their bytes, bound the step. Here, one kernel and one small combine per layer:
     chunk of C cache rows (flash-decoding: the cache is split over programs, not walked by one):
     load the head's q rows, k and v from the fused qkv projection; apply the q/k RMS norm
     ('head': over each head; 'full': over the whole projection, read by every program) and the
-    clip; rotate-half RoPE at position `pos`; the program whose chunk holds `pos` writes k and v
-    into that cache row (the cache arrays are aliased to the outputs: updated in place); each
-    program then takes scores, an online softmax and the weighted sum of V over its chunk's rows
-    up to `pos`, BS rows at a time (rows past it masked, not loaded; the row at `pos` from
-    registers, not read back), and writes its partial (max, sum, weighted V); a small XLA fusion
-    combines the chunks. C is one block for short caches and several for long ones, so that about
-    `programs` programs run (`chunk_rows`).
+    clip; rotate-half RoPE at its sequence's position `pos` (pos[b]: each row decodes at a
+    position of its own); the program whose chunk holds `pos` writes k and v into that cache row
+    (the cache arrays are aliased to the outputs: updated in place); each program then takes
+    scores, an online softmax and the weighted sum of V over its chunk's rows up to `pos`, BS
+    rows at a time (rows past it masked, not loaded; the row at `pos` from registers, not read
+    back), and writes its partial (max, sum, weighted V); a small XLA fusion combines the chunks.
+    C is one block for short caches and several for long ones, so that about `programs`
+    programs run (`chunk_rows`).
 
 The head dim is handled as its two rotate-half halves [2, hd/2] (a free reshape), so RoPE needs
 no shuffle. Sums are f32, as the XLA path. Triton needs power-of-two blocks: hd/2 and rep must be
@@ -77,7 +78,7 @@ def _attn_kernel(pos_ref, qkv_ref, qn_ref, kn_ref, inv_ref, kc_ref, vc_ref, m_re
     f32 = jnp.float32
     b, g = pl.program_id(0), pl.program_id(1)
     rep, half = H // KV, hd // 2
-    pos = pos_ref[0]
+    pos = pos_ref[b]                        # this sequence's position (rows are ragged)
     lo, hi = jnp.int32(0), jnp.int32(1)      # traced: interpret mode masks no python ints
     qr = pl.ds(g * rep, rep)
     q = [qkv_ref[b, qr, lo, :].astype(f32), qkv_ref[b, qr, hi, :].astype(f32)]       # [rep, half] x 2
@@ -195,9 +196,9 @@ def attention_decode(qkv, pos, K, V, *, H: int, KV: int, hd: int, norm: str = "n
                      eps: float = 1e-6, clip=None, inv_freq, interpret: bool = False):
     """One decode step (one token per sequence) of attention over the cache, with its write.
 
-    qkv f32[B, (H + 2 KV) hd] (q heads, then k, then v); pos int32 scalar (the new token's
-    position, the same for every sequence); K, V [B, KV, S, hd] (the cache: the new row is
-    written at pos); q_norm/k_norm the norm weights ([hd] for 'head', [H hd]/[KV hd] for
+    qkv f32[B, (H + 2 KV) hd] (q heads, then k, then v); pos int32[B] (each sequence's new
+    token's position; a scalar: the same for all); K, V [B, KV, S, hd] (the cache: row b's new
+    entry is written at pos[b]); q_norm/k_norm the norm weights ([hd] for 'head', [H hd]/[KV hd] for
     'full'); inv_freq f32[hd/2] (RoPE). Returns (out f32[B, H hd], K, V)."""
     import jax.numpy as jnp
 
@@ -215,7 +216,7 @@ def attention_decode(qkv, pos, K, V, *, H: int, KV: int, hd: int, norm: str = "n
         qn = kn = one
     call = _call(B, H, KV, hd, S, norm, float(eps), None if clip is None else float(clip), jnp.dtype(K.dtype),
                  bool(interpret), *tuning())
-    p = jnp.reshape(pos, (1,)).astype(jnp.int32)
+    p = jnp.broadcast_to(jnp.reshape(pos, (-1,)).astype(jnp.int32), (B,))
     m, l, acc, K2, V2 = call(p, qkv, qn, kn, jnp.asarray(inv_freq, f32), K.reshape(B, KV, S, 2, half),
                              V.reshape(B, KV, S, 2, half))
     # the blocks' partial softmaxes combined (flash-decoding): weights exp(m_j - max m), 0 for
