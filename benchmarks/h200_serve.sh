@@ -8,13 +8,14 @@
 #           while the model is made and converted, Strata's plans compile and strata-server is measured
 #   call 2: PHASE=2 bash benchmarks/h200_serve.sh   Q4_0, llama-server measured; SOAK=SECONDS adds the
 #           concurrency-64 soak of strata-server (gpu placement)
+#   or:     PHASE=strata [PLACEMENTS="gpu cpu8"] bash benchmarks/h200_serve.sh   Strata's side alone, in one call
 # Outputs under $OUT (else /tmp/serveout): serve-*.json / .log, summary.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/serveout}
 mkdir -p "$OUT"
-W=/tmp/sv; LC=/tmp/llamacpp; M=$W/mx
+W=${WORK:-/tmp/sv}; LC=/tmp/llamacpp; M=$W/mx
 mkdir -p $W
 LIMIT=${LIMIT:-560}; T0=$(date +%s)
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
@@ -46,11 +47,22 @@ llama_bench() {    # name extra-args
   kill $pid; wait $pid 2>/dev/null
 }
 
-if [ "${PHASE:-1}" = 1 ]; then
+if [ "${PHASE:-1}" = strata ]; then
+  python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
+  log "model"
+  [ -f $M/config.json ] || python3 benchmarks/make_mixtral_model.py $M ${MODEL_ARGS:-} > $W/make.log 2>&1 || { tail $W/make.log; exit 1; }
+  for pl in ${PLACEMENTS:-gpu}; do
+    log "compile $pl"
+    extra=""; [ $pl = cpu8 ] && extra="--place $PLACE8"
+    stratac compile $M -o $W/p-$pl --quant int4 $extra > $W/c-$pl.log 2>&1 || { tail -3 $W/c-$pl.log | tee -a "$OUT/summary.txt"; continue; }
+    [ $pl = gpu ] && { log "ragged check"; python3 benchmarks/ragged_check.py $W/p-gpu 2>&1 | tail -2 | tee -a "$OUT/summary.txt"; }
+    strata_bench $pl $W/p-$pl
+  done
+elif [ "${PHASE:-1}" = 1 ]; then
   python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
   (JOBS=8 bash build/llamacpp/build.sh $LC > $W/build.out 2>&1; echo "build rc $?" >> $W/build.out) &
   log "model"
-  [ -f $M/config.json ] || python3 benchmarks/make_mixtral_model.py $M > $W/make.log 2>&1 || { tail $W/make.log; exit 1; }
+  [ -f $M/config.json ] || python3 benchmarks/make_mixtral_model.py $M ${MODEL_ARGS:-} > $W/make.log 2>&1 || { tail $W/make.log; exit 1; }
   log "gguf conversion (background) and Strata's plans"
   (PYTHONPATH=$LC/gguf-py python3 $LC/convert_hf_to_gguf.py $M --outtype bf16 --outfile $W/mx-bf16.gguf > $W/convert.log 2>&1;
    echo "convert rc $?" >> $W/convert.log) &
