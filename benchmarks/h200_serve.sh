@@ -30,8 +30,8 @@ strata_bench() {   # name plan
   log "strata $1: serve_bench"
   timeout $(( $(left) - 10 )) python3 benchmarks/serve_bench.py --plan $2 $SARGS $(MIX) --json "$OUT/serve-strata-$1.json" \
     > "$OUT/serve-strata-$1.log" 2>&1; tail -8 "$OUT/serve-strata-$1.log" | tee -a "$OUT/summary.txt"
-  timeout $(( $(left) - 10 )) python3 benchmarks/serve_bench.py --plan $2 $SARGS $(TTFT) --json "$OUT/ttft-strata-$1.json" \
-    > "$OUT/ttft-strata-$1.log" 2>&1; tail -3 "$OUT/ttft-strata-$1.log" | tee -a "$OUT/summary.txt"
+  [ "${TTFT_RUN:-1}" = 0 ] || { timeout $(( $(left) - 10 )) python3 benchmarks/serve_bench.py --plan $2 $SARGS $(TTFT) \
+    --json "$OUT/ttft-strata-$1.json" > "$OUT/ttft-strata-$1.log" 2>&1; tail -3 "$OUT/ttft-strata-$1.log" | tee -a "$OUT/summary.txt"; }
 }
 
 llama_bench() {    # name extra-args
@@ -47,6 +47,11 @@ llama_bench() {    # name extra-args
   kill $pid; wait $pid 2>/dev/null
 }
 
+# the serving libraries, where the machine's Python lacks them (it has no network): wheels carried in build/wheels
+# (pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 fastapi uvicorn openai httpx jinja2)
+python3 -c "import fastapi, uvicorn, openai, httpx, jinja2" 2>/dev/null || [ ! -d build/wheels ] || \
+  python3 -m pip install -q --no-index --find-links build/wheels fastapi uvicorn openai httpx jinja2 > "$OUT/wheels.log" 2>&1 \
+  || tail -3 "$OUT/wheels.log"
 if [ "${PHASE:-1}" = strata ]; then
   python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
   log "model"
@@ -55,7 +60,7 @@ if [ "${PHASE:-1}" = strata ]; then
     log "compile $pl"
     extra=""; [ $pl = cpu8 ] && extra="--place $PLACE8"
     stratac compile $M -o $W/p-$pl --quant int4 $extra > $W/c-$pl.log 2>&1 || { tail -3 $W/c-$pl.log | tee -a "$OUT/summary.txt"; continue; }
-    [ $pl = gpu ] && { log "ragged check"; python3 benchmarks/ragged_check.py $W/p-gpu 2>&1 | tail -2 | tee -a "$OUT/summary.txt"; }
+    [ $pl = gpu ] && [ "${RAGGED:-1}" = 1 ] && { log "ragged check"; python3 benchmarks/ragged_check.py $W/p-gpu 2>&1 | tail -2 | tee -a "$OUT/summary.txt"; }
     strata_bench $pl $W/p-$pl
   done
 elif [ "${PHASE:-1}" = 1 ]; then

@@ -109,7 +109,10 @@ def tokenizer_json_from_spm(proto_bytes: bytes) -> str:
     m = pb.ModelProto()
     m.ParseFromString(proto_bytes)
     vocab = {p.piece: i for i, p in enumerate(m.pieces)}
-    tok = SpmConverter.build_tokenizer_from_spm_proto(m, vocab, legacy=True)
+    try:
+        tok = SpmConverter.build_tokenizer_from_spm_proto(m, vocab, legacy=True)
+    except TypeError:       # transformers 5.17's SpmConverter has no `legacy` argument
+        tok = SpmConverter.build_tokenizer_from_spm_proto(m, vocab)
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
     tok.post_processor = processors.TemplateProcessing(
         single=f"{SPECIALS[1]} $A", pair=f"{SPECIALS[1]} $A {SPECIALS[1]} $B",

@@ -70,7 +70,8 @@ class BatchScheduler(Scheduler):
 
     def warm_up(self) -> None:
         """Build every program serving needs before the server says ready: each prefill length up
-        to one chunk (the xla backend pads to buckets), the row hand-over, the batch's decode step."""
+        to one chunk (the xla backend pads to buckets), the row hand-over, the decode step of each
+        row count (_rows)."""
         vocab = self.plan.meta["model"]["vocab_size"]
         s = self.session
         T = 1
@@ -82,7 +83,12 @@ class BatchScheduler(Scheduler):
                 break
             T = min(T * 2 if T > 1 else 16, self.chunk, self.ctx)
         s.load_row(self.kv, 0, self.pre)
-        self._decode_step()
+        rows = 1
+        while True:             # each batch size a decode step may run (_rows)
+            self._decode_step(rows)
+            if rows >= self.max_batch or self.session.backend in ("llvm", "reference"):
+                break
+            rows = min(rows * 2, self.max_batch)
         self.kv.length = 0
         self.pre.length = 0
 
@@ -213,9 +219,9 @@ class BatchScheduler(Scheduler):
         self.slots[seq.slot] = None
         self.kv.lengths[seq.slot] = 0
 
-    def _decode_step(self) -> np.ndarray:
-        """One step of the batch's rows (the dummy token 0 where no sequence runs); logits [rows, V]."""
-        rows = self._rows()
+    def _decode_step(self, rows: int) -> np.ndarray:
+        """One step of the batch's first `rows` rows (the dummy token 0 where no sequence runs);
+        logits [rows, V]."""
         ids = np.zeros((rows, 1), np.int64)
         for seq in self._active():
             ids[seq.slot, 0] = seq.last
@@ -227,13 +233,14 @@ class BatchScheduler(Scheduler):
         return logits
 
     def _rows(self) -> int:
-        """How many leading rows a step runs: all of them where the cache may live on a device (one
-        compiled program), else up to the last busy slot (the CPU backends write the host arrays in
-        place: a view of the first rows costs nothing)."""
-        if self.session.backend not in ("llvm", "reference"):
-            return self.max_batch
+        """How many leading rows a step runs: up to the last busy slot (new sequences take the
+        lowest free slot, so the busy ones stay near the top), rounded up to a power of two where
+        each row count is a compiled program (xla), exact on the CPU backends."""
         busy = [i for i, s in enumerate(self.slots) if s is not None]
-        return busy[-1] + 1 if busy else 1
+        n = busy[-1] + 1 if busy else 1
+        if self.session.backend in ("llvm", "reference"):
+            return n
+        return min(1 << (n - 1).bit_length(), self.max_batch)
 
     def _decode(self) -> None:
         for seq in self._active():         # free the slots of cancelled sequences before stepping
@@ -244,7 +251,7 @@ class BatchScheduler(Scheduler):
         for i, s in enumerate(self.slots):
             if s is None:
                 self.kv.lengths[i] = 0
-        logits = self._decode_step()
+        logits = self._decode_step(self._rows())
         for seq in self._active():
             seq.tokens.append(seq.last)
             if seq.req.cancelled.is_set():

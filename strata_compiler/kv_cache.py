@@ -48,18 +48,18 @@ class KVCache:
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Write k, v f32[B, KV, T, hd] at each row's positions [length_b, length_b + T); return the
         rows' caches up to the longest end (positions past a row's own end are not its keys)."""
-        t = k.shape[2]
+        t, B = k.shape[2], len(self.lengths)
         pos = self.positions(t)
         if self.uniform:
             p = int(pos[0]) if pos.size else 0
-            self.k[layer][:, :, p:p + t] = k
-            self.v[layer][:, :, p:p + t] = v
+            self.k[layer][:B, :, p:p + t] = k
+            self.v[layer][:B, :, p:p + t] = v
         else:
             for b, p in enumerate(pos):
                 self.k[layer][b, :, p:p + t] = k[b]
                 self.v[layer][b, :, p:p + t] = v[b]
         end = self.length + t
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        return self.k[layer][:B, :, :end], self.v[layer][:B, :, :end]
 
     def advance(self, t: int) -> None:
         self.lengths += t
@@ -76,11 +76,12 @@ class KVCache:
         self.lengths[slot] = n
 
     def head(self, rows: int) -> "KVCache":
-        """A cache of the first `rows` rows sharing this one's arrays and lengths (views: a backend
-        that writes host arrays in place writes this cache)."""
+        """The first `rows` rows as a cache of their own: the same per-layer lists of arrays (a
+        backend that replaces a layer's array replaces it here too) and a view of their lengths.
+        A step on it runs `rows` sequences over arrays of this cache's batch: backends index rows,
+        they do not assume the arrays' batch is the step's."""
         view = KVCache.__new__(KVCache)
-        view.k = [a[:rows] for a in self.k]
-        view.v = [a[:rows] for a in self.v]
+        view.k, view.v = self.k, self.v
         view.capacity = self.capacity
         view.lengths = self.lengths[:rows]
         return view

@@ -93,6 +93,24 @@ def test_kernel_matches_reference(norm, H, KV, S, pos, B, clip, tune, monkeypatc
     np.testing.assert_allclose(np.asarray(V2), wV, atol=1e-6)
 
 
+def test_kernel_on_the_first_rows_of_a_larger_cache():
+    """A server's step runs rows [0, B) of a batch cache of Bc > B rows: the same results for those
+    rows, the other rows untouched."""
+    H, KV, hd, S, B, Bc = 4, 2, 16, 96, 2, 4
+    rng = np.random.default_rng(7)
+    qkv = rng.standard_normal((B, (H + 2 * KV) * hd)).astype(np.float32)
+    K = rng.standard_normal((Bc, KV, S, hd)).astype(np.float32)
+    V = rng.standard_normal((Bc, KV, S, hd)).astype(np.float32)
+    pos = np.array([40, 3], np.int32)
+    inv = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+    kw = dict(H=H, KV=KV, hd=hd, norm="none", inv_freq=inv, interpret=True)
+    small = pallas_attn.attention_decode(jnp.asarray(qkv), jnp.asarray(pos), jnp.asarray(K[:B]), jnp.asarray(V[:B]), **kw)
+    big = pallas_attn.attention_decode(jnp.asarray(qkv), jnp.asarray(pos), jnp.asarray(K), jnp.asarray(V), **kw)
+    assert np.array_equal(np.asarray(big[0]), np.asarray(small[0]))
+    assert np.array_equal(np.asarray(big[1])[:B], np.asarray(small[1])) and np.array_equal(np.asarray(big[1])[B:], K[B:])
+    assert np.array_equal(np.asarray(big[2])[B:], V[B:])
+
+
 def test_use_rules(monkeypatch):
     monkeypatch.delenv("STRATA_PALLAS", raising=False)
     monkeypatch.delenv("STRATA_PALLAS_ATTN", raising=False)

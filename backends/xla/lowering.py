@@ -165,7 +165,8 @@ def _rope(jnp, x, pos, hd, inv):
 
 
 def _cache_write(lax, jnp, cache, new, pos):
-    """new [B, KV, T, hd] into the cache [B, KV, S, hd] at each row's positions pos[b] + [0, T):
+    """new [B, KV, T, hd] into the cache [Bc >= B, KV, S, hd] (rows [0, B) are the step's) at each
+    row's positions pos[b] + [0, T):
     one slice update where the rows are uniform (T > 1 needs them: KVCache.positions; B == 1),
     else (ragged decode) a scatter of each row's one new entry (indices (b, pos[b]): sorted,
     unique, in bounds: KVCache.positions checked the capacity)."""
@@ -210,6 +211,8 @@ def _attention(c: _Ctx, n: Node, a: list):
     K = _cache_write(lax, jnp, c.ks[layer], k.transpose(0, 2, 1, 3), c.pos)
     V = _cache_write(lax, jnp, c.vs[layer], v.transpose(0, 2, 1, 3), c.pos)
     c.ks[layer], c.vs[layer] = K, V
+    if K.shape[0] != B:         # the step's rows of a larger batch cache (continuous batching)
+        K, V = K[:B], V[:B]
     S = K.shape[2]
     rep = H // KV
     qg = q.reshape(B, T, KV, rep, hd).transpose(0, 2, 3, 1, 4)               # [B, KV, rep, T, hd]

@@ -171,7 +171,7 @@ def chunk_rows(B: int, KV: int, S: int, BS: int, programs: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _call(B: int, H: int, KV: int, hd: int, S: int, norm: str, eps: float, clip, kv_dtype, interpret: bool,
-          BS: int, warps: int, programs: int):
+          BS: int, warps: int, programs: int, Bc: int | None = None):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -182,7 +182,7 @@ def _call(B: int, H: int, KV: int, hd: int, S: int, norm: str, eps: float, clip,
     C = chunk_rows(B, KV, S, BS, programs)
     kernel = functools.partial(_attn_kernel, H=H, KV=KV, hd=hd, S=S, norm=norm, eps=eps, clip=clip,
                                scale=float(1.0 / np.sqrt(hd)), BS=BS, C=C)
-    cache = jax.ShapeDtypeStruct((B, KV, S, 2, half), kv_dtype)
+    cache = jax.ShapeDtypeStruct((Bc or B, KV, S, 2, half), kv_dtype)
     NS = -(-S // C)
     part = jax.ShapeDtypeStruct((B, NS, H), jnp.float32)
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1))
@@ -199,7 +199,8 @@ def attention_decode(qkv, pos, K, V, *, H: int, KV: int, hd: int, norm: str = "n
     qkv f32[B, (H + 2 KV) hd] (q heads, then k, then v); pos int32[B] (each sequence's new
     token's position; a scalar: the same for all); K, V [B, KV, S, hd] (the cache: row b's new
     entry is written at pos[b]); q_norm/k_norm the norm weights ([hd] for 'head', [H hd]/[KV hd] for
-    'full'); inv_freq f32[hd/2] (RoPE). Returns (out f32[B, H hd], K, V)."""
+    'full'); inv_freq f32[hd/2] (RoPE). The cache may hold more rows than the step (Bc >= B: a
+    server's batch cache, of which rows [0, B) decode). Returns (out f32[B, H hd], K, V)."""
     import jax.numpy as jnp
 
     B = qkv.shape[0]
@@ -214,11 +215,12 @@ def attention_decode(qkv, pos, K, V, *, H: int, KV: int, hd: int, norm: str = "n
         qn, kn = q_norm.astype(f32).reshape(H, 2, half), k_norm.astype(f32).reshape(KV, 2, half)
     else:
         qn = kn = one
+    Bc = K.shape[0]
     call = _call(B, H, KV, hd, S, norm, float(eps), None if clip is None else float(clip), jnp.dtype(K.dtype),
-                 bool(interpret), *tuning())
+                 bool(interpret), *tuning(), Bc=Bc)
     p = jnp.broadcast_to(jnp.reshape(pos, (-1,)).astype(jnp.int32), (B,))
-    m, l, acc, K2, V2 = call(p, qkv, qn, kn, jnp.asarray(inv_freq, f32), K.reshape(B, KV, S, 2, half),
-                             V.reshape(B, KV, S, 2, half))
+    m, l, acc, K2, V2 = call(p, qkv, qn, kn, jnp.asarray(inv_freq, f32), K.reshape(Bc, KV, S, 2, half),
+                             V.reshape(Bc, KV, S, 2, half))
     # the blocks' partial softmaxes combined (flash-decoding): weights exp(m_j - max m), 0 for
     # blocks wholly past pos (m_j = -inf); block 0 always holds row 0, so the max is finite
     w = jnp.exp(m - m.max(axis=1, keepdims=True))                                        # [B, NS, H]
