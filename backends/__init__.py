@@ -28,9 +28,9 @@ def llvm_available() -> tuple[bool, str]:
 def resolve_backend(name: str) -> str:
     """The backend a run uses for `--backend name` on this host."""
     if name == "auto":
-        from .xla.device import gpu_available
+        from .xla.device import cuda_device_count, gpu_available
 
-        if gpu_available():
+        if cuda_device_count() and gpu_available():     # (the driver first: JAX is imported only for a GPU)
             return "xla"
         return "llvm" if llvm_available()[0] else "reference"
     if name == "reference":

@@ -25,6 +25,23 @@ def _jax():
     return jax
 
 
+@functools.cache
+def cuda_device_count() -> int:
+    """CUDA devices this process may use, asked of the driver (libcuda: honours
+    CUDA_VISIBLE_DEVICES) without importing JAX: `--backend auto` on a host without a GPU never
+    pays JAX's import. (A count > 0 is then confirmed by JAX itself: `gpu_available`.)"""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
 def gpus() -> list:
     jax = _jax()
     try:
