@@ -31,21 +31,21 @@ import subprocess  # noqa: E402
 import pytest  # noqa: E402
 
 
+def _compile_tiny(tmp_path_factory, quant: str) -> Path:
+    out = tmp_path_factory.mktemp(f"tiny_{quant}")
+    subprocess.run([sys.executable, "-c", "from strata_compiler.cli import main; main()", "compile",
+                    str(_REPO_ROOT / "examples" / "models" / "tiny-moe"), "-o", str(out), "--quant", quant],
+                   check=True, capture_output=True, timeout=300)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_int8_plan(tmp_path_factory) -> Path:
     """examples/models/tiny-moe compiled once with --quant int8 (the server and chat tests' plan)."""
-    out = tmp_path_factory.mktemp("tiny_int8")
-    subprocess.run([sys.executable, "-c", "from strata_compiler.cli import main; main()", "compile",
-                    str(_REPO_ROOT / "examples" / "models" / "tiny-moe"), "-o", str(out), "--quant", "int8"],
-                   check=True, capture_output=True, timeout=300)
-    return out
+    return _compile_tiny(tmp_path_factory, "int8")
 
 
 @pytest.fixture(scope="session")
 def tiny_f32_plan(tmp_path_factory) -> Path:
     """examples/models/tiny-moe compiled once with --quant f32 (the batching and prompt-cache tests' plan)."""
-    out = tmp_path_factory.mktemp("tiny_f32")
-    subprocess.run([sys.executable, "-c", "from strata_compiler.cli import main; main()", "compile",
-                    str(_REPO_ROOT / "examples" / "models" / "tiny-moe"), "-o", str(out), "--quant", "f32"],
-                   check=True, capture_output=True, timeout=300)
-    return out
+    return _compile_tiny(tmp_path_factory, "f32")

@@ -38,6 +38,19 @@ def plan_dir(tiny_int8_plan) -> Path:
     return tiny_int8_plan
 
 
+def _wait_ready(proc, base: str, log: Path) -> None:
+    deadline = time.time() + 120
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, "the server never became ready"
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def server(plan_dir, tmp_path_factory):
     port = _free_port()
@@ -50,16 +63,7 @@ def server(plan_dir, tmp_path_factory):
                              str(plan_dir), "--config", str(cfg), "--api-key", KEY, "--log-level", "warning"],
                             stdout=subprocess.DEVNULL, stderr=err)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.time() < deadline, "the server never became ready"
-        time.sleep(0.2)
+    _wait_ready(proc, base, log)
     yield proc, base, log
     if proc.poll() is None:
         proc.kill()
@@ -313,16 +317,8 @@ def _spawn(plan_dir, args: list[str], log: Path):
                              "--log-level", "warning", *args], stdout=subprocess.DEVNULL, stderr=err)
     err.close()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        assert time.time() < deadline, "the server never became ready"
-        time.sleep(0.2)
+    _wait_ready(proc, base, log)
+    return proc, base
 
 
 def test_one_slot_freed_by_a_cancel_and_the_prompt_cache_kept(plan_dir, tmp_path):
