@@ -46,6 +46,7 @@ def run(launch: Callable[[Any], Any], finish: Callable[[Any, bool], np.ndarray],
     t_fin = time.perf_counter_ns()
     cur = launch(None)
     t_launch = [time.perf_counter_ns()]
+    made = 0
     try:
         for i in range(n):
             nxt = None
@@ -53,6 +54,7 @@ def run(launch: Callable[[Any], Any], finish: Callable[[Any, bool], np.ndarray],
                 nxt = launch(cur)
                 t_launch.append(time.perf_counter_ns())
             out[:, i] = finish(cur, True)
+            made = i + 1
             if after is not None:
                 after(cur)
             cur = None
@@ -66,6 +68,9 @@ def run(launch: Callable[[Any], Any], finish: Callable[[Any, bool], np.ndarray],
             if done.all():
                 return out[:, :i + 1]
         return out
+    except KeyboardInterrupt as e:      # Ctrl-C: the steps that finished go with it (Session.generate keeps them)
+        e.tokens = out[:, :made]
+        raise
     finally:
         if cur is not None:
             finish(cur, False)

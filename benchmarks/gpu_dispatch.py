@@ -64,7 +64,7 @@ def main() -> int:
     leaves = len(jax.tree_util.tree_leaves(exe.params))
     ext = {i: jax.device_put(np.zeros(exe.g.node(i).type.shape[-1:], np.float32)[None], dev) for i in exe.inputs}
     ids = jax.device_put(np.zeros((1, 1), np.int32), dev)
-    pos = jax.device_put(np.int32(cache.length), dev)
+    pos = jax.device_put(cache.positions(1).astype(np.int32), dev)     # each row's position (int32[B])
     state = [{l: jnp.array(cache.k[l]) for l in exe.layers}, {l: jnp.array(cache.v[l]) for l in exe.layers}]
 
     def timed(call, before=None):

@@ -238,11 +238,8 @@ def calibrate(g: Graph, ctx: PassContext) -> Graph:
                             f"(pipelines.compile_model) into the pass context's calib_plan")
         calib = calibration_from_plan(plan, g)
         ctx.analyses.calibration = calib
-        donor = _donor(plan, g, ctx.store)
-        if donor is not None and plan.meta.get("options", {}).get("imatrix", True) != opts.imatrix:
-            donor = None        # its scales were chosen the other way: quantize afresh
-        if donor is not None:
-            ctx.analyses.donor_plan = donor       # emit copies its weights where the formats match
+        if _donor(plan, g, ctx.store):
+            ctx.analyses.donor_plan = plan        # emit checks the tensors, copies weights where formats match
         if ctx.dump_dir is not None:
             ctx.dump_dir.mkdir(parents=True, exist_ok=True)
             (ctx.dump_dir / "calibration.json").write_text(json.dumps(calib.summary(), indent=1, sort_keys=True))
@@ -307,19 +304,21 @@ def calibration_from_plan(plan, g: Graph) -> Calibration:
     return c
 
 
-def _donor(plan, g: Graph, store):
-    """The plan behind --calib PLAN.bin, when it was built from these very weights (its source
-    fingerprint matches): emit then copies its quantized arrays instead of quantizing again."""
-    from strata_compiler.weights import source_fingerprint
-
-    theirs = plan.meta.get("source_fingerprint")
-    if not theirs or store is None:
-        return None
-    ours = source_fingerprint(store, (k for w in g.weights for k in w.all_source_keys()))
-    if ours != theirs:
-        raise UsageError(f"--calib {plan.path}: that plan was compiled from other weights than this model's; "
-                         f"calibrate this model (--calib TEXT) or pass a plan of the same checkpoint")
-    return plan
+def _donor(plan, g: Graph, store) -> bool:
+    """Whether the plan behind --calib PLAN.bin donates its quantized weights: it records a hash
+    of every source tensor (older plans do not: their calibration is reused, the weights are
+    quantized afresh). The tensor names must be this checkpoint's, checked here before any work;
+    emit compares every tensor's hash as the weights stream and refuses a changed one."""
+    theirs = plan.meta.get("source_hashes")
+    if not isinstance(theirs, dict) or store is None:
+        return False
+    ours = {k for w in g.weights for k in w.all_source_keys()}
+    if set(theirs) != ours:
+        odd = sorted(ours.symmetric_difference(theirs))[0]
+        raise UsageError(f"--calib {plan.path}: that plan was compiled from other weights than this model's "
+                         f"(tensor {odd[:200]!r} is in only one of them); calibrate this model (--calib TEXT) or pass "
+                         f"a plan of the same checkpoint")
+    return True
 
 
 def sensitivity(graph, weights, calib, group_size: int, names: list[str], probe: str = PROBE_FORMAT,

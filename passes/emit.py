@@ -4,7 +4,10 @@ weights.bin is a container (plan_format) with one 4 KiB-aligned section per stor
 named `<weight>:<array>` (e.g. `L0.attn.q_k_v:qs`), streamed one row block at a time so the
 compiler never holds a whole weight. plan.bin holds the metadata (JSON), the kernel-level IR
 (text) and the tokenizer, and names weights.bin with its size and body checksum. Both are
-written to a temp file and renamed; the same inputs give the same bytes.
+written under temporary names and renamed into place together at the end; the same inputs give
+the same bytes. The metadata records a SHA-256 of every source tensor's values (computed as the
+weights stream), so `--calib PLAN.bin` copies a plan's quantized arrays only when the checkpoint
+is the one that plan was compiled from.
 """
 
 from __future__ import annotations
@@ -18,14 +21,14 @@ from typing import Iterator
 import numpy as np
 
 from strata_compiler import __version__, settings
-from strata_compiler.errors import PassError
+from strata_compiler.errors import PassError, UsageError
 from strata_compiler.formats import get_format
 from strata_compiler.ir import Graph, Level, WeightSpec
 from strata_compiler.ir_text import print_graph
 from strata_compiler.pass_manager import PassContext, register
 from strata_compiler.plan_format import (PLAN_MAGIC, WEIGHTS_ALIGN, WEIGHTS_FILE, WEIGHTS_MAGIC, Container,
                                          ContainerWriter, imatrix_section, section_name)
-from strata_compiler.weights import iter_blocks, source_fingerprint
+from strata_compiler.weights import iter_blocks
 
 _POOL = None
 
@@ -60,7 +63,8 @@ def _ordered_map(fn, items):
         yield pending.popleft().result()
 
 
-def _write_weight(w: ContainerWriter, spec: WeightSpec, store, progress, importance=None) -> int:
+def _write_weight(w: ContainerWriter, spec: WeightSpec, store, progress, hashes: dict[str, str],
+                  importance=None) -> int:
     fmt = get_format(spec.fmt)
     gs = spec.group_size or 32
     names = list(fmt.array_shapes(spec.shape, gs))
@@ -71,16 +75,15 @@ def _write_weight(w: ContainerWriter, spec: WeightSpec, store, progress, importa
     def quantize(item):
         e, block = item
         imp = None if importance is None else (importance[e] if importance.ndim == 2 else importance)
-        return block.nbytes, fmt.quantize(block, gs, imp)
+        return fmt.quantize(block, gs, imp)
 
     def first_array() -> Iterator[np.ndarray]:
         # The first array streams; the others (per-group scales: 1/16 of the size) wait in memory.
         # Blocks are quantized on worker threads (NumPy releases the GIL), written in order.
-        for nbytes, arrays in _ordered_map(quantize, iter_blocks(spec, store, with_expert=True)):
+        blocks = iter_blocks(spec, store, with_expert=True, hashes=hashes, progress=progress)
+        for arrays in _ordered_map(quantize, blocks):
             for n in names[1:]:
                 rest[n].append(arrays[n])
-            if progress:
-                progress(nbytes // 2)
             yield arrays[names[0]]
 
     total = w.add_stream(section_name(spec.name, names[0]), first_array(), align=WEIGHTS_ALIGN).length
@@ -89,12 +92,16 @@ def _write_weight(w: ContainerWriter, spec: WeightSpec, store, progress, importa
     return total
 
 
-def _from_donor(donor, spec: WeightSpec) -> dict[str, np.ndarray] | None:
+def _from_donor(donor, spec: WeightSpec, imatrix: bool) -> dict[str, np.ndarray] | None:
     """The stored arrays of `spec` from an earlier plan of the same weights and calibration: the
     same weight, or (for one share of a layer's experts) those experts' rows of the whole layer's
-    weight. None when the donor has no such weight in the same format."""
+    weight. None when the donor has no such weight in the same format, or chose its scales the
+    other way (--imatrix / --no-imatrix)."""
     from dataclasses import replace as dc_replace
 
+    opts = donor.meta.get("options")
+    if not isinstance(opts, dict) or opts.get("imatrix", True) != imatrix:
+        return None
     dg = donor.graph
     if dg.has_weight(spec.name) and dg.weight(spec.name) == spec:
         return {a: np.asarray(v) for a, v in donor.weights.arrays(spec.name).items()}
@@ -109,6 +116,17 @@ def _from_donor(donor, spec: WeightSpec) -> dict[str, np.ndarray] | None:
     return None
 
 
+def _check_donor_sources(donor, spec: WeightSpec, hashes: dict[str, str]) -> None:
+    """--calib PLAN.bin: every source tensor of `spec` must hash as it did when that plan was
+    compiled (its calibration, and the arrays emit copies, belong to those weights)."""
+    theirs = donor.meta["source_hashes"]
+    for key in dict.fromkeys(spec.all_source_keys()):
+        if theirs.get(key) != hashes[key]:
+            raise UsageError(f"--calib {donor.path}: that plan was compiled from other weights than this model's "
+                             f"(tensor {key} differs); calibrate this model (--calib TEXT) or pass a plan of the "
+                             f"same checkpoint")
+
+
 @register("emit", Level.KERNEL)
 def emit(g: Graph, ctx: PassContext) -> Graph:
     """Write plan.bin (metadata, kernel IR, tokenizer) and weights.bin (packed weights)."""
@@ -116,24 +134,50 @@ def emit(g: Graph, ctx: PassContext) -> Graph:
         raise PassError("pass emit needs an output directory and the model's tensors")
     out = ctx.output_dir
     out.mkdir(parents=True, exist_ok=True)
+    # Both files are written under temporary names and renamed into place together at the end:
+    # a failure anywhere leaves the folder as it was (the compile driver removes what it created).
+    staged = {name: out / f"{name}.tmp-{os.getpid()}" for name in (WEIGHTS_FILE, "plan.bin")}
+    try:
+        sections = _write_weights(g, ctx, staged[WEIGHTS_FILE])
+        with ContainerWriter(staged["plan.bin"], PLAN_MAGIC) as p:
+            for name, data in sections:
+                p.add(name, data)
+        for name, path in staged.items():
+            os.replace(path, out / name)
+    finally:
+        for path in staged.values():
+            path.unlink(missing_ok=True)
+    return g
+
+
+def _write_weights(g: Graph, ctx: PassContext, path: Path) -> list[tuple[str, bytes]]:
+    """Write weights.bin at `path`; returns the sections of the plan.bin that describes it."""
+    store = ctx.store
+    keys = dict.fromkeys(k for s in g.weights for k in s.all_source_keys())
+    total = sum(store.info(k).nbytes for k in keys)
+    progress = (lambda n: ctx.progress_bytes(n, total)) if ctx.progress_bytes else None
+    hashes: dict[str, str] = {}           # source key -> sha256 of its values (weights.iter_blocks)
     bytes_by_format: dict[str, int] = defaultdict(int)
     donor = ctx.analyses.donor_plan       # --calib PLAN.bin: its quantized weights, reused
     reused = 0
-    with ContainerWriter(out / WEIGHTS_FILE, WEIGHTS_MAGIC) as w:
-        calib = ctx.analyses.calibration
+    calib = ctx.analyses.calibration
+    with ContainerWriter(path, WEIGHTS_MAGIC) as w:
         for spec in g.weights:
-            arrays = _from_donor(donor, spec) if donor is not None else None
+            arrays = _from_donor(donor, spec, ctx.options.imatrix) if donor is not None else None
             if arrays is not None:
+                for _ in iter_blocks(spec, store, hashes=hashes, progress=progress):
+                    pass                  # read anyway: the hashes decide whether the copy is right
+                _check_donor_sources(donor, spec, hashes)
                 n = sum(w.add(section_name(spec.name, a), v, align=WEIGHTS_ALIGN).length for a, v in arrays.items())
                 bytes_by_format[spec.fmt] += n
                 reused += 1
-                if ctx.progress_bytes:
-                    ctx.progress_bytes(sum(ctx.store.info(k).nbytes for k in spec.all_source_keys()))
                 continue
             imp = calib.importance(spec.name) if calib is not None and ctx.options.imatrix else None
-            bytes_by_format[spec.fmt] += _write_weight(w, spec, ctx.store, ctx.progress_bytes, imp)
+            bytes_by_format[spec.fmt] += _write_weight(w, spec, store, progress, hashes, imp)
+            if donor is not None:
+                _check_donor_sources(donor, spec, hashes)
     ctx.analyses.reused_weights = reused
-    with Container.open(out / WEIGHTS_FILE, WEIGHTS_MAGIC, verify="none") as c:
+    with Container.open(path, WEIGHTS_MAGIC, verify="none") as c:
         weights_ref = {"file": WEIGHTS_FILE, "size": c.total_size, "checksum": c.body_checksum}
     meta = {
         "strata_version": __version__,
@@ -143,7 +187,7 @@ def emit(g: Graph, ctx: PassContext) -> Graph:
         "model": {k: list(v) if isinstance(v, tuple) else v for k, v in g.meta},
         "weights": dict(weights_ref, bytes_by_format=dict(sorted(bytes_by_format.items()))),
         "passes": [r["pass"] for r in ctx.analyses.pass_records if r["pass"] != "input"],
-        "source_fingerprint": source_fingerprint(ctx.store, (k for s in g.weights for k in s.all_source_keys())),
+        "source_hashes": dict(sorted(hashes.items())),
     }
     if ctx.chat is not None:
         meta["chat"] = ctx.chat
@@ -154,7 +198,4 @@ def emit(g: Graph, ctx: PassContext) -> Graph:
         sections.append(("tokenizer", ctx.tokenizer_json))
     if calib is not None:
         sections.append(("imatrix", imatrix_section({n: calib.importance(n) for n in calib.sumsq})))
-    with ContainerWriter(out / "plan.bin", PLAN_MAGIC) as p:
-        for name, data in sections:
-            p.add(name, data)
-    return g
+    return sections

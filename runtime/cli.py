@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -10,33 +15,163 @@ import click
 import numpy as np
 
 from strata_compiler.cli_common import debug_option, run_cli
-from strata_compiler.errors import UsageError
+from strata_compiler.errors import PlanError, StrataError, UsageError
+
+
+class RunInterrupted(StrataError):
+    """Ctrl-C: the run stopped (what it had made is printed and saved first)."""
+
+    exit_code = 130
+
+
+class OutputError(StrataError):
+    """An output file (--tokens-out, --logits-out, --trace) could not be written."""
+
+
+class _CtrlC:
+    """Ctrl-C (SIGINT) while strata-run works.
+
+    Before the first token nothing would be lost, so it ends the run at once: KeyboardInterrupt in
+    the main thread, and where that is swallowed (Python ignores exceptions raised in finalizers,
+    e.g. llvmlite's while kernels compile) or the main thread sits in a long native call, a thread
+    woken by the signal's wakeup fd prints the line and exits 130 after GRACE seconds. From the
+    first token on (`decoding`), Session.generate keeps what was made: the KeyboardInterrupt, and
+    `on_token`, which stops at the next step should that one have been swallowed."""
+
+    GRACE = 0.5
+
+    def __init__(self) -> None:
+        self.hits = 0
+        self.decoding = False
+        self._lock = threading.Lock()
+        self._claimed = False
+        self._saved: tuple | None = None
+
+    def __enter__(self) -> "_CtrlC":
+        if threading.current_thread() is threading.main_thread():
+            r, w = os.pipe()
+            os.set_blocking(w, False)
+            self._saved = (signal.signal(signal.SIGINT, self._on_signal),
+                           signal.set_wakeup_fd(w, warn_on_full_buffer=False), sys.unraisablehook, w)
+            sys.unraisablehook = self._unraisable
+            threading.Thread(target=self._watch, args=(r,), name="strata-run ctrl-c", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is not None:
+            handler, fd, hook, w = self._saved
+            signal.signal(signal.SIGINT, handler)
+            signal.set_wakeup_fd(fd)
+            sys.unraisablehook = hook
+            os.close(w)         # the watcher's read ends: it closes its end and returns
+            self._saved = None
+
+    def claim(self) -> bool:
+        """The main thread reports the interrupt (False: the watcher already has, and exits)."""
+        with self._lock:
+            first, self._claimed = not self._claimed, True
+            return first
+
+    def on_token(self, i: int) -> bool:
+        """Session.generate's hook: decoding has begun; True stops it (a Ctrl-C was swallowed)."""
+        self.decoding = True
+        return self.hits > 0
+
+    def _on_signal(self, signum, frame) -> None:
+        self.hits += 1
+        raise KeyboardInterrupt
+
+    def _unraisable(self, u) -> None:
+        if not isinstance(u.exc_value, KeyboardInterrupt):     # counted in `hits`; acted on above
+            self._saved[2](u)
+
+    def _watch(self, r: int) -> None:
+        while data := os.read(r, 64):
+            if signal.SIGINT not in data:
+                continue
+            time.sleep(self.GRACE)
+            if self.decoding or self._saved is None:
+                continue
+            with self._lock:
+                if not self._claimed:
+                    self._claimed = True
+                    os.write(2, b"error: interrupted (Ctrl-C) before the first token; nothing was written\n")
+                    os._exit(130)
+        os.close(r)
+
+
+def _finite(ctx, param, value: float) -> float:
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number", ctx, param)
+    return value
 
 
 def _load_ids(path: Path) -> np.ndarray:
+    from strata_compiler.untrusted import open_regular
+
     try:
-        ids = np.load(path, allow_pickle=False)
+        with open_regular(path) as f:       # a regular file only: a FIFO would block np.load
+            ids = np.load(f, allow_pickle=False)
     except (OSError, ValueError, EOFError) as e:
         raise UsageError(f"--input-ids {path}: cannot read a .npy array ({str(e) or e.__class__.__name__})") from None
     if not isinstance(ids, np.ndarray):
         raise UsageError(f"--input-ids {path}: expected one .npy array, not an .npz archive")
     if ids.ndim == 1:
         ids = ids[None]
-    if ids.ndim != 2 or ids.dtype.kind not in "iu" or ids.shape[1] == 0:
-        raise UsageError(f"--input-ids {path}: expected integer token ids of shape [B, T], got {ids.dtype}{list(ids.shape)}")
+    if ids.ndim != 2 or ids.dtype.kind not in "iu" or 0 in ids.shape:
+        raise UsageError(f"--input-ids {path}: expected integer token ids of shape [B, T] (B, T >= 1), "
+                         f"got {ids.dtype}{list(ids.shape)}")
     return ids.astype(np.int64)
 
 
 def _check_out(flag: str, path: Path | None) -> None:
-    """An output file's folder must exist before the run, not after it (no traceback, no lost run)."""
-    if path is not None and not path.parent.is_dir():
+    """An output file's folder must exist and the file, if there, be a regular one (a device such
+    as /dev/full would be replaced by the rename) before the run, not after it."""
+    if path is None:
+        return
+    if not path.parent.is_dir():
         raise UsageError(f"{flag} {path}: the folder {path.parent} does not exist; create it or give another path")
+    if os.path.lexists(path) and not path.is_file():
+        raise UsageError(f"{flag} {path}: exists and is not a regular file; give a file path")
+    if not os.access(path.parent, os.W_OK):
+        raise UsageError(f"{flag} {path}: the folder {path.parent} is not writable; give another path")
 
 
-def _save(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp.npy")
-    np.save(tmp, arr)
-    tmp.replace(path)
+def _write(flag: str, path: Path, write) -> None:
+    """write(file) into a temp file beside `path`, then a rename: `path` is whole or as it was.
+    A failure (a full disk) is one OutputError naming the flag."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"{flag} {path}: cannot write it ({e.strerror or e}); {path.name} was left as it was") \
+            from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _tokenizer(plan, needed: str | None):
+    """The plan's tokenizer, or None. `needed` (the flag that needs it): a broken tokenizer section
+    is an error; else (--input-ids) it is skipped with one warning and ids are printed."""
+    if plan.tokenizer_json is None:
+        return None
+    try:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_str(plan.tokenizer_json.decode())
+    except Exception as e:      # noqa: BLE001 - UnicodeDecodeError, the tokenizers library's parse errors
+        why = "not UTF-8" if isinstance(e, UnicodeDecodeError) else f"not a tokenizer.json: {str(e)[:120]}"
+        if needed:
+            raise PlanError(f"{plan.path}: the tokenizer section is {why}; {needed} needs it (recompile the plan "
+                            f"from a model folder with a valid tokenizer.json, or use --input-ids)") from None
+        click.echo(f"strata-run: warning: {plan.path}: the tokenizer section is {why}; printing token ids", err=True)
+        return None
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -46,14 +181,17 @@ def _save(path: Path, arr: np.ndarray) -> None:
 @click.option("-n", "--max-new-tokens", type=click.IntRange(0), default=32, show_default=True,
               help="Tokens to generate after the prompt (fewer if every sequence reaches EOS).")
 @click.option("--greedy", is_flag=True, help="Pick the most likely token (the default unless --temperature > 0).")
-@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True,
+@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, callback=_finite,
               help="Sampling temperature; 0 is greedy.")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
-              help="Nucleus sampling: keep the most likely tokens whose probabilities sum to this.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler.")
+              callback=_finite, help="Nucleus sampling: keep the most likely tokens whose probabilities sum to this.")
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the sampler.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")
 @click.option("--logits-out", type=click.Path(path_type=Path), help="Save the prompt logits, float32 [B, T, V], as .npy.")
-@click.option("--tokens-out", type=click.Path(path_type=Path), help="Save the generated ids, int64 [B, N], as .npy.")
+@click.option("--tokens-out", type=click.Path(path_type=Path), help="Save the generated ids, int64 [B, N], as .npy "
+              "(after Ctrl-C: those made before it).")
+@click.option("--prefill-chunk", type=click.IntRange(1), default=512, show_default=True,
+              help="Prompt tokens per prefill step: a long prompt's activation memory is bounded by this.")
 @click.option("--backend", type=click.Choice(["auto", "reference", "llvm", "xla"]), default="auto", show_default=True,
               help="Where kernels run: auto runs a placed plan (--target, --place) as placed and any other on the "
                    "best available backend (xla on a GPU, else llvm); a name runs every op there.")
@@ -98,16 +236,12 @@ def _save(path: Path, arr: np.ndarray) -> None:
 @debug_option
 def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_new_tokens: int, greedy: bool,
                temperature: float, top_p: float, seed: int, ignore_eos: bool, logits_out: Path | None,
-               tokens_out: Path | None, backend: str, device: str, trace_out: Path | None, stats: bool,
+               tokens_out: Path | None, prefill_chunk: int, backend: str, device: str, trace_out: Path | None, stats: bool,
                expert_cache: bool, prefetch: bool, miss_path: str, cache_policy: str, multi_gpu: str,
                coordinator: str | None,
                num_processes: int | None, process_id: int | None, chat: bool, system_prompt: str | None,
                debug: bool) -> None:
     """Run PLAN_PATH (a plan.bin, or the directory holding it): prefill the prompt, then decode."""
-    from .plan import load_plan
-    from .sampler import Sampler
-    from .session import Session
-
     if chat:
         if prompt is not None or input_ids is not None:
             raise UsageError("--chat reads the conversation from the terminal; drop --prompt / --input-ids")
@@ -123,38 +257,71 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
         raise UsageError("--greedy and --temperature > 0 contradict each other; pick one")
     for flag, path in (("--trace", trace_out), ("--logits-out", logits_out), ("--tokens-out", tokens_out)):
         _check_out(flag, path)
-    lead = True
     if (coordinator, num_processes, process_id) != (None, None, None):
         if None in (coordinator, num_processes, process_id):
             raise UsageError("--coordinator, --num-processes and --process-id go together; give all three")
         if multi_gpu != "mesh":
             raise UsageError("--coordinator and --multi-gpu host conflict: several hosts run as one mesh")
+    ctrl = _CtrlC()
+    try:
+        with ctrl:
+            _run(**locals())        # every flag, and ctrl
+    except KeyboardInterrupt:
+        if ctrl.claim():
+            raise RunInterrupted("interrupted (Ctrl-C)" if ctrl.decoding else
+                                 "interrupted (Ctrl-C) before the first token; nothing was written") from None
+        threading.Event().wait()        # the watcher is printing its line and ending the process
+
+
+def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | None, max_new_tokens: int,
+         temperature: float, top_p: float, seed: int, ignore_eos: bool, logits_out: Path | None,
+         tokens_out: Path | None, prefill_chunk: int, backend: str, device: str, trace_out: Path | None,
+         stats: bool, expert_cache: bool, prefetch: bool, miss_path: str, cache_policy: str, multi_gpu: str,
+         coordinator: str | None, num_processes: int | None, process_id: int | None, chat: bool,
+         system_prompt: str | None, **_flags) -> None:
+    """strata-run after its flags were checked: start up, generate, report (Ctrl-C: `ctrl`)."""
+    from .plan import load_plan
+    from .sampler import Sampler
+    from .session import Interrupted, NonFiniteLogits, Session, check_room
+
+    lead = True
+    if coordinator is not None:
         from .distributed import initialize
 
         lead = initialize(coordinator, num_processes, process_id) == 0
     plan = load_plan(plan_path)
-    tokenizer = None
-    if plan.tokenizer_json is not None:
-        from tokenizers import Tokenizer
-        tokenizer = Tokenizer.from_str(plan.tokenizer_json.decode())
+    tokenizer = _tokenizer(plan, "--chat" if chat else "--prompt" if prompt is not None else None)
+
+    def start() -> Session:
+        return Session(plan, backend, device=device, expert_cache=expert_cache, cache_policy=cache_policy,
+                       prefetch=prefetch, multi_gpu=multi_gpu, miss_path=miss_path)
+
     if chat:
         from .chat_cli import start_chat
 
-        session = Session(plan, backend, device=device, expert_cache=expert_cache, cache_policy=cache_policy,
-                          prefetch=prefetch, multi_gpu=multi_gpu, miss_path=miss_path)
+        session = start()
+        ctrl.__exit__()         # from here on the chat's own Ctrl-C: it stops an answer, not the chat
         start_chat(plan, session, tokenizer, Sampler(temperature, top_p, seed), max_new_tokens, system_prompt,
                    ignore_eos)
         return
     if prompt is not None:
         if tokenizer is None:
             raise UsageError(f"{plan.path}: the plan has no tokenizer (the model folder had no tokenizer.json); use --input-ids")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError("--prompt: not valid UTF-8 text") from None
         ids = np.array([tokenizer.encode(prompt).ids], np.int64)
         if ids.shape[1] == 0:
             raise UsageError("--prompt: the prompt encodes to no tokens")
     else:
         ids = _load_ids(input_ids)
-    session = Session(plan, backend, device=device, expert_cache=expert_cache, cache_policy=cache_policy,
-                      prefetch=prefetch, multi_gpu=multi_gpu, miss_path=miss_path)
+        vocab = plan.meta["model"]["vocab_size"]
+        if ids.min() < 0 or ids.max() >= vocab:
+            bad = int(ids.min() if ids.min() < 0 else ids.max())
+            raise UsageError(f"--input-ids {input_ids}: token id {bad} is outside the vocabulary [0, {vocab})")
+    check_room(plan, *ids.shape, max_new_tokens, keep_logits=bool(logits_out))
+    session = start()
     from .chat import stop_ids
 
     stop = () if ignore_eos else stop_ids(plan)   # config.json's and generation_config.json's EOS ids
@@ -163,26 +330,62 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
     tracer = trace.Tracer(full=bool(trace_out)) if (trace_out or stats) else None
     trace.ACTIVE = tracer
     t_run = time.perf_counter()
+    stopped: BaseException | None = None
     try:
-        logits, new = session.generate(ids, max_new_tokens, Sampler(temperature, top_p, seed), stop)
+        logits, new = session.generate(ids, max_new_tokens, Sampler(temperature, top_p, seed), stop,
+                                       prefill_chunk=prefill_chunk, keep_logits=bool(logits_out),
+                                       on_token=ctrl.on_token)
+    except (Interrupted, NonFiniteLogits) as e:     # what was made before it is printed and saved
+        if e.logits is None:
+            raise
+        stopped, logits, new = e, e.logits, e.new
     finally:
         trace.ACTIVE = None
+        ctrl.decoding = True        # the outputs: a Ctrl-C now stops their writing cleanly, no forced exit
     t_run = time.perf_counter() - t_run
-    if not lead:        # another host of a multi-host run: process 0 reports
-        return
-    if trace_out:
-        tracer.write(trace_out)
-    if logits_out:
-        _save(logits_out, logits.astype(np.float32))
-    if tokens_out:
-        _save(tokens_out, new)
+    # another host of a multi-host run reports nothing (process 0 does); a stop before the first
+    # token leaves nothing to keep
+    kept = lead and (stopped is None or new.shape[1] > 0)
+    if kept:
+        _keep(tokenizer, ids, new, logits, tokens_out, logits_out, trace_out, tracer,
+              None if stopped is not None else lambda: _report(session, ids, stats, tracer, t_run))
+    if isinstance(stopped, KeyboardInterrupt):
+        saved = [f for f, v in (("--tokens-out", tokens_out), ("--logits-out", logits_out)) if v and kept]
+        raise RunInterrupted(f"interrupted (Ctrl-C) after {new.shape[1]} new tokens"
+                             + (f"; {' and '.join(saved)} saved with them" if saved else ""))
+    if stopped is not None:
+        raise stopped
+
+
+def _keep(tokenizer, ids: np.ndarray, new: np.ndarray, logits: np.ndarray, tokens_out: Path | None,
+          logits_out: Path | None, trace_out: Path | None, tracer, report) -> None:
+    """The text on stdout first, then the rates line (`report`), then the output files, each
+    whole or not at all: one that cannot be written (a full disk) is one error line, after the text."""
     if tokenizer is not None:
         for b in range(new.shape[0]):
-            text = tokenizer.decode(ids[b].tolist() + new[b].tolist())
-            click.echo(text)
+            click.echo(tokenizer.decode(ids[b].tolist() + new[b].tolist()))
     else:
         for row in new:
             click.echo(" ".join(map(str, row.tolist())))
+    sys.stdout.flush()
+    if report is not None:
+        report()
+    failed = []
+    for flag, path, write in (
+            ("--trace", trace_out, lambda f: f.write(json.dumps(tracer.document()).encode())),
+            ("--tokens-out", tokens_out, lambda f: np.save(f, new)),
+            ("--logits-out", logits_out, lambda f: np.save(f, logits.astype(np.float32, copy=False)))):
+        if path:
+            try:
+                _write(flag, path, write)
+            except OutputError as e:    # the others are still tried; the first failure is the line
+                failed.append(e)
+    if failed:
+        raise failed[0]
+
+
+def _report(session, ids: np.ndarray, stats: bool, tracer, t_run: float) -> None:
+    """The rates line (and --stats' lines) on stderr."""
     pre, dec = session.timings.rates()
     extra = ""
     if session.backend == "llvm":

@@ -50,6 +50,30 @@ def weight_stats(plan) -> tuple[int, int]:
     return nbytes, params
 
 
+def quant_label(plan, groups: bool = False) -> str:
+    """What a plan's weights are stored as, for `stratac inspect` and `stratac eval`, read from the
+    weights themselves (a layer-adaptive plan's options say `quant f32`): the one quantized format
+    of a --quant plan (f32 when none is; embeddings, norms and routers always stay f32), else
+    `laq: ...` for --bits / --memory-budget and `mixed: ...` for other mixes, listing the
+    quantized formats by the bytes they hold (e.g. `laq: int4+int8+bf16`). `groups`: with the
+    group sizes of the grouped formats, e.g. `int8 (group 32)`."""
+    held: dict[str, int] = {}
+    for w in plan.graph.weights:
+        if w.fmt != "f32":
+            held[w.fmt] = held.get(w.fmt, 0) + get_format(w.fmt).nbytes(w.shape, w.group_size or 32)
+    formats = sorted(held, key=lambda f: (-held[f], f))
+    opts = plan.meta.get("options")
+    laq = isinstance(opts, dict) and bool(opts.get("bits") or opts.get("memory_budget"))
+    if not laq and len(formats) <= 1:
+        label = formats[0] if formats else "f32"
+    else:
+        label = f"{'laq' if laq else 'mixed'}: {'+'.join(formats) or 'f32'}"
+    sizes = sorted({w.group_size for w in plan.graph.weights if w.group_size})
+    if groups and sizes:
+        label += f" (group{'s' if len(sizes) > 1 else ''} {', '.join(map(str, sizes))})"
+    return label
+
+
 def make_chunks(token_ids: np.ndarray, ctx: int, chunks: int | None = None,
                 bos_id: int | None = None) -> np.ndarray:
     """Consecutive chunks i64[N, ctx] of `token_ids` (tail dropped, at most `chunks` of them);

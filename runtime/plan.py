@@ -2,12 +2,13 @@
 
 `load_plan` verifies plan.bin whole (it is small), parses its metadata and kernel-level IR,
 verifies the IR, then opens the sibling weights file and checks it is the one the plan was
-compiled with (size and body checksum). Weight sections are checksummed on first access.
+compiled with (size and body checksum). Checksums prove only who sealed the files, so before a
+Plan exists `validate_plan` (runtime/validate.py) checks every fact the kernels rely on against
+the weight sections' real sizes. Weight sections are checksummed on first access.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +19,10 @@ from strata_compiler.formats import get_format
 from strata_compiler.ir import Graph, Level
 from strata_compiler.ir_text import parse_graph
 from strata_compiler.plan_format import PLAN_MAGIC, WEIGHTS_MAGIC, Container, parse_imatrix_section, section_name
+from strata_compiler.untrusted import load_json
 from strata_compiler.verify import verify
+
+from .validate import validate_plan
 
 
 _MODEL_KEYS = ("n_layers", "n_kv_heads", "head_dim", "vocab_size")   # what the runtime reads
@@ -45,7 +49,8 @@ class Plan:
 
 
 class PlanWeights:
-    """Stored arrays by weight name (zero-copy views of the mmap) and f32 dequantized copies."""
+    """Stored arrays by weight name (zero-copy views of the mmap) and f32 dequantized copies
+    (every section's size was checked against its weight by validate_plan)."""
 
     def __init__(self, container: Container, graph: Graph) -> None:
         self.c = container
@@ -53,11 +58,6 @@ class PlanWeights:
         self._f32: dict[str, np.ndarray] = {}
         self._resident: dict[str, dict[str, np.ndarray]] = {}
         self.disk_tier = None   # the DiskTier of these weights, when experts stay on disk (runtime/disk_tier.py)
-        for spec in graph.weights:
-            for arr in get_format(spec.fmt).array_shapes(spec.shape, spec.group_size or 32):
-                if section_name(spec.name, arr) not in container:
-                    raise PlanError(f"{container.path}: no section {section_name(spec.name, arr)!r} for weight "
-                                    f"@{spec.name}; recompile with `stratac compile`")
 
     def arrays(self, name: str) -> dict[str, np.ndarray]:
         spec = self.g.weight(name)
@@ -126,7 +126,7 @@ def load_plan(path: str | Path, *, verify_weights: str = "lazy") -> Plan:
         if s not in c:
             raise PlanError(f"{path}: missing section {s!r}; recompile it with `stratac compile`")
     try:
-        meta = json.loads(bytes(c.section("meta")))
+        meta = load_json(c.section("meta"))   # bounded depth, no 1e400 (strata_compiler/untrusted.py)
         wref = meta["weights"]
         wfile, wsize, wsum = str(wref["file"]), int(wref["size"]), int(wref["checksum"])
         for key in _MODEL_KEYS:
@@ -155,4 +155,5 @@ def load_plan(path: str | Path, *, verify_weights: str = "lazy") -> Plan:
             imatrix = parse_imatrix_section(bytes(c.section("imatrix")))
         except (ValueError, KeyError, TypeError):
             raise PlanError(f"{path}: imatrix section is malformed; recompile it with `stratac compile`") from None
+    validate_plan(path, meta, graph, wc)
     return Plan(path, meta, graph, tok, PlanWeights(wc, graph), imatrix)

@@ -20,8 +20,10 @@ class Sampler:
         """logits f32[B, V] -> token ids i64[B]."""
         if self.temperature <= 0:
             return logits.argmax(axis=-1).astype(np.int64)
-        z = logits.astype(np.float64) / self.temperature
-        p = np.exp(z - z.max(axis=-1, keepdims=True))
+        with np.errstate(over="ignore", divide="ignore"):
+            # shifted first: a tiny temperature sends the others to -inf (exp 0), never inf - inf
+            z = (logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)) / self.temperature
+        p = np.exp(z)
         p /= p.sum(axis=-1, keepdims=True)
         out = np.empty(len(p), np.int64)
         for b, row in enumerate(p):

@@ -29,6 +29,8 @@ from .scheduler import QueueFull, Request
 
 MAX_STOP = 4            # stop strings per request, as OpenAI's API
 MAX_STOP_LEN = 256      # characters per stop string
+MAX_CHARS_PER_TOKEN = 64    # a text prompt longer than this many characters per context position is refused
+MAX_BODY = 16 << 20         # request bodies larger than this are refused (413) before they are read
 
 
 class APIError(Exception):
@@ -138,6 +140,13 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
 
     guarded = [Depends(auth)]
 
+    @app.middleware("http")
+    async def body_limit(request: HTTPRequest, call_next):
+        size = request.headers.get("content-length", "")
+        if size.isdigit() and int(size) > MAX_BODY:
+            return _error(413, f"the request body has {size} bytes; at most {MAX_BODY} are read")
+        return await call_next(request)
+
     @app.get("/health")
     async def health():
         if engine.warm_error:
@@ -156,10 +165,15 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
         """The scheduler's counters and how many requests wait (not part of OpenAI's API)."""
         return {**engine.stats, "waiting": engine.queue.qsize(), "max_batch": engine.max_batch}
 
-    def encode(text: str) -> list[int]:
+    async def encode(text: str) -> list[int]:
+        """Token ids of a text, tokenized off the event loop (other clients keep being served); a
+        text longer than MAX_CHARS_PER_TOKEN per position of the context is refused unread."""
         if tok is None:
             raise APIError(400, "the plan has no tokenizer: give the prompt as token ids", param="prompt")
-        return tok.encode(text).ids
+        if len(text) > MAX_CHARS_PER_TOKEN * engine.ctx:
+            raise APIError(400, f"the prompt has {len(text)} characters: more than this model's context of "
+                                f"{engine.ctx} tokens can hold", param="prompt", code="context_length_exceeded")
+        return (await asyncio.to_thread(tok.encode, text)).ids
 
     def make_request(body: _Common, ids: list[int], max_tokens: int | None, stop_ids) -> Request:
         body.check()
@@ -268,7 +282,7 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
             if len(p) != 1:
                 raise APIError(400, "one prompt per request (a list of one string at most)", param="prompt")
             p = p[0]
-        ids = encode(p) if isinstance(p, str) else list(p)
+        ids = await encode(p) if isinstance(p, str) else list(p)
         req = make_request(body, ids, body.max_tokens or 16, eos)      # 16: OpenAI's default
         return await respond(body, req, "completion", http)
 
@@ -278,7 +292,7 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
             text = chat_mod.render_chat(plan, body.messages, add_generation_prompt=True)
         except StrataError as e:
             raise APIError(400, str(e), param="messages") from None
-        ids = encode(text)
+        ids = await encode(text)
         req = make_request(body, ids, body.max_completion_tokens or body.max_tokens, eos)
         return await respond(body, req, "chat", http)
 

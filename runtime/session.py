@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 from strata_compiler.backends import make_executor, resolve_backend
-from strata_compiler.errors import UsageError
+from strata_compiler.errors import PlanError, UsageError
 
 from strata_compiler import trace
 from strata_compiler.kv_cache import KVCache
 from .plan import Plan
 from .sampler import Sampler
 
+PREFILL_CHUNK = 512     # prompt tokens a prefill step: a long prompt's activation memory is bounded by it
 
 # JAX's compile events (tracing, lowering, XLA's compile or its persistent cache's load): their
 # seconds are summed by a listener that `compile_seconds` registers once
@@ -37,6 +40,24 @@ def compile_seconds() -> float:
         jax.monitoring.register_event_duration_secs_listener(_on_event)
         _COMPILED[1] = True
     return _COMPILED[0]
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during `Session.generate`: the prompt's logits (None before the prefill ended) and
+    the ids made before it, int64 [B, i], survive it."""
+
+    def __init__(self, logits: np.ndarray | None, new: np.ndarray) -> None:
+        super().__init__()
+        self.logits, self.new = logits, new
+
+
+class NonFiniteLogits(PlanError):
+    """A step's logits hold NaN or Inf (weights that are not finite, activations that overflow):
+    one line naming the step, not greedy id 0; `logits` and `new` as in Interrupted."""
+
+    def __init__(self, message: str, logits: np.ndarray, new: np.ndarray) -> None:
+        super().__init__(message)
+        self.logits, self.new = logits, new
 
 
 @dataclass
@@ -158,12 +179,13 @@ class Session:
             cache.load_row(slot, src, row)
 
     @staticmethod
-    def capacity_for(T: int, max_new_tokens: int) -> int:
-        """The KV cache length `generate` gives a prompt of T tokens: room for the xla backend's
-        padded prefill (a power-of-two bucket) and the new tokens, in steps of 64 so that device
-        caches of nearby lengths share one compiled step."""
-        bucket = 1 << max(4, (T - 1).bit_length())
-        return -(-(max(T, bucket) + max_new_tokens) // 64) * 64
+    def capacity_for(T: int, max_new_tokens: int, chunk: int | None = None) -> int:
+        """The KV cache length `generate` gives a prompt of T tokens prefilled `chunk` at a time:
+        room for the xla backend's padding of the last chunk (a power-of-two bucket) and the new
+        tokens, in steps of 64 so that device caches of nearby lengths share one compiled step."""
+        last = T - (T - 1) // chunk * chunk if chunk and T > 0 else T
+        bucket = 1 << max(4, (last - 1).bit_length())
+        return -(-(T - last + max(last, bucket) + max_new_tokens) // 64) * 64
 
     def step(self, ids: np.ndarray) -> np.ndarray:
         """Run ids i64[B, T] through the model at the cache's position; logits f32[B, T, V]."""
@@ -187,14 +209,31 @@ class Session:
         can = getattr(self.executor, "can_decode_ahead", None)
         return sampler.temperature <= 0 and self.disk is None and can is not None and can(B, self.cache)
 
-    def generate(self, prompt: np.ndarray, max_new_tokens: int, sampler: Sampler,
-                 stop_ids: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
-        """Prefill the prompt i64[B, T], then decode. Returns (prompt logits [B,T,V], new ids [B,N])."""
+    def generate(self, prompt: np.ndarray, max_new_tokens: int, sampler: Sampler, stop_ids: tuple[int, ...] = (),
+                 prefill_chunk: int = PREFILL_CHUNK, keep_logits: bool = True,
+                 on_token: Callable[[int], bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Prefill the prompt i64[B, T] `prefill_chunk` tokens a step (its activations bounded by
+        the chunk), then decode. Returns (the prompt's logits f32[B, T, V], or its last token's
+        [B, 1, V] without `keep_logits`; the new ids i64[B, N]).
+
+        on_token(i) runs once token i is chosen; True stops there. Ctrl-C, or that stop, raises
+        Interrupted and non-finite logits NonFiniteLogits, each holding what was made before."""
         B, T = prompt.shape
-        self.reset(B, self.capacity_for(T, max_new_tokens))
+        check_room(self.plan, B, T, max_new_tokens, keep_logits)
+        if prefill_chunk < 1:
+            raise UsageError(f"prefill chunk {prefill_chunk}: expected at least 1 token")
+        self.reset(B, self.capacity_for(T, max_new_tokens, prefill_chunk))
         c0 = compile_seconds()
         t0 = time.perf_counter()
-        logits = self.step(prompt)
+        parts = []
+        try:
+            for at in range(0, T, prefill_chunk):
+                out = self.step(prompt[:, at:at + prefill_chunk])
+                parts = [*parts, out] if keep_logits else [out[:, -1:]]
+        except KeyboardInterrupt:
+            raise Interrupted(None, np.zeros((B, 0), np.int64)) from None
+        logits = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+        del parts
         self.timings.prefill_seconds += time.perf_counter() - t0
         c1 = compile_seconds()
         self.timings.prefill_compile_seconds += c1 - c0
@@ -203,19 +242,68 @@ class Session:
         done = np.zeros(B, bool)
         last = logits[:, -1]
         t0 = time.perf_counter()
-        for i in range(max_new_tokens):
-            tok = sampler(last)
-            new[:, i] = tok
-            done |= np.isin(tok, stop_ids)
-            if done.all() or i == max_new_tokens - 1:
-                new = new[:, : i + 1]
-                break
-            if self._ahead(sampler, B):     # the rest with each step dispatched before the last one ends
-                rest = self.executor.decode_ahead(tok, self.cache, max_new_tokens - 1 - i, stop_ids, done)
-                new = np.concatenate([new[:, : i + 1], rest], axis=1)
-                break
-            last = self.step(tok[:, None])[:, -1]
-        self.timings.decode_seconds += time.perf_counter() - t0
-        self.timings.decode_compile_seconds += compile_seconds() - c1
-        self.timings.decode_tokens += B * max(new.shape[1] - 1, 0)
-        return logits, new
+        i = 0           # tokens made
+        try:
+            while i < max_new_tokens:
+                _check_finite(last, i, logits, new[:, :i])
+                tok = sampler(last)
+                new[:, i] = tok
+                i += 1
+                done |= np.isin(tok, stop_ids)
+                if done.all() or i == max_new_tokens:
+                    break
+                if on_token is not None and on_token(i - 1):
+                    raise KeyboardInterrupt
+                if self._ahead(sampler, B):     # the rest with each step dispatched before the last one ends
+                    rest = new[:, :0]
+                    try:
+                        rest = self.executor.decode_ahead(tok, self.cache, max_new_tokens - i, stop_ids, done)
+                    except KeyboardInterrupt as e:      # the steps that finished stay (backends/ahead.py)
+                        rest = getattr(e, "tokens", rest)
+                        raise
+                    finally:
+                        new[:, i:i + rest.shape[1]] = rest
+                        i += rest.shape[1]
+                    break
+                last = self.step(tok[:, None])[:, -1]
+        except KeyboardInterrupt:
+            raise Interrupted(logits, new[:, :i]) from None
+        finally:
+            self.timings.decode_seconds += time.perf_counter() - t0
+            self.timings.decode_compile_seconds += compile_seconds() - c1
+            self.timings.decode_tokens += B * max(i - 1, 0)
+        return logits, new[:, :i]
+
+
+def _check_finite(last: np.ndarray, i: int, logits: np.ndarray, new: np.ndarray) -> None:
+    """NonFiniteLogits where the logits f32[B, V] that choose token i hold NaN or Inf."""
+    if np.isfinite(last).all():
+        return
+    b = int(np.flatnonzero(~np.isfinite(last).all(axis=-1))[0])
+    what = "NaN" if np.isnan(last[b]).any() else "Inf"
+    where = "the prompt's last token (prefill)" if i == 0 else f"decode step {i}"
+    raise NonFiniteLogits(f"the model's logits are {what} at {where}, row {b}: the plan's weights hold NaN/Inf "
+                          f"or its activations overflow; recompile from a checkpoint with finite weights",
+                          logits, new)
+
+
+def check_room(plan: Plan, B: int, T: int, max_new_tokens: int, keep_logits: bool = True) -> None:
+    """Refuse, before anything is allocated, a generation past the model's positions (meta
+    model.max_position) or one whose KV cache, ids and kept logits exceed this host's memory."""
+    m = plan.meta["model"]
+    limit = m.get("max_position")
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 and T + max_new_tokens > limit:
+        if T >= limit:
+            raise UsageError(f"the prompt's {T} tokens leave no room for new ones in the model's {limit} positions "
+                             f"(max_position_embeddings); shorten it to {limit - 1} tokens or fewer")
+        raise UsageError(f"-n {max_new_tokens}: the prompt's {T} tokens and {max_new_tokens} new ones pass the "
+                         f"model's {limit} positions (max_position_embeddings); give -n {limit - T} or less")
+    cap = Session.capacity_for(T, max_new_tokens)
+    need = 8 * m["n_layers"] * B * m["n_kv_heads"] * m["head_dim"] * cap + 8 * B * max_new_tokens
+    if keep_logits:
+        need += 4 * B * T * m["vocab_size"]
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > have:
+        raise UsageError(f"-n {max_new_tokens}: {B} sequence(s) of {T} + {max_new_tokens} tokens need "
+                         f"{need / 2**30:.1f} GiB (KV cache, ids, logits) and this host has {have / 2**30:.1f} GiB; "
+                         f"give a smaller -n or a shorter prompt")

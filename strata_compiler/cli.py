@@ -6,6 +6,7 @@ import contextlib
 import json
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator
@@ -36,7 +37,7 @@ def stratac() -> None:
 @click.option("--quant", type=click.Choice(list(FORMATS)), default="f32", show_default=True,
               help="Storage format of the linear layers' weights (embeddings, norms, biases and routers stay f32).")
 @click.option("--group-size", type=int, default=32, show_default=True,
-              help="Values per quantization scale of grouped formats (even; int3/fp8 need multiples of 8).")
+              help="Values per quantization scale of grouped formats (even; int3/fp8 need multiples of 8, int2 of 4).")
 @click.option("--calib", type=click.Path(path_type=Path), metavar="FILE",
               help="Calibration text (plain text, or JSONL with a \"text\" field): run the f32 model over it and "
                    "choose quantization scales weighted by the activations each weight sees (llama.cpp's imatrix). "
@@ -104,7 +105,7 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
 
     \b
     Pipeline: """
-    from .pipelines import compile_model, weight_source_bytes
+    from .pipelines import compile_model
 
     dump = None
     if dump_dir is None and dump_after != "all":
@@ -146,12 +147,10 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
         from .passes.quantize import parse_tensor_formats
 
         parse_tensor_formats(tensor_format)   # a bad rule fails before any work
-    show = sys.stderr.isatty()
-    total = weight_source_bytes(model_dir) if show and model_dir.is_dir() else 0
-    bar = click.progressbar(length=max(total, 1), label="converting weights", file=sys.stderr, width=30)
-    with bar if show else contextlib.nullcontext():
+    bar = CompileProgress() if sys.stderr.isatty() else None
+    with bar or contextlib.nullcontext():
         g = compile_model(model_dir, out_dir, opts, dump=dump, stop_after=stop_after,
-                          progress_bytes=bar.update if show else None)
+                          progress=bar and bar.on_pass, progress_bytes=bar and bar.on_bytes)
     if stop_after in (None, "emit"):
         plan, weights = out_dir / "plan.bin", out_dir / "weights.bin"
         click.echo(f"wrote {plan} ({plan.stat().st_size} B) and {weights} ({weights.stat().st_size / 2**20:.1f} MiB); "
@@ -164,7 +163,56 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
 compile_cmd.help = (compile_cmd.help or "") + ", ".join(DEFAULT)
 
 
+class CompileProgress:
+    """The compile's progress line on a terminal: the pass running, then the share of checkpoint
+    bytes emit has converted, with an ETA from the rate since emit began (the passes before it,
+    calibration and kernel builds, take time but convert no bytes: timed in, they would make the
+    estimate minutes for a few seconds' work)."""
+
+    def __init__(self, stream=None, clock: Callable[[], float] = time.monotonic, width: int = 30) -> None:
+        self.stream, self.clock, self.width = stream or sys.stderr, clock, width
+        self.done, self.start, self.shown, self.last = 0, None, float("-inf"), 0
+
+    def on_pass(self, name: str) -> None:
+        if name == "emit":
+            self.start = self.clock()
+        self._show(f"compiling: {name}")
+
+    def on_bytes(self, n: int, total: int) -> None:
+        now = self.clock()
+        if self.start is None:
+            self.start = now
+        self.done += n
+        if now - self.shown < 0.2 and self.done < total:
+            return
+        self.shown = now
+        frac = min(self.done / total, 1.0) if total > 0 else 1.0
+        unit, div = ("GiB", 2**30) if total >= 2**30 else ("MiB", 2**20)
+        text = (f"converting weights [{'#' * int(frac * self.width):<{self.width}}] {frac:4.0%} "
+                f"{self.done / div:.2f}/{total / div:.2f} {unit}")
+        elapsed = now - self.start
+        if 0 < self.done < total and elapsed > 0:
+            eta = int(elapsed * (total - self.done) / self.done + 0.5)
+            text += f", {eta // 60}:{eta % 60:02d} left"
+        self._show(text)
+
+    def _show(self, text: str) -> None:
+        self.stream.write("\r" + text.ljust(self.last))
+        self.stream.flush()
+        self.last = len(text)
+
+    def __enter__(self) -> "CompileProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.last:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
 def summarize(plan) -> dict:
+    from strata_compiler.runtime.evaluate import quant_label
+
     from .ir import Op
 
     g = plan.graph
@@ -200,6 +248,7 @@ def summarize(plan) -> dict:
         layers.setdefault(layer, {})[tensor] = "+".join(f + (f"*{k}" if k > 1 else "") for f, k in c.most_common())
     return {
         "plan": str(plan.path), "model": plan.meta["model"], "options": plan.meta["options"],
+        "quant": quant_label(plan, groups=True),    # from the weights (a layer-adaptive plan's options say f32)
         "kernels": dict(sorted(kernels.items())), "fused_kernels": dict(sorted(fused.items())),
         "bytes_per_tier": dict(tiers), "weights": weights, "formats_by_layer": layers,
         "peak_activation_bytes_per_token": plan.meta["model"].get("peak_activation_bytes_per_token"),
@@ -222,7 +271,7 @@ def inspect_cmd(plan_path: Path, as_json: bool, weights: bool, debug: bool) -> N
         return
     m = s["model"]
     click.echo(f"plan {s['plan']}: {m['architecture']}, {m['n_layers']} layers, vocab {m['vocab_size']}, "
-               f"quant {s['options']['quant']} (group {s['options']['group_size']})")
+               f"quant {s['quant']}")
     click.echo("\nkernels (backend@device:op)")
     for k, v in s["kernels"].items():
         click.echo(f"  {v:6d}  {k}")
@@ -328,9 +377,9 @@ def open_reference(ref: Path, kind: str, backend: str, *, say: Callable[[str], N
 
 
 def _table(plan, ref: Path, kind: str, r: dict) -> str:
-    from strata_compiler.runtime.evaluate import scored_range
+    from strata_compiler.runtime.evaluate import quant_label, scored_range
 
-    quant = plan.meta.get("options", {}).get("quant", "?")
+    quant = quant_label(plan)
     first, last = scored_range(r["ctx"])
     rows = [
         ("plan", f"{plan.path} ({quant}, {r['bits_per_weight']:.3f} bits/weight, "

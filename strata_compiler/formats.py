@@ -256,9 +256,21 @@ def _unpack_planes(qs: np.ndarray, bits: int, group_size: int) -> np.ndarray:
     return q.astype(np.float32)
 
 
-def _grid(w: np.ndarray, group_size: int, mult: int, name: str) -> np.ndarray:
+# The multiple of which each grouped format's group size must be: int3 and int2 pack bit planes
+# of G/8 and G/4 bytes; fp8 takes multiples of 8 as `stratac compile --help` documents; the
+# others hold pairs of values (nibbles). Checked before a compile starts (pipelines.check_options).
+GROUP_MULTIPLE = {"int8": 2, "int4": 2, "int4a": 2, "int3": 8, "int2": 4, "fp8": 8}
+
+
+def check_group_size(name: str, group_size: int) -> None:
+    """UsageError unless `group_size` suits grouped format `name`."""
+    mult = GROUP_MULTIPLE.get(name, 1)
     if group_size % mult:
         raise UsageError(f"--group-size {group_size}: {name} needs a group size that is a multiple of {mult}")
+
+
+def _grid(w: np.ndarray, group_size: int, name: str) -> np.ndarray:
+    check_group_size(name, group_size)
     return _pad_groups(np.asarray(w, dtype=np.float32), group_size)
 
 
@@ -267,7 +279,7 @@ def _finish(w: np.ndarray, k: int) -> np.ndarray:
 
 
 def _int4a_quantize(w, group_size, importance=None):
-    g = _grid(w, group_size, 2, "int4a")
+    g = _grid(w, group_size, "int4a")
     d, m, q = _asym(g, _imp_groups(importance, w.shape[-1], group_size), 15)
     return {"qs": _pack_nibbles(q, group_size), "scales": _interleave(d, m)}
 
@@ -279,7 +291,7 @@ def _int4a_dequantize(a, k, group_size):
 
 
 def _int3_quantize(w, group_size, importance=None):
-    g = _grid(w, group_size, 8, "int3")
+    g = _grid(w, group_size, "int3")
     d, q = _sym(g, _imp_groups(importance, w.shape[-1], group_size), 4, -4, 3, signed_range=True)
     return {"qs": _pack_planes(q + 4, 3, group_size), "scales": d}
 
@@ -290,7 +302,7 @@ def _int3_dequantize(a, k, group_size):
 
 
 def _int2_quantize(w, group_size, importance=None):
-    g = _grid(w, group_size, 4, "int2")
+    g = _grid(w, group_size, "int2")
     d, m, q = _asym(g, _imp_groups(importance, w.shape[-1], group_size), 3)
     return {"qs": _pack_planes(q, 2, group_size), "scales": _interleave(d, m)}
 
@@ -317,7 +329,7 @@ def _fp8_values(b: np.ndarray) -> np.ndarray:
 
 
 def _fp8_quantize(w, group_size, importance=None):
-    g = _grid(w, group_size, 1, "fp8")
+    g = _grid(w, group_size, "fp8")
 
     def roundtrip(d):
         d32, inv = _inverse(d)

@@ -74,7 +74,7 @@ class PassContext:
     dump_dir: Path | None = None         # set with --dump-dir: passes may write extra artifacts
     analyses: Analyses = field(default_factory=Analyses)
     progress: Callable[[str], None] | None = None        # called with each pass's name
-    progress_bytes: Callable[[int], None] | None = None  # called as emit converts source bytes
+    progress_bytes: Callable[[int, int], None] | None = None  # (bytes, of total): as emit reads the checkpoint
     # inputs the compile driver (pipelines.compile_model) reads or measures for the passes
     hardware: HardwareProfile | None = None   # --target: the profile read, or measured for `auto` (place)
     calib_plan: object | None = None          # --calib PLAN.bin: that plan, loaded (calibrate reuses its statistics)

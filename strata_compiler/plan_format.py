@@ -52,6 +52,7 @@ and special tokens, frontend/chat.py) and weights.bin
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import mmap
@@ -66,6 +67,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import PlanError
+from .untrusted import FileRefused, is_count, load_json, open_regular, printable
 
 FORMAT_MAJOR = 1
 FORMAT_MINOR = 0
@@ -105,7 +107,7 @@ class SectionInfo:
 
 
 def _err(path: str, problem: str, fix: str = _RECOMPILE) -> PlanError:
-    return PlanError(f"{path}: {problem}; {fix}")
+    return PlanError(f"{printable(path)}: {problem}; {fix}")
 
 
 def _crc(view: memoryview, crc: int = 0) -> int:
@@ -471,10 +473,10 @@ class Container:
             raise _err(path, f"truncated ({size} bytes, shorter than the {HEADER_SIZE}-byte header)")
         head = bytes(buf[:HEADER_SIZE])
         if head[:MAGIC_SIZE] != self.magic:
-            raise _err(
-                path, f"wrong file kind (magic {head[:MAGIC_SIZE]!r}, expected {self.magic!r})",
-                "pass the right file, or " + _RECOMPILE,
-            )
+            # never the file's own bytes: the file may be a secret some link pointed at
+            what = _KNOWN_MAGIC.get(head[:MAGIC_SIZE], "not a Strata file")
+            raise _err(path, f"wrong file kind ({what}; expected one starting with magic {self.magic!r})",
+                       "pass the right file, or " + _RECOMPILE)
         (_, major, minor, flags, toc_offset, toc_size, total_size, body_crc, toc_crc) = (
             _HEADER.unpack_from(head)
         )
@@ -578,13 +580,19 @@ class Container:
 
 
 def _map(path: str) -> mmap.mmap | None:
-    """mmap `path` read-only; None for an empty file (mmap refuses length 0)."""
+    """mmap `path` read-only; None for an empty file (mmap refuses length 0). Only a regular file
+    that really lies in the folder it is named in (a symlink out of it is refused): a plan names
+    its weights file, and a shared plan's folder must not reach elsewhere on this machine."""
     try:
-        f = open(path, "rb")
+        f = open_regular(path, within=os.path.dirname(os.path.abspath(path)))
     except FileNotFoundError:
         raise _err(path, "no such file", "check the path, or create it with `stratac compile`") from None
-    except IsADirectoryError:
-        raise _err(path, "is a directory, not a file", "pass the plan or weights file") from None
+    except FileRefused as e:
+        if e.errno == errno.EISDIR:
+            raise _err(path, "is a directory, not a file", "pass the plan or weights file") from None
+        fix = ("copy the file into that folder instead of linking to it" if e.errno == errno.ELOOP
+               else "pass the plan.bin or weights.bin file `stratac compile` wrote")
+        raise _err(path, f"cannot open ({e.strerror})", fix) from None
     except OSError as e:
         raise _err(path, f"cannot open ({e.strerror or e})", "check the path and its permissions") from None
     with f:
@@ -603,6 +611,8 @@ def _map(path: str) -> mmap.mmap | None:
 PLAN_MAGIC = b"STRATAPL"
 WEIGHTS_MAGIC = b"STRATAWT"
 WEIGHTS_FILE = "weights.bin"
+_KNOWN_MAGIC = {PLAN_MAGIC: f"a Strata plan, magic {PLAN_MAGIC!r}",   # ours: safe to name
+                WEIGHTS_MAGIC: f"a Strata weights file, magic {WEIGHTS_MAGIC!r}"}
 
 
 def section_name(weight: str, array: str) -> str:
@@ -617,9 +627,9 @@ def is_plan_file(path) -> bool:
     p = Path(path)
     p = p / "plan.bin" if p.is_dir() else p
     try:
-        with open(p, "rb") as f:
+        with open_regular(p) as f:   # never a FIFO: that would block
             return f.read(len(PLAN_MAGIC)) == PLAN_MAGIC
-    except OSError:
+    except (OSError, ValueError):
         return False
 
 
@@ -637,13 +647,19 @@ def imatrix_section(importance: dict[str, np.ndarray]) -> bytes:
 
 
 def parse_imatrix_section(data: bytes) -> dict[str, np.ndarray]:
-    """Inverse of imatrix_section."""
+    """Inverse of imatrix_section; ValueError if the index is malformed or points outside the body."""
     nl = data.index(b"\n")
-    index = json.loads(data[:nl])
+    index = load_json(data[:nl])
+    if not isinstance(index, dict):
+        raise ValueError("imatrix index is not an object")
     body = data[nl + 1:]
     out = {}
     for name, ent in index.items():
-        n = int(np.prod(ent["shape"]))
-        off = int(ent["offset"])
-        out[name] = np.frombuffer(body, "<f4", n, off).reshape(ent["shape"])
+        shape, off = ent["shape"], ent["offset"]
+        if not isinstance(shape, list) or len(shape) > 8 or not all(map(is_count, shape)) or not is_count(off):
+            raise ValueError(f"imatrix entry {name!r} has a malformed shape or offset")
+        n = math.prod(shape)
+        if off % 4 or off + 4 * n > len(body):
+            raise ValueError(f"imatrix entry {name!r} lies outside the section")
+        out[name] = np.frombuffer(body, "<f4", n, off).reshape(shape)
     return out

@@ -4,14 +4,21 @@ Checks structure (unique ids, operands defined before use, outputs exist), that 
 legal at the graph's level with the operands, weight roles and attributes it needs, that weight
 shapes agree with the activations they touch, and at kernel level that every node is bound to a
 device, a backend and a buffer. Failures raise IRError with the IR around the failing node.
+
+Plans are untrusted input (their IR text is parsed at load), so before anything computes with
+them every weight declaration and every known attribute is checked for its type and range
+(`_check_weight`, `ATTR_KINDS`): an attribute that reaches generated kernel code, an allocation
+or an index is an int, a finite float, a bool or one of a few words, never whatever the text
+held. The runtime's facts-against-weights step is runtime/validate.py.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from .errors import IRError
-from .ir import LEVEL_OPS, DType, Graph, Level, Node, Op
+from .errors import IRError, UsageError
+from .ir import LEVEL_OPS, DType, Graph, Level, Node, Op, WeightSpec
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,123 @@ SIGNATURES: dict[Op, Signature] = {
 }
 
 
+MAX_DIM = 1 << 26        # any weight or activation dimension (the largest vocabularies are ~2**18)
+MAX_HEADS = 1 << 12      # heads of an attention layer
+MAX_HEAD_DIM = 1 << 12   # values per head
+MAX_LAYER = 1 << 16      # attention layers of a model
+MAX_EXPERTS = 1 << 16    # experts of a MoE layer
+_F32_MAX = 3.4028234663852886e38
+ROPE_TYPES = ("default", "linear", "llama3")
+MAX_GROUP = 4096         # a grouped format's group size: 2..4096, a multiple of formats.GROUP_MULTIPLE's
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= _F32_MAX
+
+
+def _int_in(lo: int, hi: int):
+    return lambda v: _is_int(v) and lo <= v <= hi, f"an integer in {lo}..{hi}"
+
+
+def _num_at_least(lo: float, strict: bool = False):
+    ok = (lambda v: _is_num(v) and v > lo) if strict else (lambda v: _is_num(v) and v >= lo)
+    return ok, f"a finite number {'>' if strict else '>='} {lo:g}"
+
+
+def _one_of(*words: str):
+    return lambda v: isinstance(v, str) and v in words, "one of " + ", ".join(repr(w) for w in words)
+
+
+def _int_tuple(lo: int, hi: int):
+    return (lambda v: isinstance(v, tuple) and all(_is_int(x) and lo <= x <= hi for x in v),
+            f"a list of integers in {lo}..{hi}")
+
+
+#: attribute -> (check, what it must be): the attributes kernels, allocations and indexing read
+ATTR_KINDS: dict[str, tuple] = {
+    "layer": _int_in(0, MAX_LAYER - 1),
+    "n_heads": _int_in(1, MAX_HEADS),
+    "n_kv_heads": _int_in(1, MAX_HEADS),
+    "head_dim": _int_in(1, MAX_HEAD_DIM),
+    "k": _int_in(1, MAX_EXPERTS),
+    "top_k": _int_in(1, MAX_EXPERTS),
+    "n_experts": _int_in(1, MAX_EXPERTS),
+    "start": _int_in(0, MAX_DIM),
+    "stop": _int_in(1, MAX_DIM),
+    "group": _int_in(1, MAX_DIM),
+    "eps": _num_at_least(0.0),
+    "limit": _num_at_least(0.0),
+    "clip_qkv": _num_at_least(0.0),
+    "rope_theta": _num_at_least(0.0, strict=True),
+    "rope_factor": _num_at_least(0.0, strict=True),
+    "rope_low_freq_factor": _num_at_least(0.0, strict=True),
+    "rope_high_freq_factor": _num_at_least(0.0, strict=True),
+    "rope_original_max": _num_at_least(0.0, strict=True),
+    "rope_type": _one_of(*ROPE_TYPES),
+    "qk_norm": _one_of("none", "head", "full"),
+    "prologue": _one_of("none", "rms_norm"),
+    "epilogue": _one_of("none", "silu_mul"),
+    "norm": (lambda v: isinstance(v, bool), "true or false"),
+    "norm_topk_prob": (lambda v: isinstance(v, bool), "true or false"),
+    "experts": _int_tuple(0, MAX_EXPERTS - 1),
+    "prior": (lambda v: isinstance(v, tuple) and all(_is_num(x) for x in v), "a list of finite numbers"),
+    "cache": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def group_size_problem(fmt: str, group_size: object) -> str | None:
+    """Why `group_size` cannot be the group size of weights stored as `fmt` (None: it can)."""
+    from .formats import FORMATS, GROUP_MULTIPLE
+
+    f = FORMATS.get(fmt)
+    if f is None:
+        return f"unknown weight format {fmt!r} (known: {', '.join(FORMATS)})"
+    if not _is_int(group_size):
+        return f"group size {group_size!r} is not an integer"
+    if not f.grouped:
+        return None if group_size == 0 else f"format {fmt} takes no group size (got {group_size})"
+    mult = GROUP_MULTIPLE.get(fmt, 2)
+    if not (2 <= group_size <= MAX_GROUP and group_size % mult == 0):
+        return f"format {fmt} needs a group size that is a multiple of {mult} in 2..{MAX_GROUP} (got {group_size})"
+    return None
+
+
+def _check_weight(w: WeightSpec) -> str | None:
+    """Why weight declaration `w` is unusable (None: it is sound): concrete dimensions in range,
+    a known format with a group size it can take, expert stacks that agree with their shape."""
+    if not (len(w.shape) <= 3 and all(_is_int(d) and 1 <= d <= MAX_DIM for d in w.shape)):
+        return f"shape {list(w.shape)}: expected at most 3 dimensions, each in 1..{MAX_DIM}"
+    why = group_size_problem(w.fmt, w.group_size)
+    if why:
+        return why
+    if not _is_int(w.experts) or w.experts < 0:
+        return f"experts[{w.experts}] is not a count"
+    if w.experts and (len(w.shape) != 3 or w.shape[0] != w.experts):
+        return f"experts[{w.experts}] but shape {list(w.shape)}: expected stacked experts [{w.experts}, N, K]"
+    if w.expert_ids and (len(w.expert_ids) != w.experts or len(set(w.expert_ids)) != len(w.expert_ids)
+                         or not all(_is_int(e) and 0 <= e < MAX_EXPERTS for e in w.expert_ids)):
+        return f"expert ids {list(w.expert_ids)[:8]}: expected {w.experts} distinct ids"
+    return None
+
+
+def check_token_ids(ids, rows: int, table: str) -> None:
+    """Token ids (an integer array) against the embedding table's real row count `rows`: every
+    backend calls it before it gathers rows, so an id past the table never reads memory beyond
+    it (a UsageError naming the id and the table)."""
+    if ids.size == 0:
+        return
+    if ids.dtype.kind not in "iu":
+        raise UsageError(f"token ids of dtype {ids.dtype}: expected integers")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= rows:
+        bad = lo if lo < 0 else hi
+        raise UsageError(f"token id {bad} is outside the vocabulary [0, {rows}) of the embedding table @{table}")
+
+
 def ir_window(g: Graph, idx: int, radius: int = 3) -> str:
     """The printed IR lines around the node at position `idx`, the failing one marked '>>'."""
     from .ir_text import print_graph
@@ -96,6 +220,10 @@ def _check_node(g: Graph, n: Node, seen: set[int]) -> None:
         raise _Fail(n.id, "attributes must be unique and sorted")
     if not sig.attrs <= keys:
         raise _Fail(n.id, f"{n.op.value} needs attribute(s) {sorted(sig.attrs - keys)}")
+    for k, v in n.attrs:
+        kind = ATTR_KINDS.get(k)
+        if kind is not None and not kind[0](v):
+            raise _Fail(n.id, f"{n.op.value} attribute {k}={_short(v)}: expected {kind[1]}")
     if n.op is Op.MOE_FFN and not ({"gate", "up"} <= set(roles)) ^ ("gate_up" in roles):
         raise _Fail(n.id, "moe_ffn takes either gate+up or gate_up")
     _check_shapes(g, n)
@@ -157,9 +285,19 @@ def _check_shapes(g: Graph, n: Node) -> None:
             raise _Fail(n.id, "embedding width mismatch")
 
 
+def _short(v: object) -> str:
+    """An attribute value for a one-line message: repr, control characters escaped, at most 40 characters."""
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
 def verify(g: Graph) -> None:
     seen: set[int] = set()
     pos = 0
+    for w in g.weights:
+        why = _check_weight(w)
+        if why:
+            raise IRError(f"{g.level.value} IR invalid: weight @{w.name}: {why}")
     try:
         for pos, n in enumerate(g.nodes):
             if n.id in seen:

@@ -3,15 +3,18 @@
 A WeightSpec's rows are its source tensors concatenated along axis 0, per expert when stacked.
 Group-wise formats quantize each row on its own, so a weight can be converted one row block of
 one source tensor at a time and written as it goes: peak memory is one block, whatever the
-model's size.
+model's size. Blocks are checked finite as they are read, and hashed where the caller asks
+(`--calib PLAN.bin` reuses a plan's quantized weights only for source tensors of the same hash).
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Protocol
+import hashlib
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
+from .errors import ModelError
 from .formats import get_format
 from .ir import WeightSpec
 
@@ -23,13 +26,42 @@ class TensorStore(Protocol):
     def iter_row_blocks(self, key: str, block_bytes: int) -> Iterator[np.ndarray]: ...
 
 
-def iter_blocks(spec: WeightSpec, store: TensorStore, block_bytes: int = 16 << 20, with_expert: bool = False):
+def iter_blocks(spec: WeightSpec, store: TensorStore, block_bytes: int = 16 << 20, with_expert: bool = False,
+                hashes: dict[str, str] | None = None, progress: Callable[[int], None] | None = None):
     """f32 row blocks of the logical tensor, in storage order (expert-major, then sources);
-    with_expert: (expert index or None, block) pairs."""
+    with_expert: (expert index or None, block) pairs.
+
+    Every block is checked on the way: a NaN or an infinity in the checkpoint is one ModelError
+    naming the tensor and row (it would compile, and run to NaN logits). With `hashes`, each source
+    tensor's SHA-256 (of its shape and every value read; 32 hex digits) is stored there under its
+    key once its last block has been taken; `progress(n)` gets the checkpoint bytes each block was
+    read from."""
     for e in range(spec.experts) if spec.experts else (None,):
         for key in spec.source_keys(e):
+            info = store.info(key)
+            h = hashlib.sha256(repr(tuple(info.shape)).encode()) if hashes is not None else None
+            elems, done, row = max(int(np.prod(info.shape, dtype=np.int64)), 1), 0, 0
             for block in store.iter_row_blocks(key, block_bytes):
+                _check_finite(block, key, info, row)
+                row += block.shape[0] if block.ndim > 1 else 1
+                if h is not None:
+                    h.update(np.ascontiguousarray(block, np.float32))
+                if progress:
+                    before, done = done, done + block.size
+                    progress(done * info.nbytes // elems - before * info.nbytes // elems)
                 yield (e, block) if with_expert else block
+            if h is not None:
+                hashes[key] = h.hexdigest()[:32]
+
+
+def _check_finite(block: np.ndarray, key: str, info, row0: int) -> None:
+    finite = np.isfinite(block)
+    if finite.all():
+        return
+    where = (f"row {row0 + int(np.argmin(finite.reshape(block.shape[0], -1).all(axis=1)))}" if block.ndim > 1
+             else f"element {int(np.argmin(finite))}")
+    raise ModelError(f"{getattr(info, 'file', '')}: tensor {key} holds NaN or infinite values ({where}); "
+                     f"the checkpoint is corrupt: re-download or repair it")
 
 
 def materialize_f32(spec: WeightSpec, store: TensorStore) -> np.ndarray:
@@ -38,24 +70,3 @@ def materialize_f32(spec: WeightSpec, store: TensorStore) -> np.ndarray:
     if spec.fmt != "f32":
         w = get_format(spec.fmt).roundtrip(w, spec.group_size or 32)
     return w.astype(np.float32, copy=False)
-
-
-def source_fingerprint(store, keys) -> str:
-    """A cheap identity of the checkpoint tensors a plan was built from: each key's shape and
-    three of its rows (first, middle, last), hashed. Plans store it, so reusing one plan's work
-    for another compile (`--calib PLAN.bin`) can check that the weights are the same."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for key in sorted(set(keys)):
-        info = store.info(key)
-        shape = tuple(info.shape)
-        h.update(f"{key}:{shape};".encode())
-        n = shape[0] if shape else 1
-        try:
-            rows = [store.read_rows(key, r, r + 1) for r in sorted({0, n // 2, max(n - 1, 0)})]
-        except ValueError:      # a store that reads whole heads only (GGUF's permuted q/k): its first block
-            rows = [next(iter(store.iter_row_blocks(key, 1 << 16)))]
-        for r in rows:
-            h.update(np.ascontiguousarray(r, np.float32).tobytes())
-    return h.hexdigest()[:32]

@@ -140,7 +140,7 @@ def test_reused_plan_donates_its_quantized_weights(demo, tmp_path, capsys, monke
     d, calib = demo
     hw = fake_profile(tmp_path / "hw.json")
     src = _compile(d, tmp_path / "a", "--quant", "int4", "--calib", str(calib), "--calib-tokens", "200")
-    assert src.meta["source_fingerprint"]
+    assert src.meta["source_hashes"]
     p = probe_placement(d, tmp_path, hw, "--quant", "int4")
     place = ["--target", str(hw), "--gpu-mem", str(gpu_mem_for(p, p["gpu_bytes"] * 0.5))]
     fresh = _compile(d, tmp_path / "fresh", "--quant", "int4", "--calib", str(calib), "--calib-tokens", "200", *place)

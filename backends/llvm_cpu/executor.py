@@ -26,6 +26,7 @@ from strata_compiler.experts import Residency
 from strata_compiler.ir import Graph, Node, Op
 from strata_compiler import trace
 from strata_compiler.kv_cache import KVCache
+from strata_compiler.verify import check_token_ids
 
 from .binders import BINDERS
 from .codegen.dot import pair_layout
@@ -86,6 +87,8 @@ class LLVMExecutor:
         # resident_arrays) where the OS offers transparent huge pages; weights without that method
         # (tests' stand-ins) stay as they are
         self.hugepages = hugepages_available() and hasattr(weights, "resident_arrays")
+        # the embedding tables' real row counts: the embed kernel gathers rows by id unchecked
+        self.tables = [(self._rows(n.weight("table")), n.weight("table")) for n in self.nodes if n.op is Op.EMBED]
         self.binders = [self._bind(n) for n in self.nodes]   # every kernel compiled here, not per step
         self.frames: dict[int, tuple[Frame, list]] = {}
         # per op, the inputs fetched before it that are values (not the token ids): a program runs
@@ -107,6 +110,10 @@ class LLVMExecutor:
         a = self.w.resident_arrays(name) if self.hugepages else self.w.arrays(name)
         return (a["w"], None) if "w" in a else (a["qs"], a["scales"])
 
+    def _rows(self, name: str) -> int:
+        """Rows of weight `name` as stored (its first array's leading dimension)."""
+        return next(iter(self.w.arrays(name).values())).shape[0]
+
     def _bind(self, n: Node):
         binder = BINDERS.get(n.op)
         if binder is None:
@@ -125,6 +132,8 @@ class LLVMExecutor:
         frame, ops = self.frames[M]
         hi = len(ops) if hi is None else hi
         if lo == 0:
+            for rows, name in self.tables:
+                check_token_ids(input_ids, rows, name)
             frame.ids[:] = input_ids.reshape(-1)
         step = Step(B, T, cache, PHASE_NS)
         prog = None

@@ -18,6 +18,7 @@ from strata_compiler.experts import Residency, nonresident_mask
 from strata_compiler.ir import Graph, Node, Op
 from strata_compiler.kv_cache import KVCache
 from strata_compiler.rope import rope_cos_sin
+from strata_compiler.verify import check_token_ids
 
 
 class WeightSource(Protocol):
@@ -33,11 +34,13 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, group: int = 0) -> np.nda
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    with np.errstate(over="ignore"):    # exp(-x) = inf for x << 0 gives the right limit, 0
+        return x / (1.0 + np.exp(-x))
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-x))
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -118,12 +121,18 @@ class ReferenceExecutor:
         for i, n in enumerate(graph.nodes):
             for a in n.args:
                 last_use[a] = i
-        self.frees = [[a for a in n.args if last_use[a] == i] for i, n in enumerate(graph.nodes)]
+        self.frees = [[a for a in dict.fromkeys(n.args) if last_use[a] == i] for i, n in enumerate(graph.nodes)]
         for n in graph.nodes:
             if n.op not in _HANDLERS:
                 raise BackendError(f"reference backend has no kernel for op {n.op.value}")
 
     def run(self, input_ids: np.ndarray, cache: KVCache) -> dict[int, np.ndarray]:
+        # overflow in a broken plan's numbers is reported once, as non-finite logits (runtime),
+        # not as NumPy's warnings on stderr
+        with np.errstate(all="ignore"):
+            return self._run(input_ids, cache)
+
+    def _run(self, input_ids: np.ndarray, cache: KVCache) -> dict[int, np.ndarray]:
         T = input_ids.shape[1]
         ctx = _Step(self.w, cache, cache.positions(T)[:, None] + np.arange(T), input_ids, self.observer)
         ctx.graph, ctx.residency = self.g, self.residency
@@ -226,6 +235,13 @@ def _moe_ffn(c: _Step, n: Node, a: list) -> np.ndarray:
     return y + a[2] if len(a) == 3 else y
 
 
+def _embed(c: _Step, n: Node, a: list) -> np.ndarray:
+    """Rows of the table, the ids checked against its real row count first."""
+    table = c.weight(n, "table")
+    check_token_ids(a[0], table.shape[0], n.weight("table"))
+    return table[a[0]]
+
+
 def _route(c: _Step, n: Node, a: list) -> np.ndarray:
     m = topk_mask(softmax(a[0]), n.attr("k"))
     return m / m.sum(axis=-1, keepdims=True) if n.attr("norm") else m
@@ -233,7 +249,7 @@ def _route(c: _Step, n: Node, a: list) -> np.ndarray:
 
 _HANDLERS: dict[Op, Callable[[_Step, Node, list], np.ndarray]] = {
     Op.INPUT_IDS: lambda c, n, a: c.ids,
-    Op.EMBED: lambda c, n, a: c.weight(n, "table")[a[0]],
+    Op.EMBED: _embed,
     Op.RMS_NORM: lambda c, n, a: rms_norm(a[0], c.weight(n, "w"), n.attr("eps"), n.attr("group", 0)),
     Op.MATMUL: _matmul,
     Op.ADD: lambda c, n, a: a[0] + a[1],

@@ -21,6 +21,7 @@ from strata_compiler.ir import Graph, Node, Op
 
 from strata_compiler import trace
 from strata_compiler.experts import Residency, in_place_weights
+from strata_compiler.verify import check_token_ids
 
 from . import cuda_rt
 from .dequant import _jnp
@@ -102,6 +103,10 @@ class XLAExecutor:
         self.outputs = [n.id for n in self.nodes if any(u == -1 or u not in ids for u in users[n.id])]
         self.layers = sorted({n.attr("layer") for n in self.nodes if n.op is Op.FUSED_ATTENTION})
         self._reads_ids = any(n.op is Op.INPUT_IDS for n in self.nodes)   # else the ids argument is unused
+        # the embedding tables' real row counts: a gather on the device clamps an id past the table
+        # to its last row, silently
+        self.tables = [(next(iter(weights.arrays(n.weight("table")).values())).shape[0], n.weight("table"))
+                       for n in self.nodes if n.op is Op.EMBED]
         self._bulk_pending = False      # set_slot(wait=False) copies not yet waited for
         self.step_counts = None         # the last call's COUNTS result (run_partition)
         self.params_version = 0         # bumped where an array of `params` is replaced (the fused step's flat copy)
@@ -298,6 +303,8 @@ class XLAExecutor:
         """One step of this partition: ids i64[B, T] (padded to T_pad) at the cache's positions (each
         row's; a step of T > 1 tokens needs uniform rows: KVCache.positions)."""
         B, T = input_ids.shape
+        for rows, name in self.tables:
+            check_token_ids(input_ids, rows, name)
         pos = np.asarray(cache.positions(T), np.int32)
         if cache.length + T_pad > cache.capacity:
             raise UsageError(f"sequence of {cache.length + T} tokens exceeds the KV cache capacity {cache.capacity}")

@@ -30,7 +30,8 @@ import numpy as np
 
 from ..errors import ModelError
 from ..ir import make_attrs
-from .hf import ModelConfig
+from ..untrusted import open_regular
+from .hf import MAX_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, ModelConfig, in_range
 
 GGUF_MAGIC = b"GGUF"
 ARCHITECTURES = ("llama",)
@@ -155,20 +156,25 @@ def _open_reader(path: Path) -> Any:
     from gguf import GGUFReader
 
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:   # a FIFO or device would block or never end
             magic = f.read(4)
     except OSError as e:
-        raise ModelError(f"{path}: cannot read ({e.strerror})") from None
-    if magic != GGUF_MAGIC:
-        raise ModelError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+        raise ModelError(f"{path}: cannot read ({e.strerror or e})") from None
+    if magic != GGUF_MAGIC:   # the file's own bytes stay out of the message
+        raise ModelError(f"{path}: not a GGUF file (it does not start with magic {GGUF_MAGIC!r})")
     try:
         reader = GGUFReader(path, "r")
     except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError, OSError) as e:
         why = str(e).splitlines()[0][:160] if str(e) else e.__class__.__name__
         raise ModelError(f"{path}: not a readable GGUF file ({why}); the file is truncated or corrupt") from None
-    size = path.stat().st_size
+    size = len(reader.data)   # the mapping GGUFReader reads through, not a second look at the path
     for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+        if (t.data_offset - reader.data_offset) % reader.alignment:
+            # GGUF places every tensor at a multiple of general.alignment from the data start; one off
+            # it would be read shifted (llama.cpp refuses it too)
+            raise ModelError(f"{path}: tensor {t.name[:200]} at offset {t.data_offset - reader.data_offset} is not a "
+                             f"multiple of the file's alignment {reader.alignment}; the file is corrupt")
+        if t.data_offset < reader.data_offset or t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
             raise ModelError(f"{path}: tensor {t.name} data lies outside the file; the file is truncated or corrupt")
     return reader
 
@@ -207,16 +213,21 @@ def _config(meta: _Meta, store: GGUFTensorStore) -> ModelConfig:
     if min(hidden, n_layers, n_heads, n_kv, head_dim) <= 0 or n_heads % n_kv or head_dim % 2:
         raise ModelError(f"{path}: inconsistent attention sizes (embedding_length={hidden}, "
                          f"head_count={n_heads}, head_count_kv={n_kv}, head_dim={head_dim})")
+    for key, v, hi in (("block_count", n_layers, MAX_LAYERS), ("embedding_length", hidden, MAX_DIM),
+                       ("attention.head_count", n_heads, MAX_HEADS), ("attention.key_length", head_dim, MAX_DIM)):
+        in_range(path, a + key, v, 1, hi)   # before anything is sized by them
     if meta.get(a + "expert_count", int, default=0) > 0:
         raise ModelError(f"{path}: llama GGUF with experts (llama.expert_count > 0, e.g. Mixtral) is not "
                          "supported yet; compile the Hugging Face folder instead")
     rot = meta.get(a + "rope.dimension_count", int, default=head_dim)
     if rot != head_dim:
         raise ModelError(f"{path}: llama.rope.dimension_count {rot} != head dim {head_dim} (partial RoPE is not supported)")
-    rope: dict = {"rope_theta": meta.get(a + "rope.freq_base", float, default=10000.0), "rope_type": "default"}
+    rope: dict = {"rope_theta": in_range(path, a + "rope.freq_base", meta.get(a + "rope.freq_base", float, default=10000.0),
+                                         0.0, above=True), "rope_type": "default"}
     scaling = meta.get(a + "rope.scaling.type", str, default="none")
     if scaling == "linear":
-        rope.update(rope_type="linear", rope_factor=meta.get(a + "rope.scaling.factor", float, required=True))
+        rope.update(rope_type="linear", rope_factor=in_range(
+            path, a + "rope.scaling.factor", meta.get(a + "rope.scaling.factor", float, required=True), 0.0, above=True))
     elif scaling != "none":
         raise ModelError(f"{path}: llama.rope.scaling.type {scaling!r} is not supported (supported: none, linear)")
     tokens = meta.fields.get("tokenizer.ggml.tokens")
@@ -230,19 +241,26 @@ def _config(meta: _Meta, store: GGUFTensorStore) -> ModelConfig:
                          f"llama.feed_forward_length says {ff}")
     eos = [meta.get(f"tokenizer.ggml.{k}_token_id", int, default=-1) for k in ("eos", "eot", "eom")]
     eos_ids = tuple(dict.fromkeys(e for e in eos if e >= 0))
+    in_range(path, a + "vocab_size", vocab, 1, MAX_DIM)
+    bos = meta.get("tokenizer.ggml.bos_token_id", int, default=-1)
+    for key, v in [("tokenizer.ggml.bos_token_id", bos)] + [("tokenizer.ggml.eos_token_id", e) for e in eos_ids]:
+        if v != -1:
+            in_range(path, key, v, 0, vocab - 1)
     qkv_bias = "model.layers.0.self_attn.q_proj.bias" in store
     return ModelConfig(
         arch="llama", architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=hidden,
         n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
-        rms_eps=meta.get(a + "attention.layer_norm_rms_epsilon", float, required=True),
+        rms_eps=in_range(path, a + "attention.layer_norm_rms_epsilon",
+                         meta.get(a + "attention.layer_norm_rms_epsilon", float, required=True), 0.0, 1.0, above=True),
         rope=make_attrs(**rope),
         tie_word_embeddings="lm_head.weight" not in store,
         moe_layers=(False,) * n_layers, n_experts=0, top_k=0, norm_topk_prob=False, qk_norm="none",
         qkv_bias=qkv_bias, o_bias="model.layers.0.self_attn.o_proj.bias" in store, shared_expert=False,
         clip_qkv=None,
-        max_position=meta.get(a + "context_length", int, default=4096),
+        max_position=in_range(path, a + "context_length", meta.get(a + "context_length", int, default=4096), 1,
+                              MAX_POSITIONS),
         eos_token_ids=eos_ids,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id", int, default=-1),
+        bos_token_id=bos,
     )
 
 

@@ -1,7 +1,8 @@
 """Hugging Face model folders -> graph-level IR.
 
-Reads config.json (normalising the variants real checkpoints and transformers 4/5 write),
-checks every tensor the architecture needs against the safetensors headers, and builds the
+Reads config.json (normalising the variants real checkpoints and transformers 4/5 write; every
+value type- and range-checked, the layer count against the layers the checkpoint holds, before
+any work), checks every tensor the architecture needs against the safetensors headers, and builds the
 graph: embed, then per layer rms_norm -> attention -> add -> rms_norm -> moe|mlp -> add, then
 the final norm and lm_head. No tensor data is read here.
 
@@ -11,12 +12,15 @@ E = experts, I = expert (or MLP) intermediate size.
 
 from __future__ import annotations
 
-import json
+import math
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ModelError
 from ..ir import Graph, GraphBuilder, Level, Op, TensorType, DType, WeightSpec, f32, make_attrs
+from ..untrusted import JSONLimitError, load_json, read_regular
 from .safetensors_reader import TensorStore
 
 ARCHITECTURES = {
@@ -60,16 +64,21 @@ MAX_JSON_BYTES = 16 * 1024 * 1024   # tokenizer_config.json may carry a big adde
 
 
 def read_json_object(path: Path, missing: str | None = None) -> dict | None:
-    """A model folder's JSON file as a dict; None when absent, unless `missing` says why it is needed."""
-    if not path.is_file():
+    """A model folder's JSON file as a dict; None when absent, unless `missing` says why it is needed.
+    Only a regular file (a FIFO would block), at most MAX_JSON_BYTES, nested at most MAX_JSON_DEPTH."""
+    if not os.path.lexists(path):
         if missing:
             raise ModelError(f"{path}: missing; {missing}")
         return None
-    if path.stat().st_size > MAX_JSON_BYTES:
-        raise ModelError(f"{path}: larger than {MAX_JSON_BYTES >> 20} MiB; refusing it")
     try:
-        obj = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = read_regular(path, MAX_JSON_BYTES)
+    except OSError as e:
+        raise ModelError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        obj = load_json(data)
+    except JSONLimitError as e:
+        raise ModelError(f"{path}: {e}; fix or re-download it") from None
+    except ValueError as e:
         raise ModelError(f"{path}: not valid JSON ({e.__class__.__name__} at {getattr(e, 'pos', '?')}); "
                          "fix or re-download it") from None
     if not isinstance(obj, dict):
@@ -77,7 +86,26 @@ def read_json_object(path: Path, missing: str | None = None) -> dict | None:
     return obj
 
 
-def _field(cfg: dict, path: Path, *names: str, default=None, kind=int):
+# Bounds far above any real checkpoint's (the largest have ~128 layers, 512 experts, a 256k
+# vocabulary, a 16k hidden size, 10M positions): config.json is untrusted, and a value it gives
+# must not make the compiler loop or allocate before the tensors are checked against it.
+MAX_LAYERS = 4096
+MAX_DIM = 1 << 24             # vocab, hidden and head sizes
+MAX_HEADS = 1 << 12
+MAX_EXPERTS = 1 << 16
+MAX_POSITIONS = 1 << 30
+MAX_TOKEN_IDS = 64            # eos_token_id lists
+
+
+def _show(v: object) -> str:
+    """A config value inside a one-line message: its repr, at most 60 characters."""
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _field(cfg: dict, path: Path, *names: str, default=None, kind=int, lo=None, hi=None, above=False):
+    """The first of `names` that config.json sets, of type `kind` (int, float or bool); numbers
+    given must lie in [lo, hi] ((lo, hi] with `above`; finite for floats). `default` when none is set."""
     for n in names:
         if cfg.get(n) is not None:
             v = cfg[n]
@@ -91,12 +119,37 @@ def _field(cfg: dict, path: Path, *names: str, default=None, kind=int):
                 out = kind(v)
                 if out != v:
                     raise TypeError
-                return out
-            except (TypeError, ValueError):
-                raise ModelError(f"{path}: field {n!r} should be {kind.__name__}, got {v!r}") from None
+            except (TypeError, ValueError, OverflowError):
+                raise ModelError(f"{path}: field {n!r} should be {kind.__name__}, got {_show(v)}") from None
+            return in_range(path, n, out, lo, hi, above)
     if default is None:
         raise ModelError(f"{path}: missing field {names[0]!r}")
     return default
+
+
+def in_range(path: Path, name: str, v, lo, hi=None, above: bool = False):
+    """`v` (the value of field `name` in file `path`) if it lies in [lo, hi] ((lo, hi] with
+    `above`; finite for floats), else one ModelError naming the field and the range."""
+    if lo is None:
+        return v
+    finite = isinstance(v, int) or math.isfinite(v)
+    if finite and (v > lo if above else v >= lo) and (hi is None or v <= hi):
+        return v
+    want = ("an integer " if isinstance(v, int) else "a finite number ") + f"{'>' if above else '>='} {lo}" + \
+        (f" and <= {hi}" if hi is not None else "")
+    raise ModelError(f"{path}: field {name!r} is {_show(v)}; it must be {want}")
+
+
+def _token_ids(value: object, path: Path, name: str, vocab: int, many: bool = True) -> tuple[int, ...]:
+    """An id, or with `many` a list of ids, in [0, vocab) (None: no ids)."""
+    if value is None:
+        return ()
+    items = value if isinstance(value, list) and many else [value]
+    if len(items) > MAX_TOKEN_IDS or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < vocab
+                                             for v in items):
+        want = f"a token id or a list of at most {MAX_TOKEN_IDS} token ids" if many else "a token id"
+        raise ModelError(f"{path}: field {name!r} is {_show(value)}; it must be {want} in [0, {vocab})")
+    return tuple(items)
 
 
 def _rope(cfg: dict, path: Path) -> tuple:
@@ -105,47 +158,54 @@ def _rope(cfg: dict, path: Path) -> tuple:
         raise ModelError(f"{path}: 'rope_parameters' should be an object")
     merged = {"rope_theta": cfg.get("rope_theta", 10000.0), **params}
     rtype = params.get("rope_type", params.get("type", "default"))
-    if rtype not in ROPE_TYPES:
-        raise ModelError(f"{path}: rope_type {rtype!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
-    theta = _field(merged, path, "rope_theta", kind=float)
+    if not isinstance(rtype, str) or rtype not in ROPE_TYPES:
+        raise ModelError(f"{path}: rope_type {_show(rtype)} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    theta = _field(merged, path, "rope_theta", kind=float, lo=0.0, above=True)
     extra: dict = {}
     if rtype in ("linear", "llama3"):
-        extra["rope_factor"] = _field(merged, path, "factor", kind=float)
+        extra["rope_factor"] = _field(merged, path, "factor", kind=float, lo=0.0, above=True)
     if rtype == "llama3":
-        extra.update(rope_low_freq_factor=_field(merged, path, "low_freq_factor", kind=float),
-                     rope_high_freq_factor=_field(merged, path, "high_freq_factor", kind=float),
-                     rope_original_max=_field(merged, path, "original_max_position_embeddings"))
+        low = _field(merged, path, "low_freq_factor", kind=float, lo=0.0, above=True)
+        extra.update(rope_low_freq_factor=low,   # llama3 smooths between the two: high > low
+                     rope_high_freq_factor=_field(merged, path, "high_freq_factor", kind=float, lo=low, above=True),
+                     rope_original_max=_field(merged, path, "original_max_position_embeddings", lo=1,
+                                              hi=MAX_POSITIONS))
     return make_attrs(rope_theta=theta, rope_type=rtype, **extra)
 
 
 def read_config(model_dir: Path) -> ModelConfig:
+    """config.json as a ModelConfig, every value type- and range-checked (one ModelError naming the field)."""
     path = model_dir / "config.json"
     cfg = read_json_object(path, "a Hugging Face model folder needs config.json")
     archs = cfg.get("architectures") or []
-    known = [a for a in archs if a in ARCHITECTURES] if isinstance(archs, list) else []
+    known = [a for a in archs if isinstance(a, str) and a in ARCHITECTURES] if isinstance(archs, list) else []
     if not known:
-        raise ModelError(f"{path}: architecture {archs!r} is not supported; Strata compiles "
+        raise ModelError(f"{path}: architecture {_show(archs)} is not supported; Strata compiles "
                          f"{', '.join(ARCHITECTURES)}")
     architecture = known[0]
     arch = ARCHITECTURES[architecture]
-    hidden = _field(cfg, path, "hidden_size")
-    n_layers = _field(cfg, path, "num_hidden_layers")
-    n_heads = _field(cfg, path, "num_attention_heads")
-    n_kv = _field(cfg, path, "num_key_value_heads", default=n_heads)
-    head_dim = _field(cfg, path, "head_dim", default=hidden // max(n_heads, 1))
-    if min(hidden, n_layers, n_heads, n_kv, head_dim) <= 0 or n_heads % n_kv:
+    hidden = _field(cfg, path, "hidden_size", lo=1, hi=MAX_DIM)
+    n_layers = _field(cfg, path, "num_hidden_layers", lo=1, hi=MAX_LAYERS)
+    n_heads = _field(cfg, path, "num_attention_heads", lo=1, hi=MAX_HEADS)
+    n_kv = _field(cfg, path, "num_key_value_heads", default=n_heads, lo=1, hi=MAX_HEADS)
+    head_dim = _field(cfg, path, "head_dim", default=hidden // n_heads, lo=1, hi=MAX_DIM)
+    if head_dim <= 0 or n_heads % n_kv:
         raise ModelError(f"{path}: inconsistent attention sizes (hidden_size={hidden}, heads={n_heads}, kv_heads={n_kv})")
-    n_experts = 0 if arch == "llama" else _field(cfg, path, "num_local_experts", "num_experts")
+    if head_dim % 2:
+        raise ModelError(f"{path}: head_dim {head_dim} is odd; rotary position embeddings need an even head size")
+    vocab = _field(cfg, path, "vocab_size", lo=1, hi=MAX_DIM)
+    n_experts = 0 if arch == "llama" else _field(cfg, path, "num_local_experts", "num_experts",
+                                                 lo=0 if arch.startswith("qwen") else 1, hi=MAX_EXPERTS)
     if arch == "mixtral":
         moe_layers = (True,) * n_layers
     elif arch in ("qwen2_moe", "qwen3_moe"):
-        step = _field(cfg, path, "decoder_sparse_step", default=1)
+        step = _field(cfg, path, "decoder_sparse_step", default=1, lo=1, hi=MAX_LAYERS)
         only = cfg.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+            raise ModelError(f"{path}: field 'mlp_only_layers' is {_show(only)}; it must be a list of layer indices")
         moe_layers = tuple(n_experts > 0 and i not in only and (i + 1) % step == 0 for i in range(n_layers))
     else:
         moe_layers = (arch == "olmoe",) * n_layers
-    eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
     if arch == "llama":
         qkv_bias = o_bias = _field(cfg, path, "attention_bias", default=False, kind=bool)
     elif arch == "qwen2_moe":
@@ -153,24 +213,25 @@ def read_config(model_dir: Path) -> ModelConfig:
     else:
         qkv_bias = _field(cfg, path, "attention_bias", default=False, kind=bool)
         o_bias = qkv_bias and arch != "olmoe"
-    clip = _field(cfg, path, "clip_qkv", default=0.0, kind=float) or None
+    clip = _field(cfg, path, "clip_qkv", default=0.0, kind=float, lo=0.0) or None
     return ModelConfig(
         arch=arch, architecture=architecture,
-        vocab_size=_field(cfg, path, "vocab_size"), hidden_size=hidden, n_layers=n_layers,
+        vocab_size=vocab, hidden_size=hidden, n_layers=n_layers,
         n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
-        rms_eps=_field(cfg, path, "rms_norm_eps", default=1e-6, kind=float),
+        rms_eps=_field(cfg, path, "rms_norm_eps", default=1e-6, kind=float, lo=0.0, hi=1.0, above=True),
         rope=_rope(cfg, path),
         tie_word_embeddings=_field(cfg, path, "tie_word_embeddings", default=False, kind=bool),
         moe_layers=moe_layers, n_experts=n_experts,
-        top_k=_field(cfg, path, "num_experts_per_tok", default=2) if n_experts else 0,
+        top_k=_field(cfg, path, "num_experts_per_tok", default=min(2, n_experts), lo=1, hi=n_experts) if n_experts else 0,
         norm_topk_prob=True if arch == "mixtral" else _field(cfg, path, "norm_topk_prob", default=False, kind=bool),
         qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(arch, "none"),
         qkv_bias=qkv_bias, o_bias=o_bias,
-        shared_expert=arch == "qwen2_moe" and _field(cfg, path, "shared_expert_intermediate_size", default=0) > 0,
+        shared_expert=arch == "qwen2_moe" and _field(cfg, path, "shared_expert_intermediate_size", default=0,
+                                                     lo=0, hi=MAX_DIM) > 0,
         clip_qkv=clip,
-        max_position=_field(cfg, path, "max_position_embeddings", default=4096),
-        eos_token_ids=eos_ids,
-        bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else -1,
+        max_position=_field(cfg, path, "max_position_embeddings", default=4096, lo=1, hi=MAX_POSITIONS),
+        eos_token_ids=_token_ids(cfg.get("eos_token_id"), path, "eos_token_id", vocab),
+        bos_token_id=(_token_ids(cfg.get("bos_token_id"), path, "bos_token_id", vocab, many=False) or (-1,))[0],
     )
 
 
@@ -206,11 +267,26 @@ class _Weights:
         return shape[0]
 
 
+_LAYER_KEY = re.compile(r"model\.layers\.(\d{1,9})\.")
+
+
+def _check_layers_present(store, model_dir: Path, n_layers: int) -> None:
+    """The config's layer count against the layers the checkpoint holds tensors of, before any
+    per-layer work."""
+    present = {int(m.group(1)) for k in store.infos if (m := _LAYER_KEY.match(k))}
+    missing = next((i for i in range(n_layers) if i not in present), None)
+    if missing is not None:
+        raise ModelError(f"{model_dir}: the config gives {n_layers} layers (num_hidden_layers, GGUF: block_count), "
+                         f"but the checkpoint holds no tensors of layer {missing} ({len(present)} layers present); "
+                         f"fix the layer count or use the complete checkpoint")
+
+
 def build_graph(model_dir: Path, store: TensorStore | None = None,
                 cfg: ModelConfig | None = None) -> tuple[Graph, ModelConfig]:
     """The graph-level IR of a Hugging Face model folder (or of `cfg` and `store` from another frontend)."""
     cfg = cfg or read_config(model_dir)
     store = store or TensorStore.open(model_dir)
+    _check_layers_present(store, model_dir, cfg.n_layers)
     W = _Weights(store, model_dir, cfg)
     D, V, H, KV, hd = cfg.hidden_size, cfg.vocab_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     act = f32("B", "T", D)

@@ -9,8 +9,9 @@ header, then raw little-endian data.)
 
 from __future__ import annotations
 
-import json
+import math
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +21,12 @@ import numpy as np
 
 from ..errors import ModelError
 from ..formats import bf16_bits_to_f32
+from ..untrusted import JSONLimitError, is_count, load_json, open_regular, read_regular
 
 _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 _MAX_HEADER = 100 * 1024 * 1024
+_MAX_INDEX = 64 * 1024 * 1024       # model.safetensors.index.json: one line per tensor
+_MAX_RANK = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,18 +41,20 @@ class TensorInfo:
 
 def _read_header(path: Path) -> dict[str, TensorInfo]:
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path) as f:   # a FIFO or device named as a shard would block or never end
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(8)
             if len(raw) < 8:
                 raise ModelError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
             (n,) = struct.unpack("<Q", raw)
             if n > min(_MAX_HEADER, size - 8):
                 raise ModelError(f"{path}: not a safetensors file (header length {n} exceeds the file)")
-            header = json.loads(f.read(n))
+            header = load_json(f.read(n))
     except OSError as e:
-        raise ModelError(f"{path}: cannot read ({e.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ModelError(f"{path}: cannot read ({e.strerror or e})") from None
+    except JSONLimitError as e:
+        raise ModelError(f"{path}: safetensors header {e}; the file is corrupt") from None
+    except ValueError:
         raise ModelError(f"{path}: safetensors header is not valid JSON; the file is corrupt") from None
     if not isinstance(header, dict):
         raise ModelError(f"{path}: safetensors header is not a JSON object")
@@ -57,13 +63,16 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
     for key, v in header.items():
         if key == "__metadata__":
             continue
-        try:
-            dtype, shape, (b, e) = v["dtype"], tuple(int(d) for d in v["shape"]), v["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise ModelError(f"{path}: malformed header entry for tensor {key}") from None
-        if dtype not in _DTYPES:
-            raise ModelError(f"{path}: tensor {key} has dtype {dtype}; Strata reads F32, F16 and BF16 weights")
-        nbytes = _DTYPES[dtype].itemsize * int(np.prod(shape, dtype=np.int64))
+        shape = v.get("shape") if isinstance(v, dict) else None
+        offsets = v.get("data_offsets") if isinstance(v, dict) else None
+        if (not isinstance(shape, list) or len(shape) > _MAX_RANK or not all(map(is_count, shape))
+                or not isinstance(offsets, list) or len(offsets) != 2 or not all(map(is_count, offsets))):
+            raise ModelError(f"{path}: malformed header entry for tensor {key[:200]!r} (needs integer 'shape' and "
+                             "two integer 'data_offsets'); the file is corrupt")
+        dtype, shape, (b, e) = v.get("dtype"), tuple(shape), offsets
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
+            raise ModelError(f"{path}: tensor {key} has dtype {str(dtype)[:20]}; Strata reads F32, F16 and BF16 weights")
+        nbytes = _DTYPES[dtype].itemsize * math.prod(shape)   # Python ints: no overflow
         if not (0 <= b <= e) or e - b != nbytes or base + e > size:
             raise ModelError(f"{path}: tensor {key} data lies outside the file or has the wrong size; the file is truncated or corrupt")
         out[key] = TensorInfo(key, path, dtype, shape, base + b, nbytes)
@@ -81,10 +90,12 @@ class TensorStore:
         index = model_dir / "model.safetensors.index.json"
         if index.exists():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
+                weight_map = load_json(read_regular(index, _MAX_INDEX))["weight_map"]
                 files = sorted(set(weight_map.values()))
-                if not all(isinstance(f, str) and f and "/" not in f for f in files):
+                if not all(isinstance(f, str) and f and "/" not in f and "\0" not in f for f in files):
                     raise TypeError
+            except OSError as e:
+                raise ModelError(f"{index}: cannot read ({e.strerror or e})") from None
             except (ValueError, KeyError, TypeError, AttributeError):
                 raise ModelError(f"{index}: not a valid safetensors index (needs a 'weight_map' object of tensor -> shard file name)") from None
         elif (model_dir / "model.safetensors").exists():
@@ -118,7 +129,7 @@ class TensorStore:
         if length == 0:
             return np.zeros((0,) + t.shape[1:], np.float32)
         page = start - start % mmap.ALLOCATIONGRANULARITY
-        with open(t.file, "rb") as f:
+        with open_regular(t.file) as f:
             mm = mmap.mmap(f.fileno(), start - page + length, offset=page, access=mmap.ACCESS_READ)
             try:
                 raw = np.frombuffer(mm, dtype=dt, count=length // dt.itemsize, offset=start - page)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 
 from ..target import Target
-from .common import KernelSource
+from .common import KernelSource, dims, one_of, require
 from .elementwise import NEG_INF, clamp, f32, loop, row_kernel, row_ptr, rsqrt_mean, sumsq
 
 PREP_PARAMS = ("qkv", "qnw", "knw", "qout", "kc", "vc", "T", "pasts", "cap", "ldq", "eps", "clip", "inv_freq")
@@ -57,9 +57,16 @@ def _past() -> str:
   %past = load i64, ptr %pastp, align 8"""
 
 
+def _heads(kernel: str, H: int, KV: int, hd: int) -> None:
+    dims(kernel, hi=1 << 12, n_heads=H, n_kv_heads=KV, head_dim=hd)
+    require(kernel, H % KV == 0, f"{H} heads are not a multiple of {KV} kv heads")
+
+
 def attn_prep(H: int, KV: int, hd: int, qk_norm: str, clip: bool, target: Target) -> KernelSource:
-    assert hd % 2 == 0 and hd > 0 and KV > 0 and H % KV == 0, (H, KV, hd)
-    assert qk_norm in ("none", "head", "full"), qk_norm
+    _heads("attn_prep", H, KV, hd)
+    require("attn_prep", hd % 2 == 0, f"head_dim {hd} is odd (RoPE rotates halves)")
+    one_of("attn_prep", "qk_norm", qk_norm, ("none", "head", "full"))
+    one_of("attn_prep", "clip", clip, (True, False))
     half = hd // 2
 
     def heads(tag: str, count: int, src_off: int, wname: str, full_scale: str) -> str:
@@ -162,7 +169,7 @@ def attn_prep(H: int, KV: int, hd: int, qk_norm: str, clip: bool, target: Target
 
 
 def attn_core(H: int, KV: int, hd: int, target: Target) -> KernelSource:
-    assert hd > 0 and KV > 0 and H % KV == 0, (H, KV, hd)
+    _heads("attn_core", H, KV, hd)
     rep = H // KV
     scale = f32(math.sqrt(hd))
     dot = loop("dl", "di", hd, """  %qe = getelementptr inbounds float, ptr %qp, i64 %di

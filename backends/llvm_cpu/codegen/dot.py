@@ -17,7 +17,7 @@ Formats and layouts are defined in strata_compiler/formats.py.
 from __future__ import annotations
 
 from ..target import Target
-from .common import fn_attrs, lanes, splat, vec
+from .common import dims, fn_attrs, group_ok, lanes, require, splat, vec
 
 Q8_BLOCK = 32
 
@@ -323,7 +323,7 @@ def _q8_dot(target: Target, fmt: str, NG: int, R: int = 1, pairs: bool = False) 
     groups is one _q8_pair_pair (lanes 0-3 the first group's, 4-7 the second's); leftover pairs
     go one by one and an odd last group takes the plain one-group path."""
     P = 2 if target.avx512 else 1
-    assert not (pairs and P != 1), "the pair layout is an AVX2 path"
+    require("dot", not (pairs and P != 1), "the pair layout is an AVX2 path")
     L = 8 * P
     V = vec(L, "float")
     V8 = vec(8, "float")
@@ -495,13 +495,15 @@ def needs_q8(fmt: str, group_size: int) -> bool:
 def dot_function(target: Target, fmt: str, K: int, group_size: int, q8: bool, name: str = "dot") -> str:
     head = (f"define internal float @{name}(ptr noalias %w, ptr noalias %s, ptr noalias %x, "
             f"ptr noalias %xd, ptr noalias %xs) alwaysinline {{")
+    dims("dot", K=K)
+    group_ok("dot", fmt, group_size)
     NG = -(-K // group_size) if group_size else 0
     if fmt == "f32":
         body = _f32_dot(K)
     elif fmt == "bf16":
         body = _bf16_dot(K)
     elif q8:
-        assert needs_q8(fmt, group_size)
+        require("dot", needs_q8(fmt, group_size), f"no q8-activation path for {fmt} in groups of {group_size}")
         body = _q8_dot(target, fmt, NG, pairs=pair_layout(target, fmt, group_size))
     elif fmt in ("int8", "int4"):
         body = _grouped_f32act_dot(fmt, NG, group_size)
@@ -513,6 +515,9 @@ def dot_function(target: Target, fmt: str, K: int, group_size: int, q8: bool, na
 def dot2_function(target: Target, fmt: str, K: int, group_size: int) -> str:
     """[2 x float] @dot2(w0, s0, w1, s1, x, xd, xs): two weight rows against one q8 activation
     row in one pass (the merged gate/up weight: gate row n and up row n + I share x)."""
+    dims("dot2", K=K)
+    group_ok("dot2", fmt, group_size)
+    require("dot2", needs_q8(fmt, group_size), f"no q8-activation path for {fmt} in groups of {group_size}")
     NG = -(-K // group_size)
     head = ("define internal [2 x float] @dot2(ptr noalias %w0, ptr noalias %s0, ptr noalias %w1, "
             "ptr noalias %s1, ptr noalias %x, ptr noalias %xd, ptr noalias %xs) alwaysinline {")

@@ -25,7 +25,7 @@ import re
 import struct
 
 from ..target import Target
-from .common import KernelSource, fn_attrs, lanes, load_args
+from .common import KernelSource, dims, fn_attrs, lanes, load_args, one_of, require
 
 Q8_BLOCK = 32
 
@@ -125,8 +125,10 @@ def rsqrt_mean(out: str, ss: str, n: int) -> str:
 
 def rms_norm(C: int, group: int, target: Target) -> KernelSource:
     """y = x / sqrt(mean(x^2) + eps) * w over each group of `group` values (group 0: the row)."""
+    dims("rms_norm", C=C)
+    dims("rms_norm", lo=0, group=group)
     G = group or C
-    assert G > 0 and C % G == 0, (C, group)
+    require("rms_norm", C % G == 0, f"width {C} is not whole groups of {G}")
     params = ("x", "w", "y", "ldx", "ldy", "eps")
     inner = f"""  %go = mul nuw nsw i64 %g, {G}
   %xg = getelementptr inbounds float, ptr %xr, i64 %go
@@ -150,7 +152,9 @@ def rms_norm(C: int, group: int, target: Target) -> KernelSource:
 
 def route(E: int, k: int, norm: bool, target: Target) -> KernelSource:
     """Softmax over E logits, keep the k largest probabilities (ties: lower index), optionally renormalised."""
-    assert 0 < k <= E
+    dims("route", E=E, k=k)
+    one_of("route", "norm", norm, (True, False))
+    require("route", k <= E, f"top-k {k} of {E} experts")
     params = ("x", "y", "ldx", "ldy")
     body = f"""{row_ptr("xr", "x", "%ldx")}
 {row_ptr("yr", "y", "%ldy")}
@@ -197,7 +201,8 @@ def route(E: int, k: int, norm: bool, target: Target) -> KernelSource:
 # ------------------------------------------------------------------------------------------ embed
 
 def embed(D: int, target: Target) -> KernelSource:
-    """y[m] = table[ids[m]]."""
+    """y[m] = table[ids[m]] (the executor checks the ids against the table's rows first)."""
+    dims("embed", D=D)
     params = ("ids", "table", "y", "ldy")
     body = f"""  %idp = getelementptr inbounds i64, ptr %ids, i64 %m
   %id = load i64, ptr %idp, align 8
@@ -214,7 +219,9 @@ def embed(D: int, target: Target) -> KernelSource:
 
 def binary(op: str, C: int, b_cols: int, target: Target) -> KernelSource:
     """y = a op b, b with C columns or 1 (broadcast along the row)."""
-    assert op in ("add", "mul") and b_cols in (C, 1), (op, C, b_cols)
+    one_of("binary", "op", op, ("add", "mul"))
+    dims("binary", C=C, b_cols=b_cols)
+    require("binary", b_cols in (C, 1), f"an operand of {b_cols} columns for a result of {C}")
     params = ("a", "b", "y", "lda", "ldb", "ldy")
     inst = "fadd" if op == "add" else "fmul"
     if b_cols == 1:
@@ -246,7 +253,7 @@ def _unary_op(op: str, x: str, o: str) -> str:
   {o}.e = call float @llvm.exp.f32(float {o}.ng)
   {o}.d = fadd float {o}.e, 1.0
   {o} = fdiv float 1.0, {o}.d"""
-    assert op == "clamp", op
+    one_of("unary", "op", op, ("clamp",))
     return clamp(x, o, "%limit", "%nlimit")
 
 
@@ -260,7 +267,8 @@ def clamp(x: str, o: str, hi: str, lo: str) -> str:
 
 def unary(op: str, C: int, target: Target) -> KernelSource:
     """y = silu(x) | sigmoid(x) | clip(x, -limit, limit) (limit is ignored by silu and sigmoid)."""
-    assert op in ("silu", "sigmoid", "clamp"), op
+    one_of("unary", "op", op, ("silu", "sigmoid", "clamp"))
+    dims("unary", C=C)
     params = ("x", "y", "ldx", "ldy", "limit")
     body = f"""{row_ptr("xr", "x", "%ldx")}
 {row_ptr("yr", "y", "%ldy")}
@@ -275,7 +283,9 @@ def unary(op: str, C: int, target: Target) -> KernelSource:
 
 def slice_copy(start: int, stop: int, target: Target) -> KernelSource:
     """y[m, 0:stop-start] = x[m, start:stop]."""
-    assert 0 <= start < stop, (start, stop)
+    dims("slice_copy", lo=0, start=start)
+    dims("slice_copy", stop=stop)
+    require("slice_copy", start < stop, f"slice [{start}, {stop}) is empty")
     params = ("x", "y", "ldx", "ldy")
     body = f"""  %xo0 = mul nsw i64 %m, %ldx
   %xo = add nsw i64 %xo0, {start}
@@ -332,6 +342,8 @@ def quantize_q8(K: int, target: Target, pairs: bool = False) -> KernelSource:
     `pairs`: xq in the pair layout of int4's AVX2 kernels (codegen/dot.py: pair_layout): per two
     blocks [first[0:16], second[0:16], first[16:32], second[16:32]]; xd and xs keep block order.
     """
+    dims("quantize_q8", K=K)
+    one_of("quantize_q8", "pairs", pairs, (True, False))
     NG = -(-K // Q8_BLOCK)
     Kp = NG * Q8_BLOCK
     NF, rem = divmod(K, Q8_BLOCK)

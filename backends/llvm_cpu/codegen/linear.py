@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..target import Target
-from .common import KernelSource, load_args
+from .common import KernelSource, dims, group_ok, load_args, one_of
 from .dot import dot_function, finish_module, weight_row
 
 PARAMS = ("y", "x", "xd", "xs", "w", "s", "b", "r", "xidx", "M", "ldx", "ldy", "ldr")
@@ -51,7 +51,16 @@ class LinearSpec:
         return f"linear_{self.fmt}_{act}_n{self.N}_k{self.K}_g{self.group_size}{'_' + flags if flags else ''}"
 
 
+def check(kernel: str, spec: LinearSpec) -> None:
+    """The spec's shapes, format and flags, before any of them reaches IR text."""
+    dims(kernel, N=spec.N, K=spec.K)
+    group_ok(kernel, spec.fmt, spec.group_size)
+    for flag in ("q8", "bias", "silu_mul", "residual"):
+        one_of(kernel, flag, getattr(spec, flag), (True, False))
+
+
 def generate(spec: LinearSpec, target: Target) -> KernelSource:
+    check("linear", spec)
     rb, sb = spec.row_bytes()
     ng = -(-spec.K // spec.group_size) if spec.group_size else 0
     xrow_bytes = (ng * spec.group_size) if spec.q8 else 0

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..target import Target
-from .common import KernelSource, load_args
+from .common import KernelSource, dims, load_args, one_of
 from .dot import dot2_function, dot_function, finish_module, weight_row
-from .linear import LinearSpec
+from .linear import LinearSpec, check
 
 GATE_UP_PARAMS = ("h", "x", "xd", "xs", "w", "s", "pair_tok", "first", "active", "ldx")
 DOWN_PARAMS = ("y", "r", "h", "hd", "hs", "w", "s", "pair_tok", "pair_exp", "pair_w", "P", "M", "ldy", "ldr")
@@ -96,6 +96,7 @@ def pairs(E: int, target: Target) -> KernelSource:
     [begin, end) = [0, 1); O(M * E), a few microseconds at decode."""
     from .elementwise import loop, module
 
+    dims("moe_pairs", E=E)
     body = loop("ex", "e", E, loop("tk", "m", "%M", f"""  %co = mul nsw i64 %m, %ldc
   %ci = add nsw i64 %co, %e
   %cp = getelementptr inbounds float, ptr %comb, i64 %ci
@@ -136,7 +137,14 @@ entry:
     return KernelSource(f"moe_pairs_e{E}", module(fn, target), PAIRS_PARAMS, "one call")
 
 
+def _check(kernel: str, spec: MoESpec) -> None:
+    check(kernel, spec.gate_up())
+    check(kernel, spec.down())
+    one_of(kernel, "residual", spec.residual, (True, False))
+
+
 def gate_up(spec: MoESpec, target: Target) -> KernelSource:
+    _check("moe_gate_up", spec)
     lin = spec.gate_up()
     rb, sb = lin.row_bytes()
     I = spec.I
@@ -204,6 +212,7 @@ exit:
 
 
 def down(spec: MoESpec, target: Target) -> KernelSource:
+    _check("moe_down", spec)
     lin = spec.down()
     rb, sb = lin.row_bytes()
     D = spec.D
