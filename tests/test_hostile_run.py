@@ -408,3 +408,24 @@ def test_chunked_prefill_matches_one_step(tiny_f32_plan, backend):
     if backend != "xla":        # every position's logits kept, chunk by chunk
         chunked, _ = Session(plan, backend).generate(ids, 0, Sampler(), prefill_chunk=256)
         assert chunked.shape == whole.shape and np.abs(chunked - whole).max() <= 10 * tol
+
+
+@pytest.mark.parametrize("delay", [0.1, 0.2])
+def test_ctrl_c_while_python_imports_the_program(tiny_int8_plan, delay):
+    """The console script installs its Ctrl-C handling before the heavy imports (runtime/entry.py)."""
+    import shutil
+    import signal as _signal
+    import time as _time
+
+    exe = shutil.which("strata-run", path=str(Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip("strata-run is not installed beside this Python")
+    p = subprocess.Popen([exe, str(tiny_int8_plan), "-n", "2", "--prompt", "Hi"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    _time.sleep(delay)
+    p.send_signal(_signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    if p.returncode == 0:
+        pytest.skip("the run finished before the signal")
+    lines = err.strip().splitlines()
+    assert p.returncode == 130 and len(lines) == 1 and lines[0].startswith("error: interrupted"), err
