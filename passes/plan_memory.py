@@ -18,12 +18,7 @@ from strata_compiler.pass_manager import PassContext, register
 @register("plan-memory", Level.KERNEL)
 def plan_memory(g: Graph, ctx: PassContext) -> Graph:
     """Assign activation buffers by liveness; record peak activation bytes per token."""
-    last = {n.id: i for i, n in enumerate(g.nodes)}
-    for i, n in enumerate(g.nodes):
-        for a in n.args:
-            last[a] = i
-    for o in g.outputs:
-        last[o] = len(g.nodes)
+    last = g.last_use()
     free: dict[int, list[int]] = {}          # size class -> free buffer ids
     size_of: list[int] = []                  # buffer id -> bytes per token
     assigned: dict[int, int] = {}

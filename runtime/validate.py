@@ -246,12 +246,7 @@ def _check_moe(g: Graph, n: Node, C: int, ins: list[int]) -> None:
 def _check_buffers(g: Graph) -> None:
     """plan-memory's assignment: one size per buffer, and no result written over a value still to
     be read (its own operands included)."""
-    last = {n.id: i for i, n in enumerate(g.nodes)}
-    for i, n in enumerate(g.nodes):
-        for a in n.args:
-            last[a] = i
-    for o in g.outputs:
-        last[o] = len(g.nodes)
+    last = g.last_use()
     size: dict[int, int] = {}
     holder: dict[int, int] = {}      # buffer -> the value in it
     for i, n in enumerate(g.nodes):

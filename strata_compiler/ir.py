@@ -212,6 +212,17 @@ class Graph:
             out[o].append(-1)
         return out
 
+    def last_use(self) -> dict[int, int]:
+        """Node id -> index of the last node that reads it (its own index if none; len(nodes) for
+        the graph's outputs): the liveness buffer assignment and its check share."""
+        last = {n.id: i for i, n in enumerate(self.nodes)}
+        for i, n in enumerate(self.nodes):
+            for a in n.args:
+                last[a] = i
+        for o in self.outputs:
+            last[o] = len(self.nodes)
+        return last
+
     def with_(self, **changes) -> "Graph":
         return replace(self, **changes)
 
