@@ -26,7 +26,7 @@ Usage
   # soak: run requests continuously for SECONDS at one concurrency; reports lost/errored requests
   python benchmarks/serve_bench.py --base-url ... --soak 300 --concurrency 64
 
-CPU smoke test (the tiny trained MoE; this version's scheduler is serial)
+CPU smoke test (the tiny trained MoE; BENCHMARKS.md has --max-batch 1 against 8 on the VM)
   .venv/bin/stratac compile examples/models/tiny-moe -o /tmp/sb_plan --quant int8
   .venv/bin/python benchmarks/serve_bench.py --plan /tmp/sb_plan --concurrency 1,4 --requests 8 \\
       --prompt-lens 16,32 --output-lens 8,16 --vocab 4096
