@@ -46,7 +46,7 @@ def _error(status: int, message: str, type_: str = "invalid_request_error", para
 
 class _Common(BaseModel):
     """Fields both endpoints take. Unknown fields are refused (400), not silently ignored."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)     # JSON types as written: no "yes" for true, no true for 1
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)

@@ -138,3 +138,6 @@ def test_server_refuses_a_huge_prompt_at_once(tiny_int8_plan):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     r = c.post("/v1/completions", content=b"{" + b" " * (17 << 20) + b"}", headers={"Content-Type": "application/json"})
     assert r.status_code == 413
+    for body, param in (({"prompt": "a", "max_tokens": True}, "max_tokens"), ({"prompt": "a", "stream": "yes"}, "stream")):
+        r = c.post("/v1/completions", json=body)        # JSON types as written, not coerced
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
