@@ -116,6 +116,17 @@ def test_config_value_out_of_range(capsys, tmp_path, model, field, value):
     assert len(line) < 400
 
 
+@pytest.mark.parametrize("fields,needle", [
+    ({"use_sliding_window": True, "sliding_window": -5}, "'sliding_window'"),
+    ({"use_sliding_window": True, "sliding_window": 16, "max_position_embeddings": 64}, "sliding-window"),
+    ({"sliding_window": 16, "max_position_embeddings": 64}, "sliding-window"),      # Mistral's convention
+    ({"use_sliding_window": "yes"}, "'use_sliding_window'"),
+], ids=["negative", "shorter-than-positions", "set-without-use", "use-not-bool"])
+def test_config_sliding_window_refused(capsys, tmp_path, model, fields, needle):
+    edit_config(model, **fields)
+    compile_fails(capsys, tmp_path / "out", model, names=("config.json", needle))
+
+
 @pytest.mark.parametrize("rope", [
     {"rope_type": "linear", "rope_theta": 10000.0, "factor": 0.0},
     {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 4.0,

@@ -173,6 +173,24 @@ def _rope(cfg: dict, path: Path) -> tuple:
     return make_attrs(rope_theta=theta, rope_type=rtype, **extra)
 
 
+def _sliding_window(cfg: dict, path: Path, max_position: int) -> None:
+    """Sliding-window attention is not implemented: a config that turns it on (use_sliding_window,
+    or Mistral's convention of a sliding_window set without it) for a window shorter than the
+    positions is refused; full attention would be silently wrong past the window."""
+    use = cfg.get("use_sliding_window")
+    if use is None:
+        use = cfg.get("sliding_window") is not None
+    elif not isinstance(use, bool):
+        raise ModelError(f"{path}: field 'use_sliding_window' is {_show(use)}; it must be true or false")
+    if not use:
+        return
+    window = _field(cfg, path, "sliding_window", lo=1, hi=MAX_POSITIONS)
+    if window < max_position:
+        raise ModelError(f"{path}: sliding-window attention (sliding_window={window} < max_position_embeddings="
+                         f"{max_position}) is not supported; set max_position_embeddings to {window} to compile "
+                         f"the model for contexts the window covers")
+
+
 def read_config(model_dir: Path) -> ModelConfig:
     """config.json as a ModelConfig, every value type- and range-checked (one ModelError naming the field)."""
     path = model_dir / "config.json"
@@ -214,6 +232,8 @@ def read_config(model_dir: Path) -> ModelConfig:
         qkv_bias = _field(cfg, path, "attention_bias", default=False, kind=bool)
         o_bias = qkv_bias and arch != "olmoe"
     clip = _field(cfg, path, "clip_qkv", default=0.0, kind=float, lo=0.0) or None
+    max_position = _field(cfg, path, "max_position_embeddings", default=4096, lo=1, hi=MAX_POSITIONS)
+    _sliding_window(cfg, path, max_position)
     return ModelConfig(
         arch=arch, architecture=architecture,
         vocab_size=vocab, hidden_size=hidden, n_layers=n_layers,
@@ -229,7 +249,7 @@ def read_config(model_dir: Path) -> ModelConfig:
         shared_expert=arch == "qwen2_moe" and _field(cfg, path, "shared_expert_intermediate_size", default=0,
                                                      lo=0, hi=MAX_DIM) > 0,
         clip_qkv=clip,
-        max_position=_field(cfg, path, "max_position_embeddings", default=4096, lo=1, hi=MAX_POSITIONS),
+        max_position=max_position,
         eos_token_ids=_token_ids(cfg.get("eos_token_id"), path, "eos_token_id", vocab),
         bos_token_id=(_token_ids(cfg.get("bos_token_id"), path, "bos_token_id", vocab, many=False) or (-1,))[0],
     )
