@@ -61,12 +61,8 @@ class BatchScheduler(Scheduler):
 
     def abort(self) -> None:
         super().abort()
-        why = "the server is shutting down"
-        for r in list(self.waiting):
-            r.cancel(why)
-        for s in [*self.slots, self.filling]:
-            if s is not None:
-                s.req.cancel(why)
+        for r in self._requests():
+            r.cancel("the server is shutting down")
 
     def warm_up(self) -> None:
         """Build every program serving needs before the server says ready: each prefill length up
@@ -86,7 +82,7 @@ class BatchScheduler(Scheduler):
         rows = 1
         while True:             # each batch size a decode step may run (_rows)
             self._decode_step(rows)
-            if rows >= self.max_batch or self.session.backend in ("llvm", "reference"):
+            if rows >= self.max_batch or self._exact_rows:
                 break
             rows = min(rows * 2, self.max_batch)
         self.kv.length = 0
@@ -96,6 +92,17 @@ class BatchScheduler(Scheduler):
 
     def _active(self) -> list[_Seq]:
         return [s for s in self.slots if s is not None]
+
+    def _requests(self) -> list[Request]:
+        """Every request this thread holds: waiting, being prefilled, decoding."""
+        held = self._active() + ([self.filling] if self.filling is not None else [])
+        return [*self.waiting, *(x.req for x in held)]
+
+    @property
+    def _exact_rows(self) -> bool:
+        """Whether a step may run any number of rows at no compile cost (the CPU backends), or
+        only the powers of two built at warm-up (xla: a program per row count)."""
+        return self.session.backend in ("llvm", "reference")
 
     def _take(self, block: bool) -> bool:
         """Move queued requests to `waiting` (blocking while there is nothing else to do); False
@@ -120,7 +127,7 @@ class BatchScheduler(Scheduler):
         while True:
             idle = self.filling is None and not self.waiting and not self._active()
             if not self._take(block=idle):      # shutdown: whatever is left gets its error event
-                for r in [*self.waiting, *(x.req for x in [*self.slots, self.filling] if x is not None)]:
+                for r in self._requests():
                     r.cancel("the server is shutting down")
                     self._cancelled(r)
                 return
@@ -238,7 +245,7 @@ class BatchScheduler(Scheduler):
         each row count is a compiled program (xla), exact on the CPU backends."""
         busy = [i for i, s in enumerate(self.slots) if s is not None]
         n = busy[-1] + 1 if busy else 1
-        if self.session.backend in ("llvm", "reference"):
+        if self._exact_rows:
             return n
         return min(1 << (n - 1).bit_length(), self.max_batch)
 

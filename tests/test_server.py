@@ -182,7 +182,7 @@ def test_disconnect_cancels_the_sequence(server, client, reference):
     base, auth = server[1], {"Authorization": f"Bearer {KEY}"}
     before = httpx.get(base + "/stats", headers=auth).json()
     with httpx.stream("POST", base + "/v1/completions", headers=auth, timeout=60,
-                      json={"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True}) as r:
+                      json={"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True, "ignore_eos": True}) as r:
         for line in r.iter_lines():
             if line:
                 break           # one chunk, then hang up
@@ -191,10 +191,12 @@ def test_disconnect_cancels_the_sequence(server, client, reference):
         assert time.time() < deadline, "the sequence was not cancelled"
         time.sleep(0.05)
     assert now["completion_tokens"] - before["completion_tokens"] < 1000
-    # a whole answer (1000 tokens: ~0.25 s on a fast, idle host), and a client that stops waiting for it
+    # a whole answer (1000 tokens, past any EOS: ~0.25 s on a fast, idle host, ~1 s here), and a client that
+    # stops waiting for it once the server has surely taken the request (a client gone before that leaves
+    # no sequence to cancel)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(base + "/v1/completions", headers=auth, timeout=httpx.Timeout(5.0, read=0.04),
-                   json={"prompt": PROMPT, "max_tokens": 1000, "temperature": 0})
+        httpx.post(base + "/v1/completions", headers=auth, timeout=httpx.Timeout(5.0, read=0.15),
+                   json={"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True})
     while httpx.get(base + "/stats", headers=auth).json()["cancelled"] == now["cancelled"]:
         assert time.time() < deadline + 10, "the sequence was not cancelled"
         time.sleep(0.05)
