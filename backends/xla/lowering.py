@@ -216,14 +216,26 @@ def _attention(c: _Ctx, n: Node, a: list):
     S = K.shape[2]
     rep = H // KV
     qg = q.reshape(B, T, KV, rep, hd).transpose(0, 2, 3, 1, 4)               # [B, KV, rep, T, hd]
-    prec = lax.Precision.HIGHEST
-    scores = jnp.einsum("bgrtd,bgsd->bgrts", qg, K.astype(jnp.float32), precision=prec) / np.float32(np.sqrt(hd))
+    # operands in the plan's compute dtype (bf16 on a GPU for quantized weights: the tensor cores),
+    # sums in f32
+    dt = _attention_dtype(c, n)
+    prec = lax.Precision.HIGHEST if dt == jnp.float32 else None
+    scores = jnp.einsum("bgrtd,bgsd->bgrts", qg.astype(dt), K.astype(dt), precision=prec,
+                        preferred_element_type=jnp.float32) / np.float32(np.sqrt(hd))
     # causal over the cache, per row: row b's token t sees keys [0, pos[b] + t]
     allowed = jnp.arange(S)[None, None, :] <= (c.pos[:, None] + jnp.arange(T)[None, :])[..., None]   # [B, T, S]
     scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
     p = c.jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bgrts,bgsd->bgrtd", p, V.astype(jnp.float32), precision=prec)
+    out = jnp.einsum("bgrts,bgsd->bgrtd", p.astype(dt), V.astype(dt), precision=prec,
+                     preferred_element_type=jnp.float32)
     return out.transpose(0, 3, 1, 2, 4).reshape(B * T, H * hd)
+
+
+def _attention_dtype(c: _Ctx, n: Node):
+    """The dtype attention's products take: that of the projection that made q, k and v."""
+    src = c.exe.g.node(n.args[0])
+    w = src.weight("w") if src.op is Op.LINEAR else None
+    return c.exe.compute_dtype(c.exe.g.weight(w)) if w is not None else c.jnp.float32
 
 
 def _route(c: _Ctx, n: Node, a: list):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from strata_compiler.ir import Node
 
-from . import pallas_moe
+from . import pallas_gemm, pallas_moe
 from .dequant import MATVEC_ROWS, dequantize, matvec, silu
 from .pallas_quant import fusable_norm
 
@@ -82,6 +82,14 @@ def _moe_cached(c: _Ctx, n: Node, a: list, whole: Node):
     return out
 
 
+def gemm(c: _Ctx, gu_spec, dn_spec, M: int, pallas_ok: bool, slots) -> bool:
+    """Whether a MoE of M tokens runs on pallas_gemm's grouped kernels (above the decode kernels'
+    rows; not for an expert cache's slots)."""
+    above = pallas_moe.max_rows() if pallas_moe.supported(gu_spec, dn_spec) else 0
+    return (pallas_ok and slots is None and pallas_gemm.use(c.exe.on_gpu, gu_spec, M, above)[0]
+            and pallas_gemm.use(c.exe.on_gpu, dn_spec, M, above)[0])
+
+
 def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok: bool = True, route=None,
              norm=None, residual=None, slots=None):
     """sum_j topw[m, j] * expert_{topi[m, j]}(x[m]) over the stacked experts gu_p / dn_p (their
@@ -129,6 +137,11 @@ def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok
             out, ids = out
         if residual is not None and kw:     # (down added it)
             return out if slots is None else (out, ids)
+    elif gemm(c, gu_spec, dn_spec, M, pallas_ok, slots):
+        # prefill and batched decode on a GPU: the pairs grouped by expert into row blocks, tensor-
+        # core kernels over the packed weights
+        out = pallas_gemm.moe(x, topi, topw, gu_spec, gu_p, dn_spec, dn_p, dtype=jnp.dtype(dt).name,
+                              interpret=pallas_gemm.use(c.exe.on_gpu, gu_spec, M, 0)[1])
     elif M <= MATVEC_ROWS:
         # decode: one fused multiply-reduce per projection over all chosen experts (the gather of
         # their packed weights happens inside the reduction, so nothing is copied); an expert
