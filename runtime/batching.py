@@ -172,7 +172,7 @@ class BatchScheduler(Scheduler):
         end = min(seq.done + self.chunk, len(prompt))
         s = self.session
         s.cache = self.pre
-        logits = s.step(np.asarray(prompt[seq.done:end], np.int64)[None])[:, -1]
+        logits = s.step(np.asarray(prompt[seq.done:end], np.int64)[None], last_only=True)[:, -1]
         self.stats["prefill_chunks"] += 1
         seq.done = end
         if end < len(prompt):
@@ -234,7 +234,7 @@ class BatchScheduler(Scheduler):
             ids[seq.slot, 0] = seq.last
         s = self.session
         s.cache = self.kv if rows == self.max_batch else self.kv.head(rows)
-        logits = s.step(ids)[:, -1]
+        logits = s.step(ids, last_only=True)[:, -1]
         self.stats["steps"] += 1
         self.stats["rows_stepped"] += rows
         return logits

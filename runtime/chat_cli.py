@@ -56,7 +56,7 @@ class Chat:
             self.fed, suffix = [], ids
         self.prefilled.append(len(suffix))
         self.fed.append(-1)                 # a step an interrupt cut short leaves the cache untrusted
-        logits = s.step(np.asarray(suffix, np.int64)[None])[:, -1]
+        logits = s.step(np.asarray(suffix, np.int64)[None], last_only=True)[:, -1]
         self.fed[-1:] = suffix
         return logits
 

@@ -62,6 +62,15 @@ def _processes() -> int:
     return jax.process_count()
 
 
+def _fetch(v, B: int, T: int, last_only: bool) -> np.ndarray:
+    """An output [B*T, ...] of a step on the host as [B, T, ...], or its last token's [B, 1, ...]
+    with `last_only` (a device array is sliced on the device: only those rows are copied)."""
+    if last_only and hasattr(v, "devices"):
+        return cuda_rt.fetch(v.reshape(B, T, -1)[:, T - 1:T])
+    out = cuda_rt.fetch(v).reshape(B, T, -1)
+    return out[:, T - 1:T] if last_only else out
+
+
 class MixedExecutor:
     def __init__(self, graph: Graph, weights, device: str = "auto", shrink_caches: bool = False,
                  multi_gpu: str = "mesh", miss_path: str = "cpu") -> None:
@@ -296,7 +305,11 @@ class MixedExecutor:
 
         return ahead.run(launch, finish, n, tok.shape[0], stop_ids, done, after, close)
 
-    def run(self, input_ids: np.ndarray, cache) -> dict[int, np.ndarray]:
+    fetches_last = True     # run(last_only=True): only the last token's outputs cross to the host
+
+    def run(self, input_ids: np.ndarray, cache, last_only: bool = False) -> dict[int, np.ndarray]:
+        """One step of ids i64[B, T]: the outputs [B, T, ...], or [B, 1, ...] of the last token with
+        `last_only` (a GPU's outputs are sliced there, so the rest never reach the host)."""
         B, T = input_ids.shape
         t_step = time.perf_counter()
         self.swaps.begin_step()
@@ -319,7 +332,7 @@ class MixedExecutor:
                       f"{str(e).splitlines()[0][:160] if str(e) else ''}); running partition by partition",
                       file=sys.stderr)
                 self.fused = None
-                return self.run(input_ids, cache)
+                return self.run(input_ids, cache, last_only)
             self._after_step(cache, T, t_step)
             return out
         ids_node = next(n.id for n in self.g.nodes if n.op is Op.INPUT_IDS)
@@ -353,7 +366,7 @@ class MixedExecutor:
                     self.swaps.prefetch_from(nid, env)
         # the outputs first: once they are there the step has finished reading the expert slots
         # that the swaps after it rewrite
-        out = {o: cuda_rt.fetch(env[o]).reshape(B, T, -1) for o in self.g.outputs}
+        out = {o: _fetch(env[o], B, T, last_only) for o in self.g.outputs}
         for kind, exe, _ in self.parts:
             if kind == "xla" and exe.count_order:
                 self.swaps.fold_counts(exe, exe.step_counts)

@@ -187,21 +187,24 @@ class Session:
         bucket = 1 << max(4, (last - 1).bit_length())
         return -(-(T - last + max(last, bucket) + max_new_tokens) // 64) * 64
 
-    def step(self, ids: np.ndarray) -> np.ndarray:
-        """Run ids i64[B, T] through the model at the cache's position; logits f32[B, T, V]."""
+    def step(self, ids: np.ndarray, last_only: bool = False) -> np.ndarray:
+        """Run ids i64[B, T] through the model at the cache's position; logits f32[B, T, V], or with
+        `last_only` the last token's f32[B, 1, V] (a GPU then copies only those to the host)."""
         assert self.cache is not None, "call reset() first"
         vocab = self.plan.meta["model"]["vocab_size"]
         if ids.size and (ids.min() < 0 or ids.max() >= vocab):
             raise UsageError(f"token id {int(ids.max() if ids.max() >= vocab else ids.min())} is outside the vocabulary [0, {vocab})")
+        kw = {"last_only": True} if last_only and getattr(self.executor, "fetches_last", False) else {}
         if trace.ACTIVE is None:
-            out = self.executor.run(ids, self.cache)
+            out = self.executor.run(ids, self.cache, **kw)
         else:
             with trace.ACTIVE.span("prefill" if ids.shape[1] > 1 else "decode", "step", cat="step",
                                    batch=int(ids.shape[0]), tokens=int(ids.shape[1])):
-                out = self.executor.run(ids, self.cache)
+                out = self.executor.run(ids, self.cache, **kw)
         if self.disk is not None:       # the disk tier's pages leave the process after each step
             self.disk.release()
-        return out[self.plan.graph.outputs[0]]
+        out = out[self.plan.graph.outputs[0]]
+        return out[:, -1:] if last_only else out
 
     def _ahead(self, sampler: Sampler, B: int) -> bool:
         """Whether the rest of a generation decodes ahead (MixedExecutor.decode_ahead): greedy, no
@@ -228,7 +231,7 @@ class Session:
         parts = []
         try:
             for at in range(0, T, prefill_chunk):
-                out = self.step(prompt[:, at:at + prefill_chunk])
+                out = self.step(prompt[:, at:at + prefill_chunk], last_only=not keep_logits)
                 parts = [*parts, out] if keep_logits else [out[:, -1:]]
         except KeyboardInterrupt:
             raise Interrupted(None, np.zeros((B, 0), np.int64)) from None

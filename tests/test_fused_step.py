@@ -452,3 +452,22 @@ def test_a_dropped_session_is_freed(model, tmp_path, monkeypatch):
     del s, f
     gc.collect()
     assert ref() is None
+
+
+def test_last_only_steps_give_the_last_tokens_logits(model, tmp_path, monkeypatch):
+    """Session.step(last_only=True) on a mixed plan and on the xla executor: the last token's
+    logits of a full step, [B, 1, V], and the cache where the full step leaves it."""
+    from strata_compiler.runtime.session import Session
+
+    d, m, ids = model
+    plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
+    for backend in ("auto", "xla"):
+        full, last = Session(plan, backend, device="cpu"), Session(plan, backend, device="cpu")
+        assert getattr(full.executor, "fetches_last", False)
+        for s in (full, last):
+            s.reset(ids.shape[0], 64)
+        a, b = full.step(ids), last.step(ids, last_only=True)
+        assert b.shape == (ids.shape[0], 1, a.shape[-1])
+        np.testing.assert_array_equal(b, a[:, -1:])
+        nxt = a[:, -1].argmax(-1)[:, None]
+        np.testing.assert_allclose(last.step(nxt), full.step(nxt), rtol=0, atol=1e-6 * a.std())

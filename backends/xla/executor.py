@@ -489,8 +489,11 @@ class XLAExecutor:
         tr.watchers.append(w)
         env.update(outs)
 
-    def run(self, input_ids: np.ndarray, cache) -> dict[int, np.ndarray]:
-        """Whole-plan execution (every node on this executor)."""
+    fetches_last = True     # run(last_only=True): only the last token's outputs cross to the host
+
+    def run(self, input_ids: np.ndarray, cache, last_only: bool = False) -> dict[int, np.ndarray]:
+        """Whole-plan execution (every node on this executor); with `last_only` the outputs of the
+        last token only, [B, 1, ...] (the rest never leave the device)."""
         B, T = input_ids.shape
         if self.layers and not on_device(cache.k[self.layers[0]]):
             self.new_cache(cache)
@@ -498,4 +501,6 @@ class XLAExecutor:
         outs = self.run_partition({}, input_ids, cache, T_pad)
         cache.advance(T)
         # the logits to the host by a raw copy when on (cuda_rt: much faster than JAX's own copy)
+        if last_only:
+            return {o: cuda_rt.fetch(outs[o].reshape(B, T_pad, -1)[:, T - 1:T]) for o in self.g.outputs}
         return {o: cuda_rt.fetch(outs[o]).reshape(B, T_pad, -1)[:, :T] for o in self.g.outputs}
