@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# Issue 27's serving comparison on the H200 machine in two back-to-back device calls (the second
-# must reach the still-warm machine: /tmp survives between them), strata-server beside llama-server
-# on the model of make_mixtral_model.py (defaults), Strata int4 against Q4_0, everything on the GPU
-# and the experts of 8 of 16 layers on the CPU; benchmarks/serve_bench.py with the same seeded mix.
+# Issues 27 and 28 on the H200 machine in back-to-back device calls (each must reach the still-warm
+# machine: /tmp survives between them): Strata beside llama.cpp on the model of make_mixtral_model.py
+# (defaults), Strata int4 against Q4_0, everything on the GPU ("gpu") and the experts of 8 of 16
+# layers on the CPU ("cpu8": --n-cpu-moe 8 beside the matching --place).
 #   here:   mkdir -p build/llamacpp && cp ../shared/anchors/llamacpp/{build.sh,llama.cpp-src.tar.xz} build/llamacpp/
-#   call 1: PHASE=1 bash benchmarks/h200_serve.sh   (carry build/llamacpp): llama.cpp builds in the background
-#           while the model is made and converted, Strata's plans compile and strata-server is measured
-#   call 2: PHASE=2 bash benchmarks/h200_serve.sh   Q4_0, llama-server measured; SOAK=SECONDS adds the
-#           concurrency-64 soak of strata-server (gpu placement)
-#   or:     PHASE=strata [PLACEMENTS="gpu cpu8"] bash benchmarks/h200_serve.sh   Strata's side alone, in one call
-# Outputs under $OUT (else /tmp/serveout): serve-*.json / .log, summary.txt.
+#           (and build/wheels: pip download --only-binary=:all: --python-version 3.12
+#            --platform manylinux2014_x86_64 fastapi uvicorn openai httpx jinja2 -d build/wheels)
+#   call 1: PHASE=1 bash benchmarks/h200_serve.sh  (carry build/llamacpp build/wheels): llama.cpp builds
+#           at the lowest priority in the background while the model is made and converted, Strata's
+#           plans compile and Strata is measured: prefill (gpu_prefill.py), a second process's
+#           start-up, strata-server (serve_bench.py) on PLACEMENTS (default "gpu cpu8", as time allows)
+#   call 2: PHASE=2 ...: Q4_0; llama-bench (prefill 512/4096, decode) and llama-server on both
+#           placements; STRATA_CPU8=1 measures strata-server cpu8 there instead
+#   call 3: PHASE=3 SOAK=300 ...: strata-server (gpu) at concurrency 64 for SOAK seconds
+# Outputs under $OUT (else /tmp/serveout): summary.txt and details-PHASE.tgz (the *.json / *.log).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -17,81 +21,93 @@ OUT=${OUT:-/tmp/serveout}
 mkdir -p "$OUT"
 W=${WORK:-/tmp/sv}; LC=/tmp/llamacpp; M=$W/mx
 mkdir -p $W
+D=$W/details-${PHASE:-1}; mkdir -p $D
 LIMIT=${LIMIT:-560}; T0=$(date +%s)
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
 VOCAB_OF() { python3 -c "import json;print(json.load(open('$M/config.json'))['vocab_size'])"; }
-MIX() { echo "--concurrency ${CONC:-1,4,16,64} --prompt-lens 32,128,512 --output-lens 16,64,128 --vocab $(VOCAB_OF) --seed 0 --ignore-eos"; }
+MIX() { echo "--concurrency $CONC --prompt-lens 32,128,512 --output-lens 16,64,128 --vocab $(VOCAB_OF) --seed 0 --ignore-eos"; }
 TTFT() { echo "--concurrency 1 --requests 6 --prompt-lens 512 --output-lens 16 --vocab $(VOCAB_OF) --seed 1 --ignore-eos"; }
 PLACE8='re:^L(0|1|2|3|4|5|6|7)\.moe\.(gate|up|down)=cpu,all=gpu'
 SARGS="--server-arg=--max-batch=64 --server-arg=--ctx=1024 --server-arg=--prefill-chunk=512 --startup-timeout 300"
+QUIET='^WARNING\|^I0000\|^W0000\|^E0000'
+
+conc_of() { [ "$1" = gpu ] && echo "${CONC_GPU:-1,4,16,64}" || echo "${CONC_CPU8:-1,4,16}"; }
 
 strata_bench() {   # name plan
-  log "strata $1: serve_bench"
-  timeout $(( $(left) - 10 )) python3 benchmarks/serve_bench.py --plan $2 $SARGS $(MIX) --json "$OUT/serve-strata-$1.json" \
-    > "$OUT/serve-strata-$1.log" 2>&1; tail -8 "$OUT/serve-strata-$1.log" | tee -a "$OUT/summary.txt"
-  [ "${TTFT_RUN:-1}" = 0 ] || { timeout $(( $(left) - 10 )) python3 benchmarks/serve_bench.py --plan $2 $SARGS $(TTFT) \
-    --json "$OUT/ttft-strata-$1.json" > "$OUT/ttft-strata-$1.log" 2>&1; tail -3 "$OUT/ttft-strata-$1.log" | tee -a "$OUT/summary.txt"; }
+  log "strata-server $1 ($(left) s left)"
+  CONC=$(conc_of $1)
+  timeout $(( $(left) - 10 )) python3 benchmarks/serve_bench.py --plan $2 $SARGS $(MIX) --json "$D/serve-strata-$1.json" \
+    > "$D/serve-strata-$1.log" 2>&1; tail -8 "$D/serve-strata-$1.log" | tee -a "$OUT/summary.txt"
+  timeout $(( $(left) - 10 )) python3 benchmarks/serve_bench.py --plan $2 $SARGS $(TTFT) \
+    --json "$D/ttft-strata-$1.json" > "$D/ttft-strata-$1.log" 2>&1; tail -3 "$D/ttft-strata-$1.log" | tee -a "$OUT/summary.txt"
 }
 
 llama_bench() {    # name extra-args
   log "llama-server $1"
+  CONC=$(conc_of $1)
   LD_LIBRARY_PATH=$LC/build/bin $LC/build/bin/llama-server -m $W/mx-Q4_0.gguf -ngl 99 $2 --parallel 64 -c $((64 * 1024)) \
-    --port 8081 -t 16 > "$OUT/llama-server-$1.log" 2>&1 &
+    --port 8081 -t 16 > "$D/llama-server-$1.log" 2>&1 &
   pid=$!
   for i in $(seq 1 120); do curl -sf http://127.0.0.1:8081/health > /dev/null && break; sleep 1; done
   timeout $(( $(left) - 10 )) python3 benchmarks/serve_bench.py --base-url http://127.0.0.1:8081/v1 $(MIX) \
-    --json "$OUT/serve-llama-$1.json" > "$OUT/serve-llama-$1.log" 2>&1; tail -8 "$OUT/serve-llama-$1.log" | tee -a "$OUT/summary.txt"
+    --json "$D/serve-llama-$1.json" > "$D/serve-llama-$1.log" 2>&1; tail -8 "$D/serve-llama-$1.log" | tee -a "$OUT/summary.txt"
   timeout $(( $(left) - 10 )) python3 benchmarks/serve_bench.py --base-url http://127.0.0.1:8081/v1 $(TTFT) \
-    --json "$OUT/ttft-llama-$1.json" > "$OUT/ttft-llama-$1.log" 2>&1; tail -3 "$OUT/ttft-llama-$1.log" | tee -a "$OUT/summary.txt"
+    --json "$D/ttft-llama-$1.json" > "$D/ttft-llama-$1.log" 2>&1; tail -3 "$D/ttft-llama-$1.log" | tee -a "$OUT/summary.txt"
   kill $pid; wait $pid 2>/dev/null
 }
 
 # the serving libraries, where the machine's Python lacks them (it has no network): wheels carried in build/wheels
-# (pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 fastapi uvicorn openai httpx jinja2)
 python3 -c "import fastapi, uvicorn, openai, httpx, jinja2" 2>/dev/null || [ ! -d build/wheels ] || \
-  python3 -m pip install -q --no-index --find-links build/wheels fastapi uvicorn openai httpx jinja2 > "$OUT/wheels.log" 2>&1 \
-  || tail -3 "$OUT/wheels.log"
-if [ "${PHASE:-1}" = strata ]; then
-  python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
+  python3 -m pip install -q --no-index --find-links build/wheels fastapi uvicorn openai httpx jinja2 > "$D/wheels.log" 2>&1 \
+  || tail -3 "$D/wheels.log"
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$D/pip.log" 2>&1 || { tail "$D/pip.log"; exit 1; }
+if [ "${PHASE:-1}" = 1 ]; then
+  (JOBS=16 nice -n 19 bash build/llamacpp/build.sh $LC > $W/build.out 2>&1; echo "build rc $?" >> $W/build.out) &
   log "model"
   [ -f $M/config.json ] || python3 benchmarks/make_mixtral_model.py $M ${MODEL_ARGS:-} > $W/make.log 2>&1 || { tail $W/make.log; exit 1; }
-  for pl in ${PLACEMENTS:-gpu}; do
-    log "compile $pl"
-    extra=""; [ $pl = cpu8 ] && extra="--place $PLACE8"
-    stratac compile $M -o $W/p-$pl --quant int4 $extra > $W/c-$pl.log 2>&1 || { tail -3 $W/c-$pl.log | tee -a "$OUT/summary.txt"; continue; }
-    [ $pl = gpu ] && [ "${RAGGED:-1}" = 1 ] && { log "ragged check"; python3 benchmarks/ragged_check.py $W/p-gpu 2>&1 | tail -2 | tee -a "$OUT/summary.txt"; }
-    strata_bench $pl $W/p-$pl
-  done
-elif [ "${PHASE:-1}" = 1 ]; then
-  python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
-  (JOBS=8 bash build/llamacpp/build.sh $LC > $W/build.out 2>&1; echo "build rc $?" >> $W/build.out) &
-  log "model"
-  [ -f $M/config.json ] || python3 benchmarks/make_mixtral_model.py $M ${MODEL_ARGS:-} > $W/make.log 2>&1 || { tail $W/make.log; exit 1; }
-  log "gguf conversion (background) and Strata's plans"
-  (PYTHONPATH=$LC/gguf-py python3 $LC/convert_hf_to_gguf.py $M --outtype bf16 --outfile $W/mx-bf16.gguf > $W/convert.log 2>&1;
-   echo "convert rc $?" >> $W/convert.log) &
+  log "gguf conversion (background, lowest priority) and Strata's plans"
+  (while [ ! -f $LC/convert_hf_to_gguf.py ]; do sleep 2; done
+   PYTHONPATH=$LC/gguf-py nice -n 19 python3 $LC/convert_hf_to_gguf.py $M --outtype bf16 --outfile $W/mx-bf16.gguf \
+     > $W/convert.log 2>&1; echo "convert rc $?" >> $W/convert.log) &
   stratac compile $M -o $W/p-gpu --quant int4 > $W/c1.log 2>&1 || tail -3 $W/c1.log
   stratac compile $M -o $W/p-cpu8 --quant int4 --place "$PLACE8" > $W/c2.log 2>&1 || tail -3 $W/c2.log
-  log "ragged check on the GPU"
-  python3 benchmarks/ragged_check.py $W/p-gpu --backend auto 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
-  strata_bench gpu $W/p-gpu
-  strata_bench cpu8 $W/p-cpu8
+  for pl in gpu cpu8; do
+    log "strata prefill $pl"
+    timeout $(( $(left) - 10 )) python3 benchmarks/gpu_prefill.py $W/p-$pl --lens 512,4096 --repeats 3 --n-new 64 \
+      --label $pl --json "$D/prefill-strata-$pl.json" 2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
+  done
+  log "start-up: two fresh processes decoding 64 tokens (gpu plan)"
+  for i in 1 2; do
+    /usr/bin/time -f "wall %e s" strata-run $W/p-gpu -n 64 --prompt "The history of the city" > /dev/null 2> $W/run$i.err
+    grep -v "$QUIET" $W/run$i.err | tail -2 | tee -a "$OUT/summary.txt"
+  done
+  for pl in ${PLACEMENTS:-gpu cpu8}; do
+    [ $(left) -gt 200 ] || { log "no time left for strata-server $pl"; continue; }
+    strata_bench $pl $W/p-$pl
+  done
   log "waiting for the llama.cpp build ($(left) s left)"
   while ! grep -q "build rc" $W/build.out 2>/dev/null && [ $(left) -gt 20 ]; do sleep 5; done
   tail -2 $W/build.out | tee -a "$OUT/summary.txt"; tail -1 $W/convert.log | tee -a "$OUT/summary.txt"
-else
+elif [ "${PHASE:-1}" = 2 ]; then
   log "Q4_0"
   while ! grep -q "convert rc" $W/convert.log 2>/dev/null && [ $(left) -gt 20 ]; do sleep 5; done
   [ -f $W/mx-Q4_0.gguf ] || LD_LIBRARY_PATH=$LC/build/bin $LC/build/bin/llama-quantize $W/mx-bf16.gguf $W/mx-Q4_0.gguf Q4_0 16 \
     > $W/quant.log 2>&1 || tail -3 $W/quant.log
+  log "llama-bench"
+  for cfg in "gpu|-ngl 99" "cpu8|-ngl 99 -ncmoe 8"; do
+    name=${cfg%%|*}; args=${cfg#*|}
+    LD_LIBRARY_PATH=$LC/build/bin timeout 120 $LC/build/bin/llama-bench -m $W/mx-Q4_0.gguf $args -t 16 -p 512,4096 -n 64 \
+      -r 3 -o md > "$D/llama-bench-$name.md" 2>&1; grep "|" "$D/llama-bench-$name.md" | tee -a "$OUT/summary.txt"
+  done
   llama_bench gpu ""
   llama_bench cpu8 "--n-cpu-moe 8"
-  if [ -n "${SOAK:-}" ]; then
-    log "strata soak ${SOAK}s at concurrency 64"
-    timeout $(( $(left) - 5 )) python3 benchmarks/serve_bench.py --plan $W/p-gpu $SARGS --soak $SOAK --concurrency 64 \
-      --prompt-lens 32,128,512 --output-lens 16,64,128 --vocab $(VOCAB_OF) --ignore-eos --json "$OUT/soak.json" \
-      > "$OUT/soak.log" 2>&1; tail -6 "$OUT/soak.log" | tee -a "$OUT/summary.txt"
-  fi
+  [ "${STRATA_CPU8:-0}" = 1 ] && strata_bench cpu8 $W/p-cpu8
+else
+  log "strata soak ${SOAK:-300}s at concurrency 64"
+  timeout $(( $(left) - 5 )) python3 benchmarks/serve_bench.py --plan $W/p-gpu $SARGS --soak ${SOAK:-300} --concurrency 64 \
+    --prompt-lens 32,128,512 --output-lens 16,64,128 --vocab $(VOCAB_OF) --ignore-eos --json "$D/soak.json" \
+    > "$D/soak.log" 2>&1; tail -6 "$D/soak.log" | tee -a "$OUT/summary.txt"
 fi
 log "done ($(left) s left)"
+tar czf "$OUT/details-${PHASE:-1}.tgz" -C $W "details-${PHASE:-1}"

@@ -135,13 +135,13 @@ _SLOW_DECODE = """
 import pathlib, sys, time
 import strata_compiler.runtime.session as S
 marker, real, steps = pathlib.Path(sys.argv.pop(1)), S.Session.step, []
-def step(self, ids):
+def step(self, ids, last_only=False):
     if ids.shape[1] == 1:
         steps.append(1)
         if len(steps) == 5:
             marker.touch()
         time.sleep(0.02)
-    return real(self, ids)
+    return real(self, ids, last_only)
 S.Session.step = step
 """ + _MAIN
 
@@ -360,8 +360,8 @@ def test_nan_weights_reported_not_greedy_zero(capsys, tiny_f32_plan, ids_file, t
 def test_inf_logits_mid_decode_keep_what_was_made(capsys, tiny_int8_plan, ids_file, tmp_path, monkeypatch):
     real, steps = Session.step, []
 
-    def step(self, ids):
-        out = real(self, ids)
+    def step(self, ids, last_only=False):
+        out = real(self, ids, last_only)
         if ids.shape[1] == 1:
             steps.append(1)
             if len(steps) == 3:
@@ -398,7 +398,7 @@ def test_chunked_prefill_matches_one_step(tiny_f32_plan, backend):
     s = Session(plan, backend, device="cpu")
     steps = []
     real = s.step
-    s.step = lambda x: steps.append(x.shape[1]) or real(x)
+    s.step = lambda x, last_only=False: steps.append(x.shape[1]) or real(x, last_only)
     last, new = s.generate(ids, 4, Sampler(), prefill_chunk=256, keep_logits=False)
     assert steps[:4] == [256, 256, 256, 232] and s.cache.capacity == Session.capacity_for(1000, 4, 256) == 1088
     assert last.shape == (1, 1, 4096)
