@@ -22,7 +22,8 @@ mkdir -p "$OUT"
 W=${WORK:-/tmp/sv}; LC=/tmp/llamacpp; M=$W/mx
 mkdir -p $W
 D=$W/details-${PHASE:-1}; mkdir -p $D
-LIMIT=${LIMIT:-560}; T0=$(date +%s)
+SOAK=${SOAK:-300}
+LIMIT=${LIMIT:-$([ "${PHASE:-1}" = 3 ] && echo $((SOAK + 180)) || echo 560)}; T0=$(date +%s)   # the soak: its server's start too
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
 VOCAB_OF() { python3 -c "import json;print(json.load(open('$M/config.json'))['vocab_size'])"; }
@@ -49,7 +50,8 @@ llama_bench() {    # name extra-args
   LD_LIBRARY_PATH=$LC/build/bin $LC/build/bin/llama-server -m $W/mx-Q4_0.gguf -ngl 99 $2 --parallel 64 -c $((64 * 1024)) \
     --port 8081 -t 16 > "$D/llama-server-$1.log" 2>&1 &
   pid=$!
-  for i in $(seq 1 120); do curl -sf http://127.0.0.1:8081/health > /dev/null && break; sleep 1; done
+  for i in $(seq 1 120); do curl -sf http://127.0.0.1:8081/health > /dev/null && break
+    kill -0 $pid 2>/dev/null || { log "llama-server exited: $(tail -1 "$D/llama-server-$1.log")"; return; }; sleep 1; done
   timeout $(( $(left) - 10 )) python3 benchmarks/serve_bench.py --base-url http://127.0.0.1:8081/v1 $(MIX) \
     --json "$D/serve-llama-$1.json" > "$D/serve-llama-$1.log" 2>&1; tail -8 "$D/serve-llama-$1.log" | tee -a "$OUT/summary.txt"
   timeout $(( $(left) - 10 )) python3 benchmarks/serve_bench.py --base-url http://127.0.0.1:8081/v1 $(TTFT) \
@@ -63,6 +65,9 @@ python3 -c "import fastapi, uvicorn, openai, httpx, jinja2" 2>/dev/null || [ ! -
   || tail -3 "$D/wheels.log"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$D/pip.log" 2>&1 || { tail "$D/pip.log"; exit 1; }
 if [ "${PHASE:-1}" = 1 ]; then
+  # the anchor's trimmed source lacks the web UI's templates, without which llama-server does not build:
+  # stand-ins (no embedded UI) placed first; build.sh's extraction leaves them there
+  mkdir -p $LC/tools/ui && cp benchmarks/llamacpp_ui/ui.h.in benchmarks/llamacpp_ui/ui.cpp.in $LC/tools/ui/
   (JOBS=16 nice -n 19 bash build/llamacpp/build.sh $LC > $W/build.out 2>&1; echo "build rc $?" >> $W/build.out) &
   log "model"
   [ -f $M/config.json ] || python3 benchmarks/make_mixtral_model.py $M ${MODEL_ARGS:-} > $W/make.log 2>&1 || { tail $W/make.log; exit 1; }
@@ -104,8 +109,8 @@ elif [ "${PHASE:-1}" = 2 ]; then
   llama_bench cpu8 "--n-cpu-moe 8"
   [ "${STRATA_CPU8:-0}" = 1 ] && strata_bench cpu8 $W/p-cpu8
 else
-  log "strata soak ${SOAK:-300}s at concurrency 64"
-  timeout $(( $(left) - 5 )) python3 benchmarks/serve_bench.py --plan $W/p-gpu $SARGS --soak ${SOAK:-300} --concurrency 64 \
+  log "strata soak ${SOAK}s at concurrency 64"
+  timeout $(( $(left) - 5 )) python3 benchmarks/serve_bench.py --plan $W/p-gpu $SARGS --soak $SOAK --concurrency 64 \
     --prompt-lens 32,128,512 --output-lens 16,64,128 --vocab $(VOCAB_OF) --ignore-eos --json "$D/soak.json" \
     > "$D/soak.log" 2>&1; tail -6 "$D/soak.log" | tee -a "$OUT/summary.txt"
 fi
