@@ -283,6 +283,7 @@ def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | No
     from .plan import load_plan
     from .sampler import Sampler
     from .session import Interrupted, NonFiniteLogits, Session, check_room
+    from .sigbus import guard
 
     lead = True
     if coordinator is not None:
@@ -290,6 +291,7 @@ def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | No
 
         lead = initialize(coordinator, num_processes, process_id) == 0
     plan = load_plan(plan_path)
+    guard(plan.weights_path)        # a weights file truncated under this process: one error line
     tokenizer = _tokenizer(plan, "--chat" if chat else "--prompt" if prompt is not None else None)
 
     def start() -> Session:

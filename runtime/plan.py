@@ -40,6 +40,11 @@ class Plan:
     def model(self, key: str):
         return self.meta["model"][key]
 
+    @property
+    def weights_path(self) -> Path:
+        """The weights file beside plan.bin (its plain name, checked by load_plan)."""
+        return self.path.parent / str(self.meta["weights"]["file"])
+
     def digest(self) -> str:
         """SHA-256 of plan.bin (which holds the weights file's checksums): what derived files
         (the server's prompt cache) are keyed by."""

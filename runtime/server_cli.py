@@ -84,8 +84,10 @@ def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_ba
     from .prompt_cache import PromptCache
     from .server import make_app
     from .session import Session
+    from .sigbus import guard
 
     plan = load_plan(plan_path)
+    guard(plan.weights_path)        # a weights file truncated under the server: one error line
     tokenizer = None
     if plan.tokenizer_json is not None:
         from tokenizers import Tokenizer

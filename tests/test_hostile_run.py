@@ -429,3 +429,39 @@ def test_ctrl_c_while_python_imports_the_program(tiny_int8_plan, delay):
         pytest.skip("the run finished before the signal")
     lines = err.strip().splitlines()
     assert p.returncode == 130 and len(lines) == 1 and lines[0].startswith("error: interrupted"), err
+
+
+# the weights file truncated to its first page just before the first step (after load_plan checked it)
+_TRUNCATE_FIRST_STEP = """
+import os, sys
+import strata_compiler.runtime.session as S
+real, done = S.Session.step, []
+def step(self, ids, last_only=False):
+    if not done:
+        done.append(1)
+        os.truncate(self.plan.weights_path, 4096)
+    return real(self, ids, last_only)
+S.Session.step = step
+""" + _MAIN
+
+
+@pytest.mark.parametrize("backend", ["reference", "llvm"])
+def test_weights_truncated_under_a_running_process(tiny_int8_plan, tmp_path, backend):
+    """weights.bin cut short while strata-run uses it (reading a page past the new end is SIGBUS):
+    one error line naming the file, exit 1, no 'Bus error' and no traceback (or, where the llvm
+    backend copied its weights into huge pages at start, a run that does not notice)."""
+    import shutil
+
+    plan = tmp_path / "plan"
+    shutil.copytree(tiny_int8_plan, plan)
+    env = dict(os.environ)
+    env.pop("PYTHONFAULTHANDLER", None)
+    p = subprocess.run([sys.executable, "-c", _TRUNCATE_FIRST_STEP, str(plan), "-n", "4", "--prompt", "Hello",
+                        "--backend", backend], capture_output=True, text=True, timeout=120, env=env)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert "Traceback" not in p.stderr and "Bus error" not in p.stderr
+    if backend == "llvm" and p.returncode == 0:     # its weights were copied into huge pages at start
+        assert p.stdout.strip()
+        return
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert lines[-1].startswith("error: ") and "weights.bin changed while this process was reading it" in lines[-1]
