@@ -84,7 +84,8 @@ def test_prompt_not_utf8_is_one_line(tiny_int8_plan):
     _one_line_error(r, "UTF-8")
 
 
-def test_broken_plan_on_reference_prints_only_the_error(tiny_f32_plan, tmp_path):
+@pytest.mark.parametrize("backend", ["reference", "llvm"])
+def test_overflowing_router_is_reported_as_nan(tiny_f32_plan, tmp_path, backend):
     secs = []
     for n, d, a in _sections(tiny_f32_plan / "weights.bin", WEIGHTS_MAGIC):
         if n == "L0.moe.router:w":
@@ -102,7 +103,7 @@ def test_broken_plan_on_reference_prints_only_the_error(tiny_f32_plan, tmp_path)
         plan.append((n, d, a))
     _reseal(tmp_path / "plan.bin", PLAN_MAGIC, plan)
     _one_line_error(_cli("runtime.cli", str(tmp_path), "--prompt", "hello world", "-n", "3",
-                         "--backend", "reference"), "NaN")
+                         "--backend", backend), "NaN")
 
 
 def test_plan_bin_folder_in_the_output_is_refused_first(tmp_path):

@@ -194,6 +194,13 @@ def route(E: int, k: int, norm: bool, target: Target) -> KernelSource:
   %y6 = load float, ptr %yp6, align 4
   %q6 = fdiv float %y6, %t.out
   store float %q6, ptr %yp6, align 4""")
+    # logits with NaN or +inf (an overflowing router) leave a NaN sum: every weight NaN, so the
+    # MoE routes every expert with it and the NaN reaches the logits (where the runtime reports
+    # it) instead of a pick among NaN probabilities choosing some expert with a finite weight
+    body += "\n  %bad = fcmp uno float %s.out, 0.0\n" + loop("nan", "i7", E, """  %yp7 = getelementptr inbounds float, ptr %yr, i64 %i7
+  %y7 = load float, ptr %yp7, align 4
+  %q7 = select i1 %bad, float 0x7FF8000000000000, float %y7
+  store float %q7, ptr %yp7, align 4""")
     return row_kernel(f"route_e{E}_k{k}{'_norm' if norm else ''}", params, {"x", "y"}, body, target,
                       prologue=f"  %scr = alloca [{E} x float], align 64")
 
