@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp's format) of architecture `llama` -> the same config and tensors as an HF folder.
+"""GGUF files (llama.cpp's format) -> the same config and tensors as an HF folder: `llama` (dense, or with
+experts: Mixtral), `qwen2moe` (with its shared expert), `qwen3moe` and `olmoe`.
 
 `open_gguf(path)` reads the metadata and tensor directory (the `gguf` package maps the file; no
 tensor data is read up front) and returns
@@ -8,14 +9,17 @@ tensor data is read up front) and returns
   `gguf.quants.dequantize` one row block at a time when the emit pass streams it, so every GGUF
   type the package can dequantize (F32, F16, BF16, Q4_0, Q4_1, Q8_0, K-quants, ...) is accepted and
   `--quant` then re-packs the f32 rows into Strata's own formats.
-- a `ModelConfig` built from `llama.*` metadata, for `hf.build_graph`;
+- a `ModelConfig` built from the `<architecture>.*` metadata, for `hf.build_graph`;
 - the JSON of a `tokenizers` Tokenizer rebuilt from `tokenizer.ggml.*` (byte-level BPE, model
   `gpt2`), or None when the file's tokenizer is of a kind not rebuilt here.
 
 Layout: GGUF dims are listed innermost first, so a GGUF [in, out] matrix is numpy's [out, in], the
 HF layout. llama.cpp's convert_hf_to_gguf.py permutes the rows of q_proj and k_proj (and their
 biases) within each head from HF's rotate-half order [2, hd/2] to interleaved pairs [hd/2, 2]
-(`LlamaModel.permute`); `_unpermute` undoes it, so the rest of the compiler sees HF tensors.
+(`LlamaModel.permute`, llama and Mixtral only); `_unpermute` undoes it, so the rest of the compiler
+sees HF tensors. A MoE layer's experts are stacked in one tensor per projection (`ffn_gate_exps`
+[E, ff, D], ...): each expert is presented under its HF key (`...experts.{e}.w1.weight`) as that
+slice of the stacked tensor.
 """
 
 from __future__ import annotations
@@ -31,10 +35,13 @@ import numpy as np
 from ..errors import ModelError
 from ..ir import make_attrs
 from ..untrusted import open_regular
-from .hf import MAX_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, ModelConfig, in_range
+from .hf import MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, ModelConfig, in_range
 
 GGUF_MAGIC = b"GGUF"
-ARCHITECTURES = ("llama",)
+# GGUF general.architecture -> the HF architecture it maps to (llama with experts: mixtral)
+ARCHITECTURES = {"llama": "llama", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+_HF_CLASS = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+             "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 
 # GGUF tensor name (with N for the block index) -> Hugging Face key.
 _GLOBAL_NAMES = {
@@ -56,7 +63,18 @@ _BLOCK_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# MoE tensors, relative to the layer's MoE prefix (block_sparse_moe. for Mixtral, mlp. otherwise)
+_MOE_NAMES = {
+    "ffn_gate_inp.weight": "gate.weight",
+    "ffn_gate_shexp.weight": "shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "shared_expert_gate.weight",
+}
+_EXPERT_STACKS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -70,6 +88,7 @@ class GGUFTensorInfo:
     nbytes: int               # bytes the tensor occupies in the file
     gguf_name: str
     permute_heads: int        # > 0: rows are llama.cpp-permuted q/k rows of this many heads
+    expert: int = -1          # >= 0: this expert's slice of a stacked expert tensor
 
 
 def _unpermute(rows: np.ndarray, head_dim: int) -> np.ndarray:
@@ -103,7 +122,8 @@ class GGUFTensorStore:
 
         t = self.infos[key]
         raw = self._tensors[t.gguf_name]
-        data = raw.data if len(t.shape) <= 1 else raw.data[r0:r1]
+        data = raw.data if t.expert < 0 else raw.data[t.expert]
+        data = data if len(t.shape) <= 1 else data[r0:r1]
         out = np.array(dequantize(np.asarray(data), raw.tensor_type), dtype=np.float32)   # a copy, never the mmap
         out = out.reshape(t.shape if len(t.shape) <= 1 else (-1,) + t.shape[1:])
         if t.permute_heads:
@@ -179,30 +199,49 @@ def _open_reader(path: Path) -> Any:
     return reader
 
 
-def _store(path: Path, reader: Any, n_heads: int, n_kv: int) -> GGUFTensorStore:
+def _store(path: Path, reader: Any, hf_arch: str, n_heads: int, n_kv: int) -> GGUFTensorStore:
+    """The file's tensors under HF keys for `hf_arch` (q/k rows to unpermute for llama and Mixtral;
+    each expert of a stacked expert tensor under its own key)."""
+    moe_pre, expert_names = (("block_sparse_moe.", ("w1", "w3", "w2")) if hf_arch == "mixtral"
+                             else ("mlp.", ("gate_proj", "up_proj", "down_proj")))
+    permuted = hf_arch in ("llama", "mixtral")
     infos: dict[str, GGUFTensorInfo] = {}
     for t in reader.tensors:
         name = t.name
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        m = _BLOCK_RE.fullmatch(name)
         if name in _GLOBAL_NAMES:
             key = _GLOBAL_NAMES[name]
-        elif (m := _BLOCK_RE.fullmatch(name)) and m.group(2) in _BLOCK_NAMES:
+        elif m and m.group(2) in _BLOCK_NAMES:
             key = f"model.layers.{int(m.group(1))}.{_BLOCK_NAMES[m.group(2)]}"
+        elif m and m.group(2) in _MOE_NAMES and hf_arch != "llama":
+            key = f"model.layers.{int(m.group(1))}.{moe_pre}{_MOE_NAMES[m.group(2)]}"
+            if m.group(2) == "ffn_gate_inp_shexp.weight" and len(shape) == 1:
+                shape = (1, shape[0])       # HF's shared_expert_gate is [1, hidden]
+        elif m and m.group(2) in _EXPERT_STACKS and hf_arch != "llama":
+            if len(shape) != 3 or not 1 <= shape[0] <= MAX_EXPERTS:
+                raise ModelError(f"{path}: tensor {name} has shape {list(shape)}; expected [experts, rows, columns]")
+            proj = expert_names[_EXPERT_STACKS.index(m.group(2))]
+            for e in range(shape[0]):
+                key = f"model.layers.{int(m.group(1))}.{moe_pre}experts.{e}.{proj}.weight"
+                infos[key] = GGUFTensorInfo(key, path, t.tensor_type.name, shape[1:], int(t.data_offset),
+                                            int(t.n_bytes) // shape[0], name, 0, e)
+            continue
         elif name == "rope_freqs.weight":
             raise ModelError(f"{path}: tensor rope_freqs.weight (per-frequency RoPE factors, as in Llama 3.1+) "
                              "is not supported")
         else:
-            raise ModelError(f"{path}: tensor {name} is not part of a llama model Strata compiles")
+            raise ModelError(f"{path}: tensor {name} is not part of a {hf_arch} model Strata compiles")
         heads = 0
-        if name.startswith("blk.") and name.split(".")[2] in ("attn_q", "attn_k"):
+        if permuted and name.startswith("blk.") and name.split(".")[2] in ("attn_q", "attn_k"):
             heads = n_heads if ".attn_q." in name else n_kv
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         infos[key] = GGUFTensorInfo(key, path, t.tensor_type.name, shape, int(t.data_offset), int(t.n_bytes),
                                     name, heads)
     return GGUFTensorStore(path, reader, infos)
 
 
-def _config(meta: _Meta, store: GGUFTensorStore) -> ModelConfig:
-    path, a = meta.path, "llama."
+def _config(meta: _Meta, store: GGUFTensorStore, arch: str, hf_arch: str) -> ModelConfig:
+    path, a = meta.path, arch + "."
     hidden = meta.get(a + "embedding_length", int, required=True)
     n_layers = meta.get(a + "block_count", int, required=True)
     n_heads = meta.get(a + "attention.head_count", int, required=True)
@@ -216,12 +255,14 @@ def _config(meta: _Meta, store: GGUFTensorStore) -> ModelConfig:
     for key, v, hi in (("block_count", n_layers, MAX_LAYERS), ("embedding_length", hidden, MAX_DIM),
                        ("attention.head_count", n_heads, MAX_HEADS), ("attention.key_length", head_dim, MAX_DIM)):
         in_range(path, a + key, v, 1, hi)   # before anything is sized by them
-    if meta.get(a + "expert_count", int, default=0) > 0:
-        raise ModelError(f"{path}: llama GGUF with experts (llama.expert_count > 0, e.g. Mixtral) is not "
-                         "supported yet; compile the Hugging Face folder instead")
+    n_experts = in_range(path, a + "expert_count", meta.get(a + "expert_count", int, default=0), 0, MAX_EXPERTS)
+    top_k = 0
+    if n_experts:
+        top_k = in_range(path, a + "expert_used_count", meta.get(a + "expert_used_count", int, required=True),
+                         1, n_experts)
     rot = meta.get(a + "rope.dimension_count", int, default=head_dim)
     if rot != head_dim:
-        raise ModelError(f"{path}: llama.rope.dimension_count {rot} != head dim {head_dim} (partial RoPE is not supported)")
+        raise ModelError(f"{path}: {a}rope.dimension_count {rot} != head dim {head_dim} (partial RoPE is not supported)")
     rope: dict = {"rope_theta": in_range(path, a + "rope.freq_base", meta.get(a + "rope.freq_base", float, default=10000.0),
                                          0.0, above=True), "rope_type": "default"}
     scaling = meta.get(a + "rope.scaling.type", str, default="none")
@@ -229,16 +270,25 @@ def _config(meta: _Meta, store: GGUFTensorStore) -> ModelConfig:
         rope.update(rope_type="linear", rope_factor=in_range(
             path, a + "rope.scaling.factor", meta.get(a + "rope.scaling.factor", float, required=True), 0.0, above=True))
     elif scaling != "none":
-        raise ModelError(f"{path}: llama.rope.scaling.type {scaling!r} is not supported (supported: none, linear)")
+        raise ModelError(f"{path}: {a}rope.scaling.type {scaling!r} is not supported (supported: none, linear)")
     tokens = meta.fields.get("tokenizer.ggml.tokens")
     vocab = meta.get(a + "vocab_size", int, default=len(tokens.data) if tokens is not None else 0)
     if not vocab and "model.embed_tokens.weight" in store:
         vocab = store.info("model.embed_tokens.weight").shape[0]
-    ff = meta.get(a + "feed_forward_length", int, required=True)
     gate = "model.layers.0.mlp.gate_proj.weight"
-    if gate in store and store.info(gate).shape[0] != ff:
-        raise ModelError(f"{path}: tensor blk.0.ffn_gate.weight has {store.info(gate).shape[0]} rows, "
-                         f"llama.feed_forward_length says {ff}")
+    if gate in store:       # a dense first layer: its width as the metadata says
+        ff = meta.get(a + "feed_forward_length", int, required=True)
+        if store.info(gate).shape[0] != ff:
+            raise ModelError(f"{path}: tensor blk.0.ffn_gate.weight has {store.info(gate).shape[0]} rows, "
+                             f"{a}feed_forward_length says {ff}")
+    if hf_arch in ("qwen2_moe", "qwen3_moe"):       # MoE where the layer has a router, else a dense MLP
+        moe_layers = tuple(f"model.layers.{i}.mlp.gate.weight" in store for i in range(n_layers))
+    else:
+        moe_layers = (hf_arch != "llama",) * n_layers
+    if any(moe_layers) and not n_experts:
+        raise ModelError(f"{path}: the file has expert tensors but no {a}expert_count")
+    norm_default = hf_arch in ("mixtral", "qwen3_moe")     # llama.cpp's choice for each architecture
+    clip = meta.get(a + "attention.clamp_kqv", float, default=0.0)
     eos = [meta.get(f"tokenizer.ggml.{k}_token_id", int, default=-1) for k in ("eos", "eot", "eom")]
     eos_ids = tuple(dict.fromkeys(e for e in eos if e >= 0))
     in_range(path, a + "vocab_size", vocab, 1, MAX_DIM)
@@ -248,15 +298,18 @@ def _config(meta: _Meta, store: GGUFTensorStore) -> ModelConfig:
             in_range(path, key, v, 0, vocab - 1)
     qkv_bias = "model.layers.0.self_attn.q_proj.bias" in store
     return ModelConfig(
-        arch="llama", architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=hidden,
+        arch=hf_arch, architecture=_HF_CLASS[hf_arch], vocab_size=vocab, hidden_size=hidden,
         n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
         rms_eps=in_range(path, a + "attention.layer_norm_rms_epsilon",
                          meta.get(a + "attention.layer_norm_rms_epsilon", float, required=True), 0.0, 1.0, above=True),
         rope=make_attrs(**rope),
         tie_word_embeddings="lm_head.weight" not in store,
-        moe_layers=(False,) * n_layers, n_experts=0, top_k=0, norm_topk_prob=False, qk_norm="none",
-        qkv_bias=qkv_bias, o_bias="model.layers.0.self_attn.o_proj.bias" in store, shared_expert=False,
-        clip_qkv=None,
+        moe_layers=moe_layers, n_experts=n_experts if any(moe_layers) else 0, top_k=top_k if any(moe_layers) else 0,
+        norm_topk_prob=meta.get(a + "expert_weights_norm", bool, default=norm_default),
+        qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(hf_arch, "none"),
+        qkv_bias=qkv_bias, o_bias="model.layers.0.self_attn.o_proj.bias" in store,
+        shared_expert=any(k.endswith("shared_expert.gate_proj.weight") for k in store.infos),
+        clip_qkv=in_range(path, a + "attention.clamp_kqv", clip, 0.0) or None,
         max_position=in_range(path, a + "context_length", meta.get(a + "context_length", int, default=4096), 1,
                               MAX_POSITIONS),
         eos_token_ids=eos_ids,
@@ -349,24 +402,27 @@ def is_gguf(path: Path) -> bool:
 
 
 def open_gguf(path: Path, *, with_chat: bool = False) -> tuple:
-    """The tensor store, model config and tokenizer JSON (or None) of a llama GGUF file; with
+    """The tensor store, model config and tokenizer JSON (or None) of a GGUF file; with
     `with_chat`, also its meta["chat"] (chat template and special tokens, frontend/chat.py)."""
     reader = _open_reader(path)
     meta = _Meta(path, reader)
     arch = meta.get("general.architecture", str, required=True)
     if arch not in ARCHITECTURES:
-        raise ModelError(f"{path}: GGUF architecture {arch!r} is not supported; Strata reads GGUF files of "
+        raise ModelError(f"{path}: GGUF architecture {arch[:60]!r} is not supported; Strata reads GGUF files of "
                          f"architecture {', '.join(map(repr, ARCHITECTURES))}")
-    n_heads = meta.get("llama.attention.head_count", int, required=True)
-    n_kv = meta.get("llama.attention.head_count_kv", int, default=n_heads)
+    hf_arch = ARCHITECTURES[arch]
+    if hf_arch == "llama" and meta.get("llama.expert_count", int, default=0) > 0:
+        hf_arch = "mixtral"         # llama.cpp writes Mixtral as llama with experts
+    n_heads = meta.get(f"{arch}.attention.head_count", int, required=True)
+    n_kv = meta.get(f"{arch}.attention.head_count_kv", int, default=n_heads)
     if n_heads <= 0 or n_kv <= 0:
-        raise ModelError(f"{path}: llama.attention.head_count {n_heads} / head_count_kv {n_kv} must be positive")
-    store = _store(path, reader, n_heads, n_kv)
+        raise ModelError(f"{path}: {arch}.attention.head_count {n_heads} / head_count_kv {n_kv} must be positive")
+    store = _store(path, reader, hf_arch, n_heads, n_kv)
     for t in store.infos.values():
         if t.permute_heads and len(t.shape) and t.shape[0] % (2 * t.permute_heads):
             raise ModelError(f"{path}: tensor {t.gguf_name} has {t.shape[0]} rows, not whole heads of "
                              f"{t.permute_heads} heads")
-    cfg = _config(meta, store)
+    cfg = _config(meta, store, arch, hf_arch)
     if not with_chat:
         return store, cfg, build_tokenizer_json(meta)
     from .chat import gguf_chat

@@ -361,10 +361,10 @@ def build_graph(model_dir: Path, store: TensorStore | None = None,
     else:
         head = W.declare("lm_head", "lm_head.weight", (V, D), "vocab_size x hidden_size")
     logits = b.add(Op.MATMUL, (x,), f32("B", "T", V), weights={"w": head})
+    bos = {"bos_token_id": cfg.bos_token_id} if cfg.bos_token_id >= 0 else {}     # -1: the model has none
     meta = make_attrs(
         architecture=cfg.architecture, arch=cfg.arch, vocab_size=V, hidden_size=D, n_layers=cfg.n_layers,
-        n_kv_heads=KV, head_dim=hd, max_position=cfg.max_position, eos_token_ids=cfg.eos_token_ids,
-        bos_token_id=cfg.bos_token_id)
+        n_kv_heads=KV, head_dim=hd, max_position=cfg.max_position, eos_token_ids=cfg.eos_token_ids, **bos)
     return Graph(Level.GRAPH, tuple(b.nodes), tuple(W.specs.values()), (logits,), meta), cfg
 
 

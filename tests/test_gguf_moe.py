@@ -1,0 +1,175 @@
+"""MoE GGUF input: Mixtral (llama with experts), Qwen3-MoE, Qwen2-MoE (shared expert, q/k/v biases) and
+OLMoE files written with gguf.GGUFWriter
+from random transformers models, laid out as llama.cpp's convert_hf_to_gguf.py writes them (experts
+stacked per projection, q/k rows permuted for llama), compiled by stratac and checked against
+transformers: F32 within 1e-4 x std with the same greedy tokens; Q8_0/Q4_0 experts against
+transformers run on the file's own dequantized weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+from safetensors.numpy import load_file, save_file  # noqa: E402
+
+from hf_models import build_model, clear_prompts, hf_greedy, hf_logits, load_model  # noqa: E402
+from test_gguf_frontend import (BLOCK, HF_TO_GGUF, N_NEW, SPECIALS, compile_ok, inverse_permute,  # noqa: E402
+                                permute, run_logits, train_tokenizer)
+
+from strata_compiler.frontend.gguf_reader import open_gguf  # noqa: E402
+from strata_compiler.frontend.hf import read_config  # noqa: E402
+
+# per-architecture: (GGUF architecture, the layer's MoE prefix, HF names of gate/up/down, q/k permuted)
+ARCHS = {
+    "mixtral": ("llama", "block_sparse_moe.", ("w1", "w3", "w2"), True),
+    "qwen3_moe": ("qwen3moe", "mlp.", ("gate_proj", "up_proj", "down_proj"), False),
+    "qwen2_moe": ("qwen2moe", "mlp.", ("gate_proj", "up_proj", "down_proj"), False),
+    "olmoe": ("olmoe", "mlp.", ("gate_proj", "up_proj", "down_proj"), False),
+}
+EXTRA = {    # HF key (after the layer prefix) -> GGUF name, beyond test_gguf_frontend's BLOCK
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
+STACKS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+
+
+def _block_name(rest: str, pre: str) -> str | None:
+    if rest in BLOCK:
+        return BLOCK[rest]
+    if rest == pre + "gate.weight":
+        return "ffn_gate_inp.weight"
+    return EXTRA.get(rest)
+
+
+def write_moe_gguf(path: Path, hf_dir: Path, hf_arch: str, tokens, merges, qtype=QT.F32) -> dict[str, np.ndarray]:
+    """The HF folder's checkpoint as a GGUF of `hf_arch`, experts stacked (in `qtype`, the rest F32);
+    returns {HF key: f32 weight as stored, back in HF layout}."""
+    arch, pre, names, permuted = ARCHS[hf_arch]
+    c = json.loads((hf_dir / "config.json").read_text())
+    sd = load_file(str(hf_dir / "model.safetensors"))
+    H, KV, L = c["num_attention_heads"], c["num_key_value_heads"], c["num_hidden_layers"]
+    E = c.get("num_local_experts") or c["num_experts"]
+    hd = c.get("head_dim") or c["hidden_size"] // H
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(L)
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_freq_base(float((c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_vocab_size(c["vocab_size"])
+    w.add_rope_dimension_count(hd)
+    w.add_expert_count(E)
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    stored: dict[str, np.ndarray] = {}
+
+    def put(name: str, a: np.ndarray, qt=QT.F32, heads: int = 0):
+        if heads:
+            a = permute(a, H, None if heads == H else KV)
+        data = quantize(np.ascontiguousarray(a), qt)
+        w.add_tensor(name, data, raw_dtype=qt)
+        back = dequantize(data, qt).astype(np.float32).reshape(a.shape)
+        return inverse_permute(back, heads) if heads else back
+
+    for key, a in sd.items():
+        if key in HF_TO_GGUF:
+            stored[key] = put(HF_TO_GGUF[key], a.astype(np.float32))
+            continue
+        parts = key.split(".")
+        i, rest = parts[2], ".".join(parts[3:])
+        if ".experts." in rest:
+            continue
+        name = _block_name(rest, pre)
+        heads = (H if name == "attn_q.weight" else KV if name == "attn_k.weight" else 0) if permuted else 0
+        stored[key] = put(f"blk.{i}.{name}", a.astype(np.float32), heads=heads)
+    for i in range(L):
+        for proj, stack in zip(names, STACKS):
+            keys = [f"model.layers.{i}.{pre}experts.{e}.{proj}.weight" for e in range(E)]
+            if keys[0] not in sd:       # a dense layer (Qwen's mlp_only_layers)
+                continue
+            back = put(f"blk.{i}.{stack}", np.stack([sd[k].astype(np.float32) for k in keys]), qtype)
+            for e, k in enumerate(keys):
+                stored[k] = back[e]
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+def hf_with(hf_dir: Path, weights: dict[str, np.ndarray], out: Path) -> Path:
+    """A copy of the HF folder holding `weights` (the GGUF's dequantized tensors)."""
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(hf_dir / "config.json", out / "config.json")
+    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    base = tmp_path_factory.mktemp("gguf_moe")
+    _, tokens, merges = train_tokenizer()
+    out = {"tokens": tokens, "merges": merges, "base": base}
+    for hf_arch in ARCHS:
+        d = build_model(hf_arch, base / f"hf_{hf_arch}", vocab_size=len(tokens), seed=7)
+        write_moe_gguf(base / f"{hf_arch}.gguf", d, hf_arch, tokens, merges)
+        out[hf_arch] = d
+    return out
+
+
+@pytest.mark.parametrize("hf_arch", list(ARCHS))
+def test_config_matches_hf(moe, hf_arch):
+    _, cfg, _ = open_gguf(moe["base"] / f"{hf_arch}.gguf")
+    hf = read_config(moe[hf_arch])
+    for f in ("arch", "architecture", "vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+              "rms_eps", "moe_layers", "n_experts", "top_k", "norm_topk_prob", "qk_norm", "qkv_bias", "o_bias",
+              "shared_expert"):
+        assert getattr(cfg, f) == getattr(hf, f), f
+
+
+@pytest.mark.parametrize("hf_arch,backend", [("mixtral", "reference"), ("mixtral", "llvm"), ("qwen3_moe", "reference"),
+                                             ("qwen2_moe", "reference"), ("olmoe", "reference")])
+def test_f32_moe_gguf_matches_transformers(moe, tmp_path, hf_arch, backend):
+    m = load_model(moe[hf_arch])
+    ids = clear_prompts(m, m.config.vocab_size, n_prompts=1, length=7, n_new=N_NEW, batch=2)[0]
+    plan = compile_ok(moe["base"] / f"{hf_arch}.gguf", tmp_path / "plan", "--quant", "f32")
+    logits, tokens = run_logits(plan, ids, tmp_path, backend)
+    ref = hf_logits(m, ids)
+    assert np.abs(logits - ref).max() / ref.std() <= 1e-4
+    np.testing.assert_array_equal(tokens, hf_greedy(m, ids, N_NEW)[0])
+
+
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0])
+def test_quantized_experts_match_transformers_on_dequantized_weights(moe, tmp_path, qtype):
+    path = tmp_path / "q.gguf"
+    d = build_model("mixtral", tmp_path / "hf", vocab_size=len(moe["tokens"]), intermediate_size=64, seed=9)
+    stored = write_moe_gguf(path, d, "mixtral", moe["tokens"], moe["merges"], qtype)   # rows of 64: whole blocks
+    ref_model = load_model(hf_with(d, stored, tmp_path / "hf_deq"))
+    ids = clear_prompts(ref_model, ref_model.config.vocab_size, n_prompts=1, length=7, n_new=N_NEW, seed=3)[0]
+    plan = compile_ok(path, tmp_path / "plan", "--quant", "f32")
+    logits, tokens = run_logits(plan, ids, tmp_path, "reference")
+    ref = hf_logits(ref_model, ids)
+    assert np.abs(logits - ref).max() / ref.std() <= 1e-4
+    np.testing.assert_array_equal(tokens, hf_greedy(ref_model, ids, N_NEW)[0])
