@@ -180,7 +180,7 @@ class BatchScheduler(Scheduler):
         self.filling = None
         if self.prompt_cache is not None:
             self.prompt_cache.store(prompt, self.pre, 0)
-        tok = int(seq.req.sampler(logits)[0])
+        tok = int(seq.req.sampler(logits, [prompt])[0])
         if self._emit(seq, tok):
             return
         seq.slot = self.slots.index(None)
@@ -265,7 +265,7 @@ class BatchScheduler(Scheduler):
                 self._cancelled(seq.req)
                 self._free(seq)
                 continue
-            tok = int(seq.req.sampler(logits[seq.slot:seq.slot + 1])[0])
+            tok = int(seq.req.sampler(logits[seq.slot:seq.slot + 1], [seq.tokens])[0])
             if self._emit(seq, tok):
                 if self.prompt_cache is not None:
                     self.prompt_cache.store(seq.tokens, self.kv, seq.slot)

@@ -84,7 +84,7 @@ class Chat:
         answer = ""
         try:
             logits = self._prefill(ids)
-            for tok in sample_steps(self.session, logits, self.sampler, self.max_new, self.fed):
+            for tok in sample_steps(self.session, logits, self.sampler, self.max_new, self.fed, seen=ids):
                 toks.append(tok)
                 if tok in self.stop:
                     break

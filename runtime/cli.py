@@ -185,6 +185,13 @@ def _tokenizer(plan, needed: str | None):
               help="Sampling temperature; 0 is greedy.")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
               callback=_finite, help="Nucleus sampling: keep the most likely tokens whose probabilities sum to this.")
+@click.option("--top-k", type=click.IntRange(0), default=0, show_default=True,
+              help="Sample among the k most likely tokens only (0: no limit).")
+@click.option("--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True, callback=_finite,
+              help="Drop tokens less likely than this fraction of the most likely one (0: off).")
+@click.option("--repeat-penalty", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              callback=_finite, help="Penalise tokens already in the prompt or the output: a positive logit is "
+              "divided by this, a negative one multiplied (1: off; applies to greedy decoding too).")
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the sampler.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")
 @click.option("--logits-out", type=click.Path(path_type=Path), help="Save the prompt logits, float32 [B, T, V], as .npy.")
@@ -233,9 +240,11 @@ def _tokenizer(plan, needed: str | None):
               "answers stream as they are made, the KV cache is kept across turns, -n caps each answer; Ctrl-C "
               "stops an answer, /reset starts over, /exit or Ctrl-D quits.")
 @click.option("--system", "system_prompt", metavar="TEXT", help="With --chat: the system message.")
+@click.version_option(package_name="strata", prog_name="strata-run")
 @debug_option
 def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_new_tokens: int, greedy: bool,
-               temperature: float, top_p: float, seed: int, ignore_eos: bool, logits_out: Path | None,
+               temperature: float, top_p: float, top_k: int, min_p: float, repeat_penalty: float, seed: int,
+               ignore_eos: bool, logits_out: Path | None,
                tokens_out: Path | None, prefill_chunk: int, backend: str, device: str, trace_out: Path | None, stats: bool,
                expert_cache: bool, prefetch: bool, miss_path: str, cache_policy: str, multi_gpu: str,
                coordinator: str | None,
@@ -274,7 +283,8 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
 
 
 def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | None, max_new_tokens: int,
-         temperature: float, top_p: float, seed: int, ignore_eos: bool, logits_out: Path | None,
+         temperature: float, top_p: float, top_k: int, min_p: float, repeat_penalty: float, seed: int,
+         ignore_eos: bool, logits_out: Path | None,
          tokens_out: Path | None, prefill_chunk: int, backend: str, device: str, trace_out: Path | None,
          stats: bool, expert_cache: bool, prefetch: bool, miss_path: str, cache_policy: str, multi_gpu: str,
          coordinator: str | None, num_processes: int | None, process_id: int | None, chat: bool,
@@ -294,6 +304,8 @@ def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | No
     guard(plan.weights_path)        # a weights file truncated under this process: one error line
     tokenizer = _tokenizer(plan, "--chat" if chat else "--prompt" if prompt is not None else None)
 
+    sampler = Sampler(temperature, top_p, seed, top_k=top_k, min_p=min_p, repetition_penalty=repeat_penalty)
+
     def start() -> Session:
         return Session(plan, backend, device=device, expert_cache=expert_cache, cache_policy=cache_policy,
                        prefetch=prefetch, multi_gpu=multi_gpu, miss_path=miss_path)
@@ -303,7 +315,7 @@ def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | No
 
         session = start()
         ctrl.__exit__()         # from here on the chat's own Ctrl-C: it stops an answer, not the chat
-        start_chat(plan, session, tokenizer, Sampler(temperature, top_p, seed), max_new_tokens, system_prompt,
+        start_chat(plan, session, tokenizer, sampler, max_new_tokens, system_prompt,
                    ignore_eos)
         return
     if prompt is not None:
@@ -334,7 +346,7 @@ def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | No
     t_run = time.perf_counter()
     stopped: BaseException | None = None
     try:
-        logits, new = session.generate(ids, max_new_tokens, Sampler(temperature, top_p, seed), stop,
+        logits, new = session.generate(ids, max_new_tokens, sampler, stop,
                                        prefill_chunk=prefill_chunk, keep_logits=bool(logits_out),
                                        on_token=ctrl.on_token)
     except (Interrupted, NonFiniteLogits) as e:     # what was made before it is printed and saved

@@ -31,14 +31,17 @@ class ShuttingDown(QueueFull):
     status = 503
 
 
-def sample_steps(session, logits: np.ndarray, sampler: Sampler, max_tokens: int, fed: list | None = None):
+def sample_steps(session, logits: np.ndarray, sampler: Sampler, max_tokens: int, fed: list | None = None,
+                 seen: list | None = None):
     """Tokens one by one from a Session whose last step gave `logits` f32[1, V]: sample one, yield
     it, and (once asked for the next) step it through the session. The last token is never stepped;
     a consumer that stops early leaves the cache at the tokens it has stepped. `fed`, if given,
     gets each stepped token appended, -1 while its step runs (a cache an interrupt leaves there
-    is not to be trusted)."""
+    is not to be trusted). `seen`: the tokens before these (the repetition penalty's history)."""
+    seen = list(seen or [])
     for n in range(1, max_tokens + 1):
-        tok = int(sampler(logits)[0])
+        tok = int(sampler(logits, [seen] if sampler.needs_history else None)[0])
+        seen.append(tok)
         yield tok
         if n < max_tokens:
             if fed is not None:

@@ -58,6 +58,10 @@ class _Common(BaseModel):
     stream_options: Optional[dict[str, Any]] = None
     user: Optional[str] = None
     ignore_eos: bool = False        # vLLM's and llama-server's extension: run to max_tokens past an EOS
+    # vLLM's sampling extensions (llama-server's too): top_k <= 0, min_p 0 and repetition_penalty 1 are off
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
     # accepted at their neutral values only
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -190,7 +194,8 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
         if body.stop and tok is None:
             raise APIError(400, "stop strings need the plan's tokenizer", param="stop")
         seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
-        req = Request(ids, max_tokens, Sampler(body.temperature, body.top_p, seed),
+        req = Request(ids, max_tokens, Sampler(body.temperature, body.top_p, seed, top_k=max(0, body.top_k),
+                                               min_p=body.min_p, repetition_penalty=body.repetition_penalty),
                       () if body.ignore_eos else tuple(stop_ids), tuple(body.stop or ()))
         req.loop = asyncio.get_running_loop()
         try:

@@ -69,6 +69,7 @@ def _read_config(ctx: click.Context, _param, path: Path | None):
               help="Where xla partitions run, as in strata-run.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True, help="uvicorn's log level.")
+@click.version_option(package_name="strata", prog_name="strata-server")
 @debug_option
 def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_batch: int, prefill_chunk: int,
                   prompt_cache: int, kv_cache_dir: Path | None, queue_size: int, api_key: str | None,

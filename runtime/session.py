@@ -207,10 +207,11 @@ class Session:
         return out[:, -1:] if last_only else out
 
     def _ahead(self, sampler: Sampler, B: int) -> bool:
-        """Whether the rest of a generation decodes ahead (MixedExecutor.decode_ahead): greedy, no
-        disk tier, and a plan whose decode step is one program without host calls."""
+        """Whether the rest of a generation decodes ahead (MixedExecutor.decode_ahead): greedy with
+        no repetition penalty, no disk tier, and a plan whose decode step is one program without
+        host calls."""
         can = getattr(self.executor, "can_decode_ahead", None)
-        return sampler.temperature <= 0 and self.disk is None and can is not None and can(B, self.cache)
+        return sampler.plain_greedy and self.disk is None and can is not None and can(B, self.cache)
 
     def generate(self, prompt: np.ndarray, max_new_tokens: int, sampler: Sampler, stop_ids: tuple[int, ...] = (),
                  prefill_chunk: int = PREFILL_CHUNK, keep_logits: bool = True,
@@ -249,7 +250,8 @@ class Session:
         try:
             while i < max_new_tokens:
                 _check_finite(last, i, logits, new[:, :i])
-                tok = sampler(last)
+                seen = (np.concatenate([prompt, new[:, :i]], axis=1) if sampler.needs_history else None)
+                tok = sampler(last, seen)
                 new[:, i] = tok
                 i += 1
                 done |= np.isin(tok, stop_ids)

@@ -21,6 +21,7 @@ from .pipelines import DEFAULT
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="strata", prog_name="stratac")
 def stratac() -> None:
     """Strata compiler: Hugging Face MoE model folder -> plan.bin + weights.bin.
 

@@ -140,12 +140,25 @@ def test_stop_string(client, reference):
     assert "".join(parts) == r.choices[0].text
 
 
+def test_sampling_extensions(client, reference):
+    """vLLM's top_k / min_p / repetition_penalty: a penalty of 1 is plain greedy; a strong one changes it."""
+    plan, tok, run = reference
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+    plain = client.completions.create(**kw, extra_body={"top_k": 3, "min_p": 0.1, "repetition_penalty": 1.0})
+    assert plain.choices[0].text == run(tok.encode(PROMPT).ids, 8)
+    sampled = client.completions.create(**{**kw, "temperature": 0.7, "seed": 1},
+                                        extra_body={"top_k": 3, "min_p": 0.1, "repetition_penalty": 1.2})
+    assert sampled.usage.completion_tokens == 8 or sampled.choices[0].finish_reason == "stop"
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": PROMPT, "n": 2}, "n"),
     ({"prompt": PROMPT, "max_tokens": 10_000}, "max_tokens"),
     ({"prompt": PROMPT, "temperature": -1}, "temperature"),
     ({"prompt": PROMPT, "bogus_field": 1}, "bogus_field"),
     ({"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": PROMPT, "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": PROMPT, "min_p": 1.5}, "min_p"),
     ({"prompt": [1, 2, 10**9]}, "prompt"),
     ({"max_tokens": 4}, "prompt"),
     ("{not json", None),
