@@ -15,6 +15,7 @@ import asyncio
 import queue
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -117,9 +118,12 @@ class Request:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     why: str = "the request was cancelled"
+    sink: Callable[[tuple], None] | None = None     # events to this instead (the Python API's queue)
 
     def emit(self, *event) -> None:
-        if self.loop is not None and not self.loop.is_closed():
+        if self.sink is not None:
+            self.sink(event)
+        elif self.loop is not None and not self.loop.is_closed():
             try:
                 self.loop.call_soon_threadsafe(self.events.put_nowait, event)
             except RuntimeError:        # the loop closed meanwhile (shutdown)

@@ -1,0 +1,129 @@
+"""The Python API: a plan loaded once, text in, text out, on the server's own machinery.
+
+    import strata
+    m = strata.load("plan/")                       # or strata.load("plan/", backend="llvm")
+    print(m.generate("Explain MoE", max_tokens=64))
+    for piece in m.stream("Explain MoE", max_tokens=64):
+        print(piece, end="", flush=True)
+    print(m.chat([{"role": "user", "content": "Hi!"}], max_tokens=32))
+    m.close()                                      # or: with strata.load(...) as m: ...
+
+A `Model` owns a Session and the BatchScheduler that strata-server runs (one generation loop for the
+server, the chat and this API): calls from several threads are batched together like concurrent
+requests. `m.session` and `m.engine` are those objects. Errors are StrataError subclasses
+(UsageError for a bad argument), raised in the caller's thread.
+"""
+
+from __future__ import annotations
+
+import queue
+from pathlib import Path
+from typing import Iterator
+
+from strata_compiler.errors import StrataError, UsageError
+
+from .sampler import Sampler
+
+
+class Model:
+    def __init__(self, plan_path: str | Path, *, backend: str = "auto", device: str = "auto",
+                 ctx: int | None = None, max_batch: int = 4, prefill_chunk: int = 256):
+        from tokenizers import Tokenizer
+
+        from .batching import BatchScheduler
+        from .plan import load_plan
+        from .session import Session
+
+        self.plan = load_plan(plan_path)
+        self.tokenizer = Tokenizer.from_str(self.plan.tokenizer_json.decode()) if self.plan.tokenizer_json else None
+        limit = int(self.plan.meta["model"].get("max_position") or 0)
+        if ctx is None:
+            ctx = min(limit or 4096, 4096)
+        elif ctx < 1 or (limit and ctx > limit):
+            raise UsageError(f"ctx {ctx}: expected 1..{limit or 'the model context'}")
+        self.session = Session(self.plan, backend, device=device)
+        self.engine = BatchScheduler(self.session, self.tokenizer, ctx, max_batch=max_batch, chunk=prefill_chunk)
+        self.engine.start(warm=False)
+        self.engine.ready.wait()
+        if self.engine.warm_error:
+            self.close()
+            raise StrataError(self.engine.warm_error)
+
+    # -- text in, text out -----------------------------------------------------------------------
+
+    def stream(self, prompt: str | list[int], max_tokens: int = 64, *, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+               seed: int = 0, stop: tuple[str, ...] | list[str] = (), ignore_eos: bool = False) -> Iterator[str]:
+        """The continuation of `prompt` (text, or token ids) piece by piece as it is made; stops at
+        an EOS token (unless `ignore_eos`), a `stop` string (not included) or `max_tokens`."""
+        from .chat import stop_ids
+        from .scheduler import Request
+
+        ids = self._ids(prompt)
+        if not 1 <= max_tokens or len(ids) + max_tokens > self.engine.ctx:
+            raise UsageError(f"max_tokens {max_tokens}: the prompt has {len(ids)} tokens and the context "
+                             f"is {self.engine.ctx}")
+        if stop and self.tokenizer is None:
+            raise UsageError("stop strings need the plan's tokenizer")
+        sampler = Sampler(temperature, top_p, seed, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)
+        events: queue.Queue = queue.Queue()
+        req = Request(ids, max_tokens, sampler, () if ignore_eos else stop_ids(self.plan), tuple(stop),
+                      sink=events.put)
+        self.engine.submit(req)
+        try:
+            while True:
+                kind, *rest = events.get()
+                if kind == "text":
+                    yield rest[0]
+                elif kind == "done":
+                    return
+                elif kind == "error":
+                    raise StrataError(rest[0])
+        finally:
+            req.cancel("the caller stopped reading")     # a no-op once done; frees the slot otherwise
+
+    def generate(self, prompt: str | list[int], max_tokens: int = 64, **sampling) -> str:
+        """The whole continuation of `prompt` (see `stream` for the arguments)."""
+        return "".join(self.stream(prompt, max_tokens, **sampling))
+
+    def chat(self, messages: list[dict], max_tokens: int = 256, **sampling) -> str:
+        """The assistant's answer to `messages` ([{"role": ..., "content": ...}]) under the plan's
+        chat template."""
+        return "".join(self.chat_stream(messages, max_tokens, **sampling))
+
+    def chat_stream(self, messages: list[dict], max_tokens: int = 256, **sampling) -> Iterator[str]:
+        from .chat import render_chat
+
+        return self.stream(render_chat(self.plan, messages, add_generation_prompt=True), max_tokens, **sampling)
+
+    # -- the rest ----------------------------------------------------------------------------------
+
+    def _ids(self, prompt: str | list[int]) -> list[int]:
+        vocab = int(self.plan.meta["model"]["vocab_size"])
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise UsageError(f"{self.plan.path}: the plan has no tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt).ids
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise UsageError("the prompt is empty")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise UsageError(f"token id {min(ids) if min(ids) < 0 else max(ids)} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def close(self) -> None:
+        """Stop the generation thread (what still runs is cancelled)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load(plan_path: str | Path, **options) -> Model:
+    """A plan (its folder or plan.bin) ready to generate; options: backend, device, ctx, max_batch,
+    prefill_chunk (as strata-server's flags)."""
+    return Model(plan_path, **options)
