@@ -271,7 +271,7 @@ def test_quantized_gguf_matches_transformers_on_dequantized_weights(tiny, tmp_pa
 # tokenizer
 
 
-@pytest.mark.parametrize("pre", ["smollm", "gpt-2", "llama-bpe"])
+@pytest.mark.parametrize("pre", ["smollm", "gpt-2", "llama-bpe", "qwen2"])
 def test_tokenizer_matches_source_bpe_and_llama_cpp(tiny, tmp_path, pre):
     from tokenizers import Tokenizer
 
@@ -285,6 +285,9 @@ def test_tokenizer_matches_source_bpe_and_llama_cpp(tiny, tmp_path, pre):
         for t in texts:
             assert ours.encode(t).ids == tiny["hf_tok"].encode(t).ids
     assert ours.decode(ours.encode(TEXT).ids, skip_special_tokens=False) == TEXT
+    digits = [p for p, _ in ours.pre_tokenizer.pre_tokenize_str("x 1234567") if p.isdigit()]
+    if pre in ("llama-bpe", "qwen2"):       # llama3 splits numbers in threes, Qwen2 digit by digit
+        assert digits == (["123", "456", "7"] if pre == "llama-bpe" else list("1234567")), digits
     llama_cpp = pytest.importorskip("llama_cpp")
     llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
     for t in texts:

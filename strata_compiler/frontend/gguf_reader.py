@@ -327,6 +327,8 @@ _GPT2 = ("gpt-2", "phi-2", "jina-es", "jina-de", "mpt", "olmo", "jais", "trillio
 _LLAMA3 = ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")
 _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = ("qwen2",)     # Qwen2/Qwen3 (and their MoE) files: llama3's split with single digits
+_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 _CONTROL, _USER_DEFINED = 3, 4
 
 
@@ -352,8 +354,9 @@ def build_tokenizer_json(meta: _Meta) -> bytes | None:
                                            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     elif pre in _GPT2:
         pre_tok = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    elif pre in _LLAMA3:
-        pre_tok = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"),
+    elif pre in _LLAMA3 or pre in _QWEN2:
+        regex = _LLAMA3_REGEX if pre in _LLAMA3 else _QWEN2_REGEX
+        pre_tok = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated"),
                                            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     else:
         _warn(f"{path}: tokenizer.ggml.pre {pre!r} is not known here; the plan has no tokenizer, "
