@@ -73,14 +73,16 @@ def _write_weight(w: ContainerWriter, spec: WeightSpec, store, progress, hashes:
         importance = None
 
     def quantize(item):
-        e, block = item
+        e, block, native = item
+        if native is not None:      # the checkpoint's own bytes in this format (GGUF Q4_0 -> int4)
+            return native
         imp = None if importance is None else (importance[e] if importance.ndim == 2 else importance)
         return fmt.quantize(block, gs, imp)
 
     def first_array() -> Iterator[np.ndarray]:
         # The first array streams; the others (per-group scales: 1/16 of the size) wait in memory.
         # Blocks are quantized on worker threads (NumPy releases the GIL), written in order.
-        blocks = iter_blocks(spec, store, with_expert=True, hashes=hashes, progress=progress)
+        blocks = iter_blocks(spec, store, with_expert=True, hashes=hashes, progress=progress, native=True)
         for arrays in _ordered_map(quantize, blocks):
             for n in names[1:]:
                 rest[n].append(arrays[n])

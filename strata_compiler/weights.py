@@ -27,7 +27,8 @@ class TensorStore(Protocol):
 
 
 def iter_blocks(spec: WeightSpec, store: TensorStore, block_bytes: int = 16 << 20, with_expert: bool = False,
-                hashes: dict[str, str] | None = None, progress: Callable[[int], None] | None = None):
+                hashes: dict[str, str] | None = None, progress: Callable[[int], None] | None = None,
+                native: bool = False):
     """f32 row blocks of the logical tensor, in storage order (expert-major, then sources);
     with_expert: (expert index or None, block) pairs.
 
@@ -35,13 +36,21 @@ def iter_blocks(spec: WeightSpec, store: TensorStore, block_bytes: int = 16 << 2
     naming the tensor and row (it would compile, and run to NaN logits). With `hashes`, each source
     tensor's SHA-256 (of its shape and every value read; 32 hex digits) is stored there under its
     key once its last block has been taken; `progress(n)` gets the checkpoint bytes each block was
-    read from."""
+    read from. `native`: (expert, block, arrays) triples, arrays the block already in the spec's
+    stored format where the store holds it so (a GGUF's Q4_0 for int4: no second rounding), else
+    None."""
+    fmt = (spec.fmt, spec.group_size or 32)
+    take = native and getattr(store, "takes_native", False)
     for e in range(spec.experts) if spec.experts else (None,):
         for key in spec.source_keys(e):
             info = store.info(key)
             h = hashlib.sha256(repr(tuple(info.shape)).encode()) if hashes is not None else None
             elems, done, row = max(int(np.prod(info.shape, dtype=np.int64)), 1), 0, 0
-            for block in store.iter_row_blocks(key, block_bytes):
+            pairs = store.iter_row_blocks(key, block_bytes, native=fmt) if take else None
+            for block in pairs if pairs is not None else store.iter_row_blocks(key, block_bytes):
+                arrays = None
+                if pairs is not None:
+                    block, arrays = block
                 _check_finite(block, key, info, row)
                 row += block.shape[0] if block.ndim > 1 else 1
                 if h is not None:
@@ -49,7 +58,10 @@ def iter_blocks(spec: WeightSpec, store: TensorStore, block_bytes: int = 16 << 2
                 if progress:
                     before, done = done, done + block.size
                     progress(done * info.nbytes // elems - before * info.nbytes // elems)
-                yield (e, block) if with_expert else block
+                if native:
+                    yield e, block, arrays
+                else:
+                    yield (e, block) if with_expert else block
             if h is not None:
                 hashes[key] = h.hexdigest()[:32]
 

@@ -75,6 +75,8 @@ _MOE_NAMES = {
     "ffn_gate_inp_shexp.weight": "shared_expert_gate.weight",
 }
 _EXPERT_STACKS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+# (GGML type, Strata format, group size) -> that format, where the file's bytes are its arrays as stored
+NATIVE = {("Q4_0", "int4", 32): "int4", ("Q8_0", "int8", 32): "int8"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -100,6 +102,8 @@ def _unpermute(rows: np.ndarray, head_dim: int) -> np.ndarray:
 
 class GGUFTensorStore:
     """The tensors of one GGUF file under Hugging Face keys, dequantized to f32 on read."""
+
+    takes_native = True     # iter_row_blocks(native=...): Q4_0 / Q8_0 rows as Strata's own arrays
 
     def __init__(self, path: Path, reader: Any, infos: dict[str, GGUFTensorInfo]) -> None:
         self.path, self.reader, self.infos = path, reader, infos
@@ -133,12 +137,35 @@ class GGUFTensorStore:
             out = _unpermute(out, hd)
         return out
 
-    def iter_row_blocks(self, key: str, block_bytes: int = 16 << 20) -> Iterator[np.ndarray]:
-        """The tensor as f32 row blocks of about `block_bytes` (of f32) each (whole heads for q/k)."""
+    def iter_row_blocks(self, key: str, block_bytes: int = 16 << 20, native: tuple[str, int] | None = None) -> Iterator:
+        """The tensor as f32 row blocks of about `block_bytes` (of f32) each (whole heads for q/k).
+        With `native` (a Strata format and group size): (block, the same rows in that format's
+        stored arrays, or None) pairs — Q4_0 is Strata's int4 and Q8_0 its int8 in groups of 32 bit
+        for bit (same nibble order, f16 scales), so those are taken as they are, not requantized."""
         from .safetensors_reader import row_blocks
 
         t = self.infos[key]
-        yield from row_blocks(self, key, t.shape, block_bytes, self._head_dim(t) if t.permute_heads else 1)
+        unit = self._head_dim(t) if t.permute_heads else 1
+        if native is None:
+            yield from row_blocks(self, key, t.shape, block_bytes, unit)
+            return
+        same = NATIVE.get((t.dtype, *native)) if len(t.shape) == 2 else None
+        yield from row_blocks(self, key, t.shape, block_bytes, unit, read=lambda k, r0, r1: (
+            self.read_rows(k, r0, r1), self._native_rows(t, r0, r1, same) if same else None))
+
+    def _native_rows(self, t: GGUFTensorInfo, r0: int, r1: int, fmt: str) -> dict[str, np.ndarray]:
+        """Rows [r0, r1) of a Q4_0 / Q8_0 tensor as Strata int4 / int8 arrays (groups of 32)."""
+        raw = self._tensors[t.gguf_name]
+        data = raw.data if t.expert < 0 else raw.data[t.expert]
+        b = np.ascontiguousarray(np.asarray(data[r0:r1]).view(np.uint8)).reshape(r1 - r0, t.shape[1] // 32, -1)
+        scales = np.ascontiguousarray(b[:, :, :2]).view(np.float16).reshape(r1 - r0, -1)
+        qs = np.ascontiguousarray(b[:, :, 2:]).reshape(r1 - r0, -1)
+        if fmt == "int8":
+            qs = qs.view(np.int8)
+        if t.permute_heads:
+            hd = self._head_dim(t)
+            qs, scales = _unpermute(qs, hd), _unpermute(scales, hd)
+        return {"qs": qs, "scales": scales}
 
 
 # ------------------------------------------------------------------------------------------------

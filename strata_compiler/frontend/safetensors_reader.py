@@ -144,15 +144,16 @@ class TensorStore:
         yield from row_blocks(self, key, self.infos[key].shape, block_bytes)
 
 
-def row_blocks(store, key: str, shape, block_bytes: int, align: int = 1) -> Iterator[np.ndarray]:
-    """store.read_rows(key, r0, r1) over consecutive row ranges of about `block_bytes` of f32
-    each, a multiple of `align` rows (a 1-D tensor is one block)."""
+def row_blocks(store, key: str, shape, block_bytes: int, align: int = 1, read=None) -> Iterator:
+    """store.read_rows(key, r0, r1) (or read(key, r0, r1)) over consecutive row ranges of about
+    `block_bytes` of f32 each, a multiple of `align` rows (a 1-D tensor is one block)."""
+    read = read or store.read_rows
     if len(shape) <= 1:
-        yield store.read_rows(key, 0, 1)
+        yield read(key, 0, 1)
         return
     row_f32 = 4 * int(np.prod(shape[1:], dtype=np.int64))
     step = max(1, block_bytes // max(row_f32, 1))
     if align > 1:
         step = max(align, step - step % align)
     for r0 in range(0, shape[0], step):
-        yield store.read_rows(key, r0, min(shape[0], r0 + step))
+        yield read(key, r0, min(shape[0], r0 + step))
