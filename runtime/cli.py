@@ -72,7 +72,7 @@ class _CtrlC:
             first, self._claimed = not self._claimed, True
             return first
 
-    def on_token(self, i: int) -> bool:
+    def on_token(self, i: int, tokens=None) -> bool:
         """Session.generate's hook: decoding has begun; True stops it (a Ctrl-C was swallowed)."""
         self.decoding = True
         return self.hits > 0
@@ -194,6 +194,9 @@ def _tokenizer(plan, needed: str | None):
               "divided by this, a negative one multiplied (1: off; applies to greedy decoding too).")
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the sampler.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")
+@click.option("--stop", "stop_strings", multiple=True, metavar="TEXT",
+              help="End the output where this text appears (not printed); repeatable. Needs the tokenizer.")
+@click.option("--echo", is_flag=True, help="Print the prompt before the generated text.")
 @click.option("--logits-out", type=click.Path(path_type=Path), help="Save the prompt logits, float32 [B, T, V], as .npy.")
 @click.option("--tokens-out", type=click.Path(path_type=Path), help="Save the generated ids, int64 [B, N], as .npy "
               "(after Ctrl-C: those made before it).")
@@ -244,7 +247,7 @@ def _tokenizer(plan, needed: str | None):
 @debug_option
 def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_new_tokens: int, greedy: bool,
                temperature: float, top_p: float, top_k: int, min_p: float, repeat_penalty: float, seed: int,
-               ignore_eos: bool, logits_out: Path | None,
+               ignore_eos: bool, stop_strings: tuple[str, ...], echo: bool, logits_out: Path | None,
                tokens_out: Path | None, prefill_chunk: int, backend: str, device: str, trace_out: Path | None, stats: bool,
                expert_cache: bool, prefetch: bool, miss_path: str, cache_policy: str, multi_gpu: str,
                coordinator: str | None,
@@ -284,7 +287,7 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
 
 def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | None, max_new_tokens: int,
          temperature: float, top_p: float, top_k: int, min_p: float, repeat_penalty: float, seed: int,
-         ignore_eos: bool, logits_out: Path | None,
+         ignore_eos: bool, stop_strings: tuple[str, ...], echo: bool, logits_out: Path | None,
          tokens_out: Path | None, prefill_chunk: int, backend: str, device: str, trace_out: Path | None,
          stats: bool, expert_cache: bool, prefetch: bool, miss_path: str, cache_policy: str, multi_gpu: str,
          coordinator: str | None, num_processes: int | None, process_id: int | None, chat: bool,
@@ -343,16 +346,23 @@ def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | No
 
     tracer = trace.Tracer(full=bool(trace_out)) if (trace_out or stats) else None
     trace.ACTIVE = tracer
+    if stop_strings and (tokenizer is None or ids.shape[0] != 1):
+        raise UsageError("--stop needs the plan's tokenizer and one sequence (a --prompt, or --input-ids of one row)")
+    # one sequence with a tokenizer: its text streams to stdout as the tokens are made
+    out = _Streamer(tokenizer, ids, stop_strings, echo) if tokenizer is not None and ids.shape[0] == 1 and lead \
+        else None
     t_run = time.perf_counter()
     stopped: BaseException | None = None
     try:
         logits, new = session.generate(ids, max_new_tokens, sampler, stop,
                                        prefill_chunk=prefill_chunk, keep_logits=bool(logits_out),
-                                       on_token=ctrl.on_token)
+                                       on_token=lambda i, t: ctrl.on_token(i) or (out is not None and out.push(i, t)))
     except (Interrupted, NonFiniteLogits) as e:     # what was made before it is printed and saved
         if e.logits is None:
             raise
         stopped, logits, new = e, e.logits, e.new
+        if out is not None and out.stream.stopped and isinstance(e, Interrupted) and not ctrl.hits:
+            stopped = None          # a --stop string ended it: a normal end
     finally:
         trace.ACTIVE = None
         ctrl.decoding = True        # the outputs: a Ctrl-C now stops their writing cleanly, no forced exit
@@ -362,7 +372,7 @@ def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | No
     kept = lead and (stopped is None or new.shape[1] > 0)
     if kept:
         _keep(tokenizer, ids, new, logits, tokens_out, logits_out, trace_out, tracer,
-              None if stopped is not None else lambda: _report(session, ids, stats, tracer, t_run))
+              None if stopped is not None else lambda: _report(session, ids, stats, tracer, t_run), out, echo)
     if isinstance(stopped, KeyboardInterrupt):
         saved = [f for f, v in (("--tokens-out", tokens_out), ("--logits-out", logits_out)) if v and kept]
         raise RunInterrupted(f"interrupted (Ctrl-C) after {new.shape[1]} new tokens"
@@ -371,13 +381,53 @@ def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | No
         raise stopped
 
 
+class _Streamer:
+    """One sequence's text on stdout as its tokens are made (the prompt first with --echo), ended
+    by a --stop string (`stream.stopped`); `finish` prints what the generation made past the last
+    token it was shown (the last one, those decoded ahead)."""
+
+    def __init__(self, tokenizer, ids: np.ndarray, stops: tuple[str, ...], echo: bool):
+        from .scheduler import TextStream
+
+        self.stream = TextStream(tokenizer, ids[0].tolist(), tuple(stops))
+        self.shown = 0
+        if echo:
+            click.echo(tokenizer.decode(ids[0].tolist()), nl=False)
+            sys.stdout.flush()
+
+    def push(self, i: int, tokens) -> bool:
+        """Token i (Session.generate's hook); True: a stop string was reached."""
+        self._write(self.stream.push(int(tokens[0])))
+        self.shown = i + 1
+        return self.stream.stopped
+
+    def finish(self, new: np.ndarray) -> None:
+        for t in new[0, self.shown:].tolist():
+            if self.stream.stopped:
+                break
+            self._write(self.stream.push(t))
+        self._write(self.stream.flush())
+        click.echo("")
+
+    @staticmethod
+    def _write(text: str) -> None:
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+
 def _keep(tokenizer, ids: np.ndarray, new: np.ndarray, logits: np.ndarray, tokens_out: Path | None,
-          logits_out: Path | None, trace_out: Path | None, tracer, report) -> None:
-    """The text on stdout first, then the rates line (`report`), then the output files, each
-    whole or not at all: one that cannot be written (a full disk) is one error line, after the text."""
-    if tokenizer is not None:
+          logits_out: Path | None, trace_out: Path | None, tracer, report, streamed: _Streamer | None = None,
+          echo: bool = False) -> None:
+    """The text on stdout first (the rest of a streamed one), then the rates line (`report`), then
+    the output files, each whole or not at all: one that cannot be written (a full disk) is one
+    error line, after the text."""
+    if streamed is not None:
+        streamed.finish(new)
+    elif tokenizer is not None:
         for b in range(new.shape[0]):
-            click.echo(tokenizer.decode(ids[b].tolist() + new[b].tolist()))
+            text = tokenizer.decode(ids[b].tolist() + new[b].tolist())
+            click.echo(text if echo else text[len(tokenizer.decode(ids[b].tolist())):])
     else:
         for row in new:
             click.echo(" ".join(map(str, row.tolist())))

@@ -215,13 +215,15 @@ class Session:
 
     def generate(self, prompt: np.ndarray, max_new_tokens: int, sampler: Sampler, stop_ids: tuple[int, ...] = (),
                  prefill_chunk: int = PREFILL_CHUNK, keep_logits: bool = True,
-                 on_token: Callable[[int], bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 on_token: Callable[[int, np.ndarray], bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Prefill the prompt i64[B, T] `prefill_chunk` tokens a step (its activations bounded by
         the chunk), then decode. Returns (the prompt's logits f32[B, T, V], or its last token's
         [B, 1, V] without `keep_logits`; the new ids i64[B, N]).
 
-        on_token(i) runs once token i is chosen; True stops there. Ctrl-C, or that stop, raises
-        Interrupted and non-finite logits NonFiniteLogits, each holding what was made before."""
+        on_token(i, tokens) runs once token i is chosen (tokens: its ids i64[B]) while more may
+        follow (not for the last one, nor for those decoded ahead); True stops there. Ctrl-C, or
+        that stop, raises Interrupted and non-finite logits NonFiniteLogits, each holding what was
+        made before."""
         B, T = prompt.shape
         check_room(self.plan, B, T, max_new_tokens, keep_logits)
         if prefill_chunk < 1:
@@ -257,7 +259,7 @@ class Session:
                 done |= np.isin(tok, stop_ids)
                 if done.all() or i == max_new_tokens:
                     break
-                if on_token is not None and on_token(i - 1):
+                if on_token is not None and on_token(i - 1, tok):
                     raise KeyboardInterrupt
                 if self._ahead(sampler, B):     # the rest with each step dispatched before the last one ends
                     rest = new[:, :0]
