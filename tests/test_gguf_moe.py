@@ -205,3 +205,16 @@ def test_int4_and_int8_are_q4_0_and_q8_0_bit_for_bit():
         np.testing.assert_array_equal(np.ascontiguousarray(g[:, :, :2]).view(np.uint16).reshape(64, 8),
                                       a["scales"].view(np.uint16))
         np.testing.assert_array_equal(np.ascontiguousarray(g[:, :, 2:]).reshape(64, -1), a["qs"].view(np.uint8))
+
+
+def test_placed_gguf_plan_matches_transformers(moe, tmp_path):
+    """A GGUF-sourced plan placed like an HF one (experts on the CPU, the rest on the "GPU": JAX's
+    CPU platform here) runs mixed and still matches transformers."""
+    m = load_model(moe["mixtral"])
+    ids = clear_prompts(m, m.config.vocab_size, n_prompts=1, length=7, n_new=N_NEW, batch=1)[0]
+    plan = compile_ok(moe["base"] / "mixtral.gguf", tmp_path / "plan", "--quant", "f32", "--place",
+                      "experts=cpu,all=gpu")
+    logits, tokens = run_logits(plan, ids, tmp_path, "auto")
+    ref = hf_logits(m, ids)
+    assert np.abs(logits - ref).max() / ref.std() <= 1e-4
+    np.testing.assert_array_equal(tokens, hf_greedy(m, ids, N_NEW)[0])
