@@ -9,14 +9,12 @@ Leading axes (e.g. E = experts) pass through unchanged.
 Layouts (all little-endian, C order):
   f32   w      f32[..., N, K]
   bf16  w      u16[..., N, K]      bf16 bits, round-to-nearest-even from f32
-  int8  qs     i8 [..., N, Kp]     q = roundf(w / d) (half away from zero), d = absmax(group) / 127
-        scales f16[..., N, Kp/G]   (llama.cpp's Q8_0 bit for bit at G = 32: q from the f32 d)
+  int8  qs     i8 [..., N, Kp]     q = clip(round(w / d), -127, 127)
+        scales f16[..., N, Kp/G]   d = absmax(group) / 127
   int4  qs     u8 [..., N, Kp/2]   group-major; in each group of G values, byte i holds value i in
                                    its low nibble and value i + G/2 in its high nibble (llama.cpp
                                    Q4_0 order: one AND and one shift give two contiguous halves)
-        scales f16[..., N, Kp/G]   d = m / -8 with m the group's value of largest magnitude (sign
-                                   kept), q = min(15, trunc(w / d + 8.5)): llama.cpp's Q4_0 bit for
-                                   bit at G = 32 (q from the f32 d; the extreme value takes level 0)
+        scales f16[..., N, Kp/G]   q = clip(round(w / d), -8, 7) + 8, d = absmax(group) / 7
   int4a qs     u8 [..., N, Kp/2]   int4's nibble order, q in [0, 15], w = q * d + m (asymmetric)
         scales f16[..., N, 2Kp/G]  (d, m) per group, interleaved; d = (max - min) / 15, m = min
   int3  qs     u8 [..., N, 3Kp/8]  per group: G/4 bytes of low bits — byte i holds value
@@ -100,13 +98,9 @@ def _bf16_dequantize(a: Arrays, k: int, group_size: int) -> np.ndarray:
 
 def _int8_quantize(w: np.ndarray, group_size: int, importance=None) -> Arrays:
     g = _pad_groups(np.asarray(w, dtype=np.float32), group_size)
-    if importance is None:      # ggml's quantize_row_q8_0_ref
-        d32 = (np.abs(g).max(axis=-1) / np.float32(127)).astype(np.float32)
-        inv = np.divide(np.float32(1), d32, out=np.zeros_like(d32), where=d32 != 0)[..., None]
-        x = g * inv
-        a = np.abs(x)
-        q = np.clip(np.sign(x) * (np.floor(a) + np.floor(2 * (a - np.floor(a)))), -127, 127).astype(np.int8)
-        d = np.minimum(d32, np.float32(65504.0)).astype(np.float16)
+    if importance is None:
+        d, inv = _group_scales(g, 127)
+        q = np.clip(np.rint(g * inv), -127, 127).astype(np.int8)
     else:
         d, q = _sym(g, _imp_groups(importance, w.shape[-1], group_size), 127, -127, 127)
         q = q.astype(np.int8)
@@ -124,12 +118,9 @@ def _int4_quantize(w: np.ndarray, group_size: int, importance=None) -> Arrays:
     if group_size % 2:
         raise UsageError(f"--group-size {group_size}: int4 needs an even group size")
     g = _pad_groups(np.asarray(w, dtype=np.float32), group_size)
-    if importance is None:      # ggml's quantize_row_q4_0_ref
-        m = np.take_along_axis(g, np.abs(g).argmax(axis=-1)[..., None], axis=-1)[..., 0]
-        d32 = (m / np.float32(-8)).astype(np.float32)
-        inv = np.divide(np.float32(1), d32, out=np.zeros_like(d32), where=d32 != 0)[..., None]
-        q = np.clip(np.trunc(g * inv + np.float32(8.5)), 0, 15).astype(np.uint8)
-        d = np.clip(d32, np.float32(-65504.0), np.float32(65504.0)).astype(np.float16)
+    if importance is None:
+        d, inv = _group_scales(g, 7)
+        q = (np.clip(np.rint(g * inv), -8, 7) + 8).astype(np.uint8)
     else:
         d, q = _sym(g, _imp_groups(importance, w.shape[-1], group_size), 7, -8, 7)
         q = (q + 8).astype(np.uint8)

@@ -322,7 +322,7 @@ def test_chat_template_stored_in_plan(tiny, tmp_path, capsys):
 def test_prompt_runs_through_plan_tokenizer(tiny, tmp_path, capsys):
     plan = compile_ok(tiny["base"] / "untied.gguf", tmp_path / "plan")
     capsys.readouterr()
-    assert run_cli(strata_run, [str(plan), "--prompt", "the model", "-n", "3", "--ignore-eos",
+    assert run_cli(strata_run, [str(plan), "--prompt", "the model", "-n", "3", "--ignore-eos", "--echo",
                                 "--backend", "reference"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("the model") and len(out.strip()) > len("the model")

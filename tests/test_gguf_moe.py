@@ -175,36 +175,24 @@ def test_quantized_experts_match_transformers_on_dequantized_weights(moe, tmp_pa
     np.testing.assert_array_equal(tokens, hf_greedy(ref_model, ids, N_NEW)[0])
 
 
-def test_q4_0_gguf_stores_the_bytes_an_hf_int4_compile_does(moe, tmp_path):
-    """Q4_0 experts are taken as they are (Strata's int4 is Q4_0 bit for bit, quantizer included):
-    the plan of the GGUF and the plan of the HF folder it was made from hold the same weight bytes."""
+def test_q4_0_and_q8_0_are_stored_as_they_are(moe, tmp_path):
+    """A GGUF's Q4_0 / Q8_0 experts compile to --quant int4 / int8 without a second rounding: the
+    plan's expert arrays are the file's blocks (f16 scale, then the 16 nibble bytes / 32 int8),
+    split into Strata's qs and scales."""
     from strata_compiler.plan_format import WEIGHTS_MAGIC, Container
 
     d = build_model("mixtral", tmp_path / "hf", vocab_size=len(moe["tokens"]), intermediate_size=64, seed=9)
-    write_moe_gguf(tmp_path / "q.gguf", d, "mixtral", moe["tokens"], moe["merges"], QT.Q4_0)
-    plans = [compile_ok(tmp_path / "q.gguf", tmp_path / "g", "--quant", "int4"),
-             compile_ok(d, tmp_path / "h", "--quant", "int4")]
-    secs = []
-    for p in plans:
-        with Container.open(p / "weights.bin", WEIGHTS_MAGIC) as c:
-            secs.append({n: bytes(c.section(n)) for n in c.names()})
-    assert secs[0].keys() == secs[1].keys() and any(".moe.gate_up:qs" in n for n in secs[0])
-    assert [n for n in secs[0] if secs[0][n] != secs[1][n]] == []
-
-
-def test_int4_and_int8_are_q4_0_and_q8_0_bit_for_bit():
-    from strata_compiler.formats import get_format
-
-    rng = np.random.default_rng(0)
-    w = (rng.standard_normal((64, 256)) * rng.random((64, 1)) * 3).astype(np.float32)
-    w[0, :32] = 0                                   # an all-zero block
-    w[1, 5] = -w[1, :32].__abs__().max() * 1.5       # a negative extreme: a negative scale
+    sd = load_file(str(d / "model.safetensors"))
     for qt, fmt in ((QT.Q4_0, "int4"), (QT.Q8_0, "int8")):
-        g = quantize(w, qt).reshape(64, 8, -1)
-        a = get_format(fmt).quantize(w, 32)
-        np.testing.assert_array_equal(np.ascontiguousarray(g[:, :, :2]).view(np.uint16).reshape(64, 8),
-                                      a["scales"].view(np.uint16))
-        np.testing.assert_array_equal(np.ascontiguousarray(g[:, :, 2:]).reshape(64, -1), a["qs"].view(np.uint8))
+        write_moe_gguf(tmp_path / f"{fmt}.gguf", d, "mixtral", moe["tokens"], moe["merges"], qt)
+        plan = compile_ok(tmp_path / f"{fmt}.gguf", tmp_path / fmt, "--quant", fmt)
+        with Container.open(plan / "weights.bin", WEIGHTS_MAGIC) as c:
+            qs, sc = np.array(c.section("L1.moe.down:qs")), np.array(c.section("L1.moe.down:scales"))
+        E, D = 4, sd["model.layers.1.block_sparse_moe.experts.0.w2.weight"].shape[0]
+        raw = np.stack([quantize(sd[f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"].astype(np.float32), qt)
+                        for e in range(E)]).reshape(E, D, -1, 18 if fmt == "int4" else 34)
+        np.testing.assert_array_equal(sc.view(np.uint8).reshape(E, D, -1, 2), raw[..., :2])
+        np.testing.assert_array_equal(qs.view(np.uint8).reshape(E, D, -1, raw.shape[-1] - 2), raw[..., 2:])
 
 
 def test_placed_gguf_plan_matches_transformers(moe, tmp_path):
