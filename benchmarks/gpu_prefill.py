@@ -6,7 +6,7 @@
 Per prompt length: one untimed warm-up (compilation), then --repeats timed prefills of a random
 prompt (token ids 3..vocab-1); prints the median prefill tok/s [min-max]. --profile adds the GPU
 kernels of one prefill from a JAX profiler trace (the 15 costliest by device time), to see where
-the time goes. Settings (e.g. STRATA_PALLAS_GEMM=0 for XLA's many-row path) come from the
+the time goes. Settings (e.g. STRATA_PALLAS=off for XLA's paths only) come from the
 environment, one process per variant.
 """
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The many-token MoE kernels on the H200 in one device call: benchmarks/gpu_gemm.py (kernels against XLA's
-# path, by tuning) and the prefill of a 2-layer Mixtral-shaped int4 plan with and without
-# them, with its GPU kernels (benchmarks/gpu_prefill.py --profile). Outputs under $OUT (else /tmp/gemmout).
+# path, by tuning) and the prefill of a 2-layer Mixtral-shaped int4 plan with its GPU kernels
+# (benchmarks/gpu_prefill.py --profile). Outputs under $OUT (else /tmp/gemmout).
 #   bash benchmarks/h200_gemm.sh   [ROWS=16,64,512,4096 TUNES=... LAYERS=2 LENS=512,4096]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -16,7 +16,5 @@ timeout ${GEMM_LIMIT:-170} python3 benchmarks/gpu_gemm.py --rows ${ROWS:-16,64,5
   2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | tee "$OUT/gemm.log"
 wait
 tail -1 "$OUT/compile.log"
-for g in 1 0; do
-  STRATA_PALLAS_GEMM=$g timeout 120 python3 benchmarks/gpu_prefill.py $P --lens ${LENS:-512,4096} --repeats 3 --n-new 16 \
-    --profile --label gemm=$g --json "$OUT/prefill-$g.json" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | tee "$OUT/prefill-$g.log"
-done
+timeout 120 python3 benchmarks/gpu_prefill.py $P --lens ${LENS:-512,4096} --repeats 3 --n-new 16 --profile \
+  --json "$OUT/prefill.json" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | tee "$OUT/prefill.log"

@@ -161,8 +161,6 @@ SETTINGS: tuple[Setting, ...] = (
     _s("pallas_tune", "pow2s", (32, 4, 4, 4), "xla", "MoE kernels: rows per program and warps of gate_up, down (bn1,bn2,w1,w2)",
        length=4),
     _s("pallas_linear_tune", "pow2s", (32, 8), "xla", "dense int4 kernel: rows per program, warps", length=2),
-    _s("pallas_gemm", "bool", True, "xla",
-       "the MoE of many tokens (prefill, batched decode) on the Pallas tensor-core kernels, not XLA's dequantize and ragged dot"),
     _s("pallas_gemm_tune", "pow2s", (64, 128, 4, 4, 3), "xla",
        "many-row kernels: most rows and columns per program, groups per step, warps, pipeline stages", length=5),
     _s("pallas_dense_tune", "pow2s", (2, 4), "xla", "router kernel: rows per program, warps", length=2),

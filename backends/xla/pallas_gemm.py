@@ -47,7 +47,7 @@ def supported(spec) -> bool:
 def use(on_gpu: bool, spec, M: int, above: int) -> tuple[bool, bool]:
     """(use the kernels, in interpret mode) for M tokens against an expert weight stored as `spec`,
     where the decode kernels take up to `above` tokens (their setting) and these the rest."""
-    return gate(on_gpu, settings.get("pallas_gemm") and M > above and supported(spec))
+    return gate(on_gpu, M > above and supported(spec))
 
 
 def tuning(rows_per_block: int) -> tuple[int, int, int, int, int]:
