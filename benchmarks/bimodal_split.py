@@ -113,7 +113,7 @@ def masked_grouped(w: np.ndarray, imp: np.ndarray | None, keep: np.ndarray, base
     g = np.where(keep, w, 0.0).astype(np.float32).reshape(n, k // G, G)
     iv = _imp_values(imp, keep)
     if base == "int4":
-        d, q = F._sym(g, iv, 7, -8, 7)
+        d, q = F.int4_codes(g, iv)
         return {"qs": F._pack_nibbles(q + 8, G), "scales": d}
     if base == "int3":
         d, q = F._sym(g, iv, 4, -4, 3, signed_range=True)

@@ -9,12 +9,15 @@ Leading axes (e.g. E = experts) pass through unchanged.
 Layouts (all little-endian, C order):
   f32   w      f32[..., N, K]
   bf16  w      u16[..., N, K]      bf16 bits, round-to-nearest-even from f32
-  int8  qs     i8 [..., N, Kp]     q = clip(round(w / d), -127, 127)
-        scales f16[..., N, Kp/G]   d = absmax(group) / 127
+  int8  qs     i8 [..., N, Kp]     q = roundf(w / d) (half away from zero), d = absmax(group) / 127
+        scales f16[..., N, Kp/G]   in f32, stored f16: llama.cpp's Q8_0 bit for bit at G = 32
   int4  qs     u8 [..., N, Kp/2]   group-major; in each group of G values, byte i holds value i in
                                    its low nibble and value i + G/2 in its high nibble (llama.cpp
                                    Q4_0 order: one AND and one shift give two contiguous halves)
-        scales f16[..., N, Kp/G]   q = clip(round(w / d), -8, 7) + 8, d = absmax(group) / 7
+        scales f16[..., N, Kp/G]   d = m / -8 (m: the group's value of largest magnitude, sign
+                                   kept; f32, stored f16), q = min(15, trunc(w / d + 8.5)): the
+                                   extreme takes level 0 exactly, the other end may clip by one
+                                   step; llama.cpp's Q4_0 bit for bit at G = 32
   int4a qs     u8 [..., N, Kp/2]   int4's nibble order, q in [0, 15], w = q * d + m (asymmetric)
         scales f16[..., N, 2Kp/G]  (d, m) per group, interleaved; d = (max - min) / 15, m = min
   int3  qs     u8 [..., N, 3Kp/8]  per group: G/4 bytes of low bits — byte i holds value
@@ -56,15 +59,6 @@ def _pad_groups(w: np.ndarray, group_size: int) -> np.ndarray:
     return w.reshape(*w.shape[:-1], kp // group_size, group_size)
 
 
-def _group_scales(groups: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-group scale d (as stored, f16) and its reciprocal in f32 (0 where d == 0)."""
-    # Scales saturate at f16's largest finite value (65504); weights beyond qmax * 65504 clip.
-    d = np.minimum(np.abs(groups).max(axis=-1) / qmax, np.float32(65504.0)).astype(np.float16)
-    d32 = d.astype(np.float32)[..., None]
-    inv = np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 != 0)
-    return d, inv
-
-
 def _f32_quantize(w: np.ndarray, group_size: int, importance=None) -> Arrays:
     return {"w": np.ascontiguousarray(w, dtype=np.float32)}
 
@@ -96,14 +90,46 @@ def _bf16_dequantize(a: Arrays, k: int, group_size: int) -> np.ndarray:
     return bf16_bits_to_f32(a["w"])
 
 
+def _q8_0(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's quantize_row_q8_0_ref on groups g [..., G]: (f16 scales, int codes)."""
+    d32 = (np.abs(g).max(axis=-1) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), d32, out=np.zeros_like(d32), where=d32 != 0)[..., None]
+    x = g * inv
+    a = np.abs(x)
+    q = np.clip(np.sign(x) * (np.floor(a) + np.floor(2 * (a - np.floor(a)))), -127, 127)
+    return _f16_scale(d32), q
+
+
+def _q4_0(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's quantize_row_q4_0_ref on groups g [..., G]: (f16 scales, codes - 8 in [-8, 7])."""
+    m = np.take_along_axis(g, np.abs(g).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+    d32 = (m / np.float32(-8)).astype(np.float32)
+    inv = np.divide(np.float32(1), d32, out=np.zeros_like(d32), where=d32 != 0)[..., None]
+    q = np.clip(np.trunc(g * inv + np.float32(8.5)), 0, 15) - 8
+    return np.clip(d32, np.float32(-65504.0), np.float32(65504.0)).astype(np.float16), q
+
+
+def _with_plain(g: np.ndarray, imp: np.ndarray | None, plain, qmax_abs: int, qmin: int, qmax: int):
+    """(scales, codes) of the plain rule `plain(g)`; with importance, per group the better of it
+    and the importance search's (so the search is never worse than the plain rule)."""
+    d0, q0 = plain(g)
+    if imp is None:
+        return d0, q0
+    d1, q1 = _sym(g, imp, qmax_abs, qmin, qmax)
+    err = [(imp * (g - q * d.astype(np.float32)[..., None]) ** 2).sum(-1) for d, q in ((d0, q0), (d1, q1))]
+    take = err[1] < err[0]
+    return np.where(take, d1, d0), np.where(take[..., None], q1, q0)
+
+
+def int4_codes(g: np.ndarray, imp: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """int4's (f16 scales, codes in [-8, 7]) of groups g [..., G], importance per value or None."""
+    return _with_plain(g, imp, _q4_0, 7, -8, 7)
+
+
 def _int8_quantize(w: np.ndarray, group_size: int, importance=None) -> Arrays:
     g = _pad_groups(np.asarray(w, dtype=np.float32), group_size)
-    if importance is None:
-        d, inv = _group_scales(g, 127)
-        q = np.clip(np.rint(g * inv), -127, 127).astype(np.int8)
-    else:
-        d, q = _sym(g, _imp_groups(importance, w.shape[-1], group_size), 127, -127, 127)
-        q = q.astype(np.int8)
+    d, q = _with_plain(g, _imp_groups(importance, w.shape[-1], group_size), _q8_0, 127, -127, 127)
+    q = q.astype(np.int8)
     return {"qs": q.reshape(*q.shape[:-2], -1), "scales": d}
 
 
@@ -118,13 +144,8 @@ def _int4_quantize(w: np.ndarray, group_size: int, importance=None) -> Arrays:
     if group_size % 2:
         raise UsageError(f"--group-size {group_size}: int4 needs an even group size")
     g = _pad_groups(np.asarray(w, dtype=np.float32), group_size)
-    if importance is None:
-        d, inv = _group_scales(g, 7)
-        q = (np.clip(np.rint(g * inv), -8, 7) + 8).astype(np.uint8)
-    else:
-        d, q = _sym(g, _imp_groups(importance, w.shape[-1], group_size), 7, -8, 7)
-        q = (q + 8).astype(np.uint8)
-    return {"qs": _pack_nibbles(q, group_size), "scales": d}
+    d, q = int4_codes(g, _imp_groups(importance, w.shape[-1], group_size))
+    return {"qs": _pack_nibbles((q + 8).astype(np.uint8), group_size), "scales": d}
 
 
 def _int4_dequantize(a: Arrays, k: int, group_size: int) -> np.ndarray:

@@ -78,14 +78,18 @@ def test_bimodal_roundtrip_per_class_and_bytes(centre):
     out = B.bimodal_decode(s, w.shape, centre)
     c, b, t = cls == 0, cls == 1, cls == 2
     # centre: the plain rule of formats.py on the centre values of each group alone
-    qmax, lo, hi = (7, -8, 7) if centre == "int4" else (4, -4, 3)
+    lo, hi = -4, 3      # int3's code range
     g = np.where(c, w, 0).reshape(n, k // G, G)
-    if centre == "int4":
-        d = (np.abs(g).max(-1) / qmax).astype(np.float16).astype(np.float32)[..., None]
+    if centre == "int4":    # ggml's Q4_0 rule (formats.int4_codes)
+        m = np.take_along_axis(g, np.abs(g).argmax(-1)[..., None], -1)
+        d32 = (m / np.float32(-8)).astype(np.float32)
+        inv = np.divide(np.float32(1), d32, out=np.zeros_like(d32), where=d32 != 0)
+        q = np.minimum(15, np.trunc(g * inv + np.float32(8.5))) - 8
+        want = (q * d32.astype(np.float16).astype(np.float32)).reshape(n, k)
     else:   # int3's range is uneven: d = max(max / 3, min / -4), so neither extreme clips
         d = np.maximum(g.max(-1) / hi, g.min(-1) / lo).astype(np.float16).astype(np.float32)[..., None]
-    inv = np.divide(1, d, out=np.zeros_like(d), where=d != 0)
-    want = (np.clip(np.rint(g * inv), lo, hi) * d).reshape(n, k)
+        inv = np.divide(1, d, out=np.zeros_like(d), where=d != 0)
+        want = (np.clip(np.rint(g * inv), lo, hi) * d).reshape(n, k)
     np.testing.assert_array_equal(out[c], want[c])
     # band: e4m3 of w / (row absmax of the band / 448), f16 scale
     db = (np.where(b, np.abs(w), 0).max(1) / 448).astype(np.float16).astype(np.float32)[:, None]

@@ -108,37 +108,44 @@ def test_f32_is_exact():
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("shape,gs", SHAPES)
 def test_grouped_matches_definition(fmt, shape, gs):
-    """qs/scales recomputed from the docstring's formulas; padding is zero."""
-    qmax = QMAX[fmt]
+    """qs/scales recomputed from the docstring's formulas (ggml's Q8_0 / Q4_0 reference rules);
+    padding is zero."""
     w = _weights(shape, seed=1)
     a = FORMATS[fmt].quantize(w, gs)
     g = _groups(w, gs)
-    d = (np.abs(g).max(-1) / qmax).astype(np.float16)
-    np.testing.assert_array_equal(a["scales"], d)
-    d32 = d.astype(np.float32)[..., None]
-    q = np.clip(np.rint(g / d32), -127 if fmt == "int8" else -8, qmax)
     if fmt == "int8":
+        d32 = (np.abs(g).max(-1) / np.float32(127)).astype(np.float32)
+    else:
+        d32 = (np.take_along_axis(g, np.abs(g).argmax(-1)[..., None], -1)[..., 0] / np.float32(-8)).astype(np.float32)
+    np.testing.assert_array_equal(a["scales"], d32.astype(np.float16))
+    inv = np.divide(np.float32(1), d32, out=np.zeros_like(d32), where=d32 != 0)[..., None]
+    if fmt == "int8":
+        x = g * inv
+        q = np.clip(np.sign(x) * np.floor(np.abs(x) + 0.5), -127, 127)      # roundf: half away from zero
         np.testing.assert_array_equal(a["qs"].reshape(q.shape), q.astype(np.int8))
         assert (a["qs"].reshape(q.shape).reshape(*shape[:-1], -1)[..., shape[-1]:] == 0).all()
     else:
-        u = (q + 8).astype(np.uint8)
+        u = np.minimum(15, np.trunc(g * inv + np.float32(8.5))).astype(np.uint8)
+        q = u.astype(np.float32) - 8
         half = gs // 2
         packed = a["qs"].reshape(*q.shape[:-1], half)
         np.testing.assert_array_equal(packed & 0x0F, u[..., :half])
         np.testing.assert_array_equal(packed >> 4, u[..., half:])
     k = shape[-1]
-    expect = (q * d32).reshape(*shape[:-1], -1)[..., :k]
+    expect = (q * a["scales"].astype(np.float32)[..., None]).reshape(*shape[:-1], -1)[..., :k]
     np.testing.assert_array_equal(FORMATS[fmt].dequantize(a, k, gs), expect)
 
 
-def _error_bound(w: np.ndarray, gs: int, qmax: int) -> np.ndarray:
-    """Per-element bound: half a step of the stored scale, plus what f16 rounding of the scale
-    can push past the clip (qmax * |absmax/qmax - d|), plus f32 slack for w * (1/d)."""
+def _error_bound(w: np.ndarray, gs: int, fmt: str) -> np.ndarray:
+    """Per-element bound: half a step of the scale (int4: a whole step, at the end that clips),
+    plus what rounding the f32 scale to f16 moves the largest code (qmax * |d32 - d16|), plus
+    f32 slack for w * (1/d)."""
     g = _groups(w, gs)
     absmax = np.abs(g).max(-1)
-    exact = absmax.astype(np.float64) / qmax
-    d = (absmax / qmax).astype(np.float16).astype(np.float64)
-    bound = d / 2 + qmax * np.abs(exact - d) + 1e-6 * absmax
+    qmax, steps = (127, 0.5) if fmt == "int8" else (8, 1.0)
+    exact = absmax.astype(np.float64) / (127 if fmt == "int8" else 8)
+    d = exact.astype(np.float32).astype(np.float16).astype(np.float64)
+    bound = steps * np.maximum(exact, d) + qmax * np.abs(exact - d) + 1e-6 * absmax
     b = np.broadcast_to(bound[..., None], g.shape).reshape(*w.shape[:-1], -1)
     return b[..., : w.shape[-1]]
 
@@ -150,22 +157,23 @@ def test_grouped_error_bound(fmt, scale, shape, gs):
     w = _weights(shape, seed=2, scale=scale)
     r = FORMATS[fmt].roundtrip(w, gs)
     err = np.abs(r.astype(np.float64) - w)
-    bound = _error_bound(w, gs, QMAX[fmt])
+    bound = _error_bound(w, gs, fmt)
     assert (err <= bound).all(), float((err - bound).max())
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_error_at_most_half_a_scale_step_in_f16_normal_range(fmt):
-    """With scales in f16's normal range the f16 rounding never reaches the clip: |err| <= d/2."""
-    qmax = QMAX[fmt]
+    """With scales in f16's normal range: |err| <= d/2 for int8 (plus what the f16 rounding of the
+    scale moves code 127: the codes come from the f32 scale, as ggml's), <= |d| for int4 (whose
+    one end may clip by a step); the group's extreme is stored at code +-127 / -8 exactly."""
     w = _weights((8, 70), seed=3)
     a = FORMATS[fmt].quantize(w, 32)
-    d = a["scales"].astype(np.float64)
+    d = np.abs(a["scales"].astype(np.float64))
     assert (d >= F16_MIN_NORMAL).all()
     r = FORMATS[fmt].dequantize(a, 70, 32)
     err = np.abs(_groups(r - w, 32)).max(-1)
-    assert (err <= d / 2 * (1 + 1e-6)).all()
-    # the largest |value| of every group is represented by +-qmax exactly (up to f16 rounding)
+    assert (err <= (d / 2 + 127 * d * 2.0 ** -11 if fmt == "int8" else d) * (1 + 1e-6)).all()
+    qmax = 127 if fmt == "int8" else 8
     assert np.abs(_groups(r, 32)).max(-1) == pytest.approx(qmax * d, rel=0)
 
 
@@ -197,16 +205,16 @@ def test_finite_weights_never_dequantize_to_nan(fmt):
 
 
 def test_int4_nibble_layout_by_hand():
-    # G = 8, two groups per row. Group 0 absmax 7 -> d = 1 exactly; group 1 absmax 14 -> d = 2.
-    g0 = [7, -7, 1, 2, -3, 0, 5, -1]
-    g1 = [2, 4, -14, 0, 6, -2, 14, -8]
+    # G = 8, two groups per row. Group 0's extreme is -8 -> d = -8 / -8 = 1; group 1's -16 -> d = 2.
+    g0 = [-8, 7, 1, 2, -3, 0, 5, -1]
+    g1 = [2, 4, -16, 0, 6, -2, 14, -8]
     w = np.array([g0 + g1], np.float32)
     a = FORMATS["int4"].quantize(w, 8)
     np.testing.assert_array_equal(a["scales"], np.array([[1.0, 2.0]], np.float16))
-    # q + 8: group 0 -> [15,1,9,10,5,8,13,7]; group 1 (w/2) -> [9,10,1,8,11,7,15,4]
+    # q = trunc(w / d + 8.5): group 0 -> [0,15,9,10,5,8,13,7]; group 1 -> [9,10,0,8,11,7,15,4]
     # byte i = q[i] | q[i + 4] << 4, group-major.
-    expect = [15 | 5 << 4, 1 | 8 << 4, 9 | 13 << 4, 10 | 7 << 4,
-              9 | 11 << 4, 10 | 7 << 4, 1 | 15 << 4, 8 | 4 << 4]
+    expect = [0 | 5 << 4, 15 | 8 << 4, 9 | 13 << 4, 10 | 7 << 4,
+              9 | 11 << 4, 10 | 7 << 4, 0 | 15 << 4, 8 | 4 << 4]
     assert a["qs"].dtype == np.uint8
     assert a["qs"].tolist() == [expect]
     np.testing.assert_array_equal(FORMATS["int4"].dequantize(a, 16, 8), w)
@@ -341,18 +349,15 @@ def test_int8_roundtrip_is_idempotent(w, gs, scale):
     normal = (d == 0) | (d >= F16_MIN_NORMAL)
     rg, rrg = _groups(r, gs), _groups(rr, gs)
     np.testing.assert_array_equal(rrg[normal], rg[normal])
-    bound = _error_bound(r, gs, 127)
+    bound = _error_bound(r, gs, "int8")
     assert (np.abs(rr.astype(np.float64) - r) <= bound).all()
 
 
-def test_int8_idempotence_is_exact_only_in_f16_normal_range():
-    """Documents the finding behind the property above: tiny groups are not exactly idempotent."""
-    f = FORMATS["int8"]
-    w = _weights((64, 70), seed=7, scale=1e-4)
-    r = f.roundtrip(w, 32)
-    assert not np.array_equal(f.roundtrip(r, 32), r)
-    w = _weights((64, 70), seed=7, scale=1.0)
-    r = f.roundtrip(w, 32)
-    np.testing.assert_array_equal(f.roundtrip(r, 32), r)
-    r4 = FORMATS["int4"].roundtrip(w, 32)
-    np.testing.assert_array_equal(FORMATS["int4"].roundtrip(r4, 32), r4)
+def test_roundtrips_are_idempotent_at_every_scale():
+    """The codes come from the f32 scale and the group's extreme is stored exactly (code +-127,
+    or -8), so quantizing a roundtrip gives it back, tiny (f16-subnormal) scales included."""
+    for scale in (1e-6, 1e-4, 1.0, 1e3):
+        w = _weights((64, 70), seed=7, scale=scale)
+        for fmt in ("int8", "int4"):
+            r = FORMATS[fmt].roundtrip(w, 32)
+            np.testing.assert_array_equal(FORMATS[fmt].roundtrip(r, 32), r)

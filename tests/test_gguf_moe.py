@@ -206,3 +206,35 @@ def test_placed_gguf_plan_matches_transformers(moe, tmp_path):
     ref = hf_logits(m, ids)
     assert np.abs(logits - ref).max() / ref.std() <= 1e-4
     np.testing.assert_array_equal(tokens, hf_greedy(m, ids, N_NEW)[0])
+
+
+def test_q4_0_gguf_stores_the_bytes_an_hf_int4_compile_does(moe, tmp_path):
+    """Q4_0 experts are taken as they are (Strata's int4 is Q4_0 bit for bit, quantizer included):
+    the plan of the GGUF and the plan of the HF folder it was made from hold the same weight bytes."""
+    from strata_compiler.plan_format import WEIGHTS_MAGIC, Container
+
+    d = build_model("mixtral", tmp_path / "hf", vocab_size=len(moe["tokens"]), intermediate_size=64, seed=9)
+    write_moe_gguf(tmp_path / "q.gguf", d, "mixtral", moe["tokens"], moe["merges"], QT.Q4_0)
+    plans = [compile_ok(tmp_path / "q.gguf", tmp_path / "g", "--quant", "int4"),
+             compile_ok(d, tmp_path / "h", "--quant", "int4")]
+    secs = []
+    for p in plans:
+        with Container.open(p / "weights.bin", WEIGHTS_MAGIC) as c:
+            secs.append({n: bytes(c.section(n)) for n in c.names()})
+    assert secs[0].keys() == secs[1].keys() and any(".moe.gate_up:qs" in n for n in secs[0])
+    assert [n for n in secs[0] if secs[0][n] != secs[1][n]] == []
+
+
+def test_int4_and_int8_are_q4_0_and_q8_0_bit_for_bit():
+    from strata_compiler.formats import get_format
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((64, 256)) * rng.random((64, 1)) * 3).astype(np.float32)
+    w[0, :32] = 0                                   # an all-zero block
+    w[1, 5] = -w[1, :32].__abs__().max() * 1.5       # a negative extreme: a negative scale
+    for qt, fmt in ((QT.Q4_0, "int4"), (QT.Q8_0, "int8")):
+        g = quantize(w, qt).reshape(64, 8, -1)
+        a = get_format(fmt).quantize(w, 32)
+        np.testing.assert_array_equal(np.ascontiguousarray(g[:, :, :2]).view(np.uint16).reshape(64, 8),
+                                      a["scales"].view(np.uint16))
+        np.testing.assert_array_equal(np.ascontiguousarray(g[:, :, 2:]).reshape(64, -1), a["qs"].view(np.uint8))
