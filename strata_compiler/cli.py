@@ -410,9 +410,12 @@ def _table(plan, ref: Path, kind: str, r: dict) -> str:
 @click.option("--backend", type=click.Choice(["auto", "reference", "llvm", "xla"]), default="auto", show_default=True,
               help="Where both models run.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("--per-layer", is_flag=True,
+              help="Instead: per layer, the error of the plan's hidden state against the reference's and the KL "
+                   "it accounts for (both on the reference backend, over the first chunk).")
 @debug_option
 def eval_cmd(plan_path: Path, ref: Path, text_path: Path, ctx: int, chunks: int | None, backend: str,
-             as_json: bool, debug: bool) -> None:
+             as_json: bool, per_layer: bool, debug: bool) -> None:
     """KL divergence, top-1 agreement and perplexity of PLAN_PATH against a reference (llama.cpp's
     --kl-divergence conventions: chunks of --ctx tokens from an empty cache, second half scored)."""
     import numpy as np
@@ -446,6 +449,12 @@ def eval_cmd(plan_path: Path, ref: Path, text_path: Path, ctx: int, chunks: int 
                 raise UsageError(f"--reference {ref}: vocabulary of {ref_vocab} tokens, but {plan.path} has "
                                  f"{vocab}; compare plans of the same model")
             ev.check_ctx(ctx, ref_plan.meta["model"].get("max_position"), ref_plan.path)
+        if per_layer:
+            from strata_compiler.runtime import layer_eval
+
+            rows = layer_eval.per_layer(plan, ref_plan, ids[None, :ctx])
+            click.echo(json.dumps(rows) if as_json else layer_eval.table(rows))
+            return
         bar = click.progressbar(length=n_chunks, label="evaluating chunks", file=sys.stderr, width=30)
         with bar if show else contextlib.nullcontext():
             r = ev.evaluate(plan, ref_plan, ids, ctx, chunks, backend, bos_id=ev.tokenizer_bos(tok, plan),

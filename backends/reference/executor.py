@@ -132,14 +132,21 @@ class ReferenceExecutor:
         with np.errstate(all="ignore"):
             return self._run(input_ids, cache)
 
+    keep: frozenset = frozenset()       # node ids whose values a step leaves in `kept` (per-layer eval)
+    inject: dict = {}                   # node id -> the value to use instead of computing it
+
     def _run(self, input_ids: np.ndarray, cache: KVCache) -> dict[int, np.ndarray]:
         T = input_ids.shape[1]
+        self.kept: dict[int, np.ndarray] = {}
         ctx = _Step(self.w, cache, cache.positions(T)[:, None] + np.arange(T), input_ids, self.observer)
         ctx.graph, ctx.residency = self.g, self.residency
         env: dict[int, np.ndarray] = {}
         outputs = set(self.g.outputs)
         for i, n in enumerate(self.g.nodes):
-            env[n.id] = _HANDLERS[n.op](ctx, n, [env[a] for a in n.args])
+            value = _HANDLERS[n.op](ctx, n, [env[a] for a in n.args])
+            env[n.id] = self.inject.get(n.id, value)
+            if n.id in self.keep:
+                self.kept[n.id] = np.array(env[n.id])
             for a in self.frees[i]:
                 if a not in outputs:
                     del env[a]
