@@ -1,9 +1,9 @@
-"""MoE GGUF input: Mixtral (llama with experts), Qwen3-MoE, Qwen2-MoE (shared expert, q/k/v biases) and
-OLMoE files written with gguf.GGUFWriter
-from random transformers models, laid out as llama.cpp's convert_hf_to_gguf.py writes them (experts
-stacked per projection, q/k rows permuted for llama), compiled by stratac and checked against
-transformers: F32 within 1e-4 x std with the same greedy tokens; Q8_0/Q4_0 experts against
-transformers run on the file's own dequantized weights."""
+"""MoE GGUF input: Mixtral (llama with experts), Qwen3-MoE, Qwen2-MoE (shared expert, q/k/v biases)
+and OLMoE files written with gguf.GGUFWriter from random transformers models, laid out as llama.cpp's
+convert_hf_to_gguf.py writes them (experts stacked per projection, q/k rows permuted for llama),
+compiled by stratac and checked against transformers: F32 within 1e-4 x std with the same greedy
+tokens; Q8_0, Q4_0, F16 and Q4_K experts against transformers run on the file's own dequantized
+weights; Q4_0/Q8_0 stored as they are, and a Q4_0 file's plan byte-identical to the HF folder's."""
 
 from __future__ import annotations
 
@@ -88,7 +88,10 @@ def write_moe_gguf(path: Path, hf_dir: Path, hf_arch: str, tokens, merges, qtype
     def put(name: str, a: np.ndarray, qt=QT.F32, heads: int = 0):
         if heads:
             a = permute(a, H, None if heads == H else KV)
-        data = quantize(np.ascontiguousarray(a), qt)
+        if qt == QT.Q4_K:       # gguf-py cannot quantize K-quants: random blocks of valid structure
+            data = _random_q4_k(a.shape)
+        else:
+            data = quantize(np.ascontiguousarray(a), qt)
         w.add_tensor(name, data, raw_dtype=qt)
         back = dequantize(data, qt).astype(np.float32).reshape(a.shape)
         return inverse_permute(back, heads) if heads else back
@@ -117,6 +120,19 @@ def write_moe_gguf(path: Path, hf_dir: Path, hf_arch: str, tokens, merges, qtype
     w.write_tensors_to_file()
     w.close()
     return stored
+
+
+def _random_q4_k(shape) -> np.ndarray:
+    """Q4_K blocks (f16 d and dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles per 256
+    values) for a tensor of `shape`, random but of sane magnitude: a K-quant tensor as a file
+    holds it."""
+    *lead, k = shape
+    n = int(np.prod(lead)) * (k // 256)
+    rng = np.random.default_rng(n)
+    blocks = rng.integers(0, 256, (n, 144), dtype=np.uint8)
+    blocks[:, 0:2] = np.full((n, 1), 0.002, np.float16).view(np.uint8)
+    blocks[:, 2:4] = np.full((n, 1), 0.001, np.float16).view(np.uint8)
+    return blocks.reshape(*lead, (k // 256) * 144)
 
 
 def hf_with(hf_dir: Path, weights: dict[str, np.ndarray], out: Path) -> Path:
@@ -161,13 +177,29 @@ def test_f32_moe_gguf_matches_transformers(moe, tmp_path, hf_arch, backend):
     np.testing.assert_array_equal(tokens, hf_greedy(m, ids, N_NEW)[0])
 
 
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0])
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.F16])
 def test_quantized_experts_match_transformers_on_dequantized_weights(moe, tmp_path, qtype):
     path = tmp_path / "q.gguf"
     d = build_model("mixtral", tmp_path / "hf", vocab_size=len(moe["tokens"]), intermediate_size=64, seed=9)
     stored = write_moe_gguf(path, d, "mixtral", moe["tokens"], moe["merges"], qtype)   # rows of 64: whole blocks
     ref_model = load_model(hf_with(d, stored, tmp_path / "hf_deq"))
     ids = clear_prompts(ref_model, ref_model.config.vocab_size, n_prompts=1, length=7, n_new=N_NEW, seed=3)[0]
+    plan = compile_ok(path, tmp_path / "plan", "--quant", "f32")
+    logits, tokens = run_logits(plan, ids, tmp_path, "reference")
+    ref = hf_logits(ref_model, ids)
+    assert np.abs(logits - ref).max() / ref.std() <= 1e-4
+    np.testing.assert_array_equal(tokens, hf_greedy(ref_model, ids, N_NEW)[0])
+
+
+def test_k_quant_experts_match_transformers_on_dequantized_weights(moe, tmp_path):
+    """Q4_K experts (Q4_K_M files' kind) are dequantized as gguf-py does and match transformers on
+    those weights (--quant f32 keeps them exactly)."""
+    path = tmp_path / "k.gguf"
+    d = build_model("mixtral", tmp_path / "hf", vocab_size=len(moe["tokens"]), hidden_size=256,
+                    intermediate_size=256, seed=10)
+    stored = write_moe_gguf(path, d, "mixtral", moe["tokens"], moe["merges"], QT.Q4_K)
+    ref_model = load_model(hf_with(d, stored, tmp_path / "hf_deq"))
+    ids = clear_prompts(ref_model, ref_model.config.vocab_size, n_prompts=1, length=7, n_new=N_NEW, seed=4)[0]
     plan = compile_ok(path, tmp_path / "plan", "--quant", "f32")
     logits, tokens = run_logits(plan, ids, tmp_path, "reference")
     ref = hf_logits(ref_model, ids)
