@@ -445,8 +445,8 @@ S.Session.step = step
 """ + _MAIN
 
 
-@pytest.mark.parametrize("backend", ["reference", "llvm"])
-def test_weights_truncated_under_a_running_process(tiny_int8_plan, tmp_path, backend):
+@pytest.mark.parametrize("backend,optimize", [("reference", False), ("llvm", False), ("reference", True)])
+def test_weights_truncated_under_a_running_process(tiny_int8_plan, tmp_path, backend, optimize):
     """weights.bin cut short while strata-run uses it (reading a page past the new end is SIGBUS):
     one error line naming the file, exit 1, no 'Bus error' and no traceback (or, where the llvm
     backend copied its weights into huge pages at start, a run that does not notice)."""
@@ -456,7 +456,8 @@ def test_weights_truncated_under_a_running_process(tiny_int8_plan, tmp_path, bac
     shutil.copytree(tiny_int8_plan, plan)
     env = dict(os.environ)
     env.pop("PYTHONFAULTHANDLER", None)
-    p = subprocess.run([sys.executable, "-c", _TRUNCATE_FIRST_STEP, str(plan), "-n", "4", "--prompt", "Hello",
+    p = subprocess.run([sys.executable, *(["-O"] if optimize else []), "-c", _TRUNCATE_FIRST_STEP, str(plan), "-n", "4",
+                        "--prompt", "Hello",
                         "--backend", backend], capture_output=True, text=True, timeout=120, env=env)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert "Traceback" not in p.stderr and "Bus error" not in p.stderr
