@@ -29,9 +29,9 @@ MAX_OUTPUT_CHARS = 2 * MAX_TOTAL_CHARS       # the rendered prompt
 MESSAGE_KEYS = ("role", "content", "name")
 MAX_SIZE_ARG = 1 << 20                       # an int argument to a call or a sizing filter (ljust, center, ...)
 
-NO_TEMPLATE = ("this plan has no chat template (its model folder has no chat_template); recompile it with "
-               "`stratac compile` from a folder whose tokenizer_config.json has one, or use /v1/completions "
-               "with a prompt you format yourself")
+NO_TEMPLATE = ("this plan has no chat template (the model had none: tokenizer_config.json's chat_template, or a "
+               "GGUF's tokenizer.chat_template); recompile it with `stratac compile ... --chat-template FILE`, "
+               "or send plain completions of a prompt you format yourself")
 
 
 def _meta(plan_or_meta: Any) -> dict:

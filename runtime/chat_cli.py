@@ -163,7 +163,7 @@ def start_chat(plan, session, tokenizer, sampler: Sampler, max_new_tokens: int, 
     if tokenizer is None:
         raise UsageError(f"{plan.path}: --chat needs the plan's tokenizer (the model folder had no tokenizer.json)")
     if not has_template(plan):
-        raise UsageError(NO_TEMPLATE.split(", or use")[0])
+        raise UsageError(NO_TEMPLATE.split(", or send")[0])
     limit = int(plan.meta["model"].get("max_position") or 0)
     if ctx is None:
         ctx = limit or 4096

@@ -95,14 +95,18 @@ def stratac() -> None:
               help="With --target: layers whose experts the placement splits get a GPU expert cache instead of a "
                    "static split: slots first holding the placed experts, the whole layer on the CPU, and "
                    "strata-run swapping experts into the slots as routing shifts.")
+@click.option("--chat-template", type=click.Path(path_type=Path), metavar="FILE",
+              help="A Jinja chat template (as in tokenizer_config.json) stored in the plan instead of the model's "
+                   "own, or where the model has none (strata-run --chat, /v1/chat/completions, Model.chat).")
 @debug_option
 def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, calib: Path | None, calib_tokens: int,
-                imatrix: bool,
+                imatrix: bool, chat_template: Path | None,
                 bits: float | None, memory_budget: str, tensor_format: str, dump_dir: Path | None,
                 dump_after: str, stop_after: str | None, backend: str, place: str, target: str, gpu_mem: str,
                 host_mem: str, gpus: int, gpu_mode: str, place_strategy: str, expert_cache: bool,
                 debug: bool) -> None:
-    """Compile MODEL_DIR (config.json, *.safetensors, tokenizer.json) into a plan.
+    """Compile MODEL_DIR (a Hugging Face folder: config.json, *.safetensors, tokenizer.json; or a
+    llama.cpp .gguf file) into a plan.
 
     \b
     Pipeline: """
@@ -134,7 +138,8 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
                           bits=bits or 0.0,
                           memory_budget=memory_budget, tensor_format=tensor_format,
                           target=target, gpu_mem=gpu_mem, host_mem=host_mem, expert_cache=expert_cache,
-                          gpus=gpus, gpu_mode=gpu_mode, place_strategy=place_strategy)
+                          gpus=gpus, gpu_mode=gpu_mode, place_strategy=place_strategy,
+                          chat_template=str(chat_template) if chat_template else "")
     if gpus > 1 and not target:
         raise UsageError("--gpus: spreading over GPUs is part of the placement; it needs --target")
     if place_strategy != "auto" and not target:

@@ -42,6 +42,7 @@ class CompileOptions:
     plan_ctx: int = 4096         # tokens of KV cache the placement reserves GPU memory for
     plan_prompt: int = 512       # prompt tokens of the prefill time the placement also predicts
     expert_cache: bool = False   # --expert-cache: split layers become GPU expert caches (runtime swaps)
+    chat_template: str = ""      # --chat-template: a Jinja file replacing (or supplying) the model's template
     gpus: int = 1                # --gpus N: the target has N such GPUs
     gpu_mode: str = "auto"       # --gpu-mode auto|layer|stripe: how work spreads over them
     place_strategy: str = "auto"  # --place-strategy: force one of the place pass's candidate layouts

@@ -160,6 +160,17 @@ def _read_model(model_dir: Path, out_dir: Path | None, opts: CompileOptions) -> 
         graph, cfg = build_graph(model_dir, store)
         tokenizer_json = read_tokenizer_json(model_dir / "tokenizer.json")
         chat = hf_chat(model_dir, cfg.eos_token_ids, cfg.vocab_size)
+    if opts.chat_template:
+        from .frontend.chat import MAX_TEMPLATE_BYTES, check_template
+        from .untrusted import read_regular
+
+        where = f"--chat-template {opts.chat_template}"
+        try:
+            text = read_regular(Path(opts.chat_template), MAX_TEMPLATE_BYTES).decode("utf-8")
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{where}: cannot be read as a UTF-8 file of at most {MAX_TEMPLATE_BYTES} bytes "
+                             f"({getattr(e, 'strerror', None) or e})") from None
+        chat = {**(chat or {}), "template": check_template(text, where)}
     return graph, PassContext(opts, model_dir=model_dir, output_dir=out_dir, store=store,
                               tokenizer_json=tokenizer_json, chat=chat)
 

@@ -238,7 +238,7 @@ def test_bad_messages(plan, messages, why):
 def test_plan_without_template():
     for meta in ({"model": {"eos_token_ids": [5]}},   # compiled before meta["chat"] existed
                  {"model": {"eos_token_ids": [5]}, "chat": {"template": None, "eos_token_ids": [5, 6]}}):
-        with pytest.raises(UsageError, match="this plan has no chat template.*recompile.*/v1/completions"):
+        with pytest.raises(UsageError, match="this plan has no chat template.*--chat-template FILE.*plain completions"):
             render_chat(meta, [{"role": "user", "content": "hi"}])
     assert stop_ids({"model": {"eos_token_ids": [5]}}) == (5,)
     assert stop_ids({"model": {"eos_token_ids": [5]}, "chat": {"eos_token_ids": [6, 5]}}) == (6, 5)
