@@ -162,8 +162,22 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
         click.echo(f"wrote {plan} ({plan.stat().st_size} B) and {weights} ({weights.stat().st_size / 2**20:.1f} MiB); "
                    f"{len(g.nodes)} ops, " + (f"quant {quant}" if not (bits or memory_budget) else
                                                f"layer-adaptive formats ({'--bits ' + str(bits) if bits else '--memory-budget ' + memory_budget})"))
+        click.echo(_text_support(plan))
     else:
         click.echo(f"stopped after {stop_after}: {len(g.nodes)} {g.level.value}-level nodes")
+
+
+def _text_support(plan: Path) -> str:
+    """One line: whether the plan holds a tokenizer (text in and out) and a chat template."""
+    from .plan_format import PLAN_MAGIC, Container
+    from .untrusted import load_json
+
+    with Container.open(plan, PLAN_MAGIC) as c:
+        tokenizer = "tokenizer" in c
+        meta = load_json(c.section("meta"))
+    chat = meta.get("chat") if isinstance(meta.get("chat"), dict) else {}
+    return (f"tokenizer: {'stored' if tokenizer else 'none (give strata-run --input-ids)'}; chat template: "
+            f"{'stored' if chat.get('template') else 'none (add one with --chat-template FILE)'}")
 
 
 compile_cmd.help = (compile_cmd.help or "") + ", ".join(DEFAULT)

@@ -272,7 +272,7 @@ def test_int4_and_int8_are_q4_0_and_q8_0_bit_for_bit():
         np.testing.assert_array_equal(np.ascontiguousarray(g[:, :, 2:]).reshape(64, -1), a["qs"].view(np.uint8))
 
 
-def test_chat_template_flag_supplies_one(moe, tmp_path):
+def test_chat_template_flag_supplies_one(moe, tmp_path, capsys):
     """A GGUF without tokenizer.chat_template: chat is refused naming --chat-template; compiled
     with --chat-template FILE the plan renders messages with it; a missing file is one error."""
     from strata_compiler.cli import stratac
@@ -282,12 +282,16 @@ def test_chat_template_flag_supplies_one(moe, tmp_path):
     from strata_compiler.runtime.plan import load_plan
 
     src = moe["base"] / "mixtral.gguf"
+    capsys.readouterr()
     plan = load_plan(compile_ok(src, tmp_path / "plain", "--quant", "f32"))
+    assert capsys.readouterr().out.splitlines()[-1] == \
+        "tokenizer: stored; chat template: none (add one with --chat-template FILE)"
     with pytest.raises(UsageError, match="--chat-template FILE"):
         render_chat(plan, [{"role": "user", "content": "hi"}])
     tpl = tmp_path / "chat.jinja"
     tpl.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>")
     plan = load_plan(compile_ok(src, tmp_path / "chat", "--quant", "f32", "--chat-template", str(tpl)))
     assert render_chat(plan, [{"role": "user", "content": "hi"}]) == "<user>hi<assistant>"
+    assert capsys.readouterr().out.splitlines()[-1] == "tokenizer: stored; chat template: stored"
     assert run_cli(stratac, ["compile", str(src), "-o", str(tmp_path / "bad"), "--chat-template",
                              str(tmp_path / "missing.jinja")]) != 0
