@@ -60,7 +60,7 @@ class Model:
         from .scheduler import Request
 
         ids = self._ids(prompt)
-        if not 1 <= max_tokens or len(ids) + max_tokens > self.engine.ctx:
+        if max_tokens < 1 or len(ids) + max_tokens > self.engine.ctx:
             raise UsageError(f"max_tokens {max_tokens}: the prompt has {len(ids)} tokens and the context "
                              f"is {self.engine.ctx}")
         if stop and self.tokenizer is None:

@@ -177,29 +177,17 @@ def test_f32_moe_gguf_matches_transformers(moe, tmp_path, hf_arch, backend):
     np.testing.assert_array_equal(tokens, hf_greedy(m, ids, N_NEW)[0])
 
 
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.F16])
-def test_quantized_experts_match_transformers_on_dequantized_weights(moe, tmp_path, qtype):
+@pytest.mark.parametrize("qtype,width,seed", [(QT.Q8_0, 64, 3), (QT.Q4_0, 64, 3), (QT.F16, 64, 3), (QT.Q4_K, 256, 4)])
+def test_quantized_experts_match_transformers_on_dequantized_weights(moe, tmp_path, qtype, width, seed):
+    """Q8_0, Q4_0, F16 and Q4_K (Q4_K_M files' kind) experts, dequantized as gguf-py does, match
+    transformers on those weights (--quant f32 keeps them exactly). Rows are whole blocks: 64
+    values, 256 for the K-quant."""
     path = tmp_path / "q.gguf"
-    d = build_model("mixtral", tmp_path / "hf", vocab_size=len(moe["tokens"]), intermediate_size=64, seed=9)
-    stored = write_moe_gguf(path, d, "mixtral", moe["tokens"], moe["merges"], qtype)   # rows of 64: whole blocks
+    dims = dict(intermediate_size=width) if width == 64 else dict(hidden_size=width, intermediate_size=width)
+    d = build_model("mixtral", tmp_path / "hf", vocab_size=len(moe["tokens"]), seed=seed + 6, **dims)
+    stored = write_moe_gguf(path, d, "mixtral", moe["tokens"], moe["merges"], qtype)
     ref_model = load_model(hf_with(d, stored, tmp_path / "hf_deq"))
-    ids = clear_prompts(ref_model, ref_model.config.vocab_size, n_prompts=1, length=7, n_new=N_NEW, seed=3)[0]
-    plan = compile_ok(path, tmp_path / "plan", "--quant", "f32")
-    logits, tokens = run_logits(plan, ids, tmp_path, "reference")
-    ref = hf_logits(ref_model, ids)
-    assert np.abs(logits - ref).max() / ref.std() <= 1e-4
-    np.testing.assert_array_equal(tokens, hf_greedy(ref_model, ids, N_NEW)[0])
-
-
-def test_k_quant_experts_match_transformers_on_dequantized_weights(moe, tmp_path):
-    """Q4_K experts (Q4_K_M files' kind) are dequantized as gguf-py does and match transformers on
-    those weights (--quant f32 keeps them exactly)."""
-    path = tmp_path / "k.gguf"
-    d = build_model("mixtral", tmp_path / "hf", vocab_size=len(moe["tokens"]), hidden_size=256,
-                    intermediate_size=256, seed=10)
-    stored = write_moe_gguf(path, d, "mixtral", moe["tokens"], moe["merges"], QT.Q4_K)
-    ref_model = load_model(hf_with(d, stored, tmp_path / "hf_deq"))
-    ids = clear_prompts(ref_model, ref_model.config.vocab_size, n_prompts=1, length=7, n_new=N_NEW, seed=4)[0]
+    ids = clear_prompts(ref_model, ref_model.config.vocab_size, n_prompts=1, length=7, n_new=N_NEW, seed=seed)[0]
     plan = compile_ok(path, tmp_path / "plan", "--quant", "f32")
     logits, tokens = run_logits(plan, ids, tmp_path, "reference")
     ref = hf_logits(ref_model, ids)
