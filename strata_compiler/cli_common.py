@@ -26,8 +26,8 @@ def run_cli(cmd: click.Command, argv: list[str] | None = None) -> int:
     try:
         rv = cmd.main(args=args, prog_name=os.path.basename(sys.argv[0]) or cmd.name, standalone_mode=False)
         return rv if isinstance(rv, int) else 0
-    except click.exceptions.Abort:
-        click.echo("error: aborted", err=True)
+    except click.exceptions.Abort:      # click's form of a Ctrl-C while it parses the command line
+        click.echo("error: interrupted", err=True)
         return 130
     except click.exceptions.Exit as e:
         return e.exit_code
