@@ -342,7 +342,10 @@ def test_one_slot_freed_by_a_cancel_and_the_prompt_cache_kept(plan_dir, tmp_path
     import threading
 
     kv = tmp_path / "kv"
-    proc, base = _spawn(plan_dir, ["--max-batch", "1", "--kv-cache-dir", str(kv)], tmp_path / "a.txt")
+    # the reference backend: 1000 tokens take seconds there, so the stream is still running when its
+    # client hangs up (llvm makes them in a fraction of the wait below)
+    proc, base = _spawn(plan_dir, ["--max-batch", "1", "--kv-cache-dir", str(kv), "--backend", "reference"],
+                        tmp_path / "a.txt")
     try:
         body = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True, "ignore_eos": True}
         started, hang_up, done = threading.Event(), threading.Event(), {}
