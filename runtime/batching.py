@@ -11,6 +11,12 @@ Between two decode steps, in this order: new requests are taken from the queue, 
 chunk runs, the batch steps (rows without a sequence run a dummy token at position 0 and are
 ignored). A sequence samples its tokens with its own Sampler, so a request's tokens do not
 depend on what else runs beside it (up to the float differences of batched kernels).
+
+Where the plan runs whole on one xla device (Session.batch_stepper), a step's greedy tokens are
+chosen on the device, and while every running sequence is greedy the next step is launched before
+the last one's tokens reach the host: the host's share of a step (reading the tokens, the text,
+the events) overlaps the device's work. A sequence that ends has one step run past its end,
+dropped. A batch holding a sampled (non-greedy) sequence steps one at a time, sampling on the host.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import numpy as np
 from strata_compiler.kv_cache import KVCache
 
 from .prompt_cache import PromptCache
-from .scheduler import Request, Scheduler, TextStream
+from .scheduler import Request, Scheduler, TextStream, batched_events
 
 
 @dataclass
@@ -37,6 +43,16 @@ class _Seq:
     n: int = 0              # tokens generated
     last: int = -1          # the last sampled token: the next decode step's input
     tokens: list[int] = field(default_factory=list)    # prompt + the generated tokens stepped
+    launched: int = -1      # the last device step (_Step.id) that stepped this sequence
+
+
+@dataclass
+class _Step:
+    """A decode step launched on the device (batch_step), its results not yet on the host."""
+    id: int
+    seqs: list[tuple[int, _Seq]]        # (slot, sequence) of each row it steps
+    tokens: object                      # device int32 [max_batch]: each row's greedy token
+    logits: object                      # device f32 [rows, V]
 
 
 class BatchScheduler(Scheduler):
@@ -53,6 +69,10 @@ class BatchScheduler(Scheduler):
         self.kv = KVCache(m["n_layers"], max_batch, m["n_kv_heads"], m["head_dim"], self.capacity)
         self.pre = KVCache(m["n_layers"], 1, m["n_kv_heads"], m["head_dim"], self.capacity)
         self.slots: list[_Seq | None] = [None] * max_batch
+        self.stepper = session.batch_stepper()
+        self.inflight: _Step | None = None     # launched, not yet read (while the batch is all greedy)
+        self.prev = None        # the last launched step's device tokens while they are its rows' next ids
+        self.launches = 0
         self.waiting: collections.deque[Request] = collections.deque()
         self.filling: _Seq | None = None       # the sequence whose prompt is being prefilled
         self.stats.update({"steps": 0, "rows_stepped": 0, "prefill_chunks": 0, "prompt_cache_tokens": 0})
@@ -81,10 +101,16 @@ class BatchScheduler(Scheduler):
         s.load_row(self.kv, 0, self.pre)
         rows = 1
         while True:             # each batch size a decode step may run (_rows)
-            self._decode_step(rows)
+            if self.stepper is not None:
+                ids = np.zeros(self.max_batch, np.int32)
+                self.stepper.batch_step(self.kv, rows, ids, np.ones(self.max_batch, bool))[0].block_until_ready()
+            else:
+                self._decode_step(rows)
             if rows >= self.max_batch or self._exact_rows:
                 break
             rows = min(rows * 2, self.max_batch)
+        if self.prompt_cache is not None:
+            self.prompt_cache.warm(self.pre, self.kv)
         self.kv.length = 0
         self.pre.length = 0
 
@@ -132,9 +158,11 @@ class BatchScheduler(Scheduler):
                     self._cancelled(r)
                 return
             try:
-                self._admit()
+                with batched_events():      # a first token goes out before the next decode step
+                    self._admit()
                 if self._active():
-                    self._decode()
+                    with batched_events():
+                        self._decode()
             except Exception as e:      # noqa: BLE001 — the running requests fail, the server goes on
                 why = f"{e.__class__.__name__}: {e}"
                 for s in [*self.slots, self.filling]:
@@ -142,6 +170,7 @@ class BatchScheduler(Scheduler):
                         s.req.emit("error", why, 500)
                 self.slots = [None] * self.max_batch
                 self.filling = None
+                self.inflight = self.prev = None
                 self.kv.length = 0
 
     def _cancelled(self, r: Request) -> bool:
@@ -253,11 +282,12 @@ class BatchScheduler(Scheduler):
         for seq in self._active():         # free the slots of cancelled sequences before stepping
             if self._cancelled(seq.req):
                 self._free(seq)
+        if self.stepper is not None:
+            self._decode_on_device()
+            return
         if not self._active():
             return
-        for i, s in enumerate(self.slots):
-            if s is None:
-                self.kv.lengths[i] = 0
+        self._clear_free_rows()
         logits = self._decode_step(self._rows())
         for seq in self._active():
             seq.tokens.append(seq.last)
@@ -266,6 +296,86 @@ class BatchScheduler(Scheduler):
                 self._free(seq)
                 continue
             tok = int(seq.req.sampler(logits[seq.slot:seq.slot + 1], [seq.tokens])[0])
+            if self._emit(seq, tok):
+                if self.prompt_cache is not None:
+                    self.prompt_cache.store(seq.tokens, self.kv, seq.slot)
+                self._free(seq)
+            else:
+                seq.last = tok
+
+    def _clear_free_rows(self) -> None:
+        for i, s in enumerate(self.slots):
+            if s is None:
+                self.kv.lengths[i] = 0
+
+    # -- decode steps on the device (Session.batch_stepper) ----------------------------------------
+
+    def _decode_on_device(self) -> None:
+        """One decode step: launched before the step in flight is read while every sequence is
+        greedy, else (a sampled sequence runs) after it, and read at once."""
+        if not self._active():
+            self._drain()
+            return
+        if not all(seq.req.sampler.plain_greedy for seq in self._active()):
+            self._drain()
+            if self._active():
+                self._finish(self._launch(), sync=True)
+            return
+        step = self._launch()
+        last, self.inflight = self.inflight, step
+        if last is not None:
+            self._finish(last, sync=False)
+        if not self._active():
+            self._drain()
+
+    def _drain(self) -> None:
+        """Read the step in flight; afterwards every sequence's next id is on the host."""
+        step, self.inflight = self.inflight, None
+        if step is not None:
+            self._finish(step, sync=False)
+        self.prev = None
+
+    def _launch(self) -> _Step:
+        self._clear_free_rows()
+        rows = self._rows()
+        host = np.zeros(self.max_batch, np.int32)
+        use_host = np.ones(self.max_batch, bool)
+        seqs = []
+        for seq in self._active():
+            if self.prev is not None and seq.launched == self.launches - 1:
+                use_host[seq.slot] = False      # its id: the token the step in flight chooses
+            else:
+                host[seq.slot] = seq.last
+            seq.launched = self.launches
+            seqs.append((seq.slot, seq))
+        tokens, logits = self.stepper.batch_step(self.kv, rows, host, use_host, self.prev)
+        self.prev = tokens
+        self.stats["steps"] += 1
+        self.stats["rows_stepped"] += rows
+        self.launches += 1
+        return _Step(self.launches - 1, seqs, tokens, logits)
+
+    def _finish(self, step: _Step, sync: bool) -> None:
+        """A launched step's tokens to its sequences (those still in their slots); sync: sampled
+        sequences sample from its logits, and the next step takes every id from the host."""
+        tokens = self.stepper.fetch(step.tokens)
+        logits = None
+        if sync:
+            self.prev = None
+            if not all(seq.req.sampler.plain_greedy for _, seq in step.seqs):
+                logits = self.stepper.fetch(step.logits)
+        for slot, seq in step.seqs:
+            if self.slots[slot] is not seq:
+                continue            # ended or cancelled since: this row ran past its end
+            seq.tokens.append(seq.last)
+            if seq.req.cancelled.is_set():
+                self._cancelled(seq.req)
+                self._free(seq)
+                continue
+            if seq.req.sampler.plain_greedy:
+                tok = int(tokens[slot])
+            else:
+                tok = int(seq.req.sampler(logits[slot:slot + 1], [seq.tokens])[0])
             if self._emit(seq, tok):
                 if self.prompt_cache is not None:
                     self.prompt_cache.store(seq.tokens, self.kv, seq.slot)

@@ -45,30 +45,46 @@ def _padded(n: int, limit: int) -> int:
     return min(-(-n // PAD) * PAD, limit)
 
 
-def _read_rows(a, row: int, n: int):
-    """Positions [0, n) of row `row` of one layer's cache array: a host copy, or for a device array
-    a device copy of PAD-rounded positions (no trip to the host; a bounded set of slice programs)."""
-    if isinstance(a, np.ndarray):
-        return a[row, :, :n].copy()
-    return a[row, :, :_padded(n, a.shape[2])]
+_PROGRAMS: dict = {}
 
 
-def _write_rows(a, row: int, block, n: int):
-    """The first n positions of `block` [KV, >= n, hd] into row `row` of a cache array; returns the
-    array (a device array is replaced: JAX's arrays are values). Positions of a device block past n
-    up to the PAD rounding are written too: they lie past the row's length (masked, then overwritten)."""
-    if isinstance(a, np.ndarray):
-        a[row, :, :n] = np.asarray(block[:, :n]) if not isinstance(block, np.ndarray) else block[:, :n]
-        return a
-    m = _padded(n, a.shape[2])
-    if isinstance(block, np.ndarray):
-        padded = np.zeros((block.shape[0], m, block.shape[2]), np.float32)
-        k = min(m, block.shape[1])
-        padded[:, :k] = block[:, :k]
-        block = padded
-    elif block.shape[1] != m:
-        block = block[:, :m]
-    return a.at[row, :, :m].set(block.astype(a.dtype))
+def _device_read(arrays: tuple, row: int, n: int) -> tuple:
+    """Positions [0, PAD-rounded n) of row `row` of device cache arrays [B, KV, S, hd]: one jitted
+    program per rounded length for all of them (no trip to the host)."""
+    fn = _PROGRAMS.get("read")
+    if fn is None:
+        import jax
+
+        def read(arrs, row, m):
+            return tuple(jax.lax.dynamic_index_in_dim(a, row, 0, keepdims=False)[:, :m] for a in arrs)
+        fn = _PROGRAMS["read"] = jax.jit(read, static_argnums=2)
+    return fn(arrays, np.int32(row), _padded(n, arrays[0].shape[2]))
+
+
+def _device_write(arrays: tuple, blocks: tuple, row: int) -> tuple:
+    """Blocks [KV, m, hd] into positions [0, m) of row `row` of device cache arrays (donated: an
+    update in place); one program per block length."""
+    fn = _PROGRAMS.get("write")
+    if fn is None:
+        import jax
+
+        def write(arrs, blocks, row):
+            return tuple(jax.lax.dynamic_update_slice(a, b[None].astype(a.dtype), (row, 0, 0, 0))
+                         for a, b in zip(arrs, blocks))
+        fn = _PROGRAMS["write"] = jax.jit(write, donate_argnums=0)
+    return fn(arrays, blocks, np.int32(row))
+
+
+def _host_block(block: np.ndarray, m: int) -> np.ndarray:
+    """A host entry's block [KV, n, hd] zero-padded to m positions (written into a device cache)."""
+    padded = np.zeros((block.shape[0], m, block.shape[2]), np.float32)
+    k = min(m, block.shape[1])
+    padded[:, :k] = block[:, :k]
+    return padded
+
+
+def _on_device(a) -> bool:
+    return not isinstance(a, np.ndarray)
 
 
 class PromptCache:
@@ -107,11 +123,32 @@ class PromptCache:
         if e is None or n < self.min_tokens:
             return 0
         self.entries.move_to_end(self._key(e.tokens))
-        for layer in range(len(cache.k)):
-            cache.k[layer] = _write_rows(cache.k[layer], row, e.k[layer], n)
-            cache.v[layer] = _write_rows(cache.v[layer], row, e.v[layer], n)
+        L = len(cache.k)
+        if _on_device(cache.k[0]):
+            # the entry's whole (PAD-rounded) block goes in: positions past n lie past the row's
+            # length (masked, then overwritten), and one program per entry length suffices
+            m = _padded(len(e.tokens), cache.k[0].shape[2])
+            blocks = tuple(b if _on_device(b) else _host_block(b, m) for layer in range(L) for b in (e.k[layer], e.v[layer]))
+            out = _device_write(tuple(a for layer in range(L) for a in (cache.k[layer], cache.v[layer])), blocks, row)
+            cache.k[:], cache.v[:] = list(out[0::2]), list(out[1::2])
+        else:
+            for layer in range(L):
+                for dst, src in ((cache.k, e.k), (cache.v, e.v)):
+                    dst[layer][row, :, :n] = np.asarray(src[layer][:, :n])
         cache.lengths[row] = n
         return n
+
+    def warm(self, cache, *others) -> None:
+        """Build, before serving, the programs that move entries in and out of a device cache (one
+        per PAD-rounded length; nothing for host caches): into and out of `cache`, out of `others`."""
+        if not cache.k or not _on_device(cache.k[0]):
+            return
+        arrays = tuple(a for pair in zip(cache.k, cache.v) for a in pair)
+        for n in range(PAD, cache.k[0].shape[2] + PAD, PAD):
+            arrays = _device_write(arrays, _device_read(arrays, 0, n), 0)
+            for c in others:
+                _device_read(tuple(a for pair in zip(c.k, c.v) for a in pair), 0, n)
+        cache.k[:], cache.v[:] = list(arrays[0::2]), list(arrays[1::2])
 
     def store(self, tokens, cache, row: int) -> None:
         """Keep the KV of `tokens` (the first len(tokens) positions of row `row` of `cache`)."""
@@ -126,7 +163,11 @@ class PromptCache:
         for key, old in list(self.entries.items()):      # entries that are a prefix of this one: superseded
             if len(old.tokens) <= n and (tokens[:len(old.tokens)] == old.tokens).all():
                 self._drop(key)
-        new = _Entry(tokens, [_read_rows(a, row, n) for a in cache.k], [_read_rows(a, row, n) for a in cache.v])
+        if _on_device(cache.k[0]):
+            out = _device_read(tuple(a for pair in zip(cache.k, cache.v) for a in pair), row, n)
+            new = _Entry(tokens, list(out[0::2]), list(out[1::2]))
+        else:
+            new = _Entry(tokens, [a[row, :, :n].copy() for a in cache.k], [a[row, :, :n].copy() for a in cache.v])
         self._add(new)
 
     def _add(self, e: _Entry) -> None:

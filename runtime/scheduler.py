@@ -12,6 +12,7 @@ a stop string; ("done", finish_reason, prompt_tokens, completion_tokens); ("erro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -107,6 +108,43 @@ class TextStream:
         return out
 
 
+_outbox = threading.local()
+
+
+def _post(loop: asyncio.AbstractEventLoop, items: list) -> None:
+    """Events into their requests' queues, on the loop's thread: one wake-up for all of them."""
+    if loop.is_closed():
+        return
+    try:
+        loop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:        # the loop closed meanwhile (shutdown)
+        pass
+
+
+def _put_all(items: list) -> None:
+    for req, event in items:
+        req.events.put_nowait(event)
+
+
+@contextlib.contextmanager
+def batched_events():
+    """Requests' events emitted by this thread inside the block reach their event loops at its
+    end, one wake-up per loop (a decode step's tokens for all its streams at once), in order."""
+    if getattr(_outbox, "items", None) is not None:
+        yield
+        return
+    _outbox.items = items = []
+    try:
+        yield
+    finally:
+        _outbox.items = None
+        by_loop: dict = {}
+        for req, event in items:
+            by_loop.setdefault(req.loop, []).append((req, event))
+        for loop, batch in by_loop.items():
+            _post(loop, batch)
+
+
 @dataclass
 class Request:
     prompt: list[int]
@@ -123,11 +161,12 @@ class Request:
     def emit(self, *event) -> None:
         if self.sink is not None:
             self.sink(event)
-        elif self.loop is not None and not self.loop.is_closed():
-            try:
-                self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-            except RuntimeError:        # the loop closed meanwhile (shutdown)
-                pass
+        elif self.loop is not None:
+            box = getattr(_outbox, "items", None)
+            if box is not None:
+                box.append((self, event))
+            else:
+                _post(self.loop, [(self, event)])
 
     def cancel(self, why: str | None = None) -> None:
         if why:

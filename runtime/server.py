@@ -102,6 +102,23 @@ class ChatBody(_Common):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
 
 
+class _BodyLimit:
+    """Refuses (413) a request whose Content-Length is over MAX_BODY before it is read. Plain ASGI,
+    not Starlette's BaseHTTPMiddleware, which would put every streamed chunk through a task."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            size = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
+            if size.isdigit() and int(size) > MAX_BODY:
+                resp = _error(413, f"the request body has {size} bytes; at most {MAX_BODY} are read")
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _usage(p: int, c: int) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
@@ -144,12 +161,7 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
 
     guarded = [Depends(auth)]
 
-    @app.middleware("http")
-    async def body_limit(request: HTTPRequest, call_next):
-        size = request.headers.get("content-length", "")
-        if size.isdigit() and int(size) > MAX_BODY:
-            return _error(413, f"the request body has {size} bytes; at most {MAX_BODY} are read")
-        return await call_next(request)
+    app.add_middleware(_BodyLimit)
 
     @app.get("/health")
     async def health():
@@ -207,14 +219,18 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
         return req
 
     async def events(req: Request):
-        """The request's events until done; cancels the sequence if the client goes away."""
+        """The request's events until done, in lists of those that have arrived (a stream behind
+        the scheduler sends them in one write); cancels the sequence if the client goes away."""
         try:
             while True:
-                ev = await req.events.get()
-                if ev[0] == "error":
-                    raise APIError(ev[2], ev[1], "server_error")
-                yield ev
-                if ev[0] == "done":
+                evs = [await req.events.get()]
+                while not req.events.empty() and evs[-1][0] == "text":
+                    evs.append(req.events.get_nowait())
+                for ev in evs:
+                    if ev[0] == "error":
+                        raise APIError(ev[2], ev[1], "server_error")
+                yield evs
+                if evs[-1][0] == "done":
                     return
         finally:
             req.cancel()
@@ -233,11 +249,12 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
             parts, reason, usage = [], "length", None
             watch = asyncio.create_task(hang_up(http, req))
             try:
-                async for ev in events(req):
-                    if ev[0] == "text":
-                        parts.append(ev[1])
-                    else:
-                        reason, usage = ev[1], _usage(ev[2], ev[3])
+                async for evs in events(req):
+                    for ev in evs:
+                        if ev[0] == "text":
+                            parts.append(ev[1])
+                        else:
+                            reason, usage = ev[1], _usage(ev[2], ev[3])
             finally:
                 watch.cancel()
             text = "".join(parts)
@@ -264,13 +281,16 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
             if kind == "chat":
                 yield chunk("", None, first=True)
             try:
-                async for ev in events(req):
-                    if ev[0] == "text":
-                        yield chunk(ev[1], None)
-                    else:
-                        yield chunk(None, ev[1])
-                        if include_usage:
-                            yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': _usage(ev[2], ev[3])})}\n\n"
+                async for evs in events(req):
+                    out = []
+                    for ev in evs:
+                        if ev[0] == "text":
+                            out.append(chunk(ev[1], None))
+                        else:
+                            out.append(chunk(None, ev[1]))
+                            if include_usage:
+                                out.append(f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': _usage(ev[2], ev[3])})}\n\n")
+                    yield "".join(out)
             except APIError as e:
                 err = {"error": {"message": e.message, "type": e.type, "param": None, "code": None}}
                 yield f"data: {json.dumps(err)}\n\n"

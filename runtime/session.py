@@ -178,6 +178,12 @@ class Session:
         else:
             cache.load_row(slot, src, row)
 
+    def batch_stepper(self):
+        """The executor whose `batch_step` runs the server's decode steps (a whole plan on one xla
+        device, no disk tier: steps launched before the last one's tokens are on the host), else None."""
+        can = getattr(self.executor, "can_batch_step", None)
+        return self.executor if self.disk is None and can is not None and can() else None
+
     @staticmethod
     def capacity_for(T: int, max_new_tokens: int, chunk: int | None = None) -> int:
         """The KV cache length `generate` gives a prompt of T tokens prefilled `chunk` at a time:

@@ -76,6 +76,8 @@ def test_batched_sequences_get_their_tokens_alone(plan, tok, backend):
         assert [r.text() for r in rs] == alone and all(alone)
         assert all(r.got[-1][0] == "done" for r in rs)
         st = sch.stats
+        # on xla the steps ran on the device, each launched before the last one's tokens were read
+        assert (sch.stepper is not None) == (backend == "xla")
         assert st["requests"] == 16 and st["rows_stepped"] > st["steps"]     # some steps ran several rows
         # prompts of more than one 4-token chunk were prefilled in several
         assert st["prefill_chunks"] > st["requests"]
@@ -83,23 +85,31 @@ def test_batched_sequences_get_their_tokens_alone(plan, tok, backend):
         sch.shutdown()
 
 
-def test_seeded_sampling_does_not_depend_on_neighbours(plan, tok):
-    sch = _scheduler(plan, tok, "llvm", max_batch=4)
+@pytest.mark.parametrize("backend", ["llvm", "xla"])
+def test_seeded_sampling_does_not_depend_on_neighbours(plan, tok, backend):
+    sch = _scheduler(plan, tok, backend, max_batch=4)
     try:
         kw = dict(temperature=0.9, top_p=0.95, seed=5)
         r = _req(tok, TEXTS[0], 16, **kw)
         sch.submit(r)
         alone = r.text()
-        rs = [_req(tok, TEXTS[0], 16, **kw)] + [_req(tok, t, 16, temperature=1.0, seed=i) for i, t in enumerate(TEXTS[1:4])]
+        g = _req(tok, TEXTS[4], 24)
+        sch.submit(g)
+        greedy = g.text()
+        # sampled and greedy sequences side by side (on xla: steps read one at a time while a
+        # sampled one runs, launched ahead once only greedy ones are left)
+        rs = [_req(tok, TEXTS[0], 16, **kw), _req(tok, TEXTS[4], 24)] + \
+            [_req(tok, t, 16, temperature=1.0, seed=i) for i, t in enumerate(TEXTS[1:3])]
         for x in rs:
             sch.submit(x)
-        assert rs[0].text() == alone
+        assert rs[0].text() == alone and rs[1].text() == greedy
     finally:
         sch.shutdown()
 
 
-def test_cancelled_sequence_frees_its_slot(plan, tok):
-    sch = _scheduler(plan, tok, "llvm", max_batch=1)
+@pytest.mark.parametrize("backend", ["llvm", "xla"])
+def test_cancelled_sequence_frees_its_slot(plan, tok, backend):
+    sch = _scheduler(plan, tok, backend, max_batch=1)
     try:
         long = _req(tok, TEXTS[0], 200)
         sch.submit(long)
@@ -117,10 +127,11 @@ def test_cancelled_sequence_frees_its_slot(plan, tok):
         sch.shutdown()
 
 
-def test_prompt_cache_serves_a_shared_start(plan, tok):
+@pytest.mark.parametrize("backend", ["llvm", "xla"])
+def test_prompt_cache_serves_a_shared_start(plan, tok, backend):
     m = plan.meta["model"]
     pc = PromptCache(64 << 20, plan.digest(), shape=(m["n_layers"], m["n_kv_heads"], m["head_dim"]))
-    sch = _scheduler(plan, tok, "llvm", max_batch=2, prompt_cache=pc)
+    sch = _scheduler(plan, tok, backend, max_batch=2, prompt_cache=pc)
     try:
         system = "You are a helpful assistant who answers questions about Python programs. "
         first = _req(tok, system + "What is a list?")
@@ -131,7 +142,7 @@ def test_prompt_cache_serves_a_shared_start(plan, tok):
         sch.submit(r)
         got = r.text()
         assert sch.stats["prompt_cache_tokens"] - before >= len(tok.encode(system).ids) - 2
-        plain = _scheduler(plan, tok, "llvm", max_batch=2)
+        plain = _scheduler(plan, tok, backend, max_batch=2)
         try:
             again = _req(tok, system + "What is a dict?")
             plain.submit(again)

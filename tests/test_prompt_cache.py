@@ -96,3 +96,25 @@ def test_folder_survives_a_restart_and_damage_is_skipped(plan, tmp_path, capsys)
     (tmp_path / "junk.kv").write_bytes(b"STRATAKV\xff\xff\xff\xff")
     PromptCache(64 << 20, plan.digest(), tmp_path, shape=_shape(plan))
     assert "header length" in capsys.readouterr().err
+
+
+def test_an_entry_read_from_a_file_goes_into_a_device_cache(plan, tmp_path):
+    """Entries read from --kv-cache-dir are host arrays; an xla session's cache is on its device."""
+    vocab = plan.meta["model"]["vocab_size"]
+    ids = np.random.default_rng(4).integers(0, vocab, 40)
+    ref = Session(plan, "reference")
+    ref.reset(1, 128)
+    ref.step(ids[None, :24])
+    pc = PromptCache(64 << 20, plan.digest(), tmp_path, shape=_shape(plan))
+    pc.store(ids[:24], ref.cache, 0)
+    assert pc.save() == 1
+    again = PromptCache(64 << 20, plan.digest(), tmp_path, shape=_shape(plan))
+    s = Session(plan, "xla")
+    s.reset(1, 128)
+    fresh = s.step(ids[None])[:, -1]
+    s.reset(1, 128)
+    s.step(ids[None, :1])             # the cache on the device
+    s.cache.lengths[0] = 0
+    assert again.load(ids[:-1], s.cache, 0) == 24
+    hit = s.step(ids[None, 24:])[:, -1]
+    assert np.abs(hit - fresh).max() <= 1e-4 * fresh.std()

@@ -278,16 +278,20 @@ class XLAExecutor:
         if self.layers and not on_device(cache.k[self.layers[0]]):
             self.new_cache(cache)
         fn = getattr(self, "_load_row_fn", None)
-        if fn is None:
-            fn = self._load_row_fn = jax.jit(_copy_row, donate_argnums=0)
+        if fn is None:      # every layer's K and V in one program (one dispatch per row moved)
+            fn = self._load_row_fn = jax.jit(
+                lambda dst, src, slot, row: tuple(_copy_row(d, s, slot, row) for d, s in zip(dst, src)),
+                donate_argnums=0)
         home = self._home()
-        at = (np.int32(slot), np.int32(row))
-        for layer in self.layers:
-            for dst, s in ((cache.k, src.k), (cache.v, src.v)):
-                a = s[layer]
-                if on_device(a) and a.sharding != dst[layer].sharding:
-                    a = jax.device_put(a, home)
-                dst[layer] = fn(dst[layer], a, *at)
+        dst = [c[layer] for layer in self.layers for c in (cache.k, cache.v)]
+        srcs = []
+        for a, d in zip((s[layer] for layer in self.layers for s in (src.k, src.v)), dst):
+            if on_device(a) and a.sharding != d.sharding:
+                a = jax.device_put(a, home)
+            srcs.append(a)
+        out = fn(tuple(dst), tuple(srcs), np.int32(slot), np.int32(row))
+        for i, layer in enumerate(self.layers):
+            cache.k[layer], cache.v[layer] = out[2 * i], out[2 * i + 1]
         cache.lengths[slot] = n
 
     def bucket(self, T: int, room: int) -> int:
@@ -430,6 +434,52 @@ class XLAExecutor:
             return np.asarray(cuda_rt.fetch(jax.block_until_ready(step[0]))).astype(np.int64)
 
         return ahead.run(launch, finish, n, int(first[0].shape[0]), stop_ids, done)
+
+    @staticmethod
+    def fetch(v) -> np.ndarray:
+        """A device result (batch_step's) on the host: by a raw copy where cuda_rt is on."""
+        return cuda_rt.fetch(v)
+
+    def can_batch_step(self) -> bool:
+        """Whether batch_step applies: a whole plan on this executor, no expert caches, no trace file."""
+        from strata_compiler.backends import ahead
+
+        return len(self.nodes) == len(self.g.nodes) and not self.cached and not ahead.traced_fully()
+
+    def _batch_step(self, params, ks, vs, prev, host_tok, use_host, pos):
+        """A decode step of the first B = len(pos) rows whose ids are the host's where use_host,
+        else the device tokens of the step before (prev); its greedy tokens (int32 [Bc], zero past
+        B) and logits (f32 [B, V]) stay on the device."""
+        jnp = _jnp()
+        B = pos.shape[0]
+        tok = jnp.where(use_host, host_tok, prev)[:B]
+        res, ks, vs = self._forward(params, ks, vs, {}, tok[:, None], B, 1, pos)
+        logits = res[self.g.outputs[0]].reshape(B, -1)
+        nxt = jnp.zeros_like(prev).at[:B].set(jnp.argmax(logits, axis=-1).astype(prev.dtype))
+        return nxt, logits, ks, vs
+
+    def batch_step(self, cache, rows: int, host_tok: np.ndarray, use_host: np.ndarray, prev=None):
+        """Dispatch one decode step of the cache's first `rows` rows (continuous batching) without
+        waiting for it: row b's id is host_tok[b] where use_host[b], else the token the step before
+        chose for it on the device (`prev`, the tokens this returned then), so the host can launch
+        a step before it knows the last one's tokens. host_tok int32 and use_host bool [cache rows].
+        Returns (tokens int32 [cache rows], logits f32 [rows, V]), device values."""
+        jax = _jax()
+        if cache.length + 1 > cache.capacity:
+            raise UsageError(f"sequence of {cache.length + 1} tokens exceeds the KV cache capacity {cache.capacity}")
+        if self.layers and not on_device(cache.k[self.layers[0]]):
+            self.new_cache(cache)
+        fn = getattr(self, "_batch_fn", None)
+        if fn is None:
+            fn = self._batch_fn = jax.jit(self._batch_step, donate_argnums=(1, 2))
+        ks = {l: cache.k[l] for l in self.layers}
+        vs = {l: cache.v[l] for l in self.layers}
+        pos = np.asarray(cache.lengths[:rows], np.int32)
+        tok, logits, ks, vs = fn(self.params, ks, vs, host_tok if prev is None else prev, host_tok, use_host, pos)
+        for l in self.layers:
+            cache.k[l], cache.v[l] = ks[l], vs[l]
+        cache.lengths[:rows] += 1
+        return tok, logits
 
     def run_segment(self, env: dict, input_ids: np.ndarray, cache) -> None:
         """Run this partition at the exact length (no padding: other devices share the step)."""
