@@ -8,11 +8,13 @@
 #            --platform manylinux2014_x86_64 fastapi uvicorn openai httpx jinja2 -d build/wheels)
 #   call 1: PHASE=1 bash benchmarks/h200_serve.sh  (carry build/llamacpp build/wheels): llama.cpp builds
 #           at the lowest priority in the background while the model is made and converted, Strata's
-#           plans compile and Strata is measured: prefill (gpu_prefill.py), a second process's
-#           start-up, strata-server (serve_bench.py) on PLACEMENTS (default "gpu cpu8", as time allows)
-#   call 2: PHASE=2 ...: Q4_0; llama-bench (prefill 512/4096, decode) and llama-server on both
-#           placements; STRATA_CPU8=1 measures strata-server cpu8 there instead
+#           plans compile and strata-server (serve_bench.py) runs on PLACEMENTS (default "gpu cpu8", as
+#           time allows: a first look, and the programs compiled into the persistent cache); with
+#           PREFILL_PLACEMENTS="gpu cpu8" prefill (gpu_prefill.py), with STARTUP=1 a second process's start-up
+#   call 2: PHASE=2 ...: Q4_0; llama-server and strata-server side by side on each placement (on the
+#           idle machine); LLAMA_BENCH=1 adds llama-bench (prefill 512/4096, decode)
 #   call 3: PHASE=3 SOAK=300 ...: strata-server (gpu) at concurrency 64 for SOAK seconds
+#   PHASE=0 LIMIT=S (carry build/wheels): the model, its gpu plan and strata-server under py-spy (a profile)
 # Outputs under $OUT (else /tmp/serveout): summary.txt and details-PHASE.tgz (the *.json / *.log).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -23,25 +25,35 @@ W=${WORK:-/tmp/sv}; LC=/tmp/llamacpp; M=$W/mx
 mkdir -p $W
 D=$W/details-${PHASE:-1}; mkdir -p $D
 SOAK=${SOAK:-300}
-LIMIT=${LIMIT:-$([ "${PHASE:-1}" = 3 ] && echo $((SOAK + 180)) || echo 560)}; T0=$(date +%s)   # the soak: its server's start too
+LIMIT=${LIMIT:-$([ "${PHASE:-1}" = 3 ] && echo $((SOAK + 180)) || echo 560)}   # PHASE=0: set LIMIT; T0=$(date +%s)   # the soak: its server's start too
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
 VOCAB_OF() { python3 -c "import json;print(json.load(open('$M/config.json'))['vocab_size'])"; }
 MIX() { echo "--concurrency $CONC --prompt-lens 32,128,512 --output-lens 16,64,128 --vocab $(VOCAB_OF) --seed 0 --ignore-eos"; }
 TTFT() { echo "--concurrency 1 --requests 6 --prompt-lens 512 --output-lens 16 --vocab $(VOCAB_OF) --seed 1 --ignore-eos"; }
 PLACE8='re:^L(0|1|2|3|4|5|6|7)\.moe\.(gate|up|down)=cpu,all=gpu'
-SARGS="--server-arg=--max-batch=64 --server-arg=--ctx=1024 --server-arg=--prefill-chunk=512 --startup-timeout 300"
+SARGS="--server-arg=--max-batch=64 --server-arg=--ctx=1024 --server-arg=--prefill-chunk=512 --startup-timeout 300"   # the soak
 QUIET='^WARNING\|^I0000\|^W0000\|^E0000'
 
 conc_of() { [ "$1" = gpu ] && echo "${CONC_GPU:-1,4,16,64}" || echo "${CONC_CPU8:-1,4,16}"; }
 
-strata_bench() {   # name plan
+strata_bench() {   # name plan: one server for the mix and the TTFT run (its start-up logged)
   log "strata-server $1 ($(left) s left)"
   CONC=$(conc_of $1)
-  timeout $(( $(left) - 10 )) python3 benchmarks/serve_bench.py --plan $2 $SARGS $(MIX) --json "$D/serve-strata-$1.json" \
-    > "$D/serve-strata-$1.log" 2>&1; tail -8 "$D/serve-strata-$1.log" | tee -a "$OUT/summary.txt"
-  timeout $(( $(left) - 10 )) python3 benchmarks/serve_bench.py --plan $2 $SARGS $(TTFT) \
+  local t0=$(date +%s)
+  strata-server $2 --port 8082 --max-batch 64 --ctx 1024 --prefill-chunk 512 --log-level warning \
+    > "$D/strata-server-$1.log" 2>&1 &
+  local pid=$!
+  until curl -sf http://127.0.0.1:8082/health > /dev/null; do
+    kill -0 $pid 2>/dev/null || { log "strata-server exited: $(tail -1 "$D/strata-server-$1.log")"; return; }
+    [ $(left) -gt 30 ] || { log "strata-server $1 not ready in time"; kill $pid; return; }; sleep 1; done
+  log "strata-server $1 ready after $(( $(date +%s) - t0 )) s"
+  timeout $(( $(left) - 10 )) python3 benchmarks/serve_bench.py --base-url http://127.0.0.1:8082/v1 $(MIX) \
+    --json "$D/serve-strata-$1.json" > "$D/serve-strata-$1.log" 2>&1; tail -8 "$D/serve-strata-$1.log" | tee -a "$OUT/summary.txt"
+  timeout $(( $(left) - 10 )) python3 benchmarks/serve_bench.py --base-url http://127.0.0.1:8082/v1 $(TTFT) \
     --json "$D/ttft-strata-$1.json" > "$D/ttft-strata-$1.log" 2>&1; tail -3 "$D/ttft-strata-$1.log" | tee -a "$OUT/summary.txt"
+  curl -s http://127.0.0.1:8082/stats >> "$D/strata-server-$1.log"
+  kill -TERM $pid; wait $pid; log "strata-server $1 exit status $?"
 }
 
 llama_bench() {    # name extra-args
@@ -64,7 +76,31 @@ python3 -c "import fastapi, uvicorn, openai, httpx, jinja2" 2>/dev/null || [ ! -
   python3 -m pip install -q --no-index --find-links build/wheels fastapi uvicorn openai httpx jinja2 > "$D/wheels.log" 2>&1 \
   || tail -3 "$D/wheels.log"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$D/pip.log" 2>&1 || { tail "$D/pip.log"; exit 1; }
-if [ "${PHASE:-1}" = 1 ]; then
+if [ "${PHASE:-1}" = 0 ]; then
+  # a look inside strata-server on the GPU placement: the mix under py-spy (carried in build/wheels)
+  log "model"
+  [ -f $M/config.json ] || python3 benchmarks/make_mixtral_model.py $M ${MODEL_ARGS:-} > $W/make.log 2>&1 || { tail $W/make.log; exit 1; }
+  log "compile"
+  [ -f $W/p-gpu/plan.bin ] || stratac compile $M -o $W/p-gpu --quant int4 > $W/c1.log 2>&1 || tail -3 $W/c1.log
+  python3 -m pip install -q --no-index --find-links build/wheels py-spy > /dev/null 2>&1
+  log "strata-server gpu under py-spy"
+  t0=$(date +%s)
+  py-spy record --idle --threads -r 100 -f raw -o "$D/spy-gpu.txt" -- strata-server $W/p-gpu --port 8082 --max-batch 64 \
+    --ctx 1024 --prefill-chunk 512 --log-level warning > "$D/strata-server-spy.log" 2>&1 &
+  spy=$!
+  until curl -sf http://127.0.0.1:8082/health > /dev/null; do
+    kill -0 $spy 2>/dev/null || { log "exited: $(tail -2 "$D/strata-server-spy.log")"; break; }
+    [ $(left) -gt 60 ] || break; sleep 1; done
+  log "ready after $(( $(date +%s) - t0 )) s"
+  CONC=${CONC_GPU:-1,4,16,64}
+  timeout $(( $(left) - 40 )) python3 benchmarks/serve_bench.py --base-url http://127.0.0.1:8082/v1 $(MIX) \
+    --json "$D/serve-strata-gpu.json" > "$D/serve-strata-gpu.log" 2>&1; tail -8 "$D/serve-strata-gpu.log" | tee -a "$OUT/summary.txt"
+  timeout $(( $(left) - 30 )) python3 benchmarks/serve_bench.py --base-url http://127.0.0.1:8082/v1 $(TTFT) \
+    --json "$D/ttft-strata-gpu.json" > "$D/ttft-strata-gpu.log" 2>&1; tail -3 "$D/ttft-strata-gpu.log" | tee -a "$OUT/summary.txt"
+  curl -s http://127.0.0.1:8082/stats | tee -a "$OUT/summary.txt"; echo
+  kill -TERM $(pgrep -P $spy) 2>/dev/null; wait $spy
+  log "py-spy: $(ls -la $D/spy-gpu.txt 2>&1)"
+elif [ "${PHASE:-1}" = 1 ]; then
   # the anchor's trimmed source lacks the web UI's templates, without which llama-server does not build:
   # stand-ins (no embedded UI) placed first; build.sh's extraction leaves them there
   mkdir -p $LC/tools/ui && cp benchmarks/llamacpp_ui/ui.h.in benchmarks/llamacpp_ui/ui.cpp.in $LC/tools/ui/
@@ -77,13 +113,13 @@ if [ "${PHASE:-1}" = 1 ]; then
      > $W/convert.log 2>&1; echo "convert rc $?" >> $W/convert.log) &
   stratac compile $M -o $W/p-gpu --quant int4 > $W/c1.log 2>&1 || tail -3 $W/c1.log
   stratac compile $M -o $W/p-cpu8 --quant int4 --place "$PLACE8" > $W/c2.log 2>&1 || tail -3 $W/c2.log
-  for pl in gpu cpu8; do
+  for pl in ${PREFILL_PLACEMENTS:-}; do     # issue 28's prefill side (gpu cpu8), when asked
     log "strata prefill $pl"
     timeout $(( $(left) - 10 )) python3 benchmarks/gpu_prefill.py $W/p-$pl --lens 512,4096 --repeats 3 --n-new 64 \
       --label $pl --json "$D/prefill-strata-$pl.json" 2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
   done
-  log "start-up: two fresh processes decoding 64 tokens (gpu plan)"
-  for i in 1 2; do
+  [ "${STARTUP:-0}" = 1 ] && log "start-up: two fresh processes decoding 64 tokens (gpu plan)"
+  for i in $([ "${STARTUP:-0}" = 1 ] && echo 1 2); do
     /usr/bin/time -f "wall %e s" strata-run $W/p-gpu -n 64 --prompt "The history of the city" > /dev/null 2> $W/run$i.err
     grep -v "$QUIET" $W/run$i.err | tail -2 | tee -a "$OUT/summary.txt"
   done
@@ -99,15 +135,18 @@ elif [ "${PHASE:-1}" = 2 ]; then
   while ! grep -q "convert rc" $W/convert.log 2>/dev/null && [ $(left) -gt 20 ]; do sleep 5; done
   [ -f $W/mx-Q4_0.gguf ] || LD_LIBRARY_PATH=$LC/build/bin $LC/build/bin/llama-quantize $W/mx-bf16.gguf $W/mx-Q4_0.gguf Q4_0 16 \
     > $W/quant.log 2>&1 || tail -3 $W/quant.log
-  log "llama-bench"
-  for cfg in "gpu|-ngl 99" "cpu8|-ngl 99 -ncmoe 8"; do
+  [ "${LLAMA_BENCH:-0}" = 1 ] && log "llama-bench"
+  for cfg in $([ "${LLAMA_BENCH:-0}" = 1 ] && echo "gpu|-ngl_99" "cpu8|-ngl_99_-ncmoe_8"); do
+    cfg=${cfg//_/ }
     name=${cfg%%|*}; args=${cfg#*|}
     LD_LIBRARY_PATH=$LC/build/bin timeout 120 $LC/build/bin/llama-bench -m $W/mx-Q4_0.gguf $args -t 16 -p 512,4096 -n 64 \
       -r 3 -o md > "$D/llama-bench-$name.md" 2>&1; grep "|" "$D/llama-bench-$name.md" | tee -a "$OUT/summary.txt"
   done
+  # side by side on the idle machine, each placement's pair back to back
   llama_bench gpu ""
+  strata_bench gpu $W/p-gpu
   llama_bench cpu8 "--n-cpu-moe 8"
-  [ "${STRATA_CPU8:-0}" = 1 ] && strata_bench cpu8 $W/p-cpu8
+  strata_bench cpu8 $W/p-cpu8
 else
   log "strata soak ${SOAK}s at concurrency 64"
   timeout $(( $(left) - 5 )) python3 benchmarks/serve_bench.py --plan $W/p-gpu $SARGS --soak $SOAK --concurrency 64 \
