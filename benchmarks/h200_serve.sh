@@ -25,7 +25,7 @@ W=${WORK:-/tmp/sv}; LC=/tmp/llamacpp; M=$W/mx
 mkdir -p $W
 D=$W/details-${PHASE:-1}; mkdir -p $D
 SOAK=${SOAK:-300}
-LIMIT=${LIMIT:-$([ "${PHASE:-1}" = 3 ] && echo $((SOAK + 180)) || echo 560)}   # PHASE=0: set LIMIT; T0=$(date +%s)   # the soak: its server's start too
+LIMIT=${LIMIT:-$([ "${PHASE:-1}" = 3 ] && echo $((SOAK + 180)) || echo 560)}; T0=$(date +%s)   # PHASE=0: set LIMIT   # the soak: its server's start too
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
 VOCAB_OF() { python3 -c "import json;print(json.load(open('$M/config.json'))['vocab_size'])"; }
@@ -54,6 +54,16 @@ strata_bench() {   # name plan: one server for the mix and the TTFT run (its sta
     --json "$D/ttft-strata-$1.json" > "$D/ttft-strata-$1.log" 2>&1; tail -3 "$D/ttft-strata-$1.log" | tee -a "$OUT/summary.txt"
   curl -s http://127.0.0.1:8082/stats >> "$D/strata-server-$1.log"
   kill -TERM $pid; wait $pid; log "strata-server $1 exit status $?"
+}
+
+warm_server() {    # name plan: start, wait until ready, stop (programs compiled on the way)
+  local t0=$(date +%s)
+  strata-server $2 --port 8083 --max-batch 64 --ctx 1024 --prefill-chunk 512 --log-level warning > "$D/warm-$1.log" 2>&1 &
+  local pid=$!
+  until curl -sf http://127.0.0.1:8083/health > /dev/null; do
+    kill -0 $pid 2>/dev/null || { log "strata-server $1 exited: $(tail -1 "$D/warm-$1.log")"; return; }
+    [ $(left) -gt 20 ] || { log "strata-server $1 not ready in time"; kill $pid; return; }; sleep 1; done
+  kill -TERM $pid; wait $pid; log "strata-server $1 ready after $(( $(date +%s) - t0 )) s on a fresh machine (exit $?)"
 }
 
 llama_bench() {    # name extra-args
@@ -123,9 +133,12 @@ elif [ "${PHASE:-1}" = 1 ]; then
     /usr/bin/time -f "wall %e s" strata-run $W/p-gpu -n 64 --prompt "The history of the city" > /dev/null 2> $W/run$i.err
     grep -v "$QUIET" $W/run$i.err | tail -2 | tee -a "$OUT/summary.txt"
   done
-  for pl in ${PLACEMENTS:-gpu cpu8}; do
-    [ $(left) -gt 200 ] || { log "no time left for strata-server $pl"; continue; }
-    strata_bench $pl $W/p-$pl
+  log "batch steps and prefills on the device (benchmarks/batch_steps.py)"
+  timeout $(( $(left) - 200 )) python3 benchmarks/batch_steps.py $W/p-gpu --rows 1,2,4,8,16,32,64 --profile 16,64 \
+    --json "$D/batch-steps.json" 2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
+  for pl in ${PLACEMENTS:-gpu cpu8}; do   # each server's programs into the persistent cache: call 2 starts fast
+    [ $(left) -gt 60 ] || { log "no time left to warm strata-server $pl"; continue; }
+    warm_server $pl $W/p-$pl
   done
   log "waiting for the llama.cpp build ($(left) s left)"
   while ! grep -q "build rc" $W/build.out 2>/dev/null && [ $(left) -gt 20 ]; do sleep 5; done

@@ -94,7 +94,7 @@ class BatchScheduler(Scheduler):
         while True:
             self.pre.length = 0
             s.cache = self.pre
-            s.step((np.arange(T, dtype=np.int64) % vocab)[None])
+            s.step((np.arange(T, dtype=np.int64) % vocab)[None], last_only=True)
             if T >= min(self.chunk, self.ctx):
                 break
             T = min(T * 2 if T > 1 else 16, self.chunk, self.ctx)

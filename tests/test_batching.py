@@ -151,3 +151,36 @@ def test_prompt_cache_serves_a_shared_start(plan, tok, backend):
             plain.shutdown()
     finally:
         sch.shutdown()
+
+
+def test_serving_after_warm_up_compiles_nothing(plan, tok):
+    """xla: every program serving needs is built before the scheduler says ready (one compiled while
+    serving stalls every stream): prompts of many lengths, one longer than a chunk, greedy and
+    sampled sequences, prompt-cache hits and stores."""
+    import jax
+
+    m = plan.meta["model"]
+    pc = PromptCache(64 << 20, plan.digest(), shape=(m["n_layers"], m["n_kv_heads"], m["head_dim"]))
+    sch = _scheduler(plan, tok, "xla", max_batch=4, chunk=16, prompt_cache=pc)
+    seen, on = [], [True]
+
+    def listen(event, _secs, **_kw):
+        if on[0] and event in ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration"):
+            seen.append(event)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        long = " ".join(TEXTS)          # more than one 16-token chunk
+        rs = [_req(tok, t, 6 + i) for i, t in enumerate([*TEXTS, long])]
+        rs[2] = _req(tok, TEXTS[2], 9, temperature=0.8, seed=3)
+        for r in rs:
+            sch.submit(r)
+        assert all(r.text() is not None for r in rs) and all(r.got[-1][0] == "done" for r in rs)
+        again = [_req(tok, long + " again", 5), _req(tok, long, 7)]     # prompt-cache hits
+        for r in again:
+            sch.submit(r)
+        assert all(r.text() is not None for r in again)
+        assert sch.stats["prompt_cache_tokens"] > 0
+        assert not seen, f"{len(seen)} JAX programs traced or compiled while serving"
+    finally:
+        on[0] = False
+        sch.shutdown()

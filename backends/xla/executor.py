@@ -472,10 +472,14 @@ class XLAExecutor:
         fn = getattr(self, "_batch_fn", None)
         if fn is None:
             fn = self._batch_fn = jax.jit(self._batch_step, donate_argnums=(1, 2))
+        if prev is None:    # a device array like the tokens of a step (a NumPy one would be another program)
+            prev = getattr(self, "_no_prev", None)
+            if prev is None or prev.shape != host_tok.shape:
+                prev = self._no_prev = jax.device_put(np.zeros(host_tok.shape, np.int32), self._home())
         ks = {l: cache.k[l] for l in self.layers}
         vs = {l: cache.v[l] for l in self.layers}
         pos = np.asarray(cache.lengths[:rows], np.int32)
-        tok, logits, ks, vs = fn(self.params, ks, vs, host_tok if prev is None else prev, host_tok, use_host, pos)
+        tok, logits, ks, vs = fn(self.params, ks, vs, prev, host_tok, use_host, pos)
         for l in self.layers:
             cache.k[l], cache.v[l] = ks[l], vs[l]
         cache.lengths[:rows] += 1
@@ -551,6 +555,11 @@ class XLAExecutor:
         outs = self.run_partition({}, input_ids, cache, T_pad)
         cache.advance(T)
         # the logits to the host by a raw copy when on (cuda_rt: much faster than JAX's own copy)
-        if last_only:
-            return {o: cuda_rt.fetch(outs[o].reshape(B, T_pad, -1)[:, T - 1:T]) for o in self.g.outputs}
+        if last_only:       # one program per padded length (a slice at T - 1 would compile per T)
+            fn = getattr(self, "_last_fn", None)
+            if fn is None:
+                fn = self._last_fn = _jax().jit(
+                    lambda x, i, B: _jax().lax.dynamic_slice_in_dim(x.reshape(B, -1, x.shape[-1]), i, 1, axis=1),
+                    static_argnums=2)
+            return {o: cuda_rt.fetch(fn(outs[o], np.int32(T - 1), B)) for o in self.g.outputs}
         return {o: cuda_rt.fetch(outs[o]).reshape(B, T_pad, -1)[:, :T] for o in self.g.outputs}
