@@ -7,11 +7,13 @@
 #           (and build/wheels: pip download --only-binary=:all: --python-version 3.12
 #            --platform manylinux2014_x86_64 fastapi uvicorn openai httpx jinja2 -d build/wheels)
 #   call 1: PHASE=1 bash benchmarks/h200_serve.sh  (carry build/llamacpp build/wheels): llama.cpp builds
-#           at the lowest priority in the background while the model is made and converted, Strata's
-#           plans compile and strata-server (serve_bench.py) runs on PLACEMENTS (default "gpu cpu8", as
-#           time allows: a first look, and the programs compiled into the persistent cache); with
-#           PREFILL_PLACEMENTS="gpu cpu8" prefill (gpu_prefill.py), with STARTUP=1 a second process's start-up
-#   call 2: PHASE=2 ...: Q4_0; llama-server and strata-server side by side on each placement (on the
+#           at the lowest priority in the background while the model is made and converted and Strata's
+#           plans compile; then, as asked: SOAK=300 the concurrency-64 soak (it checks that nothing is lost,
+#           so it may share the machine with the build), PLACEMENTS="gpu cpu8" each server started once (its
+#           programs into the persistent cache: call 2 starts fast), PREFILL_PLACEMENTS="gpu cpu8" prefill
+#           (gpu_prefill.py), STARTUP=1 a second process's start-up, BATCH_STEPS=1 benchmarks/batch_steps.py;
+#           Q4_0 is made in the background once the build is done
+#   call 2: PHASE=2 ...: llama-server and strata-server side by side on each placement (on the
 #           idle machine); LLAMA_BENCH=1 adds llama-bench (prefill 512/4096, decode)
 #   call 3: PHASE=3 SOAK=300 ...: strata-server (gpu) at concurrency 64 for SOAK seconds
 #   PHASE=0 LIMIT=S (carry build/wheels): the model, its gpu plan and strata-server under py-spy (a profile)
@@ -24,8 +26,8 @@ mkdir -p "$OUT"
 W=${WORK:-/tmp/sv}; LC=/tmp/llamacpp; M=$W/mx
 mkdir -p $W
 D=$W/details-${PHASE:-1}; mkdir -p $D
-SOAK=${SOAK:-300}
-LIMIT=${LIMIT:-$([ "${PHASE:-1}" = 3 ] && echo $((SOAK + 180)) || echo 560)}; T0=$(date +%s)   # PHASE=0: set LIMIT   # the soak: its server's start too
+SOAK=${SOAK:-$([ "${PHASE:-1}" = 3 ] && echo 300 || echo 0)}
+LIMIT=${LIMIT:-$([ "${PHASE:-1}" = 3 ] && echo $((SOAK + 180)) || echo 560)}; T0=$(date +%s)   # PHASE=3: the soak's server's start too
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
 VOCAB_OF() { python3 -c "import json;print(json.load(open('$M/config.json'))['vocab_size'])"; }
@@ -54,6 +56,13 @@ strata_bench() {   # name plan: one server for the mix and the TTFT run (its sta
     --json "$D/ttft-strata-$1.json" > "$D/ttft-strata-$1.log" 2>&1; tail -3 "$D/ttft-strata-$1.log" | tee -a "$OUT/summary.txt"
   curl -s http://127.0.0.1:8082/stats >> "$D/strata-server-$1.log"
   kill -TERM $pid; wait $pid; log "strata-server $1 exit status $?"
+}
+
+soak() {
+  log "strata soak ${SOAK}s at concurrency 64"
+  timeout $(( $(left) - 5 )) python3 benchmarks/serve_bench.py --plan $W/p-gpu $SARGS --soak $SOAK --concurrency 64 \
+    --prompt-lens 32,128,512 --output-lens 16,64,128 --vocab $(VOCAB_OF) --ignore-eos --json "$D/soak.json" \
+    > "$D/soak.log" 2>&1; tail -6 "$D/soak.log" | tee -a "$OUT/summary.txt"
 }
 
 warm_server() {    # name plan: start, wait until ready, stop (programs compiled on the way)
@@ -122,7 +131,7 @@ elif [ "${PHASE:-1}" = 1 ]; then
    PYTHONPATH=$LC/gguf-py nice -n 19 python3 $LC/convert_hf_to_gguf.py $M --outtype bf16 --outfile $W/mx-bf16.gguf \
      > $W/convert.log 2>&1; echo "convert rc $?" >> $W/convert.log) &
   stratac compile $M -o $W/p-gpu --quant int4 > $W/c1.log 2>&1 || tail -3 $W/c1.log
-  stratac compile $M -o $W/p-cpu8 --quant int4 --place "$PLACE8" > $W/c2.log 2>&1 || tail -3 $W/c2.log
+  (nice -n 10 stratac compile $M -o $W/p-cpu8 --quant int4 --place "$PLACE8" > $W/c2.log 2>&1 || tail -3 $W/c2.log) &
   for pl in ${PREFILL_PLACEMENTS:-}; do     # issue 28's prefill side (gpu cpu8), when asked
     log "strata prefill $pl"
     timeout $(( $(left) - 10 )) python3 benchmarks/gpu_prefill.py $W/p-$pl --lens 512,4096 --repeats 3 --n-new 64 \
@@ -133,19 +142,30 @@ elif [ "${PHASE:-1}" = 1 ]; then
     /usr/bin/time -f "wall %e s" strata-run $W/p-gpu -n 64 --prompt "The history of the city" > /dev/null 2> $W/run$i.err
     grep -v "$QUIET" $W/run$i.err | tail -2 | tee -a "$OUT/summary.txt"
   done
-  log "batch steps and prefills on the device (benchmarks/batch_steps.py)"
-  timeout $(( $(left) - 200 )) python3 benchmarks/batch_steps.py $W/p-gpu --rows 1,2,4,8,16,32,64 --profile 16,64 \
-    --json "$D/batch-steps.json" 2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
-  for pl in ${PLACEMENTS:-gpu cpu8}; do   # each server's programs into the persistent cache: call 2 starts fast
+  if [ "${BATCH_STEPS:-0}" = 1 ]; then
+    log "batch steps and prefills on the device (benchmarks/batch_steps.py)"
+    timeout $(( $(left) - 200 )) python3 benchmarks/batch_steps.py $W/p-gpu --rows 1,2,4,8,16,32,64 --profile 16,64 \
+      --json "$D/batch-steps.json" 2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
+  fi
+  if [ "${SOAK:-0}" -gt 0 ]; then   # the soak while llama.cpp builds: it checks that nothing is lost, not speed
+    soak
+  fi
+  for pl in ${PLACEMENTS:-}; do   # each server's programs into the persistent cache: call 2 starts fast
     [ $(left) -gt 60 ] || { log "no time left to warm strata-server $pl"; continue; }
     warm_server $pl $W/p-$pl
   done
   log "waiting for the llama.cpp build ($(left) s left)"
   while ! grep -q "build rc" $W/build.out 2>/dev/null && [ $(left) -gt 20 ]; do sleep 5; done
   tail -2 $W/build.out | tee -a "$OUT/summary.txt"; tail -1 $W/convert.log | tee -a "$OUT/summary.txt"
+  if grep -q "convert rc 0" $W/convert.log && [ -x $LC/build/bin/llama-quantize ]; then
+    log "Q4_0 (background: call 2 finds it made)"
+    (LD_LIBRARY_PATH=$LC/build/bin $LC/build/bin/llama-quantize $W/mx-bf16.gguf $W/mx-Q4_0.tmp.gguf Q4_0 16 \
+      > $W/quant.log 2>&1 && mv $W/mx-Q4_0.tmp.gguf $W/mx-Q4_0.gguf; echo "quant rc $?" >> $W/quant.log) &
+  fi
 elif [ "${PHASE:-1}" = 2 ]; then
   log "Q4_0"
   while ! grep -q "convert rc" $W/convert.log 2>/dev/null && [ $(left) -gt 20 ]; do sleep 5; done
+  while [ -f $W/quant.log ] && ! grep -q "quant rc" $W/quant.log && [ $(left) -gt 20 ]; do sleep 2; done
   [ -f $W/mx-Q4_0.gguf ] || LD_LIBRARY_PATH=$LC/build/bin $LC/build/bin/llama-quantize $W/mx-bf16.gguf $W/mx-Q4_0.gguf Q4_0 16 \
     > $W/quant.log 2>&1 || tail -3 $W/quant.log
   [ "${LLAMA_BENCH:-0}" = 1 ] && log "llama-bench"
@@ -161,10 +181,7 @@ elif [ "${PHASE:-1}" = 2 ]; then
   llama_bench cpu8 "--n-cpu-moe 8"
   strata_bench cpu8 $W/p-cpu8
 else
-  log "strata soak ${SOAK}s at concurrency 64"
-  timeout $(( $(left) - 5 )) python3 benchmarks/serve_bench.py --plan $W/p-gpu $SARGS --soak $SOAK --concurrency 64 \
-    --prompt-lens 32,128,512 --output-lens 16,64,128 --vocab $(VOCAB_OF) --ignore-eos --json "$D/soak.json" \
-    > "$D/soak.log" 2>&1; tail -6 "$D/soak.log" | tee -a "$OUT/summary.txt"
+  soak
 fi
 log "done ($(left) s left)"
 tar czf "$OUT/details-${PHASE:-1}.tgz" -C $W "details-${PHASE:-1}"
