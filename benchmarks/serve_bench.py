@@ -326,8 +326,12 @@ async def bench(args, base_url: str, info: dict) -> list[dict]:
     top = max(args.concurrency)
     client = AsyncOpenAI(base_url=base_url, api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or "none",
                          max_retries=0, timeout=args.timeout,
+                         # idle connections dropped after 2 s, before either server closes them
+                         # (llama-server's and uvicorn's default keep-alive: 5 s): with no retries, a
+                         # reuse racing the server's close would count as an error the server never saw
                          http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=top + 8,
-                                                                           max_keepalive_connections=top + 8),
+                                                                           max_keepalive_connections=top + 8,
+                                                                           keepalive_expiry=2.0),
                                                        timeout=args.timeout))
     model = args.model
     if model is None:

@@ -11,6 +11,7 @@ import click
 from strata_compiler.cli_common import debug_option, run_cli
 from strata_compiler.errors import UsageError
 
+KEEP_ALIVE_S = 30       # seconds an idle HTTP connection is kept (see main)
 _KEYS = {"host", "port", "ctx", "max_batch", "api_key", "backend", "device", "queue_size", "model_name",
          "prefill_chunk", "prompt_cache", "kv_cache_dir"}
 
@@ -112,8 +113,11 @@ def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_ba
     click.echo(f"strata-server: {max_batch} sequences of up to {ctx} tokens; KV cache {kv_mib:.0f} MiB", err=True)
     name = model_name or (plan.path.parent.name if plan.path.name == "plan.bin" else plan.path.stem)
     app = make_app(engine, api_key=api_key, model_name=name)
+    # keep-alive longer than clients keep idle connections (httpx, so the openai client: 5 s): a
+    # client then closes an idle connection before the server does, never reusing one the server is
+    # closing at that moment (a request that fails before the server sees it)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                            lifespan="off")
+                            timeout_keep_alive=KEEP_ALIVE_S, lifespan="off")
     server = _Server(config)
     server.engine, server.grace = engine, config.timeout_graceful_shutdown
     engine.start(warm=True)     # builds the programs; /health says "loading" until it is done
