@@ -92,9 +92,12 @@ class BatchScheduler(Scheduler):
         s = self.session
         T = 1
         while True:
-            self.pre.length = 0
-            s.cache = self.pre
-            s.step((np.arange(T, dtype=np.int64) % vocab)[None], last_only=True)
+            # one-token steps twice: a mixed plan's decode steps run as one program from the second
+            # on (runtime/fused_step.py), and a one-token prefill is such a step
+            for _ in range(2 if T == 1 else 1):
+                self.pre.length = 0
+                s.cache = self.pre
+                s.step((np.arange(T, dtype=np.int64) % vocab)[None], last_only=True)
             if T >= min(self.chunk, self.ctx):
                 break
             T = min(T * 2 if T > 1 else 16, self.chunk, self.ctx)
@@ -105,6 +108,7 @@ class BatchScheduler(Scheduler):
                 ids = np.zeros(self.max_batch, np.int32)
                 self.stepper.batch_step(self.kv, rows, ids, np.ones(self.max_batch, bool))[0].block_until_ready()
             else:
+                self._decode_step(rows)
                 self._decode_step(rows)
             if rows >= self.max_batch or self._exact_rows:
                 break

@@ -63,11 +63,17 @@ def _processes() -> int:
 
 
 def _fetch(v, B: int, T: int, last_only: bool) -> np.ndarray:
-    """An output [B*T, ...] of a step on the host as [B, T, ...], or its last token's [B, 1, ...]
-    with `last_only` (a device array is sliced on the device: only those rows are copied)."""
+    """An output [B*T, ...] of a step (or PaddedRows of it) on the host as [B, T, ...], or its last
+    token's [B, 1, ...] with `last_only` (a device array is sliced on the device: only those rows
+    are copied)."""
+    from strata_compiler.backends.xla.executor import PaddedRows, fetch_last
+
+    rows = T
+    if isinstance(v, PaddedRows):
+        v, rows = v.v, v.T_pad
     if last_only and hasattr(v, "devices"):
-        return cuda_rt.fetch(v.reshape(B, T, -1)[:, T - 1:T])
-    out = cuda_rt.fetch(v).reshape(B, T, -1)
+        return fetch_last(v, B, rows, T)
+    out = cuda_rt.fetch(v).reshape(B, rows, -1)[:, :T]
     return out[:, T - 1:T] if last_only else out
 
 
@@ -337,6 +343,13 @@ class MixedExecutor:
             return out
         ids_node = next(n.id for n in self.g.nodes if n.op is Op.INPUT_IDS)
         env: dict = {ids_node: input_ids}
+        # a prefill's GPU partitions run at a bucket's length (one program per bucket, not per
+        # prompt length); the CPU ones at the prompt's own. Not where a GPU partition counts its
+        # expert caches' routings (--miss-path gpu): padding tokens would count.
+        xlas = [exe for kind, exe, _ in self.parts if kind == "xla"]
+        T_pad = None
+        if T > 1 and xlas and all(exe.pads_prefill and not exe.count_order for exe in xlas):
+            T_pad = xlas[0].bucket(T, cache.capacity - cache.length)
         if self.hand_off:
             # idle CPU workers sleep soon instead of spinning through the GPU's turn: spinning on
             # every core starves the threads that finish JAX's copies. It stays set (a repeated
@@ -354,7 +367,7 @@ class MixedExecutor:
                     with trace.ACTIVE.span(f"reference partition ({len(ids)} ops)", "cpu"):
                         exe.run_segment(env, input_ids, cache, ids)
             elif kind == "xla":
-                exe.run_segment(env, input_ids, cache)
+                exe.run_segment(env, input_ids, cache, T_pad)
                 for nid in () if self.raw_copy else self.to_host.get(i, ()):
                     v = env.get(nid)
                     if hasattr(v, "copy_to_host_async"):

@@ -50,8 +50,24 @@ def tok(plan):
     return tokenizers.Tokenizer.from_str(plan.tokenizer_json.decode())
 
 
+@pytest.fixture(scope="module")
+def mixed_plan(tmp_path_factory):
+    """The tiny MoE with its experts on the CPU (llvm) and the rest on "the GPU" (xla on JAX's CPU)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path_factory.mktemp("tiny_mixed")
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-c", "from strata_compiler.cli import main; main()", "compile",
+                    str(root / "examples" / "models" / "tiny-moe"), "-o", str(out), "--quant", "f32",
+                    "--place", "experts=cpu,all=gpu"], check=True, capture_output=True, timeout=300)
+    return load_plan(out)
+
+
 def _scheduler(plan, tok, backend, **kw) -> BatchScheduler:
-    s = BatchScheduler(Session(plan, backend), tok, 256, **kw)
+    s = BatchScheduler(Session(plan, "auto", device="cpu") if backend == "mixed" else Session(plan, backend),
+                       tok, 256, **kw)
     s.start(warm=True)
     assert s.ready.wait(120) and s.warm_error is None
     return s
@@ -153,15 +169,19 @@ def test_prompt_cache_serves_a_shared_start(plan, tok, backend):
         sch.shutdown()
 
 
-def test_serving_after_warm_up_compiles_nothing(plan, tok):
-    """xla: every program serving needs is built before the scheduler says ready (one compiled while
-    serving stalls every stream): prompts of many lengths, one longer than a chunk, greedy and
-    sampled sequences, prompt-cache hits and stores."""
+@pytest.mark.parametrize("backend", ["xla", "mixed"])
+def test_serving_after_warm_up_compiles_nothing(plan, mixed_plan, tok, backend):
+    """xla, and a plan split between xla and llvm: every program serving needs is built before the
+    scheduler says ready (one compiled while serving stalls every stream): prompts of many
+    lengths, one longer than a chunk, greedy and sampled sequences, prompt-cache hits and stores."""
     import jax
 
+    if backend == "mixed":
+        plan = mixed_plan
     m = plan.meta["model"]
     pc = PromptCache(64 << 20, plan.digest(), shape=(m["n_layers"], m["n_kv_heads"], m["head_dim"]))
-    sch = _scheduler(plan, tok, "xla", max_batch=4, chunk=16, prompt_cache=pc)
+    sch = _scheduler(plan, tok, backend, max_batch=4, chunk=16, prompt_cache=pc)
+    assert (sch.stepper is not None) == (backend == "xla")
     seen, on = [], [True]
 
     def listen(event, _secs, **_kw):

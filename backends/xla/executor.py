@@ -53,6 +53,54 @@ class HostSlice:
         return a if dtype is None else a.astype(dtype)
 
 
+class PaddedRows:
+    """A result of a prefill run at its padded length, [B*T_pad, ...], standing for its B*T real
+    rows: another xla partition of the same step takes the padded device array (`v`), a CPU kernel
+    the real rows on the host (np.asarray)."""
+
+    __slots__ = ("v", "B", "T", "T_pad")
+
+    def __init__(self, v, B: int, T: int, T_pad: int) -> None:
+        self.v, self.B, self.T, self.T_pad = v, B, T, T_pad
+
+    def copy_to_host_async(self) -> None:
+        self.v.copy_to_host_async()
+
+    def __array__(self, dtype=None, copy=None):
+        tail = tuple(self.v.shape[1:])
+        a = cuda_rt.fetch(self.v).reshape(self.B, self.T_pad, *tail)[:, :self.T].reshape(self.B * self.T, *tail)
+        return a if dtype is None else a.astype(dtype)
+
+
+def _pad_rows(v, B: int, T: int, T_pad: int):
+    """A partition's input of B*T rows at a prefill's padded length: a PaddedRows' device array as
+    it is, a host value zero-padded on the host (row b's tokens first, then T_pad - T zeros)."""
+    if isinstance(v, PaddedRows):
+        return v.v
+    a = np.asarray(v)
+    if a.shape[0] != B * T:
+        raise BackendError(f"a partition input of {a.shape[0]} rows in a step of {B} x {T} tokens")
+    out = np.zeros((B, T_pad, *a.shape[1:]), a.dtype)
+    out[:, :T] = a.reshape(B, T, *a.shape[1:])
+    return out.reshape(B * T_pad, *a.shape[1:])
+
+
+_LAST = {}
+
+
+def fetch_last(v, B: int, T_pad: int, T: int) -> np.ndarray:
+    """Token T - 1's rows of a device result [B*T_pad, ...] on the host, [B, 1, ...]: sliced on the
+    device by one program per padded shape (a slice at T - 1 would compile one per prompt length)."""
+    fn = _LAST.get("fn")
+    if fn is None:
+        jax = _jax()
+        fn = _LAST["fn"] = jax.jit(
+            lambda x, i, B: jax.lax.dynamic_slice_in_dim(x.reshape(B, -1, *x.shape[1:]), i, 1, axis=1),
+            static_argnums=2)
+    out = cuda_rt.fetch(fn(v, np.int32(T - 1), B))
+    return out.reshape(B, 1, -1) if out.ndim != 3 else out
+
+
 def on_device(a) -> bool:
     """Whether a KV cache array is a JAX array, not a host NumPy one (`hasattr(a, "device")` cannot
     tell: NumPy 2's arrays have a `device` too)."""
@@ -485,11 +533,19 @@ class XLAExecutor:
         cache.lengths[:rows] += 1
         return tok, logits
 
-    def run_segment(self, env: dict, input_ids: np.ndarray, cache) -> None:
-        """Run this partition at the exact length (no padding: other devices share the step)."""
+    pads_prefill = True     # run_segment takes T_pad (MeshXLAExecutor does not)
+
+    def run_segment(self, env: dict, input_ids: np.ndarray, cache, T_pad: int | None = None) -> None:
+        """Run this partition in a step that other devices share: at the step's length, or with
+        T_pad at that padded length (a prefill's bucket: one program per bucket, not per prompt
+        length), host inputs padded here and the results PaddedRows."""
+        B, T = input_ids.shape
+        T_pad = T_pad or T
         if self.layers and not on_device(cache.k[self.layers[0]]):
             self.new_cache(cache)
         ext = {i: env[i] for i in self.inputs if self.g.node(i).op is not Op.INPUT_IDS}
+        if T_pad != T:
+            ext = {i: _pad_rows(v, B, T, T_pad) for i, v in ext.items()}
         jax = _jax()
         for i, v in ext.items():     # results of another GPU's partition: a device-to-device copy
             if not isinstance(v, np.ndarray) and self.device not in v.devices():
@@ -504,7 +560,7 @@ class XLAExecutor:
         if tr is None:
             # results stay on the device: a consumer on the CPU waits for them when it reads them,
             # so CPU work in between (another share of the same layer) overlaps the GPU's
-            outs = self.run_partition(ext, input_ids, cache, input_ids.shape[1])
+            outs = self.run_partition(ext, input_ids, cache, T_pad)
             packed = outs.pop(PACKED, None)
             if packed is not None:
                 if cuda_rt.mode is None:
@@ -513,7 +569,7 @@ class XLAExecutor:
                 for o in self.packed:
                     outs[o] = HostSlice(holder, off, outs[o].shape)
                     off += outs[o].n
-            env.update(outs)
+            env.update(self._padded(outs, B, T, T_pad))
             return
         import threading
         import time
@@ -530,7 +586,7 @@ class XLAExecutor:
         else:
             b0, s0 = staging.bytes, staging.seconds
         start = time.perf_counter_ns()
-        outs = self.run_partition(ext, input_ids, cache, input_ids.shape[1])
+        outs = self.run_partition(ext, input_ids, cache, T_pad)
         if staging is not None and staging.bytes > b0:
             tr.transfer("h2d", staging.bytes - b0, staging.seconds - s0, end_ns=staging.last_end_ns)
 
@@ -541,7 +597,13 @@ class XLAExecutor:
         w = threading.Thread(target=watch, daemon=True)
         w.start()
         tr.watchers.append(w)
-        env.update(outs)
+        env.update(self._padded(outs, B, T, T_pad))
+
+    @staticmethod
+    def _padded(outs: dict, B: int, T: int, T_pad: int) -> dict:
+        if T_pad == T:
+            return outs
+        return {o: PaddedRows(v, B, T, T_pad) if o >= 0 else v for o, v in outs.items()}
 
     fetches_last = True     # run(last_only=True): only the last token's outputs cross to the host
 
@@ -555,11 +617,6 @@ class XLAExecutor:
         outs = self.run_partition({}, input_ids, cache, T_pad)
         cache.advance(T)
         # the logits to the host by a raw copy when on (cuda_rt: much faster than JAX's own copy)
-        if last_only:       # one program per padded length (a slice at T - 1 would compile per T)
-            fn = getattr(self, "_last_fn", None)
-            if fn is None:
-                fn = self._last_fn = _jax().jit(
-                    lambda x, i, B: _jax().lax.dynamic_slice_in_dim(x.reshape(B, -1, x.shape[-1]), i, 1, axis=1),
-                    static_argnums=2)
-            return {o: cuda_rt.fetch(fn(outs[o], np.int32(T - 1), B)) for o in self.g.outputs}
+        if last_only:
+            return {o: fetch_last(outs[o], B, T_pad, T) for o in self.g.outputs}
         return {o: cuda_rt.fetch(outs[o]).reshape(B, T_pad, -1)[:, :T] for o in self.g.outputs}

@@ -84,7 +84,9 @@ class MeshXLAExecutor(XLAExecutor):
                                       for role, arrs in stacks.items()}}
         return params
 
-    def run_segment(self, env: dict, input_ids: np.ndarray, cache) -> None:
+    pads_prefill = False
+
+    def run_segment(self, env: dict, input_ids: np.ndarray, cache, T_pad: int | None = None) -> None:
         """With several processes (hosts), every input must be a global array: host values go to
         the mesh replicated (each process holds the same ones), and so do ids and position
         (`_host_args`)."""
