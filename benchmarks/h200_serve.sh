@@ -95,7 +95,16 @@ python3 -c "import fastapi, uvicorn, openai, httpx, jinja2" 2>/dev/null || [ ! -
   python3 -m pip install -q --no-index --find-links build/wheels fastapi uvicorn openai httpx jinja2 > "$D/wheels.log" 2>&1 \
   || tail -3 "$D/wheels.log"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$D/pip.log" 2>&1 || { tail "$D/pip.log"; exit 1; }
-if [ "${PHASE:-1}" = 0 ]; then
+if [ "${PHASE:-1}" = 5 ]; then
+  # the cpu8 plan's prefill with its CPU experts streamed to the GPU (stream_prefill_tokens)
+  log "model"
+  [ -f $M/config.json ] || python3 benchmarks/make_mixtral_model.py $M ${MODEL_ARGS:-} > $W/make.log 2>&1 || { tail $W/make.log; exit 1; }
+  log "compile cpu8"
+  [ -f $W/p-cpu8/plan.bin ] || stratac compile $M -o $W/p-cpu8 --quant int4 --place "$PLACE8" > $W/c2.log 2>&1 || tail -3 $W/c2.log
+  log "strata prefill cpu8, experts streamed"
+  timeout $(( $(left) - 5 )) python3 benchmarks/gpu_prefill.py $W/p-cpu8 --lens ${LENS:-512,4096} --repeats 3 \
+    --label cpu8-stream --json "$D/prefill-stream.json" 2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
+elif [ "${PHASE:-1}" = 0 ]; then
   # a look inside strata-server on the GPU placement: the mix under py-spy (carried in build/wheels)
   log "model"
   [ -f $M/config.json ] || python3 benchmarks/make_mixtral_model.py $M ${MODEL_ARGS:-} > $W/make.log 2>&1 || { tail $W/make.log; exit 1; }

@@ -141,6 +141,11 @@ class MixedExecutor:
                         if kind != "xla":
                             self.to_host.setdefault(part_of[a], set()).add(a)
         self.hand_off = "xla" in kinds and "llvm" in kinds
+        # long prefills: CPU partitions whose weights go to the GPU for the step (_streamed)
+        self._device_kind = device
+        self._streamed: dict | None = None
+        self.stream_ok = not self.mesh and any(kind == "xla" and exe.on_gpu for kind, exe, _ in self.parts)
+        self.streamed_steps = 0
         # (spin, yield) microseconds of idle CPU workers at a hand-off, and between a fused step's host calls
         self._spin = settings.get("hand_off_spin_us") if self.hand_off else None
         self._fused_spin = settings.get("fused_spin_us")
@@ -350,6 +355,11 @@ class MixedExecutor:
         T_pad = None
         if T > 1 and xlas and all(exe.pads_prefill and not exe.count_order for exe in xlas):
             T_pad = xlas[0].bucket(T, cache.capacity - cache.length)
+        streamed = self._streamed_parts(T)
+        order = sorted(streamed)
+        if order:
+            streamed[order[0]].upload()
+            self.streamed_steps += 1
         if self.hand_off:
             # idle CPU workers sleep soon instead of spinning through the GPU's turn: spinning on
             # every core starves the threads that finish JAX's copies. It stays set (a repeated
@@ -360,7 +370,13 @@ class MixedExecutor:
             set_spin(spin_us=spin, yield_us=yld, caller_spin_us=spin)
         lookahead = self.swaps.lookahead if self.swaps.prefetch else {}
         for i, (kind, exe, ids) in enumerate(self.parts):
-            if kind == "reference":
+            if i in streamed:       # this CPU partition on the GPU; the next one's weights copied meanwhile
+                nxt = next((j for j in order if j > i), None)
+                if nxt is not None:
+                    streamed[nxt].upload()
+                streamed[i].run_segment(env, input_ids, cache, T_pad)
+                streamed[i].release()
+            elif kind == "reference":
                 if trace.ACTIVE is None:
                     exe.run_segment(env, input_ids, cache, ids)
                 else:
@@ -368,7 +384,7 @@ class MixedExecutor:
                         exe.run_segment(env, input_ids, cache, ids)
             elif kind == "xla":
                 exe.run_segment(env, input_ids, cache, T_pad)
-                for nid in () if self.raw_copy else self.to_host.get(i, ()):
+                for nid in () if self.raw_copy or streamed else self.to_host.get(i, ()):
                     v = env.get(nid)
                     if hasattr(v, "copy_to_host_async"):
                         v.copy_to_host_async()
@@ -385,6 +401,29 @@ class MixedExecutor:
                 self.swaps.fold_counts(exe, exe.step_counts)
         self._after_step(cache, T, t_step)
         return out
+
+    def _streamed_parts(self, T: int) -> dict:
+        """{part index: a streamed XLAExecutor} of the CPU partitions a prefill step of T tokens runs
+        on the GPU instead: at least `stream_prefill_tokens` tokens, a GPU there, partitions of ops
+        the xla backend lowers with no KV cache or expert cache of their own. Built once."""
+        n = settings.get("stream_prefill_tokens")
+        if not n or T < n or not self.stream_ok:
+            return {}
+        if self._streamed is None:
+            from strata_compiler.backends.xla.executor import XLAExecutor
+            from strata_compiler.backends.xla.lowering import OPS
+
+            first = next(ids for kind, _, ids in self.parts if kind == "xla")
+            dev = self.g.node(first[0]).device
+            self._streamed = {}
+            for i, (kind, _, ids) in enumerate(self.parts):
+                nodes = [self.g.node(j) for j in ids]
+                if kind == "llvm" and all(n.op in OPS and n.op is not Op.FUSED_ATTENTION and not n.attr("cache", "")
+                                          and n.id not in self.mapped.values() for n in nodes):
+                    self._streamed[i] = XLAExecutor(self.g, self.weights, nodes=ids, device_kind=self._device_kind,
+                                                    device_index=int(dev.split(":")[1]) if ":" in dev else 0,
+                                                    stream=True)
+        return self._streamed
 
     def _after_step(self, cache, T: int, t_step: float) -> None:
         cache.advance(T)

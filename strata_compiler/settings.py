@@ -141,6 +141,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("fused_spin_us", "floats", (100.0, 1000.0), "runtime",
        "idle CPU workers' spin and yield microseconds between a fused step's host calls (US or SPIN,YIELD)",
        length=2, minimum=0),
+    _s("stream_prefill_tokens", "int", 128, "runtime",
+       "prefill steps of at least this many tokens run a mixed plan's CPU-placed experts on the GPU, "
+       "their weights copied there partition by partition (0: never)", minimum=0),
     _s("swap_margin", "float", 1.0, "runtime",
        "expert cache: uses by which a missed expert must beat the weakest resident before it is swapped in",
        minimum=0),

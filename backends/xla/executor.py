@@ -126,8 +126,10 @@ class XLAExecutor:
 
     def __init__(self, graph: Graph, weights, nodes: list[int] | None = None, device_kind: str = "auto",
                  slot_limit: dict[int, int] | None = None, device_index: int = 0,
-                 mapped: dict[int, int] | None = None, residency: Residency | None = None) -> None:
-        """slot_limit: expert-cache GPU shares (node id) loaded with only their first N slots (a
+                 mapped: dict[int, int] | None = None, residency: Residency | None = None,
+                 stream: bool = False) -> None:
+        """stream: the weights stay on the host until `upload` (a prefill's copy of CPU-placed
+        experts: MixedExecutor), and leave the device at `release`. slot_limit: expert-cache GPU shares (node id) loaded with only their first N slots (a
         device out of memory raises GPUOutOfMemory). mapped: {GPU share: host share} of expert
         caches whose misses the GPU reads from host memory (runtime/mapped.py `rebind_misses`):
         the host share's weights stay in host memory, mapped, and its value is zero; so do the
@@ -185,8 +187,9 @@ class XLAExecutor:
         host = {name: {a: np.asarray(v)[:cut[name]] if name in cut else np.asarray(v)
                        for a, v in weights.arrays(name).items()} for name in names}
         self.param_bytes = sum(v.nbytes for arrs in host.values() for v in arrs.values())
+        self.host_params = host if stream else None
         try:
-            self.params = self._place_params(host)
+            self.params = {} if stream else self._place_params(host)
             if self.mapped_host:
                 from . import mapped as mp
 
@@ -199,6 +202,17 @@ class XLAExecutor:
         self.kv_dtype = jnp.float32
         self._out_keys: dict[tuple[int, int], tuple] = {}     # (B, T) -> the result keys of _flat's first tuple
         self._fn = jax.jit(self._flat, static_argnums=(5, 6), donate_argnums=(1, 2))
+
+    def upload(self) -> None:
+        """A streamed partition's weights to the device (copies queued, not waited for: the step
+        before runs meanwhile)."""
+        if not self.params:
+            self.params = self._place_params(self.host_params)
+
+    def release(self) -> None:
+        """Drop a streamed partition's device weights (freed once the calls that read them end)."""
+        if self.host_params is not None:
+            self.params = {}
 
     def _home(self):
         """Where this partition's own arrays go (device_put target): its device."""
