@@ -66,7 +66,7 @@ def _fetch(v, B: int, T: int, last_only: bool) -> np.ndarray:
     """An output [B*T, ...] of a step (or PaddedRows of it) on the host as [B, T, ...], or its last
     token's [B, 1, ...] with `last_only` (a device array is sliced on the device: only those rows
     are copied)."""
-    from strata_compiler.backends.xla.executor import PaddedRows, fetch_last
+    from strata_compiler.backends.xla.rows import PaddedRows, fetch_last
 
     rows = T
     if isinstance(v, PaddedRows):
