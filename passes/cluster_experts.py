@@ -257,8 +257,9 @@ def moe_layers(g: Graph) -> list:
 
 def expert_bytes(g: Graph, moe, fmt: str, group_size: int) -> int:
     """Bytes of one expert's weights stored in `fmt`."""
-    f = get_format(fmt)
-    return sum(f.nbytes(g.weight(w).shape[1:], group_size) for r, w in moe.weights
+    def f(w):       # --quant auto: the weight's own
+        return get_format(g.weight(w).fmt if fmt == "auto" else fmt)
+    return sum(f(w).nbytes(g.weight(w).shape[1:], group_size) for r, w in moe.weights
                if r in ("gate_up", "gate", "up", "down"))
 
 

@@ -1,5 +1,6 @@
-"""`quantize`: choose each weight's storage format from `--quant` and `--group-size`, or per
-tensor under a size budget (`--bits`, `--memory-budget`: layer-adaptive, passes/laq.py).
+"""`quantize`: choose each weight's storage format from `--quant` and `--group-size` (`auto`: a
+GGUF file's own formats), or per tensor under a size budget (`--bits`, `--memory-budget`:
+layer-adaptive, passes/laq.py).
 
 The format applies to the matrices of linear layers (formats.quantizes); a weight fused from
 several tensors takes it only if all its parts would, so one kernel reads one format.
@@ -20,6 +21,8 @@ def quantize(g: Graph, ctx: PassContext) -> Graph:
     opts = ctx.options
     if opts.bits or opts.memory_budget:
         g = _adaptive(g, ctx)
+    elif opts.quant == "auto":
+        g = _as_stored(g, ctx)
     else:
         fmt = get_format(opts.quant)
         if fmt.name != "f32":
@@ -62,6 +65,43 @@ def _overrides(g: Graph, rules: str, group_size: int) -> Graph:
             if pat.search(w.name) and adaptive(w):
                 w = replace(w, fmt=fmt, group_size=group_size if get_format(fmt).grouped else 0)
                 break
+        out.append(w)
+    return g.with_(weights=tuple(out))
+
+
+# --quant auto on a GGUF file: a tensor type -> the Strata format its weights take. Q4_0 and Q8_0
+# are Strata's int4 and int8 bit for bit (stored as they are); the other types become the nearest
+# format at least as precise (dequantized, then quantized again); BF16 stays bf16, F16 becomes f32
+# (exact; bf16 would round it).
+FROM_GGUF = {
+    "F32": "f32", "F64": "f32", "F16": "f32", "BF16": "bf16",
+    "Q8_0": "int8", "Q8_1": "int8", "Q8_K": "int8", "Q6_K": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8",
+    "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "IQ4_NL": "int4", "IQ4_XS": "int4", "Q3_K": "int4",
+    "IQ3_XXS": "int4", "IQ3_S": "int4",
+    "Q2_K": "int3", "IQ2_XXS": "int3", "IQ2_XS": "int3", "IQ2_S": "int3", "IQ1_S": "int3", "IQ1_M": "int3",
+}
+_PRECISION = ("int3", "int4", "int8", "bf16", "f32")     # narrowest first
+
+
+def stored_format(store, key: str) -> str:
+    """The format --quant auto gives a source tensor: its GGUF type's (FROM_GGUF; f32 for a type
+    not listed), f32 for a store without types (a Hugging Face folder)."""
+    key = key.replace("{e}", "0")       # an experts' template key: their types are one stack's
+    if not getattr(store, "typed", False) or key not in store:
+        return "f32"
+    return FROM_GGUF.get(str(store.info(key).dtype), "f32")
+
+
+def _as_stored(g: Graph, ctx: PassContext) -> Graph:
+    """--quant auto: each quantizable weight (formats.adaptive) in the format of the tensors it is
+    stored in (stored_format; the most precise of several fused into one)."""
+    gs = ctx.options.group_size
+    out = []
+    for w in g.weights:
+        if ctx.store is not None and adaptive(w):
+            fmt = max((stored_format(ctx.store, k) for k in w.sources), key=_PRECISION.index, default="f32")
+            if fmt != "f32":
+                w = replace(w, fmt=fmt, group_size=gs if get_format(fmt).grouped else 0)
         out.append(w)
     return g.with_(weights=tuple(out))
 

@@ -35,8 +35,11 @@ def stratac() -> None:
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "out_dir", type=click.Path(path_type=Path), required=True,
               help="Directory to write plan.bin and weights.bin into (created if missing).")
-@click.option("--quant", type=click.Choice(list(FORMATS)), default="f32", show_default=True,
-              help="Storage format of the linear layers' weights (embeddings, norms, biases and routers stay f32).")
+@click.option("--quant", type=click.Choice(["auto", *FORMATS]), default="auto", show_default=True,
+              help="Storage format of the linear layers' weights (embeddings, norms, biases and routers stay f32). "
+                   "auto: a GGUF file's own (Q4_0 and Q8_0 kept bit for bit as int4 and int8, K-quants as the "
+                   "nearest format at least as precise, BF16 as bf16, the embedding table too); f32 for a "
+                   "Hugging Face folder.")
 @click.option("--group-size", type=int, default=32, show_default=True,
               help="Values per quantization scale of grouped formats (even; int3/fp8 need multiples of 8, int2 of 4).")
 @click.option("--calib", type=click.Path(path_type=Path), metavar="FILE",
@@ -125,7 +128,7 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
         dump = DumpConfig(dump_dir, after)
     if stop_after is not None and stop_after not in DEFAULT:
         raise UsageError(f"--stop-after {stop_after}: unknown pass; passes: {', '.join(DEFAULT)}")
-    if (bits or memory_budget) and quant != "f32":
+    if (bits or memory_budget) and quant not in ("f32", "auto"):
         raise UsageError(f"--quant {quant} and {'--bits' if bits else '--memory-budget'} both choose formats; "
                          f"use one of them")
     if bits and memory_budget:
@@ -133,6 +136,8 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
     if not imatrix and (bits or memory_budget):
         raise UsageError(f"--no-imatrix and {'--bits' if bits else '--memory-budget'} conflict: layer-adaptive "
                          f"quantization measures each format's error with the activation weights; drop one")
+    if bits or memory_budget:
+        quant = "f32"       # layer-adaptive formats replace --quant (the options say so, as before auto)
     opts = CompileOptions(quant=quant, group_size=group_size, backend=backend, place=place,
                           calib=str(calib) if calib else "", calib_tokens=calib_tokens, imatrix=imatrix,
                           bits=bits or 0.0,
@@ -160,11 +165,20 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
     if stop_after in (None, "emit"):
         plan, weights = out_dir / "plan.bin", out_dir / "weights.bin"
         click.echo(f"wrote {plan} ({plan.stat().st_size} B) and {weights} ({weights.stat().st_size / 2**20:.1f} MiB); "
-                   f"{len(g.nodes)} ops, " + (f"quant {quant}" if not (bits or memory_budget) else
+                   f"{len(g.nodes)} ops, " + (f"quant {_formats(plan) if quant == 'auto' else quant}"
+                                               if not (bits or memory_budget) else
                                                f"layer-adaptive formats ({'--bits ' + str(bits) if bits else '--memory-budget ' + memory_budget})"))
         click.echo(_text_support(plan))
     else:
         click.echo(f"stopped after {stop_after}: {len(g.nodes)} {g.level.value}-level nodes")
+
+
+def _formats(plan: Path) -> str:
+    """The formats a plan's weights took (--quant auto), as `stratac inspect` labels them."""
+    from .runtime.evaluate import quant_label
+    from .runtime.plan import load_plan
+
+    return quant_label(load_plan(plan), groups=True)
 
 
 def _text_support(plan: Path) -> str:

@@ -67,10 +67,11 @@ def check_options(opts: CompileOptions) -> None:
     from .passes.laq import CANDIDATES
     from .passes.quantize import parse_tensor_formats
 
-    get_format(opts.quant)
+    if opts.quant != "auto":
+        get_format(opts.quant)
     if opts.group_size < 2 or opts.group_size % 2 or opts.group_size > 4096:
         raise UsageError(f"--group-size {opts.group_size}: use an even number between 2 and 4096 (default 32)")
-    used = [opts.quant] + [fmt for _, fmt in parse_tensor_formats(opts.tensor_format)]
+    used = [opts.quant] * (opts.quant != "auto") + [fmt for _, fmt in parse_tensor_formats(opts.tensor_format)]
     for name in used:
         check_group_size(name, opts.group_size)
     if opts.bits or opts.memory_budget:

@@ -283,3 +283,28 @@ def test_chat_template_flag_supplies_one(moe, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[-1] == "tokenizer: stored; chat template: stored"
     assert run_cli(stratac, ["compile", str(src), "-o", str(tmp_path / "bad"), "--chat-template",
                              str(tmp_path / "missing.jinja")]) != 0
+
+
+@pytest.mark.parametrize("qtype,fmt", [(QT.Q4_0, "int4"), (QT.Q8_0, "int8"), (QT.F16, "f32"), (QT.Q4_K, "int4")])
+def test_quant_auto_keeps_the_files_formats(moe, tmp_path, qtype, fmt):
+    """Without --quant a GGUF compiles in its own formats: Q4_0 / Q8_0 experts as the --quant int4 /
+    int8 plan's bytes (taken as they are), F16 exactly (f32), a K-quant as the nearest format at
+    least as precise (Q4_K: int4); the F32 tensors stay f32."""
+    from strata_compiler.plan_format import WEIGHTS_MAGIC, Container
+    from strata_compiler.runtime.plan import load_plan
+
+    width = 256 if qtype == QT.Q4_K else 64
+    dims = dict(intermediate_size=width) if width == 64 else dict(hidden_size=width, intermediate_size=width)
+    d = build_model("mixtral", tmp_path / "hf", vocab_size=len(moe["tokens"]), seed=11, **dims)
+    write_moe_gguf(tmp_path / "q.gguf", d, "mixtral", moe["tokens"], moe["merges"], qtype)
+    auto = load_plan(compile_ok(tmp_path / "q.gguf", tmp_path / "auto"))
+    experts = {w.fmt for w in auto.graph.weights if ".moe." in w.name and w.name.split(".")[-1] in ("gate_up", "down")}
+    assert experts == {fmt}
+    assert {w.fmt for w in auto.graph.weights if ".attn." in w.name} == {"f32"}     # written F32 in the file
+    if qtype != QT.Q4_K:
+        plans = [tmp_path / "auto", compile_ok(tmp_path / "q.gguf", tmp_path / "explicit", "--quant", fmt)]
+        secs = []
+        for p in plans:     # the experts' arrays (--quant int4 also quantizes the file's F32 attention)
+            with Container.open(p / "weights.bin", WEIGHTS_MAGIC) as c:
+                secs.append({n: bytes(c.section(n)) for n in c.names() if ".moe." in n and ".router" not in n})
+        assert secs[0] == secs[1] and len(secs[0]) >= 4

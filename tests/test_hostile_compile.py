@@ -451,7 +451,7 @@ def test_two_compiles_at_once_one_refused(tmp_path, models):
         code, stdout, stderr = first.wait(timeout=120), *first.communicate()
     assert_one_line_error(second, "-o", "another stratac compile")
     assert code == 0, stderr
-    assert load_plan(out).meta["options"]["quant"] == "f32"
+    assert load_plan(out).meta["options"]["quant"] == "auto"     # the first compile's (no --quant)
 
 
 def _dead_pid() -> int:

@@ -104,6 +104,7 @@ class GGUFTensorStore:
     """The tensors of one GGUF file under Hugging Face keys, dequantized to f32 on read."""
 
     takes_native = True     # iter_row_blocks(native=...): Q4_0 / Q8_0 rows as Strata's own arrays
+    typed = True            # info(key).dtype: the file's tensor type (--quant auto keeps it)
 
     def __init__(self, path: Path, reader: Any, infos: dict[str, GGUFTensorInfo]) -> None:
         self.path, self.reader, self.infos = path, reader, infos
