@@ -17,8 +17,10 @@ N=${N_NEW:-24}; PROMPT=${PROMPT:-"The history of the city"}
 if [ ! -f $W/q4_0.gguf ] || [ ! -f $W/q4_k_m.gguf ]; then
   log "convert_hf_to_gguf.py (bf16)"
   [ -f $W/bf16.gguf ] || PYTHONPATH=$SRC/gguf-py $PY $SRC/convert_hf_to_gguf.py $W/hf --outtype bf16 --outfile $W/bf16.gguf > $W/convert.log 2>&1
-  log "llama-quantize Q4_0 (f32 embeddings, Q4_0 output)"
-  [ -f $W/q4_0.gguf ] || $Q --token-embedding-type f32 --output-tensor-type q4_0 $W/bf16.gguf $W/q4_0.gguf Q4_0 2 > $W/q40.log 2>&1
+  # --pure: every tensor Q4_0 (llama.cpp's recipe would keep attn_k/attn_v of an 8-expert model at Q8_0),
+  # with f32 embeddings and a Q4_0 output tensor: what `--quant int4` makes of the HF folder
+  log "llama-quantize Q4_0 (--pure, f32 embeddings, Q4_0 output)"
+  [ -f $W/q4_0.gguf ] || $Q --pure --token-embedding-type f32 --output-tensor-type q4_0 $W/bf16.gguf $W/q4_0.gguf Q4_0 2 > $W/q40.log 2>&1
   log "llama-quantize Q4_K_M"
   [ -f $W/q4_k_m.gguf ] || $Q $W/bf16.gguf $W/q4_k_m.gguf Q4_K_M 2 > $W/q4km.log 2>&1
   rm -f $W/bf16.gguf

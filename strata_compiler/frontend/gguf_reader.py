@@ -25,7 +25,6 @@ slice of the stacked tensor.
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -35,6 +34,7 @@ import numpy as np
 from ..errors import ModelError
 from ..ir import make_attrs
 from ..untrusted import open_regular
+from .gguf_tokenizer import build_tokenizer_json
 from .hf import MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, ModelConfig, in_range
 
 GGUF_MAGIC = b"GGUF"
@@ -343,86 +343,6 @@ def _config(meta: _Meta, store: GGUFTensorStore, arch: str, hf_arch: str) -> Mod
         eos_token_ids=eos_ids,
         bos_token_id=bos,
     )
-
-
-# ------------------------------------------------------------------------------------------------
-# tokenizer
-
-# tokenizer.ggml.pre -> how llama.cpp splits text before BPE (llama-vocab.cpp), as `tokenizers` parts.
-# Only the families whose llama.cpp regexes map exactly onto HF pre-tokenizers are rebuilt.
-_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
-_GPT2 = ("gpt-2", "phi-2", "jina-es", "jina-de", "mpt", "olmo", "jais", "trillion")
-_LLAMA3 = ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")
-_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = ("qwen2",)     # Qwen2/Qwen3 (and their MoE) files: llama3's split with single digits
-_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
-_CONTROL, _USER_DEFINED = 3, 4
-
-
-def _warn(msg: str) -> None:
-    sys.stderr.write(f"warning: {msg}\n")
-
-
-def build_tokenizer_json(meta: _Meta) -> bytes | None:
-    """A `tokenizers` Tokenizer (JSON) equivalent to llama.cpp's for a byte-level BPE GGUF, else None."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    path = meta.path
-    kind = meta.get("tokenizer.ggml.model", str, default=None)
-    if kind is None:
-        return None
-    if kind != "gpt2":
-        _warn(f"{path}: tokenizer.ggml.model {kind!r} is not rebuilt (only byte-level BPE, 'gpt2'); "
-              "the plan has no tokenizer, use strata-run --input-ids")
-        return None
-    pre = meta.get("tokenizer.ggml.pre", str, default="default")   # llama.cpp's default regexes differ
-    if pre in _DIGITS_THEN_GPT2:
-        pre_tok = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                           pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    elif pre in _GPT2:
-        pre_tok = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    elif pre in _LLAMA3 or pre in _QWEN2:
-        regex = _LLAMA3_REGEX if pre in _LLAMA3 else _QWEN2_REGEX
-        pre_tok = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-                                           pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    else:
-        _warn(f"{path}: tokenizer.ggml.pre {pre!r} is not known here; the plan has no tokenizer, "
-              "use strata-run --input-ids")
-        return None
-    tokens = meta.get("tokenizer.ggml.tokens", list, required=True)
-    merges = meta.get("tokenizer.ggml.merges", list, required=True)
-    types = meta.get("tokenizer.ggml.token_type", list, default=[1] * len(tokens))
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)
-    try:
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-        bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
-                         ignore_merges=pre in _LLAMA3)
-    except Exception as e:
-        raise ModelError(f"{path}: tokenizer.ggml.tokens/merges do not form a BPE vocabulary ({e})"[:300]) from None
-    tok = Tokenizer(bpe)
-    tok.pre_tokenizer = pre_tok
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == _CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
-    add_bos = meta.get("tokenizer.ggml.add_bos_token", bool, default=pre in _LLAMA3)
-    add_eos = meta.get("tokenizer.ggml.add_eos_token", bool, default=False)
-    bos = meta.get("tokenizer.ggml.bos_token_id", int, default=-1)
-    eos = meta.get("tokenizer.ggml.eos_token_id", int, default=-1)
-    single, specials = ["$A"], []
-    if add_bos and 0 <= bos < len(tokens):
-        single.insert(0, tokens[bos])
-        specials.append((tokens[bos], bos))
-    if add_eos and 0 <= eos < len(tokens):
-        single.append(tokens[eos])
-        specials.append((tokens[eos], eos))
-    if specials:
-        tok.post_processor = processors.TemplateProcessing(single=" ".join(single), special_tokens=specials)
-    return tok.to_str().encode()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,134 @@
+"""A GGUF file's tokenizer rebuilt as a `tokenizers` Tokenizer (JSON), so that a plan compiled from
+it reads and writes text: byte-level BPE vocabularies ('gpt2', with the pre-tokenizer families
+whose llama.cpp regexes map exactly onto HF's) and SentencePiece ones ('llama'). Anything else
+gives None and one warning (the plan then takes token ids)."""
+
+from __future__ import annotations
+
+import sys
+
+from ..errors import ModelError
+
+# tokenizer.ggml.pre -> how llama.cpp splits text before BPE (llama-vocab.cpp), as `tokenizers` parts.
+# Only the families whose llama.cpp regexes map exactly onto HF pre-tokenizers are rebuilt.
+_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
+_GPT2 = ("gpt-2", "phi-2", "jina-es", "jina-de", "mpt", "olmo", "jais", "trillion")
+_LLAMA3 = ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = ("qwen2",)     # Qwen2/Qwen3 (and their MoE) files: llama3's split with single digits
+_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4      # tokenizer.ggml.token_type values
+
+
+def _warn(msg: str) -> None:
+    sys.stderr.write(f"warning: {msg}\n")
+
+
+def build_tokenizer_json(meta) -> bytes | None:
+    """A `tokenizers` Tokenizer (JSON) equivalent to llama.cpp's for a GGUF's byte-level BPE ('gpt2')
+    or SentencePiece ('llama') vocabulary, else None."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    path = meta.path
+    kind = meta.get("tokenizer.ggml.model", str, default=None)
+    if kind is None:
+        return None
+    if kind == "llama":
+        tokens = meta.get("tokenizer.ggml.tokens", list, required=True)
+        return _sentencepiece(meta, tokens, meta.get("tokenizer.ggml.token_type", list, default=[1] * len(tokens)))
+    if kind != "gpt2":
+        _warn(f"{path}: tokenizer.ggml.model {kind!r} is not rebuilt (byte-level BPE 'gpt2' and SentencePiece "
+              "'llama' are); the plan has no tokenizer, use strata-run --input-ids")
+        return None
+    pre = meta.get("tokenizer.ggml.pre", str, default="default")   # llama.cpp's default regexes differ
+    if pre in _DIGITS_THEN_GPT2:
+        pre_tok = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                           pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    elif pre in _GPT2:
+        pre_tok = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif pre in _LLAMA3 or pre in _QWEN2:
+        regex = _LLAMA3_REGEX if pre in _LLAMA3 else _QWEN2_REGEX
+        pre_tok = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+                                           pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        _warn(f"{path}: tokenizer.ggml.pre {pre!r} is not known here; the plan has no tokenizer, "
+              "use strata-run --input-ids")
+        return None
+    tokens = meta.get("tokenizer.ggml.tokens", list, required=True)
+    merges = meta.get("tokenizer.ggml.merges", list, required=True)
+    types = meta.get("tokenizer.ggml.token_type", list, default=[1] * len(tokens))
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    try:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
+                         ignore_merges=pre in _LLAMA3)
+    except Exception as e:
+        raise ModelError(f"{path}: tokenizer.ggml.tokens/merges do not form a BPE vocabulary ({e})"[:300]) from None
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tok
+    tok.decoder = decoders.ByteLevel()
+    return _finish(meta, tok, tokens, types, add_bos=pre in _LLAMA3)
+
+
+def _finish(meta, tok, tokens: list, types: list, add_bos: bool) -> bytes:
+    """The file's control and user-defined tokens as added tokens, BOS / EOS as the file says to
+    add them; the tokenizer as JSON."""
+    from tokenizers import AddedToken, processors
+
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == _CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", bool, default=add_bos)
+    add_eos = meta.get("tokenizer.ggml.add_eos_token", bool, default=False)
+    bos = meta.get("tokenizer.ggml.bos_token_id", int, default=-1)
+    eos = meta.get("tokenizer.ggml.eos_token_id", int, default=-1)
+    single, specials = ["$A"], []
+    if add_bos and 0 <= bos < len(tokens):
+        single.insert(0, tokens[bos])
+        specials.append((tokens[bos], bos))
+    if add_eos and 0 <= eos < len(tokens):
+        single.append(tokens[eos])
+        specials.append((tokens[eos], eos))
+    if specials:
+        tok.post_processor = processors.TemplateProcessing(single=" ".join(single), special_tokens=specials)
+    return tok.to_str().encode()
+
+
+def _sentencepiece(meta, tokens: list, types: list) -> bytes:
+    """llama.cpp's 'llama' vocabulary (SentencePiece BPE: pieces with scores, byte fallback) as a
+    `tokenizers` BPE: the merges are every split of a piece into two pieces of the vocabulary,
+    ranked by the piece's score (as transformers' SentencePiece converter makes them)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    path = meta.path
+    scores = meta.get("tokenizer.ggml.scores", list, required=True)
+    if len(scores) != len(tokens) or not all(isinstance(x, (int, float)) for x in scores):
+        raise ModelError(f"{path}: tokenizer.ggml.scores should hold one number per token")
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    merges = []
+    for i in sorted(range(len(tokens)), key=lambda i: -scores[i]):
+        piece = tokens[i]
+        if types[i] != _NORMAL or vocab[piece] != i:
+            continue
+        local = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        merges.extend(sorted(local, key=lambda ab: (vocab[ab[0]], vocab[ab[1]])))
+    unk = meta.get("tokenizer.ggml.unknown_token_id", int, default=-1)
+    try:
+        bpe = models.BPE(vocab=vocab, merges=merges, unk_token=tokens[unk] if 0 <= unk < len(tokens) else None,
+                         fuse_unk=True, byte_fallback=True)
+    except Exception as e:
+        raise ModelError(f"{path}: tokenizer.ggml.tokens/scores do not form a SentencePiece vocabulary ({e})"[:300]) from None
+    tok = Tokenizer(bpe)
+    prefix = meta.get("tokenizer.ggml.add_space_prefix", bool, default=True)
+    # llama.cpp puts a space before the text and after each special token, then spaces become
+    # U+2581: a normalizer does the same (it runs on each stretch of text between added tokens)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581")] * prefix + [normalizers.Replace(" ", "\u2581")])
+    parts = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(parts + [decoders.Strip(" ", 1, 0)] * prefix)
+    return _finish(meta, tok, tokens, types, add_bos=True)
