@@ -169,8 +169,39 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
                                                if not (bits or memory_budget) else
                                                f"layer-adaptive formats ({'--bits ' + str(bits) if bits else '--memory-budget ' + memory_budget})"))
         click.echo(_text_support(plan))
+        note = _requantized(model_dir, plan)
+        if note:
+            click.echo(note)
     else:
         click.echo(f"stopped after {stop_after}: {len(g.nodes)} {g.level.value}-level nodes")
+
+
+# (GGUF type, Strata format) pairs a compile keeps without a second rounding
+_EXACT = {("Q4_0", "int4"), ("Q8_0", "int8"), ("F32", "f32"), ("F16", "f32"), ("BF16", "f32"), ("BF16", "bf16")}
+
+
+def _requantized(model: Path, plan: Path) -> str:
+    """For a GGUF input: one line naming the tensor types that were dequantized and quantized again
+    (K-quants, ...) and how to measure what that cost; '' when none were."""
+    if not (model.is_file() and model.suffix.lower() == ".gguf"):
+        return ""
+    from .frontend.gguf_reader import open_gguf
+    from .runtime.plan import load_plan
+
+    store = open_gguf(model)[0]
+    moved: dict[tuple[str, str], int] = {}
+    for w in load_plan(plan).graph.weights:
+        for key in w.sources:
+            key = key.replace("{e}", "0")
+            if key in store and len(w.shape) >= 2:
+                t = str(store.info(key).dtype)
+                if (t, w.fmt) not in _EXACT or (w.group_size not in (0, 32)):
+                    moved[t, w.fmt] = moved.get((t, w.fmt), 0) + 1
+    if not moved:
+        return ""
+    what = ", ".join(f"{t} -> {f} ({n})" for (t, f), n in sorted(moved.items()))
+    return (f"requantized from the file's types: {what}; what it costs against the file's own weights: "
+            f"stratac eval {plan.parent} --reference {model} --text TEXT")
 
 
 def _formats(plan: Path) -> str:
@@ -364,9 +395,12 @@ def inspect_cmd(plan_path: Path, as_json: bool, weights: bool, debug: bool) -> N
 
 
 def reference_kind(ref: Path) -> str:
-    """'hf' (a model folder), 'plan' (a plan directory or plan.bin), else a UsageError."""
+    """'hf' (a model folder), 'gguf' (a llama.cpp file), 'plan' (a plan directory or plan.bin), else
+    a UsageError."""
     if not ref.exists():
         raise UsageError(f"--reference {ref}: no such file or directory; pass a Hugging Face model folder or a plan")
+    if ref.is_file() and ref.suffix.lower() == ".gguf":
+        return "gguf"
     if ref.is_dir():
         if (ref / "config.json").is_file():
             return "hf"
@@ -394,8 +428,8 @@ def check_reference(ref: Path, kind: str, vocab: int, ctx: int, plan_path: Path)
 
 @contextlib.contextmanager
 def open_reference(ref: Path, kind: str, backend: str, *, say: Callable[[str], None] | None = None) -> Iterator:
-    """The reference as a loaded Plan; a model folder is compiled at f32 into a temporary
-    directory that is deleted afterwards."""
+    """The reference as a loaded Plan; a model folder or a GGUF file (its dequantized weights) is
+    compiled at f32 into a temporary directory that is deleted afterwards."""
     from strata_compiler.runtime.plan import load_plan
 
     if kind == "plan":
@@ -418,7 +452,7 @@ def _table(plan, ref: Path, kind: str, r: dict) -> str:
     rows = [
         ("plan", f"{plan.path} ({quant}, {r['bits_per_weight']:.3f} bits/weight, "
                  f"{r['weight_bytes'] / 2**20:.2f} MiB of weights)"),
-        ("reference", f"{ref}" + (" (compiled at f32)" if kind == "hf" else "")
+        ("reference", f"{ref}" + (" (compiled at f32)" if kind != "plan" else "")
                       + f" ({r['ref_bits_per_weight']:.3f} bits/weight)"),
         ("scored", f"{r['tokens']} tokens: {r['chunks']} chunks of {r['ctx']}, positions {first}..{last - 1}"),
         ("mean KL", f"{r['mean_kl']:.6f} ± {r['kl_stderr']:.6f}"),
@@ -434,7 +468,8 @@ def _table(plan, ref: Path, kind: str, r: dict) -> str:
 @stratac.command("eval")
 @click.argument("plan_path", type=click.Path(path_type=Path))
 @click.option("--reference", "ref", type=click.Path(path_type=Path), required=True,
-              help="Reference: a Hugging Face model folder (compiled at f32 into a temporary directory) or a plan.")
+              help="Reference: a Hugging Face model folder or a GGUF file (its dequantized weights), compiled at "
+                   "f32 into a temporary directory; or a plan.")
 @click.option("--text", "text_path", type=click.Path(path_type=Path), required=True,
               help="UTF-8 text file, tokenized with the plan's tokenizer.")
 @click.option("--ctx", type=int, default=512, show_default=True,

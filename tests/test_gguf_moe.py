@@ -308,3 +308,26 @@ def test_quant_auto_keeps_the_files_formats(moe, tmp_path, qtype, fmt):
             with Container.open(p / "weights.bin", WEIGHTS_MAGIC) as c:
                 secs.append({n: bytes(c.section(n)) for n in c.names() if ".moe." in n and ".router" not in n})
         assert secs[0] == secs[1] and len(secs[0]) >= 4
+
+
+def test_a_k_quant_file_says_what_was_requantized_and_eval_measures_it(moe, tmp_path, capsys):
+    """A K-quant GGUF compiles with one line naming the types quantized again, and `stratac eval`
+    takes the GGUF itself as the reference (its dequantized weights at f32): the KL is small."""
+    import json as _json
+
+    from strata_compiler.cli import stratac
+    from test_gguf_frontend import run_cli
+
+    d = build_model("mixtral", tmp_path / "hf", vocab_size=len(moe["tokens"]), seed=12, hidden_size=256,
+                    intermediate_size=256)
+    write_moe_gguf(tmp_path / "k.gguf", d, "mixtral", moe["tokens"], moe["merges"], QT.Q4_K)
+    capsys.readouterr()
+    compile_ok(tmp_path / "k.gguf", tmp_path / "plan")
+    out = capsys.readouterr().out
+    assert "requantized from the file's types: Q4_K -> int4" in out and "--reference" in out, out
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog while the cat sleeps on a warm mat. " * 40)
+    assert run_cli(stratac, ["eval", str(tmp_path / "plan"), "--reference", str(tmp_path / "k.gguf"), "--text",
+                             str(text), "--ctx", "64", "--chunks", "2", "--json", "--backend", "reference"]) == 0
+    r = _json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0 <= r["mean_kl"] < 0.05, r
