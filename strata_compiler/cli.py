@@ -101,9 +101,13 @@ def stratac() -> None:
 @click.option("--chat-template", type=click.Path(path_type=Path), metavar="FILE",
               help="A Jinja chat template (as in tokenizer_config.json) stored in the plan instead of the model's "
                    "own, or where the model has none (strata-run --chat, /v1/chat/completions, Model.chat).")
+@click.option("--eval-text", type=click.Path(path_type=Path), metavar="FILE",
+              help="For a GGUF whose tensors were quantized again (K-quants, ...): afterwards print the KL of the "
+                   "plan against the file's own weights over two chunks of 512 tokens of FILE (stratac eval; the "
+                   "reference is compiled at f32 into a temporary folder).")
 @debug_option
 def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, calib: Path | None, calib_tokens: int,
-                imatrix: bool, chat_template: Path | None,
+                imatrix: bool, chat_template: Path | None, eval_text: Path | None,
                 bits: float | None, memory_budget: str, tensor_format: str, dump_dir: Path | None,
                 dump_after: str, stop_after: str | None, backend: str, place: str, target: str, gpu_mem: str,
                 host_mem: str, gpus: int, gpu_mode: str, place_strategy: str, expert_cache: bool,
@@ -172,6 +176,11 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
         note = _requantized(model_dir, plan)
         if note:
             click.echo(note)
+            if eval_text is not None:
+                from .runtime.plan import load_plan
+
+                most = load_plan(plan).meta["model"].get("max_position") or 512
+                eval_cmd.callback(out_dir, model_dir, eval_text, min(512, int(most)), 2, "auto", False, False, debug)
     else:
         click.echo(f"stopped after {stop_after}: {len(g.nodes)} {g.level.value}-level nodes")
 

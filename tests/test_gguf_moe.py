@@ -331,3 +331,6 @@ def test_a_k_quant_file_says_what_was_requantized_and_eval_measures_it(moe, tmp_
                              str(text), "--ctx", "64", "--chunks", "2", "--json", "--backend", "reference"]) == 0
     r = _json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 0 <= r["mean_kl"] < 0.05, r
+    compile_ok(tmp_path / "k.gguf", tmp_path / "plan2", "--eval-text", str(text))     # the KL printed by compile
+    out = capsys.readouterr().out
+    assert "requantized from the file's types" in out and "mean KL" in out, out
