@@ -294,18 +294,23 @@ class BatchScheduler(Scheduler):
         self._clear_free_rows()
         logits = self._decode_step(self._rows())
         for seq in self._active():
-            seq.tokens.append(seq.last)
-            if seq.req.cancelled.is_set():
-                self._cancelled(seq.req)
-                self._free(seq)
-                continue
-            tok = int(seq.req.sampler(logits[seq.slot:seq.slot + 1], [seq.tokens])[0])
-            if self._emit(seq, tok):
-                if self.prompt_cache is not None:
-                    self.prompt_cache.store(seq.tokens, self.kv, seq.slot)
-                self._free(seq)
-            else:
-                seq.last = tok
+            self._deliver(seq, lambda seq=seq: int(seq.req.sampler(logits[seq.slot:seq.slot + 1], [seq.tokens])[0]))
+
+    def _deliver(self, seq: _Seq, pick) -> None:
+        """A step's token for `seq` (pick(): it, once the id the step took is in the sequence's
+        history), or for a cancelled sequence its slot freed."""
+        seq.tokens.append(seq.last)
+        if seq.req.cancelled.is_set():
+            self._cancelled(seq.req)
+            self._free(seq)
+            return
+        tok = pick()
+        if self._emit(seq, tok):
+            if self.prompt_cache is not None:
+                self.prompt_cache.store(seq.tokens, self.kv, seq.slot)
+            self._free(seq)
+        else:
+            seq.last = tok
 
     def _clear_free_rows(self) -> None:
         for i, s in enumerate(self.slots):
@@ -371,18 +376,7 @@ class BatchScheduler(Scheduler):
         for slot, seq in step.seqs:
             if self.slots[slot] is not seq:
                 continue            # ended or cancelled since: this row ran past its end
-            seq.tokens.append(seq.last)
-            if seq.req.cancelled.is_set():
-                self._cancelled(seq.req)
-                self._free(seq)
-                continue
             if seq.req.sampler.plain_greedy:
-                tok = int(tokens[slot])
+                self._deliver(seq, lambda slot=slot: int(tokens[slot]))
             else:
-                tok = int(seq.req.sampler(logits[slot:slot + 1], [seq.tokens])[0])
-            if self._emit(seq, tok):
-                if self.prompt_cache is not None:
-                    self.prompt_cache.store(seq.tokens, self.kv, seq.slot)
-                self._free(seq)
-            else:
-                seq.last = tok
+                self._deliver(seq, lambda slot=slot, seq=seq: int(seq.req.sampler(logits[slot:slot + 1], [seq.tokens])[0]))
