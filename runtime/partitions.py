@@ -62,6 +62,11 @@ def _processes() -> int:
     return jax.process_count()
 
 
+def _device_index(device: str) -> int:
+    """The GPU index of a node's device ("gpu:1" -> 1, "gpu" -> 0)."""
+    return int(device.split(":")[1]) if ":" in device else 0
+
+
 def _fetch(v, B: int, T: int, last_only: bool) -> np.ndarray:
     """An output [B*T, ...] of a step (or PaddedRows of it) on the host as [B, T, ...], or its last
     token's [B, 1, ...] with `last_only` (a device array is sliced on the device: only those rows
@@ -213,7 +218,7 @@ class MixedExecutor:
             try:
                 dev = self.g.node(ids[0]).device
                 exe = XLAExecutor(self.g, self.weights, nodes=ids, device_kind=device, slot_limit=slots,
-                                  device_index=int(dev.split(":")[1]) if ":" in dev else 0, mapped=self.mapped,
+                                  device_index=_device_index(dev), mapped=self.mapped,
                                   residency=self.residency)
                 break
             except GPUOutOfMemory as e:
@@ -421,8 +426,7 @@ class MixedExecutor:
                 if kind == "llvm" and all(n.op in OPS and n.op is not Op.FUSED_ATTENTION and not n.attr("cache", "")
                                           and n.id not in self.mapped.values() for n in nodes):
                     self._streamed[i] = XLAExecutor(self.g, self.weights, nodes=ids, device_kind=self._device_kind,
-                                                    device_index=int(dev.split(":")[1]) if ":" in dev else 0,
-                                                    stream=True)
+                                                    device_index=_device_index(dev), stream=True)
         return self._streamed
 
     def _after_step(self, cache, T: int, t_step: float) -> None:

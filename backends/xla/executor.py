@@ -61,7 +61,8 @@ class XLAExecutor:
                  mapped: dict[int, int] | None = None, residency: Residency | None = None,
                  stream: bool = False) -> None:
         """stream: the weights stay on the host until `upload` (a prefill's copy of CPU-placed
-        experts: MixedExecutor), and leave the device at `release`. slot_limit: expert-cache GPU shares (node id) loaded with only their first N slots (a
+        experts: MixedExecutor), and leave the device at `release`.
+        slot_limit: expert-cache GPU shares (node id) loaded with only their first N slots (a
         device out of memory raises GPUOutOfMemory). mapped: {GPU share: host share} of expert
         caches whose misses the GPU reads from host memory (runtime/mapped.py `rebind_misses`):
         the host share's weights stay in host memory, mapped, and its value is zero; so do the
