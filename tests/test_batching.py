@@ -65,8 +65,10 @@ def mixed_plan(tmp_path_factory):
 
 
 def _scheduler(plan, tok, backend, **kw) -> BatchScheduler:
-    s = BatchScheduler(Session(plan, "auto", device="cpu") if backend == "mixed" else Session(plan, backend),
-                       tok, 256, **kw)
+    session = Session(plan, "auto", device="cpu") if backend.startswith("mixed") else Session(plan, backend)
+    if backend == "mixed-streamed":     # long prefills run the CPU experts on "the GPU" (JAX's CPU here)
+        session.executor.stream_ok = True
+    s = BatchScheduler(session, tok, 256, **kw)
     s.start(warm=True)
     assert s.ready.wait(120) and s.warm_error is None
     return s
@@ -168,15 +170,16 @@ def test_prompt_cache_serves_a_shared_start(plan, tok, backend):
         sch.shutdown()
 
 
-@pytest.mark.parametrize("backend", ["xla", "mixed"])
-def test_serving_after_warm_up_compiles_nothing(plan, mixed_plan, tok, backend):
+@pytest.mark.parametrize("backend", ["xla", "mixed", "mixed-streamed"])
+def test_serving_after_warm_up_compiles_nothing(plan, mixed_plan, tok, backend, monkeypatch):
     """xla, and a plan split between xla and llvm: every program serving needs is built before the
     scheduler says ready (one compiled while serving stalls every stream): prompts of many
     lengths, one longer than a chunk, greedy and sampled sequences, prompt-cache hits and stores."""
     import jax
 
-    if backend == "mixed":
+    if backend.startswith("mixed"):
         plan = mixed_plan
+    monkeypatch.setenv("STRATA_STREAM_PREFILL_TOKENS", "16")
     m = plan.meta["model"]
     pc = PromptCache(64 << 20, plan.digest(), shape=(m["n_layers"], m["n_kv_heads"], m["head_dim"]))
     sch = _scheduler(plan, tok, backend, max_batch=4, chunk=16, prompt_cache=pc)
@@ -200,6 +203,7 @@ def test_serving_after_warm_up_compiles_nothing(plan, mixed_plan, tok, backend):
         assert all(r.text() is not None for r in again)
         assert sch.stats["prompt_cache_tokens"] > 0
         assert not seen, f"{len(seen)} JAX programs traced or compiled while serving"
+        assert (getattr(sch.session.executor, "streamed_steps", 0) > 0) == (backend == "mixed-streamed")
     finally:
         on[0] = False
         sch.shutdown()

@@ -324,6 +324,11 @@ class XLAExecutor:
             ids_arg, pos_arg = self._host_args(np.asarray(ids, np.int32), pos)
         if staging is not None:
             ext = {i: staging.stage(i, v) if isinstance(v, np.ndarray) else v for i, v in ext.items()}
+        elif any(isinstance(v, np.ndarray) for v in ext.values()):
+            # host values on the device first: an input is then a device array whichever partition
+            # made it (a CPU one, or one streamed to the GPU), and a program compiled for one serves both
+            home = self._home()
+            ext = {i: _jax().device_put(v, home) if isinstance(v, np.ndarray) else v for i, v in ext.items()}
         flat, kt, vt = self._fn(self.params, ks, vs, ext, ids_arg, B, T_pad, pos_arg)
         outs = dict(zip(self._out_keys[B, T_pad], flat))
         # the expert caches' routings of this call (--miss-path gpu), for MixedExecutor to fold
