@@ -334,3 +334,28 @@ def test_a_k_quant_file_says_what_was_requantized_and_eval_measures_it(moe, tmp_
     compile_ok(tmp_path / "k.gguf", tmp_path / "plan2", "--eval-text", str(text))     # the KL printed by compile
     out = capsys.readouterr().out
     assert "requantized from the file's types" in out and "mean KL" in out, out
+
+
+def test_expert_cache_and_laq_take_gguf_plans(moe, tmp_path, monkeypatch):
+    """A GGUF-sourced plan goes through the placement's expert cache (split layers, slots on "the
+    GPU", JAX's CPU here) and layer-adaptive quantization as an HF-sourced one: the cached plan
+    matches transformers, the --bits plan picks several formats and runs."""
+    from test_expert_cache import cached_plan
+
+    from strata_compiler.runtime.plan import load_plan
+
+    m = load_model(moe["mixtral"])
+    ids = clear_prompts(m, m.config.vocab_size, n_prompts=1, length=7, n_new=N_NEW, batch=1)[0]
+    src = moe["base"] / "mixtral.gguf"
+    (tmp_path / "cache").mkdir()
+    cached = cached_plan(src, tmp_path / "cache", monkeypatch, 0.5)
+    moes = [n for n in load_plan(cached).graph.nodes if n.op.value == "moe_ffn" and n.attr("cache", "")]
+    assert {n.device for n in moes} == {"gpu", "cpu"}
+    logits, tokens = run_logits(cached, ids, tmp_path, "auto")
+    ref = hf_logits(m, ids)
+    assert np.abs(logits - ref).max() / ref.std() <= 1e-4
+    np.testing.assert_array_equal(tokens, hf_greedy(m, ids, N_NEW)[0])
+    laq = load_plan(compile_ok(src, tmp_path / "laq", "--bits", "5"))
+    assert len({w.fmt for w in laq.graph.weights if w.fmt != "f32"}) >= 1
+    logits, _ = run_logits(tmp_path / "laq", ids, tmp_path, "reference")
+    assert np.isfinite(logits).all() and logits.shape[-1] == m.config.vocab_size
