@@ -83,13 +83,18 @@ FROM_GGUF = {
 _PRECISION = ("int3", "int4", "int8", "bf16", "f32")     # narrowest first
 
 
+def source_type(store, key: str) -> str | None:
+    """A source tensor's GGUF type ("Q4_K", ...), None in a store without types (an HF folder)."""
+    key = key.replace("{e}", "0")       # an experts' template key: their types are one stack's
+    if not getattr(store, "typed", False) or key not in store:
+        return None
+    return str(store.info(key).dtype)
+
+
 def stored_format(store, key: str) -> str:
     """The format --quant auto gives a source tensor: its GGUF type's (FROM_GGUF; f32 for a type
     not listed), f32 for a store without types (a Hugging Face folder)."""
-    key = key.replace("{e}", "0")       # an experts' template key: their types are one stack's
-    if not getattr(store, "typed", False) or key not in store:
-        return "f32"
-    return FROM_GGUF.get(str(store.info(key).dtype), "f32")
+    return FROM_GGUF.get(source_type(store, key), "f32")
 
 
 def _as_stored(g: Graph, ctx: PassContext) -> Graph:

@@ -43,13 +43,12 @@ class _Seq:
     n: int = 0              # tokens generated
     last: int = -1          # the last sampled token: the next decode step's input
     tokens: list[int] = field(default_factory=list)    # prompt + the generated tokens stepped
-    launched: int = -1      # the last device step (_Step.id) that stepped this sequence
+    launched: int = -1      # the last device step (its launch count) that stepped this sequence
 
 
 @dataclass
 class _Step:
     """A decode step launched on the device (batch_step), its results not yet on the host."""
-    id: int
     seqs: list[tuple[int, _Seq]]        # (slot, sequence) of each row it steps
     tokens: object                      # device int32 [max_batch]: each row's greedy token
     logits: object                      # device f32 [rows, V]
@@ -107,7 +106,7 @@ class BatchScheduler(Scheduler):
             if self.stepper is not None:
                 ids = np.zeros(self.max_batch, np.int32)
                 self.stepper.batch_step(self.kv, rows, ids, np.ones(self.max_batch, bool))[0].block_until_ready()
-            else:
+            else:       # twice: as the one-token prefill above (a mixed plan's one-program step)
                 self._decode_step(rows)
                 self._decode_step(rows)
             if rows >= self.max_batch or self._exact_rows:
@@ -362,7 +361,7 @@ class BatchScheduler(Scheduler):
         self.stats["steps"] += 1
         self.stats["rows_stepped"] += rows
         self.launches += 1
-        return _Step(self.launches - 1, seqs, tokens, logits)
+        return _Step(seqs, tokens, logits)
 
     def _finish(self, step: _Step, sync: bool) -> None:
         """A launched step's tokens to its sequences (those still in their slots); sync: sampled

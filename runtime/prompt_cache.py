@@ -87,6 +87,15 @@ def _on_device(a) -> bool:
     return not isinstance(a, np.ndarray)
 
 
+def _arrays(cache) -> tuple:
+    """A cache's per-layer arrays as one tuple, K and V of each layer in turn (the programs' order)."""
+    return tuple(a for pair in zip(cache.k, cache.v) for a in pair)
+
+
+def _set_arrays(cache, arrays: tuple) -> None:
+    cache.k[:], cache.v[:] = list(arrays[0::2]), list(arrays[1::2])
+
+
 class PromptCache:
     def __init__(self, max_bytes: int, plan_id: str, directory: Path | None = None, min_tokens: int = 8,
                  shape: tuple[int, int, int] | None = None) -> None:
@@ -128,9 +137,8 @@ class PromptCache:
             # the entry's whole (PAD-rounded) block goes in: positions past n lie past the row's
             # length (masked, then overwritten), and one program per entry length suffices
             m = _padded(len(e.tokens), cache.k[0].shape[2])
-            blocks = tuple(b if _on_device(b) else _host_block(b, m) for layer in range(L) for b in (e.k[layer], e.v[layer]))
-            out = _device_write(tuple(a for layer in range(L) for a in (cache.k[layer], cache.v[layer])), blocks, row)
-            cache.k[:], cache.v[:] = list(out[0::2]), list(out[1::2])
+            blocks = tuple(b if _on_device(b) else _host_block(b, m) for b in _arrays(e))
+            _set_arrays(cache, _device_write(_arrays(cache), blocks, row))
         else:
             for layer in range(L):
                 for dst, src in ((cache.k, e.k), (cache.v, e.v)):
@@ -143,12 +151,12 @@ class PromptCache:
         per PAD-rounded length; nothing for host caches): into and out of `cache`, out of `others`."""
         if not cache.k or not _on_device(cache.k[0]):
             return
-        arrays = tuple(a for pair in zip(cache.k, cache.v) for a in pair)
+        arrays = _arrays(cache)
         for n in range(PAD, cache.k[0].shape[2] + PAD, PAD):
             arrays = _device_write(arrays, _device_read(arrays, 0, n), 0)
             for c in others:
-                _device_read(tuple(a for pair in zip(c.k, c.v) for a in pair), 0, n)
-        cache.k[:], cache.v[:] = list(arrays[0::2]), list(arrays[1::2])
+                _device_read(_arrays(c), 0, n)
+        _set_arrays(cache, arrays)
 
     def store(self, tokens, cache, row: int) -> None:
         """Keep the KV of `tokens` (the first len(tokens) positions of row `row` of `cache`)."""
@@ -164,7 +172,7 @@ class PromptCache:
             if len(old.tokens) <= n and (tokens[:len(old.tokens)] == old.tokens).all():
                 self._drop(key)
         if _on_device(cache.k[0]):
-            out = _device_read(tuple(a for pair in zip(cache.k, cache.v) for a in pair), row, n)
+            out = _device_read(_arrays(cache), row, n)
             new = _Entry(tokens, list(out[0::2]), list(out[1::2]))
         else:
             new = _Entry(tokens, [a[row, :, :n].copy() for a in cache.k], [a[row, :, :n].copy() for a in cache.v])

@@ -195,17 +195,16 @@ def _requantized(model: Path, plan: Path) -> str:
     if not (model.is_file() and model.suffix.lower() == ".gguf"):
         return ""
     from .frontend.gguf_reader import open_gguf
+    from .passes.quantize import source_type
     from .runtime.plan import load_plan
 
     store = open_gguf(model)[0]
     moved: dict[tuple[str, str], int] = {}
     for w in load_plan(plan).graph.weights:
         for key in w.sources:
-            key = key.replace("{e}", "0")
-            if key in store and len(w.shape) >= 2:
-                t = str(store.info(key).dtype)
-                if (t, w.fmt) not in _EXACT or (w.group_size not in (0, 32)):
-                    moved[t, w.fmt] = moved.get((t, w.fmt), 0) + 1
+            t = source_type(store, key)
+            if t is not None and len(w.shape) >= 2 and ((t, w.fmt) not in _EXACT or w.group_size not in (0, 32)):
+                moved[t, w.fmt] = moved.get((t, w.fmt), 0) + 1
     if not moved:
         return ""
     what = ", ".join(f"{t} -> {f} ({n})" for (t, f), n in sorted(moved.items()))
