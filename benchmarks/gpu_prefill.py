@@ -1,10 +1,12 @@
 """Prefill (and a short decode) of a compiled plan through the Python API, for the GPU's prefill work:
 
     python benchmarks/gpu_prefill.py PLAN_DIR [--lens 512,4096] [--repeats 3] [--n-new 0]
-        [--backend auto] [--profile] [--json OUT]
+        [--backend auto] [--profile] [--all-logits] [--json OUT]
 
 Per prompt length: one untimed warm-up (compilation), then --repeats timed prefills of a random
-prompt (token ids 3..vocab-1); prints the median prefill tok/s [min-max]. --profile adds the GPU
+prompt (token ids 3..vocab-1); prints the median prefill tok/s [min-max]. Only the last token's
+logits reach the host, as in strata-run and the server (and llama-bench's pp); --all-logits
+copies every token's. --profile adds the GPU
 kernels of one prefill from a JAX profiler trace (the 15 costliest by device time), to see where
 the time goes. Settings (e.g. STRATA_PALLAS=off for XLA's paths only) come from the
 environment, one process per variant.
@@ -33,6 +35,7 @@ def main() -> int:
     ap.add_argument("--n-new", type=int, default=0, help="decode steps after each prefill (their tok/s too)")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--all-logits", action="store_true", help="every prompt token's logits to the host")
     ap.add_argument("--label", default="")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -56,7 +59,7 @@ def main() -> int:
         def once():
             session.timings = Timings()
             t = time.perf_counter()
-            session.generate(prompt, args.n_new + 1 if args.n_new else 0, Sampler(), ())
+            session.generate(prompt, args.n_new + 1 if args.n_new else 0, Sampler(), (), keep_logits=args.all_logits)
             wall = time.perf_counter() - t
             return session.timings.rates(), wall
 
