@@ -22,7 +22,8 @@ shares (passes/expert_split.py); nodes get `device`, which select-kernels honour
 still override). Weights beyond `--host-mem` go to the disk tier, coldest experts first. Several
 GPUs (--gpus N): spread by layer blocks or striped over a mesh; --gpu-mode auto keeps the faster.
 
-The prediction (decode and a 512-token prefill, bytes per tier, per-layer device and time) goes
+The prediction (decode, a 512-token prefill and from what prompt length streaming the CPU-placed
+experts to the GPU pays, passes/place_phases.py; bytes per tier, per-layer device and time) goes
 into the graph meta `placement` for `stratac inspect`, and into placement.json with --dump-dir.
 """
 
@@ -41,6 +42,7 @@ from strata_compiler.hwprofile import HardwareProfile, override
 from strata_compiler.ir import Graph, Level, Node, Op, make_attrs
 from strata_compiler.pass_manager import PassContext, register
 from strata_compiler.passes.expert_split import Share, split_experts
+from strata_compiler.passes.place_phases import phases
 
 # Latencies the byte rates do not capture (seconds), fitted to measured plans (BENCHMARKS.md).
 # GPU: one kernel launch at decode. CPU: the llvm executor's dispatch of one op. PARTITION_S:
@@ -179,15 +181,15 @@ def build_units(g: Graph, hw, probs: dict[int, np.ndarray],
         if n.op is Op.MOE_FFN:
             unit_of[n.id] = ""
             p = probs[n.id]
-            roles = [w for _, w in n.weights]
+            # (format, bytes of one expert, its elements) per weight: the same for every expert
+            roles = [(*_bytes(g, w, experts=0), float(np.prod(g.weight(w).shape[1:]))) for _, w in n.weights]
             T = prefill_tokens
             for e in range(len(p)):
                 cpu = gpu = cpu_pf = gpu_pf = 0.0
                 nb = 0
                 touched = 1.0 - (1.0 - min(float(p[e]), 1.0)) ** T    # some prompt token chose it
-                for w in roles:
-                    fmt, b = _bytes(g, w, experts=e)
-                    flops = 2.0 * T * float(p[e]) * float(np.prod(g.weight(w).shape[1:]))
+                for fmt, b, size in roles:
+                    flops = 2.0 * T * float(p[e]) * size
                     cpu += hw.cpu_gemv_seconds(fmt, b)
                     cpu_pf += touched * _matmul_s(hw, "cpu", fmt, b, flops)
                     if hw.gpu is not None:
@@ -537,8 +539,7 @@ def place_pass(g: Graph, ctx: PassContext) -> Graph:
     if opts.gpus > 1 and opts.expert_cache:
         raise UsageError("--gpus > 1 and --expert-cache conflict: the expert cache works on one GPU for now")
     first_mode = "layer" if opts.gpu_mode == "auto" else opts.gpu_mode
-    out = apply(g, units, unit_of, choice.gpu_units, calib, cache=opts.expert_cache, gpus=opts.gpus,
-                mode=first_mode)
+    out = apply(g, units, unit_of, choice.gpu_units, calib, cache=opts.expert_cache, gpus=opts.gpus, mode=first_mode)
     modes = {}
     if opts.gpus > 1:       # each mode's GPU-to-GPU hops priced on top of the one-GPU timeline
         for mode in (("layer", "stripe") if opts.gpu_mode == "auto" else (opts.gpu_mode,)):
@@ -584,14 +585,13 @@ def place_pass(g: Graph, ctx: PassContext) -> Graph:
                                "core": "gpu" if ({-1: "embed", n_layers: "head"}.get(k, f"L{k}.core")
                                                   in choice.gpu_units) else "cpu"}
                       for k, v in sorted(pred["per_layer"].items())},
-        "profile": {"cpu": hw.host.cpu, "gpu": hw.gpu.name if hw.gpu else None,
-                    "gpu_mem": gpu_mem, "host_mem": host_cap},
+        "profile": {"cpu": hw.host.cpu, "gpu": hw.gpu and hw.gpu.name, "gpu_mem": gpu_mem, "host_mem": host_cap},
     }
     if modes:
-        summary["gpus"] = opts.gpus
-        summary["gpu_mode"] = best
-        summary["gpu_modes"] = {m: {"hops_per_token": v["hops"], "predicted_tok_s": round(1.0 / v["seconds"], 2)}
-                                for m, v in modes.items()}
+        summary.update(gpus=opts.gpus, gpu_mode=best, gpu_modes={m: {
+            "hops_per_token": v["hops"], "predicted_tok_s": round(1.0 / v["seconds"], 2)} for m, v in modes.items()})
+    summary["phases"] = phases(summary, out, units, lambda T: _Timeline(g, *build_units(g, hw, probs, T), hw,
+                                                                        prefill_tokens=T), choice.gpu_units, hw)
     ctx.analyses.placement = summary
     if ctx.dump_dir is not None:
         ctx.dump_dir.mkdir(parents=True, exist_ok=True)

@@ -467,7 +467,9 @@ def _report(session, ids: np.ndarray, stats: bool, tracer, t_run: float) -> None
 
     click.echo(f"[{session.backend}] prefill {ids.size} tokens at {pre:.1f} tok/s"
                f"{warm(warm_pre, t.prefill_compile_seconds)}, decode {t.decode_tokens} tokens at "
-               f"{dec:.1f} tok/s{warm(warm_dec, t.decode_compile_seconds)}{extra}", err=True)
+               f"{dec:.1f} tok/s{warm(warm_dec, t.decode_compile_seconds)}{extra}"
+               + (f"; first token {t.first_token_at:.2f} s after the process started" if t.first_token_at else ""),
+               err=True)
     if stats:
         from . import expert_cache as ec
 

@@ -25,6 +25,7 @@ from strata_compiler import settings, trace
 from strata_compiler.backends.xla import cuda_rt
 from strata_compiler.experts import Residency, mesh_devices
 from strata_compiler.ir import Graph, Op
+from strata_compiler.prefill_streaming import plan_stream_tokens
 
 from .expert_swaps import ExpertSwaps
 
@@ -151,6 +152,7 @@ class MixedExecutor:
         self._streamed: dict | None = None
         self.stream_ok = not self.mesh and any(kind == "xla" and exe.on_gpu for kind, exe, _ in self.parts)
         self.streamed_steps = 0
+        self.plan_stream_tokens = plan_stream_tokens(graph)    # the threshold when the setting is auto
         # (spin, yield) microseconds of idle CPU workers at a hand-off, and between a fused step's host calls
         self._spin = settings.get("hand_off_spin_us") if self.hand_off else None
         self._fused_spin = settings.get("fused_spin_us")
@@ -409,9 +411,11 @@ class MixedExecutor:
 
     def _streamed_parts(self, T: int) -> dict:
         """{part index: a streamed XLAExecutor} of the CPU partitions a prefill step of T tokens runs
-        on the GPU instead: at least `stream_prefill_tokens` tokens, a GPU there, partitions of ops
-        the xla backend lowers with no KV cache or expert cache of their own. Built once."""
+        on the GPU instead: at least `stream_prefill_tokens` tokens (auto: the plan's predicted
+        break-even), a GPU there, partitions of ops the xla backend lowers with no KV cache or
+        expert cache of their own. Built once."""
         n = settings.get("stream_prefill_tokens")
+        n = self.plan_stream_tokens if n is None else n
         if not n or T < n or not self.stream_ok:
             return {}
         if self._streamed is None:
@@ -427,7 +431,23 @@ class MixedExecutor:
                                           and n.id not in self.mapped.values() for n in nodes):
                     self._streamed[i] = XLAExecutor(self.g, self.weights, nodes=ids, device_kind=self._device_kind,
                                                     device_index=_device_index(dev), stream=True)
+            self._pool_streamed()
         return self._streamed
+
+    def _pool_streamed(self) -> None:
+        """On a CUDA GPU the streamed partitions' weights go through a WeightPool: their host
+        pages locked once (copies at the link's pinned rate, queued without a host staging copy)."""
+        from strata_compiler.backends.xla import cuda_rt
+
+        exes = list(self._streamed.values())
+        if not exes or len({e.device for e in exes}) != 1 or cuda_rt.mode != ("cuda" if exes[0].on_gpu else "host"):
+            return
+        from strata_compiler.backends.xla.streaming import WeightPool
+
+        cuda_rt.pin([v for exe in exes for arrs in exe.host_params.values() for v in arrs.values()])
+        pool = WeightPool(exes[0].device)
+        for exe in exes:
+            exe.pool = pool
 
     def _after_step(self, cache, T: int, t_step: float) -> None:
         cache.advance(T)

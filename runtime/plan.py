@@ -69,6 +69,15 @@ class PlanWeights:
         shapes = get_format(spec.fmt).array_shapes(spec.shape, spec.group_size or 32)
         return {a: self.c.array(section_name(name, a), dt, shp) for a, (dt, shp) in shapes.items()}
 
+    def verify(self, names) -> None:
+        """The checksums of these weights' sections, checked on all cores at once (else each is
+        checked when first read, one after another)."""
+        secs = []
+        for name in names:
+            spec = self.g.weight(name)
+            secs += [section_name(name, a) for a in get_format(spec.fmt).array_shapes(spec.shape, spec.group_size or 32)]
+        self.c.verify(secs)
+
     def resident_arrays(self, name: str) -> dict[str, np.ndarray]:
         """arrays(name), copied once into private anonymous memory the kernel may back with 2 MiB
         pages (madvise MADV_HUGEPAGE), the file's mapped pages dropped after the copy: a CPU

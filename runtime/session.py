@@ -14,6 +14,7 @@ from strata_compiler.backends import make_executor, resolve_backend
 from strata_compiler.errors import PlanError, UsageError
 
 from strata_compiler import trace
+from strata_compiler.runtime.entry import process_seconds
 from strata_compiler.kv_cache import KVCache
 from .plan import Plan
 from .sampler import Sampler
@@ -69,6 +70,7 @@ class Timings:
     # of those seconds, JAX compiling the programs (the first run of a plan, or a new shape)
     prefill_compile_seconds: float = 0.0
     decode_compile_seconds: float = 0.0
+    first_token_at: float | None = None     # seconds after the process started (entry.process_seconds)
 
     def warm_rates(self) -> tuple[float, float]:
         """Tokens/s without the seconds spent compiling."""
@@ -260,6 +262,8 @@ class Session:
                 _check_finite(last, i, logits, new[:, :i])
                 seen = (np.concatenate([prompt, new[:, :i]], axis=1) if sampler.needs_history else None)
                 tok = sampler(last, seen)
+                if i == 0 and self.timings.first_token_at is None:
+                    self.timings.first_token_at = process_seconds()
                 new[:, i] = tok
                 i += 1
                 done |= np.isin(tok, stop_ids)

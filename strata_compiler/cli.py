@@ -18,6 +18,7 @@ from .errors import UsageError
 from .formats import FORMATS, get_format
 from .pass_manager import PASSES, CompileOptions, DumpConfig
 from .pipelines import DEFAULT
+from .placement_text import prefill_lines
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -360,9 +361,8 @@ def inspect_cmd(plan_path: Path, as_json: bool, weights: bool, debug: bool) -> N
         prof = pl["profile"]
         click.echo(f"\nplacement (--target: {prof['gpu'] or 'no gpu'}, {prof['gpu_mem'] / 2**30:.2f} GiB gpu, "
                    f"{prof['host_mem'] / 2**30:.1f} GiB host): {pl['choice']}")
-        if "predicted_prefill_tok_s" in pl:
-            click.echo(f"  predicted prefill: {pl['predicted_prefill_tok_s']:.0f} tok/s for a "
-                       f"{pl['prefill_tokens']}-token prompt")
+        for line in prefill_lines(pl):      # as planned, and streamed to the GPU from the break-even
+            click.echo("  " + line)
         click.echo(f"  predicted decode: {pl['predicted_tok_s']:.1f} tok/s at batch 1; gpu {pl['gpu_bytes'] / 2**20:.1f} "
                    f"MiB of {pl['gpu_budget_bytes'] / 2**20:.1f} MiB budget (KV reserve {pl['kv_bytes'] / 2**20:.1f} MiB), "
                    f"host {pl['host_bytes'] / 2**20:.1f} MiB, disk {pl['disk_bytes'] / 2**20:.1f} MiB")

@@ -403,6 +403,22 @@ class Container:
             self._verified.add(name)
         return view
 
+    def verify(self, names: Iterable[str], workers: int | None = None) -> None:
+        """Check the checksums of sections `names` not checked yet (lazy mode) on `workers`
+        threads at once (zlib releases the GIL): a large plan's load is not one core's crc pass."""
+        todo = list(dict.fromkeys(n for n in names if n not in self._verified))
+        if self._verify != "lazy" or not todo:
+            return
+        workers = workers or min(16, os.cpu_count() or 1)
+        if workers < 2 or len(todo) < 2:
+            for n in todo:
+                self.section(n)
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(self.section, todo))
+
     def release(self, offset: int, length: int) -> None:
         """Drop the mapped pages of bytes [offset, offset + length) from this process (whole pages
         inside the range; madvise DONTNEED): they are read back from the file when next touched."""

@@ -141,9 +141,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("fused_spin_us", "floats", (100.0, 1000.0), "runtime",
        "idle CPU workers' spin and yield microseconds between a fused step's host calls (US or SPIN,YIELD)",
        length=2, minimum=0),
-    _s("stream_prefill_tokens", "int", 128, "runtime",
+    _s("stream_prefill_tokens", "int", None, "runtime",
        "prefill steps of at least this many tokens run a mixed plan's CPU-placed experts on the GPU, "
-       "their weights copied there partition by partition (0: never)", minimum=0),
+       "their weights copied there partition by partition (0: never; default: the break-even the plan's "
+       "placement predicted, `stratac inspect` shows it, else 128)", minimum=0),
     _s("swap_margin", "float", 1.0, "runtime",
        "expert cache: uses by which a missed expert must beat the weakest resident before it is swapped in",
        minimum=0),
@@ -153,6 +154,9 @@ SETTINGS: tuple[Setting, ...] = (
        minimum=0),
     _s("prefetch_backoff", "bool", True, "runtime",
        "expert cache: pause a layer's prediction (1, 2, 4 ... 64 steps) after 4 in a row admitted no copy"),
+    _s("xla_executables", "bool", True, "xla",
+       "keep each compiled JAX program of a plan in the cache directory, so a later process runs it without "
+       "tracing or compiling it (backends/xla/aot.py)"),
     _s("pallas", "choice", "auto", "xla",
        "decode kernels: auto (Pallas on a GPU), off (XLA's reductions only), interpret (Pallas interpret mode anywhere: tests)",
        choices=("auto", "off", "interpret")),
@@ -184,6 +188,11 @@ def declared(name: str) -> Setting:
         return _BY_NAME[name]
     except KeyError:
         raise KeyError(f"setting {name!r} is not declared in strata_compiler/settings.py") from None
+
+
+def names() -> list[str]:
+    """Every declared setting's name."""
+    return list(_BY_NAME)
 
 
 def get(name: str) -> Any:

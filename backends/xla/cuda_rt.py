@@ -195,6 +195,39 @@ def to_device(src: np.ndarray, x, offset: int = 0, wait: bool = True) -> None:
 _PENDING: dict[int, ctypes.c_void_p] = {}     # bulk streams with copies not yet waited for
 
 
+def upload(pairs, workers: int | None = None) -> None:
+    """Copy each (host array, device array) pair's bytes (equal sizes) on `workers` threads, each
+    on a stream of its own; returns when all have landed. Nothing may read the device arrays
+    meanwhile, and whatever initialised them must have finished. A copy from pageable memory is
+    staged by the calling thread's memcpy, so threads add up to several times one's rate."""
+    pairs = [(np.ascontiguousarray(h), x) for h, x in pairs]
+    for h, x in pairs:
+        if h.nbytes != x.nbytes:
+            raise ValueError(f"an upload of {h.nbytes} B into a device array of {x.nbytes} B")
+    if mode != "cuda":
+        for h, x in pairs:
+            to_device(h, x)
+        return
+    workers = max(1, min(workers or min(8, os.cpu_count() or 1), len(pairs)))
+    lanes: list[list] = [[] for _ in range(workers)]
+    for h, x in sorted(pairs, key=lambda p: -p[0].nbytes):      # largest first, each to the lightest lane
+        min(lanes, key=lambda ln: sum(p[0].nbytes for p in ln)).append((h, x))
+
+    def run(i: int) -> None:
+        if not lanes[i]:
+            return
+        dev = int(getattr(next(iter(lanes[i][0][1].devices())), "local_hardware_id", None) or 0)
+        s = _stream((dev, "upload", i))
+        for h, x in lanes[i]:
+            _check(_LIB.cudaMemcpyAsync(x.unsafe_buffer_pointer(), h.ctypes.data, h.nbytes, H2D, s), "cudaMemcpyAsync")
+        _check(_LIB.cudaStreamSynchronize(s), "cudaStreamSynchronize")
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(run, range(workers)))
+
+
 def copy_bulk(dst: int, src: int, n: int, x) -> None:
     """n bytes from host address `src` (pinned memory that outlives the copy) to device address
     `dst` inside device array x, queued on the bulk stream of x's device as to_device(wait=False)
@@ -258,6 +291,16 @@ def pin(arrays, force: bool = False) -> int:
 
 def sync() -> None:
     _check(_LIB.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+
+
+def copy_stream(device) -> ctypes.c_void_p:
+    """A non-blocking stream of `device` for copies the caller orders itself (streaming.py)."""
+    dev = int(getattr(device, "local_hardware_id", None) or device.id)
+    return _stream((dev, "weights"))
+
+
+def stream_sync(s: ctypes.c_void_p) -> None:
+    _check(_LIB.cudaStreamSynchronize(s), "cudaStreamSynchronize")
 
 
 def copy_async(dst: int, src: int, n: int, stream: int) -> None:

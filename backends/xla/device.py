@@ -25,6 +25,28 @@ def _jax():
     return jax
 
 
+def on_device(a) -> bool:
+    """Whether a KV cache array is a JAX array, not a host NumPy one (`hasattr(a, "device")` cannot
+    tell: NumPy 2's arrays have a `device` too)."""
+    return isinstance(a, _jax().Array)
+
+
+def zeros_on(shape: tuple, dtype, device):
+    """A zero array made on `device` by a small program (one per shape and dtype). jnp.zeros
+    with a device fills the array on the host and copies it over: seconds for a plan's weights."""
+    import numpy as np
+
+    return _zeros_fn(tuple(int(d) for d in shape), np.dtype(dtype), device)()
+
+
+@functools.cache
+def _zeros_fn(shape: tuple, dtype, device):
+    jax = _jax()
+    import jax.numpy as jnp
+
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=jax.sharding.SingleDeviceSharding(device))
+
+
 @functools.cache
 def cuda_device_count() -> int:
     """CUDA devices this process may use, asked of the driver (libcuda: honours

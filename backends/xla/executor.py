@@ -21,9 +21,10 @@ from strata_compiler import trace
 from strata_compiler.experts import Residency, in_place_weights
 from strata_compiler.verify import check_token_ids
 
-from . import cuda_rt
+from . import aot, cuda_rt
+from .decoding import DecodeSteps
 from .dequant import _jnp
-from .device import _jax, device as pick_device
+from .device import _jax, device as pick_device, on_device, zeros_on  # noqa: F401 - on_device: also imported from here
 from .lowering import OPS, _Ctx, routers_after
 from .rows import HostSlice, PaddedRows, _pad_rows, fetch_last
 
@@ -31,12 +32,6 @@ PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 RAW_MAX_TOKENS = 16   # steps of at most this many tokens stage their host inputs by raw copies (cuda_rt)
 PACKED = -(1 << 40)   # the key of a partition's packed host-bound results in its outputs
 COUNTS = -(1 << 41)   # ... and of its expert caches' routings per expert (--miss-path gpu), int32 [layers, E]
-
-
-def on_device(a) -> bool:
-    """Whether a KV cache array is a JAX array, not a host NumPy one (`hasattr(a, "device")` cannot
-    tell: NumPy 2's arrays have a `device` too)."""
-    return isinstance(a, _jax().Array)
 
 
 def _copy_row(dst, src, slot, row):
@@ -53,7 +48,7 @@ class GPUOutOfMemory(BackendError):
     """The device could not hold a partition's weights."""
 
 
-class XLAExecutor:
+class XLAExecutor(DecodeSteps):
     """Runs the nodes of `graph` (all, or the ids in `nodes`) as one jitted JAX function."""
 
     def __init__(self, graph: Graph, weights, nodes: list[int] | None = None, device_kind: str = "auto",
@@ -68,7 +63,6 @@ class XLAExecutor:
         the host share's weights stay in host memory, mapped, and its value is zero; so do the
         other weights the graph's meta names in place (an embedding table). residency: the live
         expert caches of a mixed run (else the plan's slots)."""
-        jax = _jax()
         jnp = _jnp()
         self.g = graph
         self.residency = residency if residency is not None else Residency()
@@ -117,6 +111,8 @@ class XLAExecutor:
         self.mapped_host = {name: {a: np.asarray(v) for a, v in weights.arrays(name).items()} for name in sorted(in_place)}
         cut = {w: self.slots_of[n.id] for n in self.cached for _, w in n.weights}
         names = sorted({w for n in self.nodes for _, w in n.weights} - in_place)
+        if hasattr(weights, "verify"):      # the checksums on all cores first (each is read once)
+            weights.verify(names + sorted(in_place))
         host = {name: {a: np.asarray(v)[:cut[name]] if name in cut else np.asarray(v)
                        for a, v in weights.arrays(name).items()} for name in names}
         self.param_bytes = sum(v.nbytes for arrs in host.values() for v in arrs.values())
@@ -134,16 +130,58 @@ class XLAExecutor:
             raise
         self.kv_dtype = jnp.float32
         self._out_keys: dict[tuple[int, int], tuple] = {}     # (B, T) -> the result keys of _flat's first tuple
-        self._fn = jax.jit(self._flat, static_argnums=(5, 6), donate_argnums=(1, 2))
+        self._fn = self._program("forward", self._flat, static_argnums=(5, 6), donate_argnums=(1, 2),
+                                 meta_of=lambda st: list(self._out_keys[st]), restore=self._restore_keys)
+
+    # XLA's CPU client has served executables that failed to run once loaded ("Function ... not
+    # found"): serialized executables on a GPU only (tests turn this on, with fresh caches)
+    executables_on_cpu = False
+
+    def _program(self, name: str, fn, **kw):
+        """A jitted function of this partition: its executables kept across processes (aot.py) on
+        a single-device executor whose weights stay on the device, else a plain jax.jit."""
+        if (type(self) is not XLAExecutor or self.host_params is not None or self.mapped_host
+                or not (self.on_gpu or self.executables_on_cpu)):
+            kw.pop("meta_of", None), kw.pop("restore", None)
+            return _jax().jit(fn, **kw)
+        return aot.Program(name, fn, self._scope, **kw)
+
+    def _scope(self) -> str:
+        """What shapes this partition's programs besides their arguments: the graph and the
+        executor's own choices (aot.Program's key)."""
+        if not hasattr(self, "_scope_text"):
+            import hashlib
+
+            from strata_compiler.ir_text import print_graph
+
+            g = hashlib.sha256(print_graph(self.g).encode()).hexdigest()
+            self._scope_text = repr((g, [n.id for n in self.nodes], self.outputs, self.packed, self._packed_T,
+                                     sorted(self.slots_of.items()), self.count_order, str(self.kv_dtype),
+                                     self.device.platform, getattr(self.device, "device_kind", ""), self.device.id))
+        return self._scope_text
+
+    def _restore_keys(self, static: tuple, meta) -> None:
+        """The result keys of a forward program loaded rather than traced (aot.Program)."""
+        if not isinstance(meta, list) or not all(isinstance(k, int) and not isinstance(k, bool) for k in meta):
+            raise ValueError("bad result keys")
+        self._out_keys[static] = tuple(meta)
+
+    pool = None         # a streamed partition's WeightPool (streaming.py), where raw copies run
+    _pool_set = None    # the pool set its weights are in, until its call has been launched
 
     def upload(self) -> None:
         """A streamed partition's weights to the device (copies queued, not waited for: the step
         before runs meanwhile)."""
-        if not self.params:
+        if self.params:
+            return
+        if self.pool is not None:
+            self.params, self._pool_set = self.pool.fill(self.host_params)
+        else:
             self.params = self._place_params(self.host_params)
 
     def release(self) -> None:
-        """Drop a streamed partition's device weights (freed once the calls that read them end)."""
+        """Drop a streamed partition's device weights (freed once the calls that read them end;
+        a pool's set is reused once they have)."""
         if self.host_params is not None:
             self.params = {}
 
@@ -152,8 +190,19 @@ class XLAExecutor:
         return self.device
 
     def _place_params(self, host: dict[str, dict[str, np.ndarray]]) -> dict:
-        """The weights' stored arrays (by weight, then array name) on the device."""
+        """The weights' stored arrays (by weight, then array name) on the device: on a CUDA GPU by
+        raw copies from several threads into arrays allocated there (JAX's device_put of a
+        mapped file goes one array at a time through one thread's staging copy)."""
         jax = _jax()
+        if cuda_rt.mode == "cuda" and self.on_gpu and type(self) is XLAExecutor and self.host_params is None:
+            flat = [(name, a, np.ascontiguousarray(v)) for name, arrs in host.items() for a, v in arrs.items()]
+            dst = [zeros_on(v.shape, v.dtype, self.device) for _, _, v in flat]
+            jax.block_until_ready(dst)
+            cuda_rt.upload([(v, d) for (_, _, v), d in zip(flat, dst)])
+            out: dict = {name: {} for name in host}
+            for (name, a, _), d in zip(flat, dst):
+                out[name][a] = d
+            return out
         return {name: {a: jax.device_put(v, self._home()) for a, v in arrs.items()} for name, arrs in host.items()}
 
     def _value(self, c: _Ctx, n: Node, args: list):
@@ -206,6 +255,7 @@ class XLAExecutor:
 
         ids = [i for i in node_ids if self.g.node(i).type.dtype is DType.F32]
         self.packed, self._packed_T = (ids, tokens) if len(ids) > 1 else ([], 0)
+        self.__dict__.pop("_scope_text", None)      # the programs' key names the packing
 
     def set_slot(self, node_id: int, slot: int, rows: dict[str, dict[str, np.ndarray]], wait: bool = True) -> int:
         """An expert cache swap: the stored arrays of one expert (by role, then array) into slot
@@ -249,14 +299,25 @@ class XLAExecutor:
         the host arrays (rows loaded on the host: KVCache.load_row)."""
         jax, jnp = _jax(), _jnp()
         home = self._home()
-        for layer in self.layers:
-            if cache.length:
+        if cache.length:
+            for layer in self.layers:
                 cache.k[layer] = jax.device_put(np.asarray(cache.k[layer], self.kv_dtype), home)
                 cache.v[layer] = jax.device_put(np.asarray(cache.v[layer], self.kv_dtype), home)
-                continue
-            shape = cache.k[layer].shape
-            cache.k[layer] = jax.device_put(jnp.zeros(shape, self.kv_dtype), home)
-            cache.v[layer] = jax.device_put(jnp.zeros(shape, self.kv_dtype), home)
+            return
+        shapes = tuple(tuple(c[layer].shape) for layer in self.layers for c in (cache.k, cache.v))
+        fn = getattr(self, "_zeros_fn", None)
+        if fn is None:      # every layer's K and V zeros from one program (not a dispatch each)
+            fn = self._zeros_fn = jax.jit(lambda shapes: tuple(jnp.zeros(s, self.kv_dtype) for s in shapes),
+                                          static_argnums=0, out_shardings=self._zeros_sharding())
+        out = fn(shapes)
+        for i, layer in enumerate(self.layers):
+            cache.k[layer], cache.v[layer] = out[2 * i], out[2 * i + 1]
+
+    def _zeros_sharding(self):
+        """Where new_cache's zeros live: this partition's device (or a mesh's sharding)."""
+        jax = _jax()
+        home = self._home()
+        return home if isinstance(home, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(home)
 
     def load_row(self, cache, slot: int, src, row: int = 0) -> None:
         """Row `row` of cache `src` (a sequence prefilled on its own; its arrays on this device or
@@ -314,6 +375,8 @@ class XLAExecutor:
         ks = {l: cache.k[l] for l in self.layers}
         vs = {l: cache.v[l] for l in self.layers}
         self.land_slot_copies()
+        if self._pool_set is not None:      # a streamed partition: its weights' copies have landed
+            self.pool.wait()
         staging = self._staging() if B * T_pad <= RAW_MAX_TOKENS else None
         if staging is not None:    # raw copies into this partition's device arrays (cuda_rt)
             # only what the partition reads is rewritten (ids: the embedding; pos: the attention),
@@ -333,6 +396,9 @@ class XLAExecutor:
         outs = dict(zip(self._out_keys[B, T_pad], flat))
         # the expert caches' routings of this call (--miss-path gpu), for MixedExecutor to fold
         self.step_counts = outs.pop(COUNTS, None)
+        if self._pool_set is not None:      # the set is refilled once this call has finished reading it
+            self.pool.guard(self._pool_set, flat[0] if flat else kt)
+            self._pool_set = None
         if staging is not None and outs:
             staging.guard = next(iter(outs.values()))   # the next rewrite waits for this call
         if self.cached:
@@ -354,136 +420,6 @@ class XLAExecutor:
         if not hasattr(self, "_stage"):
             self._stage = cuda_rt.Staging(self._home())
         return self._stage
-
-    def _decode_loop(self, params, ks, vs, tok, pos, n):
-        """n greedy decode steps in one XLA computation: the token never leaves the device."""
-        jax, jnp = _jax(), _jnp()
-        B = tok.shape[0]
-
-        def body(i, carry):
-            ks, vs, tok, pos, out = carry
-            nxt, pos, ks, vs = self._ahead_step(params, ks, vs, tok, pos)
-            return ks, vs, nxt, pos, out.at[:, i].set(nxt)
-
-        out = jnp.zeros((B, n), jnp.int32)
-        ks, vs, _, _, out = jax.lax.fori_loop(0, n, body, (ks, vs, tok, pos, out))
-        return out, ks, vs
-
-    def greedy_decode(self, first: np.ndarray, cache, n: int) -> np.ndarray:
-        """n greedy tokens after `first` (i64[B], the token the prefill chose), all on the device,
-        each row from its own position.
-
-        Returns i64[B, n]. Whole-plan executors only."""
-        jax, jnp = _jax(), _jnp()
-        if len(self.nodes) != len(self.g.nodes):
-            raise BackendError("greedy_decode runs whole plans on one device")
-        if cache.length + n > cache.capacity:
-            raise UsageError(f"sequence of {cache.length + n} tokens exceeds the KV cache capacity {cache.capacity}")
-        if not hasattr(self, "_loop"):
-            self._loop = jax.jit(self._decode_loop, static_argnums=(5,), donate_argnums=(1, 2))
-        ks = {l: cache.k[l] for l in self.layers}
-        vs = {l: cache.v[l] for l in self.layers}
-        out, ks, vs = self._loop(self.params, ks, vs, jnp.asarray(first, jnp.int32),
-                                 jnp.asarray(cache.positions(1), jnp.int32), n)
-        for l in self.layers:
-            cache.k[l], cache.v[l] = ks[l], vs[l]
-        cache.advance(n)
-        return np.asarray(out).astype(np.int64)
-
-    def can_decode_ahead(self, B: int, cache) -> bool:
-        """Whether a whole plan's next decode steps can run ahead (backends/ahead.py): on this
-        executor alone, its cache on the device, no trace file."""
-        from strata_compiler.backends import ahead
-
-        return (len(self.nodes) == len(self.g.nodes) and not self.cached
-                and not ahead.traced_fully() and (not self.layers or on_device(cache.k[self.layers[0]])))
-
-    def _ahead_step(self, params, ks, vs, tok, pos):
-        """A decode step that also chooses its greedy token and the next positions (each row's
-        + 1) on the device."""
-        jnp = _jnp()
-        B = tok.shape[0]
-        res, ks, vs = self._forward(params, ks, vs, {}, tok[:, None], B, 1, pos)
-        nxt = jnp.argmax(res[self.g.outputs[0]].reshape(B, -1), axis=-1).astype(jnp.int32)
-        return nxt, pos + 1, ks, vs
-
-    def decode_ahead(self, tok: np.ndarray, cache, n: int, stop_ids=(), done: np.ndarray | None = None) -> np.ndarray:
-        """Greedy decode of n steps from the tokens `tok` (int64 [B]) of a whole plan, each step
-        dispatched before the one before has finished, its ids and position that step's results on
-        the device (backends/ahead.py). The tokens, int64 [B, <= n]."""
-        from strata_compiler.backends import ahead
-
-        jax = _jax()
-        if cache.length + n > cache.capacity:
-            raise UsageError(f"sequence of {cache.length + n} tokens exceeds the KV cache capacity {cache.capacity}")
-        fn = getattr(self, "_ahead_fn", None)
-        if fn is None:
-            fn = self._ahead_fn = jax.jit(self._ahead_step, donate_argnums=(1, 2))
-        first = (np.asarray(tok, np.int32).reshape(-1), np.asarray(cache.positions(1), np.int32))
-
-        def launch(prev):
-            ks = {l: cache.k[l] for l in self.layers}
-            vs = {l: cache.v[l] for l in self.layers}
-            t, pos, ks, vs = fn(self.params, ks, vs, *(first if prev is None else prev))
-            for l in self.layers:
-                cache.k[l], cache.v[l] = ks[l], vs[l]
-            cache.advance(1)
-            return t, pos
-
-        def finish(step, use: bool) -> np.ndarray:
-            return np.asarray(cuda_rt.fetch(jax.block_until_ready(step[0]))).astype(np.int64)
-
-        return ahead.run(launch, finish, n, int(first[0].shape[0]), stop_ids, done)
-
-    @staticmethod
-    def fetch(v) -> np.ndarray:
-        """A device result (batch_step's) on the host: by a raw copy where cuda_rt is on."""
-        return cuda_rt.fetch(v)
-
-    def can_batch_step(self) -> bool:
-        """Whether batch_step applies: a whole plan on this executor, no expert caches, no trace file."""
-        from strata_compiler.backends import ahead
-
-        return len(self.nodes) == len(self.g.nodes) and not self.cached and not ahead.traced_fully()
-
-    def _batch_step(self, params, ks, vs, prev, host_tok, use_host, pos):
-        """A decode step of the first B = len(pos) rows whose ids are the host's where use_host,
-        else the device tokens of the step before (prev); its greedy tokens (int32 [Bc], zero past
-        B) and logits (f32 [B, V]) stay on the device."""
-        jnp = _jnp()
-        B = pos.shape[0]
-        tok = jnp.where(use_host, host_tok, prev)[:B]
-        res, ks, vs = self._forward(params, ks, vs, {}, tok[:, None], B, 1, pos)
-        logits = res[self.g.outputs[0]].reshape(B, -1)
-        nxt = jnp.zeros_like(prev).at[:B].set(jnp.argmax(logits, axis=-1).astype(prev.dtype))
-        return nxt, logits, ks, vs
-
-    def batch_step(self, cache, rows: int, host_tok: np.ndarray, use_host: np.ndarray, prev=None):
-        """Dispatch one decode step of the cache's first `rows` rows (continuous batching) without
-        waiting for it: row b's id is host_tok[b] where use_host[b], else the token the step before
-        chose for it on the device (`prev`, the tokens this returned then), so the host can launch
-        a step before it knows the last one's tokens. host_tok int32 and use_host bool [cache rows].
-        Returns (tokens int32 [cache rows], logits f32 [rows, V]), device values."""
-        jax = _jax()
-        if cache.length + 1 > cache.capacity:
-            raise UsageError(f"sequence of {cache.length + 1} tokens exceeds the KV cache capacity {cache.capacity}")
-        if self.layers and not on_device(cache.k[self.layers[0]]):
-            self.new_cache(cache)
-        fn = getattr(self, "_batch_fn", None)
-        if fn is None:
-            fn = self._batch_fn = jax.jit(self._batch_step, donate_argnums=(1, 2))
-        if prev is None:    # a device array like the tokens of a step (a NumPy one would be another program)
-            prev = getattr(self, "_no_prev", None)
-            if prev is None or prev.shape != host_tok.shape:
-                prev = self._no_prev = jax.device_put(np.zeros(host_tok.shape, np.int32), self._home())
-        ks = {l: cache.k[l] for l in self.layers}
-        vs = {l: cache.v[l] for l in self.layers}
-        pos = np.asarray(cache.lengths[:rows], np.int32)
-        tok, logits, ks, vs = fn(self.params, ks, vs, prev, host_tok, use_host, pos)
-        for l in self.layers:
-            cache.k[l], cache.v[l] = ks[l], vs[l]
-        cache.lengths[:rows] += 1
-        return tok, logits
 
     pads_prefill = True     # run_segment takes T_pad (MeshXLAExecutor does not)
 

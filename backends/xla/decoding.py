@@ -1,0 +1,147 @@
+"""The xla executor's decode steps beyond one call per step (XLAExecutor inherits them): greedy
+tokens chosen on the device and steps launched before the last one's tokens are read (one
+sequence: decode_ahead, backends/ahead.py), a whole greedy loop as one program (greedy_decode),
+and the server's continuous-batching step (batch_step). Whole plans on one device only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from strata_compiler.errors import BackendError, UsageError
+
+from . import cuda_rt
+from .dequant import _jnp
+from .device import _jax, on_device
+
+
+class DecodeSteps:
+    def _decode_loop(self, params, ks, vs, tok, pos, n):
+        """n greedy decode steps in one XLA computation: the token never leaves the device."""
+        jax, jnp = _jax(), _jnp()
+        B = tok.shape[0]
+
+        def body(i, carry):
+            ks, vs, tok, pos, out = carry
+            nxt, pos, ks, vs = self._ahead_step(params, ks, vs, tok, pos)
+            return ks, vs, nxt, pos, out.at[:, i].set(nxt)
+
+        out = jnp.zeros((B, n), jnp.int32)
+        ks, vs, _, _, out = jax.lax.fori_loop(0, n, body, (ks, vs, tok, pos, out))
+        return out, ks, vs
+
+    def greedy_decode(self, first: np.ndarray, cache, n: int) -> np.ndarray:
+        """n greedy tokens after `first` (i64[B], the token the prefill chose), all on the device,
+        each row from its own position.
+
+        Returns i64[B, n]. Whole-plan executors only."""
+        jax, jnp = _jax(), _jnp()
+        if len(self.nodes) != len(self.g.nodes):
+            raise BackendError("greedy_decode runs whole plans on one device")
+        if cache.length + n > cache.capacity:
+            raise UsageError(f"sequence of {cache.length + n} tokens exceeds the KV cache capacity {cache.capacity}")
+        if not hasattr(self, "_loop"):
+            self._loop = jax.jit(self._decode_loop, static_argnums=(5,), donate_argnums=(1, 2))
+        ks = {l: cache.k[l] for l in self.layers}
+        vs = {l: cache.v[l] for l in self.layers}
+        out, ks, vs = self._loop(self.params, ks, vs, jnp.asarray(first, jnp.int32),
+                                 jnp.asarray(cache.positions(1), jnp.int32), n)
+        for l in self.layers:
+            cache.k[l], cache.v[l] = ks[l], vs[l]
+        cache.advance(n)
+        return np.asarray(out).astype(np.int64)
+
+    def can_decode_ahead(self, B: int, cache) -> bool:
+        """Whether a whole plan's next decode steps can run ahead (backends/ahead.py): on this
+        executor alone, its cache on the device, no trace file."""
+        from strata_compiler.backends import ahead
+
+        return (len(self.nodes) == len(self.g.nodes) and not self.cached
+                and not ahead.traced_fully() and (not self.layers or on_device(cache.k[self.layers[0]])))
+
+    def _ahead_step(self, params, ks, vs, tok, pos):
+        """A decode step that also chooses its greedy token and the next positions (each row's
+        + 1) on the device."""
+        jnp = _jnp()
+        B = tok.shape[0]
+        res, ks, vs = self._forward(params, ks, vs, {}, tok[:, None], B, 1, pos)
+        nxt = jnp.argmax(res[self.g.outputs[0]].reshape(B, -1), axis=-1).astype(jnp.int32)
+        return nxt, pos + 1, ks, vs
+
+    def decode_ahead(self, tok: np.ndarray, cache, n: int, stop_ids=(), done: np.ndarray | None = None) -> np.ndarray:
+        """Greedy decode of n steps from the tokens `tok` (int64 [B]) of a whole plan, each step
+        dispatched before the one before has finished, its ids and position that step's results on
+        the device (backends/ahead.py). The tokens, int64 [B, <= n]."""
+        from strata_compiler.backends import ahead
+
+        jax = _jax()
+        if cache.length + n > cache.capacity:
+            raise UsageError(f"sequence of {cache.length + n} tokens exceeds the KV cache capacity {cache.capacity}")
+        fn = getattr(self, "_ahead_fn", None)
+        if fn is None:
+            fn = self._ahead_fn = self._program("ahead", self._ahead_step, donate_argnums=(1, 2))
+        first = (np.asarray(tok, np.int32).reshape(-1), np.asarray(cache.positions(1), np.int32))
+
+        def launch(prev):
+            ks = {l: cache.k[l] for l in self.layers}
+            vs = {l: cache.v[l] for l in self.layers}
+            t, pos, ks, vs = fn(self.params, ks, vs, *(first if prev is None else prev))
+            for l in self.layers:
+                cache.k[l], cache.v[l] = ks[l], vs[l]
+            cache.advance(1)
+            return t, pos
+
+        def finish(step, use: bool) -> np.ndarray:
+            return np.asarray(cuda_rt.fetch(jax.block_until_ready(step[0]))).astype(np.int64)
+
+        return ahead.run(launch, finish, n, int(first[0].shape[0]), stop_ids, done)
+
+    @staticmethod
+    def fetch(v) -> np.ndarray:
+        """A device result (batch_step's) on the host: by a raw copy where cuda_rt is on."""
+        return cuda_rt.fetch(v)
+
+    def can_batch_step(self) -> bool:
+        """Whether batch_step applies: a whole plan on this executor, no expert caches, no trace file."""
+        from strata_compiler.backends import ahead
+
+        return len(self.nodes) == len(self.g.nodes) and not self.cached and not ahead.traced_fully()
+
+    def _batch_step(self, params, ks, vs, prev, host_tok, use_host, pos):
+        """A decode step of the first B = len(pos) rows whose ids are the host's where use_host,
+        else the device tokens of the step before (prev); its greedy tokens (int32 [Bc], zero past
+        B) and logits (f32 [B, V]) stay on the device."""
+        jnp = _jnp()
+        B = pos.shape[0]
+        tok = jnp.where(use_host, host_tok, prev)[:B]
+        res, ks, vs = self._forward(params, ks, vs, {}, tok[:, None], B, 1, pos)
+        logits = res[self.g.outputs[0]].reshape(B, -1)
+        nxt = jnp.zeros_like(prev).at[:B].set(jnp.argmax(logits, axis=-1).astype(prev.dtype))
+        return nxt, logits, ks, vs
+
+    def batch_step(self, cache, rows: int, host_tok: np.ndarray, use_host: np.ndarray, prev=None):
+        """Dispatch one decode step of the cache's first `rows` rows (continuous batching) without
+        waiting for it: row b's id is host_tok[b] where use_host[b], else the token the step before
+        chose for it on the device (`prev`, the tokens this returned then), so the host can launch
+        a step before it knows the last one's tokens. host_tok int32 and use_host bool [cache rows].
+        Returns (tokens int32 [cache rows], logits f32 [rows, V]), device values."""
+        jax = _jax()
+        if cache.length + 1 > cache.capacity:
+            raise UsageError(f"sequence of {cache.length + 1} tokens exceeds the KV cache capacity {cache.capacity}")
+        if self.layers and not on_device(cache.k[self.layers[0]]):
+            self.new_cache(cache)
+        fn = getattr(self, "_batch_fn", None)
+        if fn is None:
+            fn = self._batch_fn = jax.jit(self._batch_step, donate_argnums=(1, 2))
+        if prev is None:    # a device array like the tokens of a step (a NumPy one would be another program)
+            prev = getattr(self, "_no_prev", None)
+            if prev is None or prev.shape != host_tok.shape:
+                prev = self._no_prev = jax.device_put(np.zeros(host_tok.shape, np.int32), self._home())
+        ks = {l: cache.k[l] for l in self.layers}
+        vs = {l: cache.v[l] for l in self.layers}
+        pos = np.asarray(cache.lengths[:rows], np.int32)
+        tok, logits, ks, vs = fn(self.params, ks, vs, prev, host_tok, use_host, pos)
+        for l in self.layers:
+            cache.k[l], cache.v[l] = ks[l], vs[l]
+        cache.lengths[:rows] += 1
+        return tok, logits

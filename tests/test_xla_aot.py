@@ -1,0 +1,96 @@
+"""backends/xla/aot.py: a plan's programs stored as serialized executables and run by a later
+session without tracing (on a GPU); damaged entries skipped; the pickle scan; the directory's
+ownership check (on JAX's CPU platform with the executor's GPU-only switch turned on)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import jax
+import numpy as np
+import pytest
+
+from strata_compiler import settings
+from strata_compiler.backends.xla import aot
+from strata_compiler.backends.xla.device import cuda_device_count
+from strata_compiler.backends.xla.executor import XLAExecutor
+from strata_compiler.runtime.plan import load_plan
+from strata_compiler.runtime.sampler import Sampler
+from strata_compiler.runtime.session import Session
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(XLAExecutor, "executables_on_cpu", True)
+    with settings.override(cache_dir=str(tmp_path / "cache")):
+        yield tmp_path / "cache" / "xla-executables"
+
+
+def _run(plan, ids):
+    logits, new = Session(plan, "xla").generate(ids, 6, Sampler())
+    return logits, new
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_device_count(), reason="no CUDA GPU")
+def test_a_second_session_runs_the_stored_programs_untraced(tiny_int8_plan, cache, monkeypatch):
+    """On a GPU only, as in the product: XLA's CPU client has loaded entries that then failed to
+    run ("Function wrapped_iota not found"), which is why the executor keeps them to GPUs."""
+    plan = load_plan(tiny_int8_plan)
+    ids = np.random.default_rng(0).integers(3, 200, (1, 7))
+    want_logits, want = _run(plan, ids)
+    entries = sorted(cache.glob("*.bin"))
+    assert len(entries) >= 2          # the forward program (prefill) and the decode-ahead one
+
+    def no_compile(self, args):
+        raise AssertionError(f"{self.name} compiled again")
+
+    monkeypatch.setattr(aot.Program, "_compile", no_compile)
+    logits, got = _run(plan, ids)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(logits, want_logits)
+
+
+def test_a_damaged_entry_is_skipped_with_a_warning(tiny_int8_plan, cache):
+    plan = load_plan(tiny_int8_plan)
+    ids = np.random.default_rng(1).integers(3, 200, (1, 5))
+    _, want = _run(plan, ids)
+    for p in cache.glob("*.bin"):
+        data = bytearray(p.read_bytes())
+        data[-100] ^= 0xFF                  # inside the payload: its checksum no longer holds
+        p.write_bytes(bytes(data))
+    aot._warned.clear()
+    with pytest.warns(UserWarning, match="skipped"):
+        _, got = _run(plan, ids)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_the_scan_admits_jax_types_only():
+    assert not aot._scan_globals(pickle.dumps(os.getcwd))
+    assert not aot._scan_globals(pickle.dumps(os.getcwd, protocol=2))
+    assert not aot._scan_globals(b"not a pickle")
+    assert aot._scan_globals(pickle.dumps(np.dtype("float32")))
+
+
+def test_a_directory_others_may_write_is_not_used(tmp_path):
+    d = tmp_path / "c" / "xla-executables"
+    d.mkdir(parents=True)
+    d.chmod(0o777)
+    with settings.override(cache_dir=str(tmp_path / "c")):
+        aot._warned.clear()
+        with pytest.warns(UserWarning, match="not this user's alone"):
+            assert aot.directory() is None
+        d.chmod(0o700)
+        assert aot.directory() == d
+
+
+def test_the_output_tree_round_trips():
+    tree = ((1, 2), {3: (4,), 1: 5}, [6])
+    spec = aot._tree_spec(tree)
+    back = aot._from_spec(json.loads(json.dumps(spec)))
+
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(((0, 0), {3: (0,), 1: 0}, (0,)))
+    with pytest.raises(ValueError):
+        aot._from_spec({"x": 1})
