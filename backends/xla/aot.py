@@ -172,6 +172,10 @@ class Program:
         self.exes: dict[tuple, object] = {}
         self._fixed = None      # (the first argument, its signature): it stays one object
 
+    def lower(self, *args):
+        """The traced program, as `jax.jit(...).lower` (benchmarks look inside it)."""
+        return self.jit.lower(*args)
+
     def __call__(self, *args):
         jax = _jax()
         dyn = tuple(a for i, a in enumerate(args) if i not in self.static)
