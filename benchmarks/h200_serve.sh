@@ -14,7 +14,8 @@
 #           (gpu_prefill.py), STARTUP=1 a second process's start-up, BATCH_STEPS=1 benchmarks/batch_steps.py;
 #           Q4_0 is made in the background once the build is done
 #   call 2: PHASE=2 ...: llama-server and strata-server side by side on each placement (on the
-#           idle machine); LLAMA_BENCH=1 adds llama-bench (prefill 512/4096, decode)
+#           idle machine); LLAMA_BENCH=1 adds llama-bench (prefill 512/4096, decode); CPU_DIAG=1 the
+#           CPU-only prefill's thread scaling and a trace of its kernels (benchmarks/trace_ops.py)
 #   call 3: PHASE=3 SOAK=300 ...: strata-server (gpu) at concurrency 64 for SOAK seconds
 #   PHASE=0 LIMIT=S (carry build/wheels): the model, its gpu plan and strata-server under py-spy (a profile)
 # Outputs under $OUT (else /tmp/serveout): summary.txt and details-PHASE.tgz (the *.json / *.log).
@@ -189,6 +190,16 @@ elif [ "${PHASE:-1}" = 2 ]; then
   strata_bench gpu $W/p-gpu
   llama_bench cpu8 "--n-cpu-moe 8"
   strata_bench cpu8 $W/p-cpu8
+  if [ "${CPU_DIAG:-0}" = 1 ]; then   # issue 28's CPU-only prefill: thread scaling and where its time goes
+    python3 -c "import numpy as np; np.save('$W/ids512.npy', np.random.default_rng(0).integers(3, 3000, (1, 512)))"
+    for t in 16 2 4 8 16; do
+      [ $(left) -gt 40 ] || break
+      STRATA_NUM_THREADS=$t timeout 90 strata-run $W/p-gpu --backend llvm --input-ids $W/ids512.npy -n 1 2>&1 \
+        | grep "^\[llvm\]" | sed "s/^/threads $t: /" | tee -a "$OUT/summary.txt"
+    done
+    [ $(left) -gt 30 ] && timeout 60 strata-run $W/p-gpu --backend llvm --input-ids $W/ids512.npy -n 1 \
+      --trace "$D/cpu-trace.json" > /dev/null 2>&1 && python3 benchmarks/trace_ops.py "$D/cpu-trace.json" | tee -a "$OUT/summary.txt"
+  fi
 else
   soak
 fi
