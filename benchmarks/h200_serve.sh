@@ -13,7 +13,8 @@
 #           programs into the persistent cache: call 2 starts fast), PREFILL_PLACEMENTS="gpu cpu8" prefill
 #           (gpu_prefill.py), STARTUP=1 a second process's start-up, BATCH_STEPS=1 benchmarks/batch_steps.py;
 #           Q4_0 is made in the background once the build is done
-#   call 2: PHASE=2 ...: llama-server and strata-server side by side on each placement (on the
+#   call 2: PHASE=2 ...: llama-server and strata-server side by side on each placement (PAIRS, default
+#           "gpu cpu8", on the
 #           idle machine); LLAMA_BENCH=1 adds llama-bench (prefill 512/4096, decode); CPU_DIAG=1 the
 #           CPU-only prefill's thread scaling and a trace of its kernels (benchmarks/trace_ops.py)
 #   call 3: PHASE=3 SOAK=300 ...: strata-server (gpu) at concurrency 64 for SOAK seconds
@@ -186,10 +187,11 @@ elif [ "${PHASE:-1}" = 2 ]; then
       -r 3 -o md > "$D/llama-bench-$name.md" 2>&1; grep "|" "$D/llama-bench-$name.md" | tee -a "$OUT/summary.txt"
   done
   # side by side on the idle machine, each placement's pair back to back
-  llama_bench gpu ""
-  strata_bench gpu $W/p-gpu
-  llama_bench cpu8 "--n-cpu-moe 8"
-  strata_bench cpu8 $W/p-cpu8
+  for pl in ${PAIRS:-gpu cpu8}; do
+    [ $(left) -gt 60 ] || { log "no time left for $pl"; continue; }
+    llama_bench $pl "$([ $pl = cpu8 ] && echo --n-cpu-moe 8)"
+    strata_bench $pl $W/p-$pl
+  done
   if [ "${CPU_DIAG:-0}" = 1 ]; then   # issue 28's CPU-only prefill: thread scaling and where its time goes
     python3 -c "import numpy as np; np.save('$W/ids512.npy', np.random.default_rng(0).integers(3, 3000, (1, 512)))"
     for t in 16 2 4 8 16; do
