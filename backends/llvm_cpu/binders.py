@@ -14,6 +14,7 @@ from strata_compiler.errors import BackendError
 from strata_compiler.ir import Node, Op
 from strata_compiler.rope import rope_inv_freq
 
+from .codegen import amx as amx_gen
 from .codegen import attention as attn_gen
 from .codegen import elementwise as ew
 from .codegen.common import float_slot
@@ -32,6 +33,10 @@ Binder = Callable[["LLVMExecutor", Node], Callable[[Frame], Callable[[Step], Non
 def _no_clock() -> int:
     return 0
 
+
+#: tokens of a step from which a MoE op runs on AMX tiles where the CPU has them (fewer: the
+#: row-by-row kernels, which read each weight once without unpacking it; BENCHMARKS.md)
+AMX_MIN_TOKENS = 32
 
 _PHASES = ("moe.mask", "moe.pairs", "moe.quant_x", "moe.gate_up", "moe.quant_h", "moe.down")
 
@@ -206,6 +211,9 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
     cache_key = n.attr("cache", "") if not ids else ""    # an expert cache's host side
     plan_mask = static_nonresident(exe.g, n) if cache_key else None
     weight_names = [w for _, w in n.weights]
+    amx = (q8 and spec.dq8 and not cache_key
+           and amx_gen.supported(exe.target, fmt, G, dn_spec.fmt, dG, D, I))
+    amx_kernels: list = []      # compiled at the first step that takes them
 
     def prepare(frame: Frame):
         M = frame.M
@@ -284,6 +292,14 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
                             dst=comb.ctypes.data, f8=mask.ctypes.data, f9=E)] + prog
             native = masked_native
 
+        tiles = None
+        if amx and M >= AMX_MIN_TOKENS:
+            if not amx_kernels:
+                aspec = amx_gen.AmxMoESpec(fmt, dn_spec.fmt, D, I, residual=spec.residual)
+                amx_kernels[:] = [Kernel(exe.lib, amx_gen.gate_up(aspec, exe.target)),
+                                  Kernel(exe.lib, amx_gen.down(aspec, exe.target))]
+            tiles = _amx_tiles(frame, n, amx_kernels, qh, I, D, E, ip, xd, (wu, su), (wd, sd), r)
+
         def run(step: Step) -> None:
             clock = _no_clock if step.phases is None else time.perf_counter_ns
             t = [clock()]
@@ -298,6 +314,17 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
             if qxrun is not None:
                 qxrun()
             t.append(clock())
+            if tiles is not None:
+                tiles(pool, xin, tok, pw, first, active, P, nA, t, clock)
+            else:
+                _rows(P, nA, t, clock)
+            tier = getattr(exe.w, "disk_tier", None)
+            if tier is not None:                 # experts on the disk tier (runtime/disk_tier.py): their pages go now
+                tier.after(weight_names)
+            if step.phases is not None:
+                _record_phases(step.phases, t, active[:nA], (wu, su), (wd, sd))
+
+        def _rows(P: int, nA: int, t: list, clock) -> None:
             au.go(pool, nA * I, min_chunk=8)
             t.append(clock())
             if qhrun is not None:
@@ -305,13 +332,52 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
             t.append(clock())
             ad.set(P=P).go(pool, D, min_chunk=16)
             t.append(clock())
-            tier = getattr(exe.w, "disk_tier", None)
-            if tier is not None:                 # experts on the disk tier (runtime/disk_tier.py): their pages go now
-                tier.after(weight_names)
-            if step.phases is not None:
-                _record_phases(step.phases, t, active[:nA], (wu, su), (wd, sd))
-        return step_fn(run, native)
+        return step_fn(run, native if tiles is None else None)
     return prepare
+
+
+def _amx_tiles(frame: Frame, n: Node, kernels: list, qh, I: int, D: int, E: int, ip: int, xd, gate_up: tuple,
+               down: tuple, r):
+    """The AMX form of a MoE op's two matrix products (codegen/amx.py): each active expert's
+    pairs gathered into q8 rows padded to whole tiles, then gate_up, h quantized, down. Returns
+    the function a step calls after its routing pairs and its quantized x are made."""
+    T = amx_gen.T
+    rows = frame.M * E + (T - 1) * E       # pairs plus each expert's padding
+    ku, kd = kernels
+    ng = D // 32
+    xg = frame.temp("moe.amx.x", (rows, 32 * ng), np.int8)
+    xgd = frame.temp("moe.amx.xd", (rows, ng), np.float32)
+    h = frame.temp("moe.amx.h", (rows, ip))
+    (hq, hd, _), qrun = qh.prepare(frame, h[:, :I] if ip != I else h, "moe.amx.hq")
+    ptok = frame.temp("moe.amx.tok", (rows,), np.int64)
+    pwr = frame.temp("moe.amx.w", (rows,), np.float32)
+    act = frame.temp("moe.amx.act", (E,), np.int64)
+    start = frame.temp("moe.amx.start", (E,), np.int64)
+    ntiles = frame.temp("moe.amx.tiles", (E,), np.int64)
+    au = ku.args(h=h, x=xg, xd=xgd, w=gate_up[0], s=gate_up[1], act=act, pstart=start, ptiles=ntiles, ldh=ip)
+    ad = kd.args(y=frame.out(n), r=r, h=hq, hd=hd, w=down[0], s=down[1], act=act, pstart=start, ptiles=ntiles,
+                 ptok=ptok, pw=pwr, nA=0, M=frame.M, ldy=D, ldr=D)
+
+    def run(pool, xq, tok, pw, first, active, P: int, nA: int, t: list, clock) -> None:
+        counts = np.diff(first[:nA + 1])
+        nt = (counts + T - 1) // T
+        st = T * (np.cumsum(nt) - nt)
+        Pp = int(T * nt.sum())
+        prow = np.repeat(st - first[:nA], counts) + np.arange(P)      # pair -> its padded row
+        act[:nA], start[:nA], ntiles[:nA] = active[:nA], st, nt
+        ptok[:Pp] = -1
+        ptok[prow] = tok[:P]
+        pwr[prow] = pw[:P]
+        xgd[:Pp] = 0.0                  # pad rows: scale 0, whatever their bytes
+        xg[prow] = xq[tok[:P]]
+        xgd[prow] = xd[tok[:P]]
+        au.go(pool, nA * (I // T))
+        t.append(clock())
+        qrun(Pp)
+        t.append(clock())
+        ad.set(nA=nA).go(pool, D // T)
+        t.append(clock())
+    return run
 
 
 def _bind_route(exe: LLVMExecutor, n: Node):

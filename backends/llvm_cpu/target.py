@@ -39,6 +39,12 @@ class Target:
         return "+avx512vnni" in self.features.split(",") and self.avx512
 
     @property
+    def amx(self) -> bool:
+        """AMX-INT8 tiles (Target.host keeps the features only where the OS granted them)."""
+        f = self.features.split(",")
+        return "+amx-tile" in f and "+amx-int8" in f and self.avx512
+
+    @property
     def vector_bits(self) -> int:
         return 512 if self.avx512 else 256
 
@@ -63,6 +69,8 @@ class Target:
             cpu = "haswell" if cpu in _AVX512_CPUS else cpu
         elif force not in (None, "native"):
             raise BackendError(f"Target.host(force={force!r}): use 'avx2' or 'native'")
+        if any(f.startswith("+amx") for f in feats) and not _amx_granted():
+            feats = [("-" + f[1:]) if f.startswith("+amx") else f for f in feats]
         if "+avx2" not in feats or "+fma" not in feats:
             raise BackendError(f"the llvm backend needs a CPU with AVX2 and FMA; this one ({cpu}) lacks them: use --backend reference")
         if "+avx512f" in feats:
@@ -79,7 +87,25 @@ class Target:
             feats += ["+avx512f", "+avx512bw", "+avx512vl", "+avx512dq", "-prefer-256-bit"]
             if cpu not in ("skylake-avx512",):
                 feats.append("+avx512vnni")
+            if cpu in ("sapphirerapids", "emeraldrapids", "graniterapids"):
+                feats += ["+amx-tile", "+amx-int8"]
         return Target(cpu, ",".join(sorted(feats)))
+
+
+@functools.cache
+def _amx_granted() -> bool:
+    """Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA): a process
+    must before its first tile instruction. False where it is refused or not Linux."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(158, 0x1023, 18) == 0      # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    except (OSError, AttributeError):
+        return False
 
 
 _AVX512_CPUS = ("skylake-avx512", "cascadelake", "cooperlake", "icelake-server", "icelake-client", "tigerlake",

@@ -1,0 +1,116 @@
+"""The AMX MoE prefill kernels (codegen/amx.py): their assembly for an AMX CPU anywhere, their
+products against the q8 definition and the row-by-row path where this CPU has AMX."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from strata_compiler.backends.llvm_cpu.codegen import amx
+from strata_compiler.backends.llvm_cpu.codegen.moe import MoESpec
+from strata_compiler.backends.llvm_cpu.jit import KernelLibrary, emit_artifacts
+from strata_compiler.backends.llvm_cpu.target import Target
+from strata_compiler.backends.reference.executor import silu
+from test_llvm_linear_moe import call, ptr, q8_reference, quantized
+
+HOST = Target.host()
+needs_amx = pytest.mark.skipif(not HOST.amx, reason="this CPU has no AMX-INT8 (or the OS did not grant it)")
+
+
+@pytest.mark.parametrize("fmt", amx.FORMATS)
+def test_kernels_use_tiles_on_an_amx_cpu(fmt):
+    t = Target.named("sapphirerapids")
+    assert t.amx and not Target.named("icelake-server").amx
+    spec = amx.AmxMoESpec(fmt, fmt, 256, 384, residual=True)
+    for src in (amx.gate_up(spec, t), amx.down(spec, t)):
+        asm = emit_artifacts(src.ir, t)["s"]
+        assert "tdpbssd" in asm and "ldtilecfg" in asm and "tilerelease" in asm, src.name
+
+
+def test_supported_shapes():
+    t = Target.named("sapphirerapids")
+    assert amx.supported(t, "int4", 32, "int8", 32, 2048, 5632)
+    assert not amx.supported(t, "int4", 64, "int4", 32, 2048, 5632)          # group size
+    assert not amx.supported(t, "int4a", 32, "int4", 32, 2048, 5632)         # format
+    assert not amx.supported(t, "int4", 32, "int4", 32, 2048, 5630)          # I not whole groups
+    assert not amx.supported(Target.host(force="avx2"), "int4", 32, "int4", 32, 2048, 5632)
+
+
+def _layout(first: np.ndarray, nA: int):
+    """Each active expert's pairs padded to whole tiles, as binders._amx_tiles lays them out."""
+    counts = np.diff(first[:nA + 1])
+    nt = (counts + amx.T - 1) // amx.T
+    st = amx.T * (np.cumsum(nt) - nt)
+    prow = np.repeat(st - first[:nA], counts) + np.arange(int(first[nA]))
+    return nt, st, int(amx.T * nt.sum()), prow
+
+
+@needs_amx
+@pytest.mark.parametrize("fmt,dfmt", [("int4", "int4"), ("int8", "int8"), ("int4", "int8")])
+def test_moe_tiles_match_the_q8_definition(fmt, dfmt):
+    lib = KernelLibrary(HOST, use_disk_cache=False)
+    rng = np.random.default_rng(3)
+    E, D, I, M, k = 5, 64, 96, 37, 2
+    wu, su, gud = quantized(fmt, rng.standard_normal((E, 2 * I, D), dtype=np.float32), 32)
+    wd, sd, dnd = quantized(dfmt, rng.standard_normal((E, D, I), dtype=np.float32), 32)
+    x = rng.standard_normal((M, D), dtype=np.float32)
+    r = rng.standard_normal((M, D), dtype=np.float32)
+    comb = np.zeros((M, E), np.float32)
+    for m in range(M):
+        comb[m, rng.choice(E - 1, k, replace=False)] = rng.random(k, dtype=np.float32)   # expert 4 never chosen
+    tok, exp = np.nonzero(comb)
+    order = np.argsort(exp, kind="stable")
+    tok, exp = tok[order].astype(np.int64), exp[order].astype(np.int64)
+    pw = comb[tok, exp].astype(np.float32)
+    active, counts = np.unique(exp, return_counts=True)
+    first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    nA, P = len(active), len(tok)
+    nt, st, Pp, prow = _layout(first, nA)
+    xq, xd, _, xdeq = q8_reference(x)
+    xg = np.full((Pp, D), 77, np.int8)              # pad rows hold bytes; their scale is 0
+    xgd = np.zeros((Pp, D // 32), np.float32)
+    xg[prow], xgd[prow] = xq[tok], xd[tok]
+    h = np.full((Pp, I), np.nan, np.float32)
+    spec = amx.AmxMoESpec(fmt, dfmt, D, I, residual=True)
+    act = active.astype(np.int64)
+    call(lib, amx.gate_up(spec, HOST), dict(h=ptr(h), x=ptr(xg), xd=ptr(xgd), w=ptr(wu), s=ptr(su), act=ptr(act),
+                                           pstart=ptr(st), ptiles=ptr(nt), ldh=I), nA * I // amx.T, split=7)
+    href = np.stack([silu(xdeq[m] @ gud[e, :I].T) * (xdeq[m] @ gud[e, I:].T) for m, e in zip(tok, exp)])
+    np.testing.assert_allclose(h[prow], href, atol=2e-5 * np.abs(href).max())
+    hq, hd, _, hdeq = q8_reference(np.ascontiguousarray(h[prow]))
+    hgq = np.zeros((Pp, I), np.int8)
+    hgd = np.zeros((Pp, I // 32), np.float32)
+    hgq[prow], hgd[prow] = hq, hd
+    ptok = np.full(Pp, -1, np.int64)
+    ptok[prow] = tok
+    pwp = np.zeros(Pp, np.float32)
+    pwp[prow] = pw
+    y = np.full((M, D), np.nan, np.float32)
+    call(lib, amx.down(spec, HOST), dict(y=ptr(y), r=ptr(r), h=ptr(hgq), hd=ptr(hgd), w=ptr(wd), s=ptr(sd),
+                                        act=ptr(act), pstart=ptr(st), ptiles=ptr(nt), ptok=ptr(ptok), pw=ptr(pwp),
+                                        nA=nA, M=M, ldy=D, ldr=D), D // amx.T, split=1)
+    ref = r.copy()
+    for p, (m, e) in enumerate(zip(tok, exp)):
+        ref[m] += pw[p] * (hdeq[p] @ dnd[e].T)
+    np.testing.assert_allclose(y, ref, atol=2e-5 * np.abs(ref).max())
+
+
+@needs_amx
+def test_a_prefill_on_tiles_matches_the_row_kernels(tiny_int8_plan, monkeypatch):
+    """The executor's MoE ops on AMX tiles (a prompt of AMX_MIN_TOKENS or more) give the logits of
+    the row-by-row kernels to f32 rounding, and the same greedy token."""
+    from strata_compiler.backends.llvm_cpu import binders
+    from strata_compiler.runtime.plan import load_plan
+    from strata_compiler.runtime.sampler import Sampler
+    from strata_compiler.runtime.session import Session
+
+    plan = load_plan(tiny_int8_plan)
+    ids = np.random.default_rng(5).integers(3, 3000, (1, 64))
+    out = {}
+    for name, least in (("tiles", 32), ("rows", 10 ** 9)):
+        monkeypatch.setattr(binders, "AMX_MIN_TOKENS", least)
+        logits, new = Session(plan, "llvm").generate(ids, 2, Sampler(0.0, 1.0, 0), keep_logits=True)
+        out[name] = (logits, new)
+    sd = out["rows"][0].std()
+    assert np.abs(out["tiles"][0] - out["rows"][0]).max() < 2e-2 * sd
+    np.testing.assert_array_equal(out["tiles"][1], out["rows"][1])
