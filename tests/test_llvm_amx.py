@@ -107,7 +107,7 @@ def test_a_prefill_on_tiles_matches_the_row_kernels(tiny_int8_plan, monkeypatch)
     plan = load_plan(tiny_int8_plan)
     ids = np.random.default_rng(5).integers(3, 3000, (1, 64))
     out = {}
-    for name, least in (("tiles", 32), ("rows", 10 ** 9)):
+    for name, least in (("tiles", 16), ("rows", 10 ** 9)):
         monkeypatch.setattr(binders, "AMX_MIN_TOKENS", least)
         logits, new = Session(plan, "llvm").generate(ids, 2, Sampler(0.0, 1.0, 0), keep_logits=True)
         out[name] = (logits, new)

@@ -36,7 +36,7 @@ def _no_clock() -> int:
 
 #: tokens of a step from which a MoE op runs on AMX tiles where the CPU has them (fewer: the
 #: row-by-row kernels, which read each weight once without unpacking it; BENCHMARKS.md)
-AMX_MIN_TOKENS = 32
+AMX_MIN_TOKENS = 16
 
 _PHASES = ("moe.mask", "moe.pairs", "moe.quant_x", "moe.gate_up", "moe.quant_h", "moe.down")
 
