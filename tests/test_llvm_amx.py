@@ -1,4 +1,4 @@
-"""The AMX MoE prefill kernels (codegen/amx.py): their assembly for an AMX CPU anywhere, their
+"""The AMX prefill kernels (codegen/amx.py: MoE and linear): their assembly for an AMX CPU anywhere, their
 products against the q8 definition and the row-by-row path where this CPU has AMX."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ def test_kernels_use_tiles_on_an_amx_cpu(fmt):
     t = Target.named("sapphirerapids")
     assert t.amx and not Target.named("icelake-server").amx
     spec = amx.AmxMoESpec(fmt, fmt, 256, 384, residual=True)
-    for src in (amx.gate_up(spec, t), amx.down(spec, t)):
+    lin = amx.AmxLinearSpec(fmt, 64, 256, bias=True, silu_mul=True, residual=True)
+    for src in (amx.gate_up(spec, t), amx.down(spec, t), amx.linear(lin, t)):
         asm = emit_artifacts(src.ir, t)["s"]
         assert "tdpbssd" in asm and "ldtilecfg" in asm and "tilerelease" in asm, src.name
 
@@ -97,8 +98,8 @@ def test_moe_tiles_match_the_q8_definition(fmt, dfmt):
 
 @needs_amx
 def test_a_prefill_on_tiles_matches_the_row_kernels(tiny_int8_plan, monkeypatch):
-    """The executor's MoE ops on AMX tiles (a prompt of AMX_MIN_TOKENS or more) give the logits of
-    the row-by-row kernels to f32 rounding, and the same greedy token."""
+    """The executor's MoE and linear ops on AMX tiles (a prompt of AMX_MIN_TOKENS or more) give the
+    logits of the row-by-row kernels (q8 rounding apart), and the same greedy tokens."""
     from strata_compiler.backends.llvm_cpu import binders
     from strata_compiler.runtime.plan import load_plan
     from strata_compiler.runtime.sampler import Sampler
@@ -114,3 +115,33 @@ def test_a_prefill_on_tiles_matches_the_row_kernels(tiny_int8_plan, monkeypatch)
     sd = out["rows"][0].std()
     assert np.abs(out["tiles"][0] - out["rows"][0]).max() < 2e-2 * sd
     np.testing.assert_array_equal(out["tiles"][1], out["rows"][1])
+
+
+@needs_amx
+@pytest.mark.parametrize("fmt", amx.FORMATS)
+@pytest.mark.parametrize("N,K,M,epi", [(32, 64, 37, "bsr"), (48, 96, 16, ""), (16, 32, 5, "s"), (64, 128, 33, "br")])
+def test_linear_tiles_match_the_q8_definition(fmt, N, K, M, epi):
+    lib = KernelLibrary(HOST, use_disk_cache=False)
+    rng = np.random.default_rng(N + K + M)
+    silu_mul = "s" in epi
+    rows = 2 * N if silu_mul else N
+    w, s, wd = quantized(fmt, rng.standard_normal((rows, K), dtype=np.float32), 32)
+    x = rng.standard_normal((M, K), dtype=np.float32)
+    xq, xd, _, xdeq = q8_reference(x)
+    Mp = -(-M // amx.T) * amx.T
+    xt = np.full((Mp, K), 99, np.int8)
+    xtd = np.zeros((Mp, K // 32), np.float32)
+    xt[:M], xtd[:M] = xq, xd
+    b = rng.standard_normal(rows, dtype=np.float32)
+    r = rng.standard_normal((M, N), dtype=np.float32)
+    y = np.full((M + 1, N), np.nan, np.float32)          # the row past M stays untouched
+    spec = amx.AmxLinearSpec(fmt, N, K, bias="b" in epi, silu_mul=silu_mul, residual="r" in epi)
+    call(lib, amx.linear(spec, HOST), dict(y=ptr(y), x=ptr(xt), xd=ptr(xtd), w=ptr(w), s=ptr(s), b=ptr(b), r=ptr(r),
+                                           M=M, ldy=N, ldr=N), N // amx.T, split=1)
+    h = xdeq @ wd.T + (b if "b" in epi else 0)
+    if silu_mul:
+        h = silu(h[:, :N]) * h[:, N:]
+    if "r" in epi:
+        h = h + r
+    np.testing.assert_allclose(y[:M], h, rtol=0, atol=2e-5 * np.abs(h).max())
+    assert np.isnan(y[M]).all()

@@ -34,8 +34,8 @@ def _no_clock() -> int:
     return 0
 
 
-#: tokens of a step from which a MoE op runs on AMX tiles where the CPU has them (fewer: the
-#: row-by-row kernels, which read each weight once without unpacking it; BENCHMARKS.md)
+#: tokens of a step from which MoE and linear ops run on AMX tiles where the CPU has them (fewer:
+#: the row-by-row kernels, which read each weight once without unpacking it; BENCHMARKS.md)
 AMX_MIN_TOKENS = 16
 
 _PHASES = ("moe.mask", "moe.pairs", "moe.quant_x", "moe.gate_up", "moe.quant_h", "moe.down")
@@ -112,6 +112,8 @@ def _bind_linear(exe: LLVMExecutor, n: Node):
             if n.attr("prologue", "none") == "rms_norm" else None)
     quant = exe.q8(K, fmt, G) if q8 else None
     kp = -(-K // G) * G if G else K
+    amx = q8 and amx_gen.linear_supported(exe.target, fmt, G, N, K)
+    amx_kernel: list = []       # compiled at the first step that takes it
 
     def prepare(frame: Frame):
         M = frame.M
@@ -137,6 +139,23 @@ def _bind_linear(exe: LLVMExecutor, n: Node):
             if prog is not None:
                 prog.append(qrun.args.par(M, 4))
         r = _src(frame, n, 1) if len(n.args) == 2 else None
+        if amx and M >= AMX_MIN_TOKENS:
+            if not amx_kernel:
+                amx_kernel.append(Kernel(exe.lib, amx_gen.linear(amx_gen.AmxLinearSpec(
+                    fmt, N, K, bias=spec.bias, silu_mul=spec.silu_mul, residual=spec.residual), exe.target)))
+            Mp = -(-M // amx_gen.T) * amx_gen.T        # whole tiles; pad rows keep scale 0
+            xt = frame.temp("linear.amx.x", (Mp, x.shape[1]), np.int8)
+            xtd = frame.temp("linear.amx.xd", (Mp, xd.shape[1]), np.float32)
+            at = amx_kernel[0].args(y=frame.out(n), x=xt, xd=xtd, w=w, s=s, b=b, r=r, M=M, ldy=N, ldr=N)
+            xq, xqd = x, xd
+
+            def run_tiles(step: Step) -> None:
+                for f in before:
+                    f()
+                xt[:M] = xq
+                xtd[:M] = xqd
+                at.go(pool, N // amx_gen.T)
+            return step_fn(run_tiles, None)
         a = k.args(y=frame.out(n), x=x, xd=xd, xs=xs, w=w, s=s, b=b, r=r, xidx=None, M=M,
                    ldx=ld(x), ldy=N, ldr=N)
 

@@ -1,4 +1,4 @@
-"""MoE prefill kernels on AMX tiles: int4/int8 weights (group 32) against q8 activations.
+"""Prefill kernels on AMX tiles (MoE and linear): int4/int8 weights (group 32) against q8 activations.
 
 A prefill gives each expert many tokens, so its weights are worth unpacking once into the tile
 layout and running through the matrix unit for every 16 of them. Each active expert's pairs are
@@ -13,6 +13,8 @@ is its own tile product, as llama.cpp's AMX kernels do).
                    of expert e; tasks: nA * I/16 blocks of rows
   amx_moe_down     y[tok_r, n] = residual + sum_r pw[r] * down_e[n] . h[r]; tasks: D/16 blocks
                    of output columns (a task owns them: no write conflicts)
+  amx_linear       y[m, n] = epilogue(W[n] . x[m]) (bias, silu_mul, residual as linear.py's);
+                   tasks: N/16 blocks of output rows
 
 Legend: NG groups of a row, Kp = 32 NG bytes of a q8 row, rb / sb bytes of a weight row / its
 scales, nA active experts. The AMX state must be granted to the process (target.py).
@@ -441,3 +443,132 @@ exit:
 }}
 """
     return KernelSource(name, _finish(ir, target), DOWN_PARAMS, f"{T}-column blocks of the output (D/{T})")
+
+
+LINEAR_PARAMS = ("y", "x", "xd", "w", "s", "b", "r", "M", "ldy", "ldr")
+
+
+@dataclass(frozen=True)
+class AmxLinearSpec:
+    fmt: str
+    N: int            # output rows (silu_mul: the merged weight has 2N)
+    K: int
+    bias: bool = False
+    silu_mul: bool = False
+    residual: bool = False
+
+    @property
+    def name(self) -> str:
+        flags = "".join(f for f, on in (("b", self.bias), ("s", self.silu_mul), ("r", self.residual)) if on)
+        return f"amx_linear_{self.fmt}_n{self.N}_k{self.K}{'_' + flags if flags else ''}"
+
+
+def linear_supported(target: Target, fmt: str, G: int, N: int, K: int) -> bool:
+    return target.amx and fmt in FORMATS and G == 32 and K % 32 == 0 and N % T == 0
+
+
+def linear(spec: AmxLinearSpec, target: Target) -> KernelSource:
+    """y[m, n] = epilogue(W[n] . x[m]) for m < M, x in q8 rows padded to whole tiles (pad rows
+    scale 0); tasks: N/16 blocks of output rows, each unpacked once for every token tile."""
+    dims("amx_linear", N=spec.N, K=spec.K)
+    require("amx_linear", spec.fmt in FORMATS and spec.K % 32 == 0 and spec.N % T == 0,
+            "int4/int8 weights, K whole groups of 32, N a multiple of 16")
+    N, ng = spec.N, spec.K // 32
+    rb, sb = _row_bytes(spec.fmt, ng)
+    two = spec.silu_mul
+
+    def bias(v: str, off: str, out: str) -> str:
+        if not spec.bias:
+            return f"  {out} = fadd <16 x float> {v}, zeroinitializer"
+        return f"""  {out}.p = getelementptr inbounds float, ptr %b, i64 {off}
+  {out}.b = load <16 x float>, ptr {out}.p, align 4
+  {out} = fadd <16 x float> {v}, {out}.b"""
+    epi = [f"  %gv = load <16 x float>, ptr %gvp, align 64", bias("%gv", "%n0", "%g1")]
+    cur = "%g1"
+    if two:
+        epi += ["  %uvp = getelementptr inbounds float, ptr %uo, i64 %vo",
+                "  %uv = load <16 x float>, ptr %uvp, align 64",
+                bias("%uv", "%nu", "%u1"),
+                "  %ngv = fneg <16 x float> %g1", _vexp("%ngv", "%ex"),
+                f"  %den = fadd <16 x float> %ex, {_c(1.0)}",
+                "  %sg = fdiv <16 x float> %g1, %den",
+                "  %v2 = fmul <16 x float> %sg, %u1"]
+        cur = "%v2"
+    if spec.residual:
+        epi.append(f"""  %ro = mul nuw nsw i64 %m, %ldr
+  %ro2 = add nuw nsw i64 %ro, %n0
+  %rp = getelementptr inbounds float, ptr %r, i64 %ro2
+  %rv = load <16 x float>, ptr %rp, align 4
+  %v3 = fadd <16 x float> {cur}, %rv""")
+        cur = "%v3"
+    up = f"""  %ur = add nuw nsw i64 %n0, {N}
+  %uwo = mul nuw nsw i64 %ur, {rb}
+  %uw = getelementptr inbounds i8, ptr %w, i64 %uwo
+  %uso = mul nuw nsw i64 %ur, {sb}
+  %us = getelementptr inbounds i8, ptr %s, i64 %uso
+  call void @unpack(ptr %uw, ptr %us, ptr %Bu, ptr %du)""" if two else ""
+    ir = unpack_function(spec.fmt, ng, "unpack") + gemm_function(ng, "tile_gemm") + f"""
+define void @{spec.name}(ptr noalias %args, i64 %begin, i64 %end) #0 {{
+entry:
+{load_args(LINEAR_PARAMS, {"y", "x", "xd", "w", "s", "b", "r"})}
+  %Bg = alloca [{512 * ng} x i8], align 64
+  %dg = alloca [{16 * ng} x float], align 64
+  %go = alloca [256 x float], align 64
+  %Bu = alloca [{512 * ng if two else 64} x i8], align 64
+  %du = alloca [{16 * ng if two else 16} x float], align 64
+  %uo = alloca [256 x float], align 64
+  %empty = icmp sge i64 %begin, %end
+  %mnone = icmp sle i64 %M, 0
+  %skip = or i1 %empty, %mnone
+  br i1 %skip, label %exit, label %blk
+blk:
+  %nb = phi i64 [%begin, %entry], [%nb1, %blk.next]
+  %n0 = mul nuw nsw i64 %nb, {T}
+  %nu = add nuw nsw i64 %n0, {N}
+  %gwo = mul nuw nsw i64 %n0, {rb}
+  %gw = getelementptr inbounds i8, ptr %w, i64 %gwo
+  %gso = mul nuw nsw i64 %n0, {sb}
+  %gs = getelementptr inbounds i8, ptr %s, i64 %gso
+  call void @unpack(ptr %gw, ptr %gs, ptr %Bg, ptr %dg)
+{up}
+  br label %tile
+tile:
+  %m0 = phi i64 [0, %blk], [%m0.1, %tile.next]
+  %xo = mul nuw nsw i64 %m0, {32 * ng}
+  %xp = getelementptr inbounds i8, ptr %x, i64 %xo
+  %xdo = mul nuw nsw i64 %m0, {ng}
+  %xdp = getelementptr inbounds float, ptr %xd, i64 %xdo
+  call void @tile_gemm(ptr %xp, ptr %xdp, ptr %Bg, ptr %dg, ptr %go)
+{"  call void @tile_gemm(ptr %xp, ptr %xdp, ptr %Bu, ptr %du, ptr %uo)" if two else ""}
+  br label %row
+row:
+  %i = phi i64 [0, %tile], [%i1, %row.next]
+  %m = add nuw nsw i64 %m0, %i
+  %real = icmp slt i64 %m, %M
+  br i1 %real, label %store, label %tile.next
+store:
+  %vo = mul nuw nsw i64 %i, {T}
+  %gvp = getelementptr inbounds float, ptr %go, i64 %vo
+{chr(10).join(epi)}
+  %yo = mul nuw nsw i64 %m, %ldy
+  %yo2 = add nuw nsw i64 %yo, %n0
+  %yp = getelementptr inbounds float, ptr %y, i64 %yo2
+  store <16 x float> {cur}, ptr %yp, align 4
+  br label %row.next
+row.next:
+  %i1 = add nuw nsw i64 %i, 1
+  %idone = icmp eq i64 %i1, {T}
+  br i1 %idone, label %tile.next, label %row
+tile.next:
+  %m0.1 = add nuw nsw i64 %m0, {T}
+  %mdone = icmp sge i64 %m0.1, %M
+  br i1 %mdone, label %blk.next, label %tile
+blk.next:
+  %nb1 = add nuw nsw i64 %nb, 1
+  %done = icmp eq i64 %nb1, %end
+  br i1 %done, label %exit, label %blk
+exit:
+  ret void
+}}
+"""
+    return KernelSource(spec.name, _finish(ir, target), LINEAR_PARAMS, f"{T}-row blocks of the output (N/{T})")
