@@ -13,6 +13,8 @@
 #   PHASE=3 (carry build/llamacpp build/wheels): both sides in one call, as the acceptance asks: llama.cpp
 #           builds at the lowest priority while Strata's side runs (start-up, prefill, the streamed
 #           logits against the CPU kernels'), then llama-bench and the CPU-only prefill of both
+#   PHASE=4 (carry build/llamacpp): the CPU-only prefill alone, side by side: llama.cpp built without
+#           CUDA, Strata's llvm backend, alternating rounds on the idle machine; and CPU-only decode
 # Outputs under $OUT (else /tmp/prefillout): summary.txt, details-PHASE.tgz.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -127,6 +129,42 @@ elif [ "${PHASE:-1}" = 3 ]; then
   log "llama.cpp load + first token (llama-bench -p 0 -n 1 -r 1, wall)"
   for i in 1 2; do /usr/bin/time -f "wall %e s" $BIN/llama-bench -m $W/mx-Q4_0.gguf -ngl 99 -p 0 -n 1 -r 1 \
     > /dev/null 2> $W/lt$i.err; tail -1 $W/lt$i.err | tee -a "$OUT/summary.txt"; done
+elif [ "${PHASE:-1}" = 4 ]; then
+  # the CPU-only line alone: llama.cpp built for the CPU only (no CUDA: minutes, not eight), Strata's
+  # llvm backend (AMX tiles), both on the idle machine in alternating rounds
+  sed -e 's/&& cuda=ON/\&\& cuda=OFF/' -e 's/--target llama-bench llama-quantize llama-batched-bench llama-server/--target llama-bench llama-quantize/' \
+    build/llamacpp/build.sh > $W/build-cpu.sh
+  cp build/llamacpp/llama.cpp-src.tar.xz $W/
+  setsid bash -c "JOBS=16 bash $W/build-cpu.sh $LC > $W/build.out 2>&1; echo build rc \$? >> $W/build.out" < /dev/null > /dev/null 2>&1 &
+  log "model"
+  [ -f $M/config.json ] || python3 benchmarks/make_mixtral_model.py $M > $W/make.log 2>&1 || { tail $W/make.log; exit 1; }
+  (while [ ! -f $LC/convert_hf_to_gguf.py ]; do sleep 1; done; sleep 2
+   PYTHONPATH=$LC/gguf-py python3 $LC/convert_hf_to_gguf.py $M --outtype bf16 --outfile $W/mx-bf16.gguf \
+     > $W/convert.log 2>&1; echo "convert rc $?" >> $W/convert.log) &
+  log "compile (llama.cpp builds and converts beside it)"
+  [ -f $W/p-gpu/plan.bin ] || stratac compile $M -o $W/p-gpu --quant int4 > $W/c1.log 2>&1 || tail -3 $W/c1.log
+  python3 -c "import numpy as np, json; v=json.load(open('$M/config.json'))['vocab_size']; \
+np.save('$W/ids512.npy', np.random.default_rng(0).integers(3, v - 1, (1, 512)))"
+  while ! grep -q "convert rc" $W/convert.log 2>/dev/null || ! grep -q "build rc" $W/build.out 2>/dev/null; do
+    [ $(left) -gt 120 ] || break; sleep 2; done
+  log "$(tail -1 $W/convert.log) $(tail -1 $W/build.out)"
+  LLAMA llama-quantize $W/mx-bf16.gguf $W/mx-Q4_0.gguf Q4_0 16 > $W/quant.log 2>&1; echo "quant rc $?" >> $W/quant.log
+  log "$(tail -1 $W/build.out) $(tail -1 $W/quant.log 2>/dev/null)"
+  timeout 120 strata-run $W/p-gpu --backend llvm --input-ids $W/ids512.npy -n 1 --trace "$D/cpu-trace.json" 2>&1 \
+    | grep "^\[llvm\]" | tee -a "$OUT/summary.txt"      # kernels compiled and cached here
+  python3 benchmarks/trace_ops.py "$D/cpu-trace.json" | head -9 | tee -a "$OUT/summary.txt"
+  log "CPU only, 16 threads, prefill 512: three alternating rounds"
+  for i in 1 2 3; do
+    CUDA_VISIBLE_DEVICES= LLAMA llama-bench -m $W/mx-Q4_0.gguf -ngl 0 -t 16 -p 512 -n 0 -r 1 -o md 2>&1 | grep "pp512" \
+      | tee -a "$OUT/summary.txt"
+    timeout 60 strata-run $W/p-gpu --backend llvm --input-ids $W/ids512.npy -n 1 2>&1 | grep "^\[llvm\]" \
+      | tee -a "$OUT/summary.txt"
+  done
+  log "decode, CPU only, 64 tokens (llama-bench tg64; strata-run -n 64)"
+  CUDA_VISIBLE_DEVICES= LLAMA llama-bench -m $W/mx-Q4_0.gguf -ngl 0 -t 16 -p 0 -n 64 -r 2 -o md 2>&1 | grep "tg64" \
+    | tee -a "$OUT/summary.txt"
+  timeout 60 strata-run $W/p-gpu --backend llvm --prompt "The history of the city" -n 64 2>&1 | grep "^\[llvm\]" \
+    | tee -a "$OUT/summary.txt"
 fi
 log "done ($(left) s left)"
 tar czf "$OUT/details-${PHASE:-1}.tgz" -C $W "details-${PHASE:-1}"

@@ -152,46 +152,51 @@ exit:
 def gemm_function(ng: int, name: str) -> str:
     """`void name(ptr x, ptr xd, ptr B, ptr dsc, ptr out)`: out[m][n] (16 x 16 f32) = sum over the
     ng groups of (x row m . B column n) * xd[m][g] * dsc[g][n]; x rows of Kp = 32 ng bytes, xd rows
-    of ng floats."""
+    of ng floats. U groups per iteration (two tile products in flight while the last ones are
+    scaled), a last odd group alone."""
     kp = 32 * ng
-    acc = [f"%acc{m}" for m in range(T)]
-    phis = "\n".join(f"  %acc{m} = phi <16 x float> [zeroinitializer, %entry], [%acc{m}.1, %loop]" for m in range(T))
-    body = []
-    for m in range(T):
-        body.append(f"""  %cp{m} = getelementptr inbounds i8, ptr %cbuf, i64 {64 * m}
-  %ci{m} = load <16 x i32>, ptr %cp{m}, align 64
-  %cf{m} = sitofp <16 x i32> %ci{m} to <16 x float>
-  %xo{m} = add nuw nsw i64 %g, {m * ng}
-  %xp{m} = getelementptr inbounds float, ptr %xd, i64 %xo{m}
-  %dx{m} = load float, ptr %xp{m}, align 4
-  %dx{m}.v = insertelement <16 x float> poison, float %dx{m}, i64 0
-  %dx{m}.s = shufflevector <16 x float> %dx{m}.v, <16 x float> poison, <16 x i32> zeroinitializer
-  %sc{m} = fmul <16 x float> %dw, %dx{m}.s
-  %acc{m}.1 = call <16 x float> @llvm.fma.v16f32(<16 x float> %cf{m}, <16 x float> %sc{m}, <16 x float> {acc[m]})""")
+    U = 2 if ng % 2 == 0 else 1
+    phis = "\n".join(f"  %acc{m} = phi <16 x float> [zeroinitializer, %entry], [%acc{m}.{U}, %loop]" for m in range(T))
+    tiles, body = [], []
+    for u in range(U):
+        tiles.append(f"""  %g{u} = add nuw nsw i64 %g, {u}
+  %ao{u} = mul nuw nsw i64 %g{u}, 32
+  %ap{u} = getelementptr inbounds i8, ptr %x, i64 %ao{u}
+  %bo{u} = mul nuw nsw i64 %g{u}, 512
+  %bp{u} = getelementptr inbounds i8, ptr %B, i64 %bo{u}
+  %ta{u} = call x86_amx @llvm.x86.tileloadd64.internal(i16 16, i16 32, ptr %ap{u}, i64 {kp})
+  %tb{u} = call x86_amx @llvm.x86.tileloadd64.internal(i16 8, i16 64, ptr %bp{u}, i64 64)
+  %tz{u} = call x86_amx @llvm.x86.tilezero.internal(i16 16, i16 64)
+  %tc{u} = call x86_amx @llvm.x86.tdpbssd.internal(i16 16, i16 64, i16 32, x86_amx %tz{u}, x86_amx %ta{u}, x86_amx %tb{u})
+  %cb{u} = getelementptr inbounds i8, ptr %cbuf, i64 {1024 * u}
+  call void @llvm.x86.tilestored64.internal(i16 16, i16 64, ptr %cb{u}, i64 64, x86_amx %tc{u})""")
+        body.append(f"""  %dwo{u} = mul nuw nsw i64 %g{u}, 64
+  %dwp{u} = getelementptr inbounds i8, ptr %dsc, i64 %dwo{u}
+  %dw{u} = load <16 x float>, ptr %dwp{u}, align 64""")
+        for m in range(T):
+            body.append(f"""  %cp{m}.{u} = getelementptr inbounds i8, ptr %cb{u}, i64 {64 * m}
+  %ci{m}.{u} = load <16 x i32>, ptr %cp{m}.{u}, align 64
+  %cf{m}.{u} = sitofp <16 x i32> %ci{m}.{u} to <16 x float>
+  %xo{m}.{u} = add nuw nsw i64 %g{u}, {m * ng}
+  %xp{m}.{u} = getelementptr inbounds float, ptr %xd, i64 %xo{m}.{u}
+  %dx{m}.{u} = load float, ptr %xp{m}.{u}, align 4
+  %dv{m}.{u} = insertelement <16 x float> poison, float %dx{m}.{u}, i64 0
+  %ds{m}.{u} = shufflevector <16 x float> %dv{m}.{u}, <16 x float> poison, <16 x i32> zeroinitializer
+  %sc{m}.{u} = fmul <16 x float> %dw{u}, %ds{m}.{u}
+  %acc{m}.{u + 1} = call <16 x float> @llvm.fma.v16f32(<16 x float> %cf{m}.{u}, <16 x float> %sc{m}.{u}, <16 x float> %acc{m}{'' if u == 0 else '.' + str(u)})""")
     stores = "\n".join(f"""  %op{m} = getelementptr inbounds i8, ptr %out, i64 {64 * m}
-  store <16 x float> %acc{m}.1, ptr %op{m}, align 64""" for m in range(T))
+  store <16 x float> %acc{m}.{U}, ptr %op{m}, align 64""" for m in range(T))
     return f"""define internal void @{name}(ptr %x, ptr %xd, ptr %B, ptr %dsc, ptr %out) #0 {{
 entry:
-  %cbuf = alloca [256 x i32], align 64
+  %cbuf = alloca [{256 * U} x i32], align 64
   br label %loop
 loop:
-  %g = phi i64 [0, %entry], [%g1, %loop]
+  %g = phi i64 [0, %entry], [%g.next, %loop]
 {phis}
-  %ao = mul nuw nsw i64 %g, 32
-  %ap = getelementptr inbounds i8, ptr %x, i64 %ao
-  %bo = mul nuw nsw i64 %g, 512
-  %bp = getelementptr inbounds i8, ptr %B, i64 %bo
-  %ta = call x86_amx @llvm.x86.tileloadd64.internal(i16 16, i16 32, ptr %ap, i64 {kp})
-  %tb = call x86_amx @llvm.x86.tileloadd64.internal(i16 8, i16 64, ptr %bp, i64 64)
-  %tz = call x86_amx @llvm.x86.tilezero.internal(i16 16, i16 64)
-  %tc = call x86_amx @llvm.x86.tdpbssd.internal(i16 16, i16 64, i16 32, x86_amx %tz, x86_amx %ta, x86_amx %tb)
-  call void @llvm.x86.tilestored64.internal(i16 16, i16 64, ptr %cbuf, i64 64, x86_amx %tc)
-  %dwo = mul nuw nsw i64 %g, 64
-  %dwp = getelementptr inbounds i8, ptr %dsc, i64 %dwo
-  %dw = load <16 x float>, ptr %dwp, align 64
+{chr(10).join(tiles)}
 {chr(10).join(body)}
-  %g1 = add nuw nsw i64 %g, 1
-  %done = icmp eq i64 %g1, {ng}
+  %g.next = add nuw nsw i64 %g, {U}
+  %done = icmp eq i64 %g.next, {ng}
   br i1 %done, label %exit, label %loop
 exit:
 {stores}
