@@ -86,7 +86,7 @@ def ptr(a):
 @pytest.mark.parametrize("tname", list(TARGETS))
 @pytest.mark.parametrize("fmt,q8", CASES)
 @pytest.mark.parametrize("N,K,M,epi", [(37, 70, 3, "bsr"), (64, 96, 1, ""), (16, 32, 2, "s"), (130, 288, 5, "br"),
-                                        (9, 330, 2, ""), (5, 512, 1, "")])
+                                        (9, 330, 2, ""), (5, 512, 1, ""), (45, 608, 11, "bsr"), (50, 256, 9, "")])
 def test_linear_matches_reference(tname, fmt, q8, N, K, M, epi):
     rng = np.random.default_rng(N * K + M)
     G = 32 if get_format(fmt).grouped else 0
@@ -139,10 +139,11 @@ def test_quantize_q8_kernel_matches_definition():
 
 @pytest.mark.parametrize("tname", list(TARGETS))
 @pytest.mark.parametrize("fmt,q8", CASES)
-def test_moe_kernels_match_reference(tname, fmt, q8):
+@pytest.mark.parametrize("E,D,I,M,k", [(6, 64, 40, 5, 2), (3, 96, 45, 23, 2)])
+def test_moe_kernels_match_reference(tname, fmt, q8, E, D, I, M, k):
+    """The second shape is prefill: enough pairs per expert for whole R x T tiles and leftovers."""
     lib, t = LIBS[tname], TARGETS[tname]
     rng = np.random.default_rng(7)
-    E, D, I, M, k = 6, 64, 40, 5, 2
     G = 32 if get_format(fmt).grouped else 0
     wu, su, gud = quantized(fmt, rng.standard_normal((E, 2 * I, D), dtype=np.float32), G)
     wdn, sdn, dnd = quantized(fmt, rng.standard_normal((E, D, I), dtype=np.float32), G)
