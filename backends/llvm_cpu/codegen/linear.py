@@ -243,6 +243,8 @@ def generate(spec: LinearSpec, target: Target) -> KernelSource:
     rb, sb = spec.row_bytes()
     ng = -(-spec.K // spec.group_size) if spec.group_size else 0
     R, T = tile_shape(target)
+    if spec.silu_mul:       # R weight rows a tile: R / 2 gate rows and their up rows
+        R //= 2
     if tiled(spec):     # full tiles of each row block's first tokens, one dot each for the rest
         blocks = f"""  %mt.q = udiv i64 %M, {T}
   %mt = mul nuw nsw i64 %mt.q, {T}

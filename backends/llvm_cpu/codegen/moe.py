@@ -268,8 +268,7 @@ def gate_up(spec: MoESpec, target: Target) -> KernelSource:
     I = spec.I
     name = f"moe_gate_up_{spec.tag}"
     R, T = tile_shape(target)
-    if not spec.q8:
-        R = 1
+    R = R // 2 if spec.q8 else 1      # R weight rows a tile: R / 2 gate rows and their up rows
     fns = dot_function(target, spec.fmt, spec.D, spec.group_size, spec.q8) + _gu_span(spec, rb, sb, spec.q8)
     if spec.q8:
         fns += (dot2_function(target, spec.fmt, spec.D, spec.group_size)
@@ -324,18 +323,146 @@ exit:
     return KernelSource(name, ir, GATE_UP_PARAMS, "active expert rows (nA * I)")
 
 
+_DN_ARGS = ("ptr noalias %y, ptr noalias %h, ptr noalias %hd, ptr noalias %hs, ptr noalias %w, ptr noalias %s, "
+            "ptr noalias %pair_tok, ptr noalias %pair_w, i64 %ldy, i64 %e, i64 %p0, i64 %p1, i64 %c0, i64 %c1")
+_DN_CALL = "ptr %y, ptr %h, ptr %hd, ptr %hs, ptr %w, ptr %s, ptr %pair_tok, ptr %pair_w, i64 %ldy, i64 %e"
+
+
+def _dn_span(spec: MoESpec, rb: int, sb: int) -> str:
+    """@dn_span: y[tok_p, c] += w_p * (down_e[c] . h[p]) for pairs [p0, p1) of expert e, rows [c0, c1)."""
+    return f"""
+define internal void @dn_span({_DN_ARGS}) {{
+entry:
+  %pempty = icmp sge i64 %p0, %p1
+  %cempty = icmp sge i64 %c0, %c1
+  %empty = or i1 %pempty, %cempty
+  br i1 %empty, label %exit, label %pair
+pair:
+  %p = phi i64 [%p0, %entry], [%p.1, %pair.next]
+  %er = mul nuw nsw i64 %e, {spec.D}
+{_xrow(spec.dq8, spec.I, spec.dgs, 'h', '%p', h_stride(spec), 'hr')}
+  %pwp = getelementptr inbounds float, ptr %pair_w, i64 %p
+  %pw = load float, ptr %pwp, align 4
+  %tp = getelementptr inbounds i64, ptr %pair_tok, i64 %p
+  %tok = load i64, ptr %tp, align 8
+  %to = mul nuw nsw i64 %tok, %ldy
+  br label %col
+col:
+  %c = phi i64 [%c0, %pair], [%c.1, %col]
+  %wr = add nuw nsw i64 %er, %c
+{weight_row('%wr', 'dn', rb, sb)}
+  %v = call float @dot(ptr %dn.w, ptr %dn.s, ptr %hr, ptr %hrd, ptr %hrs)
+  %to2 = add nuw nsw i64 %to, %c
+  %ypp = getelementptr inbounds float, ptr %y, i64 %to2
+  %yv = load float, ptr %ypp, align 4
+  %yv1 = call float @llvm.fma.f32(float %pw, float %v, float %yv)
+  store float %yv1, ptr %ypp, align 4
+  %c.1 = add nuw nsw i64 %c, 1
+  %cdone = icmp eq i64 %c.1, %c1
+  br i1 %cdone, label %pair.next, label %col
+pair.next:
+  %p.1 = add nuw nsw i64 %p, 1
+  %pdone = icmp eq i64 %p.1, %p1
+  br i1 %pdone, label %exit, label %pair
+exit:
+  ret void
+}}
+"""
+
+
+def _dn_tiles(spec: MoESpec, rb: int, sb: int, R: int, T: int) -> str:
+    """@dn_tiles: pairs [p0, p0 + T) of expert e (distinct tokens) against rows [c0, c1) (a
+    multiple of R) in R x T tiles."""
+    toks, args = [f"  %er = mul nuw nsw i64 %e, {spec.D}"], []
+    for t in range(T):
+        toks.append(f"""  %p.{t} = add nuw nsw i64 %p0, {t}
+{_xrow(True, spec.I, spec.dgs, 'h', f'%p.{t}', h_stride(spec), f'hr{t}')}
+  %pwp{t} = getelementptr inbounds float, ptr %pair_w, i64 %p.{t}
+  %pw{t} = load float, ptr %pwp{t}, align 4
+  %tp{t} = getelementptr inbounds i64, ptr %pair_tok, i64 %p.{t}
+  %tok{t} = load i64, ptr %tp{t}, align 8
+  %to{t} = mul nuw nsw i64 %tok{t}, %ldy""")
+    rows, out = [], []
+    for r in range(R):
+        rows.append(f"  %r{r}.n = add nuw nsw i64 %wr, {r}\n" + weight_row(f"%r{r}.n", f"r{r}", rb, sb))
+        args += [f"ptr %r{r}.w", f"ptr %r{r}.s"]
+    args += [a for t in range(T) for a in (f"ptr %hr{t}", f"ptr %hr{t}d", f"ptr %hr{t}s")]
+    for t in range(T):
+        for r in range(R):
+            q = f"o{t}.{r}."
+            out.append(f"""  %{q}vp = getelementptr inbounds float, ptr %buf, i64 {t * R + r}
+  %{q}v = load float, ptr %{q}vp, align 4
+  %{q}yo0 = add nuw nsw i64 %to{t}, %c
+  %{q}yo = add nuw nsw i64 %{q}yo0, {r}
+  %{q}yp = getelementptr inbounds float, ptr %y, i64 %{q}yo
+  %{q}yv = load float, ptr %{q}yp, align 4
+  %{q}yv1 = call float @llvm.fma.f32(float %pw{t}, float %{q}v, float %{q}yv)
+  store float %{q}yv1, ptr %{q}yp, align 4""")
+    return f"""
+define internal void @dn_tiles({_DN_ARGS}) {{
+entry:
+  %buf = alloca [{R * T} x float], align 64
+{chr(10).join(toks)}
+  %cempty = icmp sge i64 %c0, %c1
+  br i1 %cempty, label %exit, label %col
+col:
+  %c = phi i64 [%c0, %entry], [%c.next, %col]
+  %wr = add nuw nsw i64 %er, %c
+{chr(10).join(rows)}
+  call void @tile({', '.join(args)}, ptr %buf)
+{chr(10).join(out)}
+  %c.next = add nuw nsw i64 %c, {R}
+  %cdone = icmp sge i64 %c.next, %c1
+  br i1 %cdone, label %exit, label %col
+exit:
+  ret void
+}}
+"""
+
+
 def down(spec: MoESpec, target: Target) -> KernelSource:
+    """y's rows [begin, end) start as the residual (or 0); then per pair its expert's rows. With
+    q8, T consecutive pairs of one expert (distinct tokens: pairs are sorted by expert, then
+    token) go through R x T tiles; the rest one dot product each."""
     _check("moe_down", spec)
     lin = spec.down()
     rb, sb = lin.row_bytes()
-    D = spec.D
     name = f"moe_down_{spec.tag}{'_r' if spec.residual else ''}"
-    dot = dot_function(target, spec.dfmt, spec.I, spec.dgs, spec.dq8)
+    R, T = tile_shape(target)
+    tiled = spec.dq8
+    fns = dot_function(target, spec.dfmt, spec.I, spec.dgs, spec.dq8) + _dn_span(spec, rb, sb)
+    if tiled:
+        fns += tile_function(target, spec.dfmt, spec.I, spec.dgs, R, T) + _dn_tiles(spec, rb, sb, R, T)
+        pick = f"""  %pl = add nuw nsw i64 %p, {T - 1}
+  %room = icmp slt i64 %pl, %P
+  %plc = select i1 %room, i64 %pl, i64 %p
+  %elp = getelementptr inbounds i64, ptr %pair_exp, i64 %plc
+  %el = load i64, ptr %elp, align 8
+  %same = icmp eq i64 %el, %e
+  %full = and i1 %room, %same
+  %step = select i1 %full, i64 {T}, i64 1
+  %pe = add nuw nsw i64 %p, %step
+  %cn = sub nuw nsw i64 %end, %begin
+  %ct.q = udiv i64 %cn, {R}
+  %ct.r = mul nuw nsw i64 %ct.q, {R}
+  %ct.f = add nuw nsw i64 %begin, %ct.r
+  %ct = select i1 %full, i64 %ct.f, i64 %begin
+  br i1 %full, label %tiled, label %rest
+tiled:
+  call void @dn_tiles({_DN_CALL}, i64 %p, i64 %pe, i64 %begin, i64 %ct)
+  br label %rest
+rest:
+  call void @dn_span({_DN_CALL}, i64 %p, i64 %pe, i64 %ct, i64 %end)"""
+    else:
+        pick = f"""  %pe = add nuw nsw i64 %p, 1
+  br label %rest
+rest:
+  call void @dn_span({_DN_CALL}, i64 %p, i64 %pe, i64 %begin, i64 %end)"""
     init = ("""  %ro = mul nuw nsw i64 %m, %ldr
   %ro2 = add nuw nsw i64 %ro, %n
   %rp = getelementptr inbounds float, ptr %r, i64 %ro2
   %rv = load float, ptr %rp, align 4""" if spec.residual else "  %rv = fadd float 0.0, 0.0")
-    ir = f"""{dot}
+    ir = f"""{fns}
 define void @{name}(ptr noalias %args, i64 %begin, i64 %end) #0 {{
 entry:
 {load_args(DOWN_PARAMS, _PTRS)}
@@ -363,33 +490,11 @@ pairs:
   %pnone = icmp sle i64 %P, 0
   br i1 %pnone, label %exit, label %pair
 pair:
-  %p = phi i64 [0, %pairs], [%p.1, %pair.next]
+  %p = phi i64 [0, %pairs], [%pe, %rest]
   %epp = getelementptr inbounds i64, ptr %pair_exp, i64 %p
   %e = load i64, ptr %epp, align 8
-  %er = mul nuw nsw i64 %e, {D}
-{_xrow(spec.dq8, spec.I, spec.dgs, 'h', '%p', h_stride(spec), 'hr')}
-  %pwp = getelementptr inbounds float, ptr %pair_w, i64 %p
-  %pw = load float, ptr %pwp, align 4
-  %tp = getelementptr inbounds i64, ptr %pair_tok, i64 %p
-  %tok = load i64, ptr %tp, align 8
-  %to = mul nuw nsw i64 %tok, %ldy
-  br label %col
-col:
-  %c = phi i64 [%begin, %pair], [%c1, %col]
-  %wr = add nuw nsw i64 %er, %c
-{weight_row('%wr', 'dn', rb, sb)}
-  %v = call float @dot(ptr %dn.w, ptr %dn.s, ptr %hr, ptr %hrd, ptr %hrs)
-  %to2 = add nuw nsw i64 %to, %c
-  %ypp = getelementptr inbounds float, ptr %y, i64 %to2
-  %yv = load float, ptr %ypp, align 4
-  %yv1 = call float @llvm.fma.f32(float %pw, float %v, float %yv)
-  store float %yv1, ptr %ypp, align 4
-  %c1 = add nuw nsw i64 %c, 1
-  %cdone = icmp eq i64 %c1, %end
-  br i1 %cdone, label %pair.next, label %col
-pair.next:
-  %p.1 = add nuw nsw i64 %p, 1
-  %pdone = icmp eq i64 %p.1, %P
+{pick}
+  %pdone = icmp sge i64 %pe, %P
   br i1 %pdone, label %exit, label %pair
 exit:
   ret void
