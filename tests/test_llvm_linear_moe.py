@@ -220,6 +220,23 @@ def test_int4_gemv_uses_zmm_on_avx512_hosts(cpu):
             assert "vpdpbusd" in asm
 
 
+@pytest.mark.parametrize("cpu", ["sapphirerapids", "skylake-avx512", "haswell"])
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_prefill_tile_kernel_assembly(cpu, fmt):
+    """The prefill linear with its R x T tile kernel (emitted, not run) works on zmm registers
+    with vpdpbusd where the CPU has VNNI, zmm pmaddubsw on other AVX-512 CPUs, ymm on AVX2."""
+    import re
+
+    t = Target.named(cpu)
+    tiles = emit_artifacts(generate(LinearSpec(fmt, 4096, 4096, 32, True), t).ir, t)["s"]
+    if t.vnni:
+        assert re.search(r"vpdpbusd\s+.*zmm", tiles), f"no zmm vpdpbusd in the {fmt} tile kernel for {cpu}"
+    elif t.avx512:
+        assert re.search(r"vpmaddubsw\s+.*zmm", tiles)
+    else:
+        assert re.search(r"vpmaddubsw\s+.*ymm", tiles) and "zmm" not in tiles
+
+
 def test_avx2_target_has_no_avx512():
     t = TARGETS["avx2"]
     assert not t.avx512 and t.vector_bits == 256

@@ -2,7 +2,9 @@
 
 Work is split over output rows. Loop order: blocks of RB rows, then tokens, then the rows of the
 block — a block of weights stays in cache while every token passes over it (prefill), and
-at decode (one token) each row is read once, streaming at memory bandwidth.
+at decode (one token) each row is read once, streaming at memory bandwidth. With q8
+activations, a block's first M - M % T tokens and R-row groups go through tile.py's R x T
+micro-kernel (@tiles); the rest take one dot product per output (@span).
 
 Epilogues: + bias[n]; silu_mul (row n is the gate, row n + N_out the up projection: the merged
 gate/up weight); + residual[m, n].

@@ -11,9 +11,10 @@ weight row is unpacked once (int4 nibbles, int8 |w|) and each activation block l
 R * T integer dot products (pmaddubsw/pmaddwd on AVX2, vpdpbusd on AVX-512 VNNI) into R * T
 float accumulators: `_q8_dot` redoes the unpacking for every token and the loads for every row.
 
-Scales: per batch of 8 groups the weight scales (one <8 x half> load per row) and activation
-scales (one <8 x float> per token) are broadcast to a pair's lanes; an integer dot is scaled as
-(dot * xd) * wd. int4's -8 offset adds wd * (-8 * xd * block sum) per group to the same sums.
+The loop takes one pair of groups per iteration, so the R * T sums stay in registers: the
+scales of a pair are broadcast to its lanes, an integer dot is scaled as (dot * xd) * wd, and
+int4's -8 offset enters the integer dot as -8 * block sum in each group's first lane (free on
+VNNI: vpdpbusd's accumulator operand). An odd last group takes a one-group step.
 
 Legend: NG = groups per row, L = lanes of one pair's integer dot (8 on AVX2, 16 on AVX-512),
 R = weight rows, T = activation rows (tokens) of the tile.
@@ -25,8 +26,8 @@ from ..target import Target
 from .common import dims, group_ok, lanes, require, splat, vec
 from .dot import _idot, needs_q8, pair_layout
 
-# Measured on znver3 (AVX2, 16 ymm registers): R x T accumulators plus a row's operands must
-# stay in registers. AVX-512 has 32 registers: twice the tokens.
+# Best of the shapes measured (benchmarks/cpu_kernels.py --tokens 512, 2048x5632): R x T sums
+# plus the tokens' operands must fit the register file (16 ymm on AVX2, 32 zmm on AVX-512).
 TILE_AVX2 = (4, 2)
 TILE_AVX512 = (4, 4)
 
@@ -46,9 +47,9 @@ def _unit_kinds(fmt: str, target: Target, n: int) -> list[tuple[int, str]]:
     return [(j, "one") for j in range(n)]
 
 
-def _unit_lanes(kind: str, j: int) -> list[int]:
-    """The batch-relative group of each lane of a unit's integer dot."""
-    return {"pair": [j] * 4 + [j + 1] * 4, "two": [j] * 8 + [j + 1] * 8, "one": [j] * 8}[kind]
+def _unit_lanes(kind: str) -> list[int]:
+    """The group (0 or 1 of the unit) of each lane of a unit's integer dot."""
+    return {"pair": [0] * 4 + [1] * 4, "two": [0] * 8 + [1] * 8, "one": [0] * 8}[kind]
 
 
 def _row_operand(fmt: str, kind: str, p: str, w: str, g: str) -> tuple[str, list[str]]:
@@ -114,7 +115,7 @@ def _dot(target: Target, fmt: str, kind: str, p: str, row: list[str], tok: list[
 def _unit(target: Target, fmt: str, R: int, T: int, kind: str, g: str, u: str, acc: dict) -> list[str]:
     """IR for one unit (a pair of groups, or one group) starting at group %{g}, for every row and
     token: acc[(r, t, lanes)] += (dot * xd) * wd, int4's -8 offset inside the integer dot."""
-    lane = _unit_lanes(kind, 0)
+    lane = _unit_lanes(kind)
     L = len(lane)
     ng = 2 if kind != "one" else 1
     F, FL, IL = vec(ng, "float"), vec(L, "float"), vec(L, "i32")
@@ -168,7 +169,7 @@ def tile_function(target: Target, fmt: str, K: int, group_size: int, R: int, T: 
     parts = []
     acc: dict = {}
     if NG >= 2:     # one pair of groups per iteration: R x T sums stay in registers
-        keys = [(r, t, len(_unit_lanes(kinds[0][1], 0))) for r in range(R) for t in range(T)]
+        keys = [(r, t, len(_unit_lanes(kinds[0][1]))) for r in range(R) for t in range(T)]
         start = {k: f"%phi.{k[0]}.{k[1]}" for k in keys}
         acc = dict(start)
         lines = []
