@@ -86,7 +86,7 @@ def ptr(a):
 @pytest.mark.parametrize("tname", list(TARGETS))
 @pytest.mark.parametrize("fmt,q8", CASES)
 @pytest.mark.parametrize("N,K,M,epi", [(37, 70, 3, "bsr"), (64, 96, 1, ""), (16, 32, 2, "s"), (130, 288, 5, "br"),
-                                        (9, 330, 2, ""), (5, 512, 1, "")])
+                                        (9, 330, 2, ""), (5, 512, 1, ""), (45, 608, 11, "bsr"), (50, 256, 9, "")])
 def test_linear_matches_reference(tname, fmt, q8, N, K, M, epi):
     rng = np.random.default_rng(N * K + M)
     G = 32 if get_format(fmt).grouped else 0
@@ -139,10 +139,11 @@ def test_quantize_q8_kernel_matches_definition():
 
 @pytest.mark.parametrize("tname", list(TARGETS))
 @pytest.mark.parametrize("fmt,q8", CASES)
-def test_moe_kernels_match_reference(tname, fmt, q8):
+@pytest.mark.parametrize("E,D,I,M,k", [(6, 64, 40, 5, 2), (3, 96, 45, 23, 2)])
+def test_moe_kernels_match_reference(tname, fmt, q8, E, D, I, M, k):
+    """The second shape is prefill: enough pairs per expert for whole R x T tiles and leftovers."""
     lib, t = LIBS[tname], TARGETS[tname]
     rng = np.random.default_rng(7)
-    E, D, I, M, k = 6, 64, 40, 5, 2
     G = 32 if get_format(fmt).grouped else 0
     wu, su, gud = quantized(fmt, rng.standard_normal((E, 2 * I, D), dtype=np.float32), G)
     wdn, sdn, dnd = quantized(fmt, rng.standard_normal((E, D, I), dtype=np.float32), G)
@@ -217,6 +218,23 @@ def test_int4_gemv_uses_zmm_on_avx512_hosts(cpu):
         assert "zmm" in asm, f"no zmm in the int4 GEMV for {cpu} (q8={q8})"
         if q8 and t.vnni:
             assert "vpdpbusd" in asm
+
+
+@pytest.mark.parametrize("cpu", ["sapphirerapids", "skylake-avx512", "haswell"])
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_prefill_tile_kernel_assembly(cpu, fmt):
+    """The prefill linear with its R x T tile kernel (emitted, not run) works on zmm registers
+    with vpdpbusd where the CPU has VNNI, zmm pmaddubsw on other AVX-512 CPUs, ymm on AVX2."""
+    import re
+
+    t = Target.named(cpu)
+    tiles = emit_artifacts(generate(LinearSpec(fmt, 4096, 4096, 32, True), t).ir, t)["s"]
+    if t.vnni:
+        assert re.search(r"vpdpbusd\s+.*zmm", tiles), f"no zmm vpdpbusd in the {fmt} tile kernel for {cpu}"
+    elif t.avx512:
+        assert re.search(r"vpmaddubsw\s+.*zmm", tiles)
+    else:
+        assert re.search(r"vpmaddubsw\s+.*ymm", tiles) and "zmm" not in tiles
 
 
 def test_avx2_target_has_no_avx512():
