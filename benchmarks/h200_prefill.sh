@@ -152,7 +152,7 @@ np.save('$W/ids512.npy', np.random.default_rng(0).integers(3, v - 1, (1, 512)))"
   log "$(tail -1 $W/build.out) $(tail -1 $W/quant.log 2>/dev/null)"
   timeout 120 strata-run $W/p-gpu --backend llvm --input-ids $W/ids512.npy -n 1 --trace "$D/cpu-trace.json" 2>&1 \
     | grep "^\[llvm\]" | tee -a "$OUT/summary.txt"      # kernels compiled and cached here
-  python3 benchmarks/trace_ops.py "$D/cpu-trace.json" | head -9 | tee -a "$OUT/summary.txt"
+  python3 benchmarks/trace_ops.py "$D/cpu-trace.json" --top 6 | tee -a "$OUT/summary.txt"
   log "CPU only, 16 threads, prefill 512: three alternating rounds"
   for i in 1 2 3; do
     CUDA_VISIBLE_DEVICES= LLAMA llama-bench -m $W/mx-Q4_0.gguf -ngl 0 -t 16 -p 512 -n 0 -r 1 -o md 2>&1 | grep "pp512" \

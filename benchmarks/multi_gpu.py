@@ -112,7 +112,7 @@ def main() -> int:
         pf = prefill_rate(v["dir"], a.prefill, a.repeats, a.device, v["multi_gpu"])
         ref = ref or toks
         rows.append({"variant": name, "decode_tok_s": tps, "prefill_tok_s": pf, "same_tokens": toks == ref,
-                     "device_bytes": held})
+                     "tokens": list(toks), "device_bytes": held})
         log(f"{name}: decode {tps:.1f} tok/s, prefill {pf:.0f} tok/s, device GiB "
             + " ".join(f"{b / 2**30:.2f}" for b in held))
     print(f"\nmodel {dims}, int4; {n_dev} device(s): {jax.devices()[0].device_kind}")

@@ -87,10 +87,33 @@ def test_a_directory_others_may_write_is_not_used(tmp_path):
 
 
 def test_the_output_tree_round_trips():
-    tree = ((1, 2), {3: (4,), 1: 5}, [6])
+    tree = ((1, 2), {3: (4,), 1: 5}, [6], None)
     spec = aot._tree_spec(tree)
     back = aot._from_spec(json.loads(json.dumps(spec)))
 
-    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(((0, 0), {3: (0,), 1: 0}, (0,)))
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(((0, 0), {3: (0,), 1: 0}, (0,), None))
     with pytest.raises(ValueError):
         aot._from_spec({"x": 1})
+
+
+def test_a_new_session_prefetches_its_stored_programs(tiny_int8_plan, cache, monkeypatch):
+    """A whole plan's executor starts loading its stored programs (both) before its weights go
+    up, and its first calls ask for exactly those signatures. (Running them is the GPU test's:
+    on XLA's CPU client loaded executables may fail to run.)"""
+    plan = load_plan(tiny_int8_plan)
+    ids = np.random.default_rng(2).integers(3, 200, (1, 6))
+    _, want = _run(plan, ids)
+    taken = []
+
+    def prefetched(self, sig, dyn, static):
+        taken.append((self.name, sig in self._pending))
+        self._pending.pop(sig, None)
+        return None                     # compiled again: the CPU client's loads may not run
+
+    monkeypatch.setattr(aot.Program, "_prefetched", prefetched)
+    monkeypatch.setattr(aot.Program, "_load", lambda self, sig, dyn, static: None)
+    s = Session(plan, "xla")
+    assert {p.name: len(p._pending) for p in (s.executor._fn, s.executor._ahead_fn)} == {"forward": 1, "ahead": 1}
+    _, got = s.generate(ids, 6, Sampler())
+    np.testing.assert_array_equal(got, want)
+    assert ("forward", True) in taken and ("ahead", True) in taken

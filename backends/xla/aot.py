@@ -125,7 +125,10 @@ def _jax_config():
 
 
 def _tree_spec(tree) -> object:
-    """The structure of a program's output (tuples, lists and dicts of arrays) as JSON."""
+    """The structure of a program's arguments or output (tuples, lists, dicts and Nones around
+    arrays) as JSON."""
+    if tree is None:
+        return {"n": 0}
     if isinstance(tree, (tuple, list)):
         return {"t": [_tree_spec(v) for v in tree]}
     if isinstance(tree, dict):
@@ -142,6 +145,8 @@ def _from_spec(spec) -> object:
         return tuple(_from_spec(v) for v in spec["t"])
     if "d" in spec:
         return {k: _from_spec(v) for k, v in spec["d"]}
+    if "n" in spec:
+        return None
     raise ValueError("bad output tree")
 
 
@@ -170,6 +175,7 @@ class Program:
         self.scope = scope
         self.meta_of, self.restore = meta_of, restore
         self.exes: dict[tuple, object] = {}
+        self._pending: dict[str, tuple] = {}     # signature -> (key, input tree, future of a prefetch)
         self._fixed = None      # (the first argument, its signature): it stays one object
 
     def lower(self, *args):
@@ -190,13 +196,15 @@ class Program:
         if exe is not None:
             return exe(*dyn)
         sig = f"{static}|{self._fixed[1][0]}|{tree}|" + ",".join(map(_leaf_sig, jax.tree_util.tree_leaves(first) + leaves))
-        exe = self._load(sig, dyn, static) if settings.get("xla_executables") else None
+        exe = self._prefetched(sig, dyn, static)
+        if exe is None and settings.get("xla_executables"):
+            exe = self._load(sig, dyn, static)
         if exe is None:
             exe = self._compile(args)
             out = exe(*dyn)
             self.exes[key] = exe
             if settings.get("xla_executables") and getattr(_jax_config(), "enable_compilation_cache", None) is not None:
-                self._store(sig, exe, out, static)
+                self._store(sig, exe, out, static, dyn)
             return out
         self.exes[key] = exe
         return exe(*dyn)
@@ -230,38 +238,52 @@ class Program:
         path = self._path(key)
         if path is None or not path.is_file():
             return None
+        got = _read_entry(path, key, _jax().tree_util.tree_structure((dyn, {})))
+        return None if got is None else self._restored(got, static, path)
+
+    def _restored(self, got, static: tuple, path: Path):
+        exe, meta = got
         try:
-            data = path.read_bytes()
-            if not data.startswith(MAGIC):
-                raise ValueError("not an executable entry")
-            n = int.from_bytes(data[len(MAGIC):len(MAGIC) + 8], "little")
-            if not 0 < n <= MAX_HEADER:
-                raise ValueError("header length out of range")
-            start = len(MAGIC) + 8
-            head = json.loads(data[start:start + n])
-            payload = data[start + n:]
-            if not isinstance(head, dict) or head.get("key") != key:
-                return None             # another key under the same digest: not ours
-            if hashlib.sha256(payload).hexdigest() != head.get("sha256"):
-                raise ValueError("payload checksum mismatch")
-            if not _scan_globals(payload):
-                raise ValueError("the payload names a global outside JAX's and NumPy's types")
-            jax = _jax()
-            from jax.experimental import serialize_executable as se
-
-            in_tree = jax.tree_util.tree_structure((dyn, {}))
-            out_tree = jax.tree_util.tree_structure(_from_spec(head["out"]))
-            exe = se.deserialize_and_load(payload, in_tree, out_tree)
             if self.restore is not None:
-                self.restore(static, head.get("meta"))
-            os.utime(path)          # recently used: kept longest
-            return exe
-        except Exception as e:      # noqa: BLE001 - any damage: compile instead
-            _warn(f"{path}: a serialized executable was skipped ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}); "
-                  "compiling it again")
+                self.restore(static, meta)
+        except Exception as e:      # noqa: BLE001 - a damaged entry: compile instead
+            _warn(f"{path}: a serialized executable was skipped ({e}); compiling it again")
             return None
+        os.utime(path)          # recently used: kept longest
+        return exe
 
-    def _store(self, sig: str, exe, out, static: tuple) -> None:
+    def prefetch(self) -> None:
+        """Start loading every stored executable of this program (its name and scope, this
+        process's settings and versions) on threads: a new process's first calls find them
+        loaded or loading, beside whatever else it does meanwhile (its weights' upload)."""
+        d = directory() if settings.get("xla_executables") else None
+        if d is None:
+            return
+        want = self._key("").split("\n")
+        for path in d.glob("*.bin"):
+            head = _read_header(path)
+            key = head.get("key") if head else None
+            lines = key.split("\n") if isinstance(key, str) else []
+            if len(lines) != len(want) or lines[:2] != want[:2] or lines[3:] != want[3:] or "in" not in head:
+                continue
+            try:
+                in_tree = _jax().tree_util.tree_structure((_from_spec(head["in"]), {}))
+            except (ValueError, TypeError):
+                continue
+            self._pending[lines[2]] = (key, in_tree, _loader().submit(_read_entry, path, key, in_tree))
+
+    def _prefetched(self, sig: str, dyn, static: tuple):
+        """The executable a prefetch loaded for this signature (waited for), or None."""
+        entry = self._pending.pop(sig, None) if self._pending else None
+        if entry is None:
+            return None
+        key, in_tree, fut = entry
+        got = fut.result()
+        if got is None or key != self._key(sig) or in_tree != _jax().tree_util.tree_structure((dyn, {})):
+            return None
+        return self._restored(got, static, self._path(key))
+
+    def _store(self, sig: str, exe, out, static: tuple, dyn) -> None:
         """Write the executable (temp file + rename); a failure to serialize or write is harmless."""
         key = self._key(sig)
         path = self._path(key)
@@ -271,7 +293,8 @@ class Program:
             from jax.experimental import serialize_executable as se
 
             payload, _, _ = se.serialize(exe)
-            head = json.dumps({"key": key, "out": _tree_spec(out), "sha256": hashlib.sha256(payload).hexdigest(),
+            head = json.dumps({"key": key, "out": _tree_spec(out), "in": _tree_spec(dyn),
+                               "sha256": hashlib.sha256(payload).hexdigest(),
                                "meta": self.meta_of(static) if self.meta_of is not None else None}).encode()
             fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
             try:
@@ -284,6 +307,60 @@ class Program:
             _prune(path.parent)
         except Exception as e:      # noqa: BLE001 - e.g. an executable JAX cannot serialize
             _warn(f"serialized executables: {self.name} not stored ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})")
+
+
+def _read_header(path: Path) -> dict | None:
+    """An entry's JSON header alone (its payload not read), or None."""
+    try:
+        with open(path, "rb") as f:
+            start = f.read(len(MAGIC) + 8)
+            if not start.startswith(MAGIC):
+                return None
+            n = int.from_bytes(start[len(MAGIC):], "little")
+            if not 0 < n <= MAX_HEADER:
+                return None
+            head = json.loads(f.read(n))
+    except (OSError, ValueError):
+        return None
+    return head if isinstance(head, dict) else None
+
+
+def _read_entry(path: Path, key: str, in_tree):
+    """(executable, caller's metadata) of the entry at path, checked (its key, checksum and the
+    globals its payload names), or None with one warning."""
+    try:
+        data = path.read_bytes()
+        if not data.startswith(MAGIC):
+            raise ValueError("not an executable entry")
+        n = int.from_bytes(data[len(MAGIC):len(MAGIC) + 8], "little")
+        if not 0 < n <= MAX_HEADER:
+            raise ValueError("header length out of range")
+        start = len(MAGIC) + 8
+        head = json.loads(data[start:start + n])
+        payload = data[start + n:]
+        if not isinstance(head, dict) or head.get("key") != key:
+            return None             # another key under the same digest: not ours
+        if hashlib.sha256(payload).hexdigest() != head.get("sha256"):
+            raise ValueError("payload checksum mismatch")
+        if not _scan_globals(payload):
+            raise ValueError("the payload names a global outside JAX's and NumPy's types")
+        jax = _jax()
+        from jax.experimental import serialize_executable as se
+
+        out_tree = jax.tree_util.tree_structure(_from_spec(head["out"]))
+        return se.deserialize_and_load(payload, in_tree, out_tree), head.get("meta")
+    except Exception as e:      # noqa: BLE001 - any damage: compile instead
+        _warn(f"{path}: a serialized executable was skipped ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}); "
+              "compiling it again")
+        return None
+
+
+@functools.cache
+def _loader():
+    """Threads that load prefetched executables (deserializing releases the GIL for most of it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(4, thread_name_prefix="strata-xla-load")
 
 
 def _prune(d: Path) -> None:

@@ -77,9 +77,7 @@ class DecodeSteps:
         jax = _jax()
         if cache.length + n > cache.capacity:
             raise UsageError(f"sequence of {cache.length + n} tokens exceeds the KV cache capacity {cache.capacity}")
-        fn = getattr(self, "_ahead_fn", None)
-        if fn is None:
-            fn = self._ahead_fn = self._program("ahead", self._ahead_step, donate_argnums=(1, 2))
+        fn = self._ahead_fn
         first = (np.asarray(tok, np.int32).reshape(-1), np.asarray(cache.positions(1), np.int32))
 
         def launch(prev):

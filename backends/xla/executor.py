@@ -117,6 +117,15 @@ class XLAExecutor(DecodeSteps):
                        for a, v in weights.arrays(name).items()} for name in names}
         self.param_bytes = sum(v.nbytes for arrs in host.values() for v in arrs.values())
         self.host_params = host if stream else None
+        self.kv_dtype = jnp.float32
+        self._out_keys: dict[tuple[int, int], tuple] = {}     # (B, T) -> the result keys of _flat's first tuple
+        self._fn = self._program("forward", self._flat, static_argnums=(5, 6), donate_argnums=(1, 2),
+                                 meta_of=lambda st: list(self._out_keys[st]), restore=self._restore_keys)
+        self._ahead_fn = self._program("ahead", self._ahead_step, donate_argnums=(1, 2))
+        if nodes is None:       # a whole plan's executor: its stored programs load while its weights go up
+            for prog in (self._fn, self._ahead_fn):
+                if hasattr(prog, "prefetch"):
+                    prog.prefetch()
         try:
             self.params = {} if stream else self._place_params(host)
             if self.mapped_host:
@@ -128,10 +137,6 @@ class XLAExecutor(DecodeSteps):
             if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
                 raise GPUOutOfMemory(str(e).splitlines()[0][:200]) from None
             raise
-        self.kv_dtype = jnp.float32
-        self._out_keys: dict[tuple[int, int], tuple] = {}     # (B, T) -> the result keys of _flat's first tuple
-        self._fn = self._program("forward", self._flat, static_argnums=(5, 6), donate_argnums=(1, 2),
-                                 meta_of=lambda st: list(self._out_keys[st]), restore=self._restore_keys)
 
     # XLA's CPU client has served executables that failed to run once loaded ("Function ... not
     # found"): serialized executables on a GPU only (tests turn this on, with fresh caches)
