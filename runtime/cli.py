@@ -303,6 +303,11 @@ def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | No
         from .distributed import initialize
 
         lead = initialize(coordinator, num_processes, process_id) == 0
+    xla = backend in ("auto", "xla") and device != "cpu"
+    if xla:     # JAX's import and GPU start-up (seconds) beside the plan's reading
+        from strata_compiler.backends.xla.device import start_in_background
+
+        start_in_background()
     plan = load_plan(plan_path)
     guard(plan.weights_path)        # a weights file truncated under this process: one error line
     tokenizer = _tokenizer(plan, "--chat" if chat else "--prompt" if prompt is not None else None)

@@ -77,6 +77,10 @@ def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_ba
                   model_name: str | None, backend: str, device: str, log_level: str, debug: bool) -> None:
     """Serve PLAN_PATH (a plan.bin, or its directory) over an OpenAI-compatible API: /v1/completions,
     /v1/chat/completions, /v1/models, /health."""
+    if backend in ("auto", "xla") and device != "cpu":     # JAX's start-up beside the imports and the plan's reading
+        from strata_compiler.backends.xla.device import start_in_background
+
+        start_in_background()
     import uvicorn
 
     _Server = _server_class()

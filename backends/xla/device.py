@@ -64,6 +64,29 @@ def cuda_device_count() -> int:
     return count.value
 
 
+_started: list = []
+
+
+def start_in_background() -> None:
+    """Import JAX and bring its GPU backend up on a daemon thread (once), where the driver sees a
+    CUDA GPU: a run bound for the xla backend reads its plan meanwhile instead of waiting first.
+    Later calls of `_jax`/`gpus` wait for it (the import lock, the backend's own lock)."""
+    if _started:
+        return
+    import threading
+
+    def warm() -> None:
+        try:
+            if cuda_device_count():
+                gpus()
+        except Exception:       # noqa: BLE001 - the main thread meets and reports the same failure
+            pass
+
+    t = threading.Thread(target=warm, name="strata-jax-start", daemon=True)
+    _started.append(t)
+    t.start()
+
+
 def gpus() -> list:
     jax = _jax()
     try:
