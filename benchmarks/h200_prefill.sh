@@ -13,6 +13,7 @@
 #   PHASE=3 (carry build/llamacpp build/wheels): both sides in one call, as the acceptance asks: llama.cpp
 #           builds at the lowest priority while Strata's side runs (start-up, prefill, the streamed
 #           logits against the CPU kernels'), then llama-bench and the CPU-only prefill of both
+#   PHASE=5 (carry build/wheels): start-up alone (four fresh processes, one more under py-spy)
 #   PHASE=4 (carry build/llamacpp): the CPU-only prefill alone, side by side: llama.cpp built without
 #           CUDA, Strata's llvm backend, alternating rounds on the idle machine; and CPU-only decode
 # Outputs under $OUT (else /tmp/prefillout): summary.txt, details-PHASE.tgz.
@@ -129,6 +130,34 @@ elif [ "${PHASE:-1}" = 3 ]; then
   log "llama.cpp load + first token (llama-bench -p 0 -n 1 -r 1, wall)"
   for i in 1 2; do /usr/bin/time -f "wall %e s" $BIN/llama-bench -m $W/mx-Q4_0.gguf -ngl 99 -p 0 -n 1 -r 1 \
     > /dev/null 2> $W/lt$i.err; tail -1 $W/lt$i.err | tee -a "$OUT/summary.txt"; done
+elif [ "${PHASE:-1}" = 5 ]; then
+  # start-up alone: the GPU plan's first process stores its programs, then fresh processes decode
+  # 64 tokens (programs prefetched while the weights go up, JAX started beside the plan's reading)
+  log "model"
+  [ -f $M/config.json ] || python3 benchmarks/make_mixtral_model.py $M > $W/make.log 2>&1 || { tail $W/make.log; exit 1; }
+  [ -f $W/p-gpu/plan.bin ] || stratac compile $M -o $W/p-gpu --quant int4 > $W/c1.log 2>&1 || tail -3 $W/c1.log
+  log "start-up: four fresh processes decoding 64 tokens (the first compiles and stores the programs)"
+  startup 4
+  python3 -c "import numpy as np; t=[np.load('$W/tok%d.npy' % i) for i in (1,2,3,4)]; print('tokens equal across the processes:', all((x==t[0]).all() for x in t))" | tee -a "$OUT/summary.txt"
+  py-spy record --idle --threads -r 200 -f raw -o "$D/spy-startup.txt" -- strata-run $W/p-gpu -n 64 \
+    --prompt "The history of the city" > /dev/null 2> $W/run5.err
+  log "under py-spy: $(grep -v "$QUIET" $W/run5.err | tail -1)"
+  python3 - "$D/spy-startup.txt" <<'PY' | tee -a "$OUT/summary.txt"
+import sys
+from collections import Counter
+inc, tot = Counter(), 0
+for line in open(sys.argv[1]):
+    stack, n = line.rsplit(" ", 1)
+    n = int(n)
+    tot += n
+    frames = stack.split(";")
+    if not any("MainThread" in f for f in frames[:2]):
+        continue
+    for f in set(frames):
+        inc[f[:100]] += n
+for k, v in inc.most_common(40):
+    print(f"{v / 200:7.2f} s  {k}")
+PY
 elif [ "${PHASE:-1}" = 4 ]; then
   # the CPU-only line alone: llama.cpp built for the CPU only (no CUDA: minutes, not eight), Strata's
   # llvm backend (AMX tiles), both on the idle machine in alternating rounds
