@@ -243,6 +243,24 @@ def _vexp(x: str, out: str) -> str:
     return "\n".join(lines)
 
 
+def _silu_mul(g: str, u: str, out: str) -> str:
+    """IR for out = silu(g) * u over <16 x float>."""
+    return f"""  {out}.n = fneg <16 x float> {g}
+{_vexp(out + '.n', out + '.e')}
+  {out}.d = fadd <16 x float> {out}.e, {_c(1.0)}
+  {out}.s = fdiv <16 x float> {g}, {out}.d
+  {out} = fmul <16 x float> {out}.s, {u}"""
+
+
+def _unpack_rows(row: str, tag: str, rb: int, sb: int, B: str, dsc: str) -> str:
+    """IR that unpacks the 16 weight rows from row `row` on (their data %w, scales %s) into B, dsc."""
+    return f"""  %{tag}.wo = mul nuw nsw i64 {row}, {rb}
+  %{tag}.w = getelementptr inbounds i8, ptr %w, i64 %{tag}.wo
+  %{tag}.so = mul nuw nsw i64 {row}, {sb}
+  %{tag}.s = getelementptr inbounds i8, ptr %s, i64 %{tag}.so
+  call void @unpack(ptr %{tag}.w, ptr %{tag}.s, ptr {B}, ptr {dsc})"""
+
+
 def _finish(ir: str, target: Target) -> str:
     require("amx", target.amx, "a CPU with AMX-INT8 (granted to this process)")
     return finish_module(ir + _DECLS, target)
@@ -280,16 +298,8 @@ blk:
   %er = mul nuw nsw i64 %e, {2 * I}
   %gr = add nuw nsw i64 %er, %n0
   %ur = add nuw nsw i64 %gr, {I}
-  %gwo = mul nuw nsw i64 %gr, {rb}
-  %gw = getelementptr inbounds i8, ptr %w, i64 %gwo
-  %gso = mul nuw nsw i64 %gr, {sb}
-  %gs = getelementptr inbounds i8, ptr %s, i64 %gso
-  %uwo = mul nuw nsw i64 %ur, {rb}
-  %uw = getelementptr inbounds i8, ptr %w, i64 %uwo
-  %uso = mul nuw nsw i64 %ur, {sb}
-  %us = getelementptr inbounds i8, ptr %s, i64 %uso
-  call void @unpack(ptr %gw, ptr %gs, ptr %Bg, ptr %dg)
-  call void @unpack(ptr %uw, ptr %us, ptr %Bu, ptr %du)
+{_unpack_rows('%gr', 'gate', rb, sb, '%Bg', '%dg')}
+{_unpack_rows('%ur', 'up', rb, sb, '%Bu', '%du')}
   %none = icmp sle i64 %nt, 0
   br i1 %none, label %blk.next, label %tile
 tile:
@@ -310,11 +320,7 @@ row:
   %gv = load <16 x float>, ptr %gvp, align 64
   %uvp = getelementptr inbounds float, ptr %uo, i64 %vo
   %uv = load <16 x float>, ptr %uvp, align 64
-  %ng = fneg <16 x float> %gv
-{_vexp('%ng', '%ex')}
-  %den = fadd <16 x float> %ex, <{', '.join(['float 1.0'] * 16)}>
-  %sg = fdiv <16 x float> %gv, %den
-  %hv = fmul <16 x float> %sg, %uv
+{_silu_mul('%gv', '%uv', '%hv')}
   %hr = add nuw nsw i64 %r0, %m
   %ho = mul nuw nsw i64 %hr, %ldh
   %ho2 = add nuw nsw i64 %ho, %n0
@@ -494,10 +500,7 @@ def linear(spec: AmxLinearSpec, target: Target) -> KernelSource:
         epi += ["  %uvp = getelementptr inbounds float, ptr %uo, i64 %vo",
                 "  %uv = load <16 x float>, ptr %uvp, align 64",
                 bias("%uv", "%nu", "%u1"),
-                "  %ngv = fneg <16 x float> %g1", _vexp("%ngv", "%ex"),
-                f"  %den = fadd <16 x float> %ex, {_c(1.0)}",
-                "  %sg = fdiv <16 x float> %g1, %den",
-                "  %v2 = fmul <16 x float> %sg, %u1"]
+                _silu_mul("%g1", "%u1", "%v2")]
         cur = "%v2"
     if spec.residual:
         epi.append(f"""  %ro = mul nuw nsw i64 %m, %ldr
@@ -506,12 +509,7 @@ def linear(spec: AmxLinearSpec, target: Target) -> KernelSource:
   %rv = load <16 x float>, ptr %rp, align 4
   %v3 = fadd <16 x float> {cur}, %rv""")
         cur = "%v3"
-    up = f"""  %ur = add nuw nsw i64 %n0, {N}
-  %uwo = mul nuw nsw i64 %ur, {rb}
-  %uw = getelementptr inbounds i8, ptr %w, i64 %uwo
-  %uso = mul nuw nsw i64 %ur, {sb}
-  %us = getelementptr inbounds i8, ptr %s, i64 %uso
-  call void @unpack(ptr %uw, ptr %us, ptr %Bu, ptr %du)""" if two else ""
+    up = _unpack_rows("%nu", "up", rb, sb, "%Bu", "%du") if two else ""
     ir = unpack_function(spec.fmt, ng, "unpack") + gemm_function(ng, "tile_gemm") + f"""
 define void @{spec.name}(ptr noalias %args, i64 %begin, i64 %end) #0 {{
 entry:
@@ -530,11 +528,7 @@ blk:
   %nb = phi i64 [%begin, %entry], [%nb1, %blk.next]
   %n0 = mul nuw nsw i64 %nb, {T}
   %nu = add nuw nsw i64 %n0, {N}
-  %gwo = mul nuw nsw i64 %n0, {rb}
-  %gw = getelementptr inbounds i8, ptr %w, i64 %gwo
-  %gso = mul nuw nsw i64 %n0, {sb}
-  %gs = getelementptr inbounds i8, ptr %s, i64 %gso
-  call void @unpack(ptr %gw, ptr %gs, ptr %Bg, ptr %dg)
+{_unpack_rows('%n0', 'gate', rb, sb, '%Bg', '%dg')}
 {up}
   br label %tile
 tile:
