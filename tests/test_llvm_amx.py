@@ -11,7 +11,7 @@ from strata_compiler.backends.llvm_cpu.codegen.moe import MoESpec
 from strata_compiler.backends.llvm_cpu.jit import KernelLibrary, emit_artifacts
 from strata_compiler.backends.llvm_cpu.target import Target
 from strata_compiler.backends.reference.executor import silu
-from test_llvm_linear_moe import call, ptr, q8_reference, quantized
+from test_llvm_linear_moe import call, ptr, q8_reference, quantized, routes
 
 HOST = Target.host()
 needs_amx = pytest.mark.skipif(not HOST.amx, reason="this CPU has no AMX-INT8 (or the OS did not grant it)")
@@ -56,16 +56,8 @@ def test_moe_tiles_match_the_q8_definition(fmt, dfmt):
     wd, sd, dnd = quantized(dfmt, rng.standard_normal((E, D, I), dtype=np.float32), 32)
     x = rng.standard_normal((M, D), dtype=np.float32)
     r = rng.standard_normal((M, D), dtype=np.float32)
-    comb = np.zeros((M, E), np.float32)
-    for m in range(M):
-        comb[m, rng.choice(E - 1, k, replace=False)] = rng.random(k, dtype=np.float32)   # expert 4 never chosen
-    tok, exp = np.nonzero(comb)
-    order = np.argsort(exp, kind="stable")
-    tok, exp = tok[order].astype(np.int64), exp[order].astype(np.int64)
-    pw = comb[tok, exp].astype(np.float32)
-    active, counts = np.unique(exp, return_counts=True)
-    first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    nA, P = len(active), len(tok)
+    _, tok, exp, pw, first, active = routes(rng, M, E, k, choices=E - 1)      # expert 4 never chosen
+    nA = len(active)
     nt, st, Pp, prow = _layout(first, nA)
     xq, xd, _, xdeq = q8_reference(x)
     xg = np.full((Pp, D), 77, np.int8)              # pad rows hold bytes; their scale is 0
@@ -73,7 +65,7 @@ def test_moe_tiles_match_the_q8_definition(fmt, dfmt):
     xg[prow], xgd[prow] = xq[tok], xd[tok]
     h = np.full((Pp, I), np.nan, np.float32)
     spec = amx.AmxMoESpec(fmt, dfmt, D, I, residual=True)
-    act = active.astype(np.int64)
+    act = active
     call(lib, amx.gate_up(spec, HOST), dict(h=ptr(h), x=ptr(xg), xd=ptr(xgd), w=ptr(wu), s=ptr(su), act=ptr(act),
                                            pstart=ptr(st), ptiles=ptr(nt), ldh=I), nA * I // amx.T, split=7)
     href = np.stack([silu(xdeq[m] @ gud[e, :I].T) * (xdeq[m] @ gud[e, I:].T) for m, e in zip(tok, exp)])

@@ -79,6 +79,22 @@ def activations(x, q8, G, pairs: bool = False):
     return xp, None, None, x
 
 
+def routes(rng, M: int, E: int, k: int, choices: int | None = None):
+    """Random top-k routing of M tokens over E experts (picked among the first `choices`) as the
+    pairs kernel lays it out: comb [M, E], then (token, expert, weight) pairs sorted by expert,
+    each active expert's first pair (and the end), the active experts."""
+    comb = np.zeros((M, E), np.float32)
+    for m in range(M):
+        comb[m, rng.choice(choices or E, k, replace=False)] = rng.random(k, dtype=np.float32)
+    tok, exp = np.nonzero(comb)
+    order = np.argsort(exp, kind="stable")
+    tok, exp = tok[order].astype(np.int64), exp[order].astype(np.int64)
+    pw = comb[tok, exp].astype(np.float32)
+    active, counts = np.unique(exp, return_counts=True)
+    first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return comb, tok, exp, pw, first, active.astype(np.int64)
+
+
 def ptr(a):
     return 0 if a is None else a.ctypes.data
 
@@ -149,16 +165,7 @@ def test_moe_kernels_match_reference(tname, fmt, q8, E, D, I, M, k):
     wdn, sdn, dnd = quantized(fmt, rng.standard_normal((E, D, I), dtype=np.float32), G)
     x = rng.standard_normal((M, D), dtype=np.float32)
     r = rng.standard_normal((M, D), dtype=np.float32)
-    comb = np.zeros((M, E), np.float32)
-    for m in range(M):
-        comb[m, rng.choice(E, k, replace=False)] = rng.random(k, dtype=np.float32)
-    tok, exp = np.nonzero(comb)
-    order = np.argsort(exp, kind="stable")
-    tok, exp = tok[order].astype(np.int64), exp[order].astype(np.int64)
-    pw = comb[tok, exp].astype(np.float32)
-    active, counts = np.unique(exp, return_counts=True)
-    first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    active = active.astype(np.int64)
+    comb, tok, exp, pw, first, active = routes(rng, M, E, k)
     spec = MoESpec(fmt, D, I, G, q8, residual=True)
     xin, xd, xs, xdeq = activations(x, q8, G, pair_layout(t, fmt, G))
     hfull = np.zeros((len(tok), h_stride(spec)), np.float32)   # f32 rows padded to whole groups
