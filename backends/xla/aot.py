@@ -10,8 +10,10 @@ compiled and stored there.
 An entry's key names everything that shapes the program: the caller's scope (the plan's graph and
 the executor's own choices), the function, its static arguments, the arguments' tree, shapes,
 dtypes and devices, every setting's value, the JAX and jaxlib versions and the digest of Strata's
-sources. A file is `MAGIC`, a JSON header (the key in full, the output tree, the caller's
-metadata, the payload's sha256) and JAX's serialized executable (`serialize_executable`).
+sources. A file is `MAGIC`, a JSON header (the key in full, the argument and output trees, the
+caller's metadata, the payload's sha256) and JAX's serialized executable (`serialize_executable`).
+`prefetch` starts loading every entry of a program's scope on threads before its first call (a
+new process's weights go up meanwhile); the call takes the one of its signature.
 
 Executables are code, so this directory is trusted exactly as JAX's own compilation cache beside
 it is: it must belong to this user and be writable by no one else (else nothing is loaded), and a
