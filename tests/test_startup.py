@@ -37,3 +37,22 @@ def test_jax_starts_in_the_background_once(monkeypatch):
     assert len(device._started) == 1
     device._started[0].join(10)
     assert calls == [1]
+
+
+def test_zeros_all_makes_every_buffer_on_the_device():
+    """A plan's weight buffers come from one program (device.zeros_all): each of the shape and
+    dtype asked, zero, on the device asked."""
+    import jax
+    import numpy as np
+
+    from strata_compiler.backends.xla.device import _zeros_all_fn, zeros_all
+
+    dev = jax.devices("cpu")[0]
+    specs = [((3, 5), np.float32), ((7,), np.uint8), ((2, 2, 4), np.float16), ((3, 5), np.float32)]
+    out = zeros_all(specs, dev)
+    assert [(a.shape, a.dtype) for a in out] == [(s, np.dtype(d)) for s, d in specs]
+    assert all(not np.asarray(a).any() and a.devices() == {dev} for a in out)
+    assert out[0] is not out[3]                   # separate buffers, even of one shape
+    zeros_all(specs, dev)
+    assert _zeros_all_fn.cache_info().hits >= 1   # one program per set of shapes
+    assert zeros_all([], dev) == []

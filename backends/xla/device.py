@@ -31,20 +31,23 @@ def on_device(a) -> bool:
     return isinstance(a, _jax().Array)
 
 
-def zeros_on(shape: tuple, dtype, device):
-    """A zero array made on `device` by a small program (one per shape and dtype). jnp.zeros
-    with a device fills the array on the host and copies it over: seconds for a plan's weights."""
+def zeros_all(specs, device) -> list:
+    """Zero arrays of these (shape, dtype) pairs made on `device` by one program: a plan's weights
+    get their device buffers from one compiled program and one launch, not one per shape (jnp.zeros
+    with a device fills the array on the host and copies it over: seconds for a plan's weights)."""
     import numpy as np
 
-    return _zeros_fn(tuple(int(d) for d in shape), np.dtype(dtype), device)()
+    key = tuple((tuple(int(d) for d in shape), np.dtype(dtype)) for shape, dtype in specs)
+    return list(_zeros_all_fn(key, device)()) if key else []
 
 
 @functools.cache
-def _zeros_fn(shape: tuple, dtype, device):
+def _zeros_all_fn(specs: tuple, device):
     jax = _jax()
     import jax.numpy as jnp
 
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=jax.sharding.SingleDeviceSharding(device))
+    return jax.jit(lambda: tuple(jnp.zeros(s, d) for s, d in specs),
+                   out_shardings=tuple(jax.sharding.SingleDeviceSharding(device) for _ in specs))
 
 
 @functools.cache

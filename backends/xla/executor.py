@@ -24,7 +24,7 @@ from strata_compiler.verify import check_token_ids
 from . import aot, cuda_rt
 from .decoding import DecodeSteps
 from .dequant import _jnp
-from .device import _jax, device as pick_device, on_device, zeros_on  # noqa: F401 - on_device: also imported from here
+from .device import _jax, device as pick_device, on_device, zeros_all  # noqa: F401 - on_device: also imported from here
 from .lowering import OPS, _Ctx, routers_after
 from .rows import HostSlice, PaddedRows, _pad_rows, fetch_last
 
@@ -201,7 +201,7 @@ class XLAExecutor(DecodeSteps):
         jax = _jax()
         if cuda_rt.mode == "cuda" and self.on_gpu and type(self) is XLAExecutor and self.host_params is None:
             flat = [(name, a, np.ascontiguousarray(v)) for name, arrs in host.items() for a, v in arrs.items()]
-            dst = [zeros_on(v.shape, v.dtype, self.device) for _, _, v in flat]
+            dst = zeros_all([(v.shape, v.dtype) for _, _, v in flat], self.device)
             jax.block_until_ready(dst)
             cuda_rt.upload([(v, d) for (_, _, v), d in zip(flat, dst)])
             out: dict = {name: {} for name in host}

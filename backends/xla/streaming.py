@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import cuda_rt
-from .device import _jax, zeros_on
+from .device import _jax, zeros_all
 
 
 class WeightPool:
@@ -34,7 +34,7 @@ class WeightPool:
         layout = tuple((v.shape, v.dtype.str) for _, _, v in items)
         sets = self.sets.get(layout)
         if sets is None:
-            sets = self.sets[layout] = [[zeros_on(v.shape, v.dtype, self.device) for _, _, v in items]
+            sets = self.sets[layout] = [zeros_all([(v.shape, v.dtype) for _, _, v in items], self.device)
                                         for _ in range(2)]
             jax.block_until_ready(sets)
         k = self.turn.get(layout, 0)
