@@ -260,7 +260,9 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
         first = frame.temp("moe.first", (E + 1,), np.int64)
         active = frame.temp("moe.active", (E,), np.int64)
         count = frame.temp("moe.count", (2,), np.int64)
-        h = frame.temp("moe.h", (Pmax, ip))
+        tiled = amx and M >= AMX_MIN_TOKENS
+        # h's rows: one per pair; the AMX form pads each active expert's to whole tiles
+        h = frame.temp("moe.h", (Pmax + (amx_gen.T - 1) * E if tiled else Pmax, ip))
         xin = x
         if dp != D:
             xin = frame.temp("moe.xpad", (M, dp))
@@ -312,12 +314,12 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
             native = masked_native
 
         tiles = None
-        if amx and M >= AMX_MIN_TOKENS:
+        if tiled:
             if not amx_kernels:
                 aspec = amx_gen.AmxMoESpec(fmt, dn_spec.fmt, D, I, residual=spec.residual)
                 amx_kernels[:] = [Kernel(exe.lib, amx_gen.gate_up(aspec, exe.target)),
                                   Kernel(exe.lib, amx_gen.down(aspec, exe.target))]
-            tiles = _amx_tiles(frame, n, amx_kernels, qh, I, D, E, ip, xd, (wu, su), (wd, sd), r)
+            tiles = _amx_tiles(frame, n, amx_kernels, (h, hin, hd, qhrun), I, D, E, ip, xd, (wu, su), (wd, sd), r)
 
         def run(step: Step) -> None:
             clock = _no_clock if step.phases is None else time.perf_counter_ns
@@ -355,19 +357,19 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
     return prepare
 
 
-def _amx_tiles(frame: Frame, n: Node, kernels: list, qh, I: int, D: int, E: int, ip: int, xd, gate_up: tuple,
-               down: tuple, r):
+def _amx_tiles(frame: Frame, n: Node, kernels: list, hs: tuple, I: int, D: int, E: int, ip: int, xd,
+               gate_up: tuple, down: tuple, r):
     """The AMX form of a MoE op's two matrix products (codegen/amx.py): each active expert's
-    pairs gathered into q8 rows padded to whole tiles, then gate_up, h quantized, down. Returns
-    the function a step calls after its routing pairs and its quantized x are made."""
+    pairs gathered into q8 rows padded to whole tiles, then gate_up, h quantized, down. `hs`: the
+    op's h (rows for the padding included), its q8 scratch and quantizer. Returns the function a
+    step calls after its routing pairs and its quantized x are made."""
     T = amx_gen.T
-    rows = frame.M * E + (T - 1) * E       # pairs plus each expert's padding
+    h, hq, hd, qrun = hs
+    rows = h.shape[0]
     ku, kd = kernels
     ng = D // 32
     xg = frame.temp("moe.amx.x", (rows, 32 * ng), np.int8)
     xgd = frame.temp("moe.amx.xd", (rows, ng), np.float32)
-    h = frame.temp("moe.amx.h", (rows, ip))
-    (hq, hd, _), qrun = qh.prepare(frame, h[:, :I] if ip != I else h, "moe.amx.hq")
     ptok = frame.temp("moe.amx.tok", (rows,), np.int64)
     pwr = frame.temp("moe.amx.w", (rows,), np.float32)
     act = frame.temp("moe.amx.act", (E,), np.int64)
