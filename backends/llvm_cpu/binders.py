@@ -133,27 +133,23 @@ def _bind_linear(exe: LLVMExecutor, n: Node):
             prog = None
             x = xp
         xd = xs = None
-        if quant is not None:
-            (x, xd, xs), qrun = quant.prepare(frame, x[:, :K] if x.shape[1] != K else x, "x")
+        tiled = amx and M >= AMX_MIN_TOKENS
+        if quant is not None:       # (AMX tiles: q8 rows up to whole tiles, the padding's scale 0)
+            (x, xd, xs), qrun = quant.prepare(frame, x[:, :K] if x.shape[1] != K else x, "x",
+                                              rows=-(-M // amx_gen.T) * amx_gen.T if tiled else None)
             before.append(qrun)
             if prog is not None:
                 prog.append(qrun.args.par(M, 4))
         r = _src(frame, n, 1) if len(n.args) == 2 else None
-        if amx and M >= AMX_MIN_TOKENS:
+        if tiled:
             if not amx_kernel:
                 amx_kernel.append(Kernel(exe.lib, amx_gen.linear(amx_gen.AmxLinearSpec(
                     fmt, N, K, bias=spec.bias, silu_mul=spec.silu_mul, residual=spec.residual), exe.target)))
-            Mp = -(-M // amx_gen.T) * amx_gen.T        # whole tiles; pad rows keep scale 0
-            xt = frame.temp("linear.amx.x", (Mp, x.shape[1]), np.int8)
-            xtd = frame.temp("linear.amx.xd", (Mp, xd.shape[1]), np.float32)
-            at = amx_kernel[0].args(y=frame.out(n), x=xt, xd=xtd, w=w, s=s, b=b, r=r, M=M, ldy=N, ldr=N)
-            xq, xqd = x, xd
+            at = amx_kernel[0].args(y=frame.out(n), x=x, xd=xd, w=w, s=s, b=b, r=r, M=M, ldy=N, ldr=N)
 
             def run_tiles(step: Step) -> None:
                 for f in before:
                     f()
-                xt[:M] = xq
-                xtd[:M] = xqd
                 at.go(pool, N // amx_gen.T)
             return step_fn(run_tiles, None)
         a = k.args(y=frame.out(n), x=x, xd=xd, xs=xs, w=w, s=s, b=b, r=r, xidx=None, M=M,

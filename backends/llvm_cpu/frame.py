@@ -154,13 +154,15 @@ class Q8:
         self.ng = -(-K // Q8_BLOCK)
         self.kernel = Kernel(exe.lib, ew.quantize_q8(K, exe.target, pairs))
 
-    def prepare(self, frame: Frame, x: np.ndarray, key: str):
-        """Scratch (xq, xd, xs) for x's rows and a function that fills them."""
+    def prepare(self, frame: Frame, x: np.ndarray, key: str, rows: int | None = None):
+        """Scratch (xq, xd, xs) for x's rows and a function that fills them. `rows` > x's: the
+        scratch has that many, the ones past x's staying zero (scale 0: AMX tiles' padding)."""
         M = x.shape[0]
+        R = max(M, rows or 0)
         key += ".p" if self.pairs else ""     # the two layouts of one input are separate scratch
-        xq = frame.temp(key + ".q", (M, self.ng * Q8_BLOCK), np.int8)
-        xd = frame.temp(key + ".d", (M, self.ng), np.float32)
-        xs = frame.temp(key + ".s", (M, self.ng), np.int32)
+        xq = frame.temp(key + ".q", (R, self.ng * Q8_BLOCK), np.int8)
+        xd = frame.temp(key + ".d", (R, self.ng), np.float32)
+        xs = frame.temp(key + ".s", (R, self.ng), np.int32)
         a = self.kernel.args(x=x, xq=xq, xd=xd, xs=xs, ldx=ld(x))
         pool = frame.exe.pool
 
