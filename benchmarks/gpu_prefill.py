@@ -1,7 +1,7 @@
 """Prefill (and a short decode) of a compiled plan through the Python API, for the GPU's prefill work:
 
     python benchmarks/gpu_prefill.py PLAN_DIR [--lens 512,4096] [--repeats 3] [--n-new 0]
-        [--backend auto] [--profile] [--all-logits] [--json OUT]
+        [--backend auto] [--chunk N] [--profile] [--all-logits] [--json OUT]
 
 Per prompt length: one untimed warm-up (compilation), then --repeats timed prefills of a random
 prompt (token ids 3..vocab-1); prints the median prefill tok/s [min-max]. Only the last token's
@@ -34,6 +34,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--n-new", type=int, default=0, help="decode steps after each prefill (their tok/s too)")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--chunk", type=int, default=None, help="prompt tokens per prefill step (default: Session's)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--all-logits", action="store_true", help="every prompt token's logits to the host")
     ap.add_argument("--label", default="")
@@ -59,7 +60,8 @@ def main() -> int:
         def once():
             session.timings = Timings()
             t = time.perf_counter()
-            session.generate(prompt, args.n_new + 1 if args.n_new else 0, Sampler(), (), keep_logits=args.all_logits)
+            session.generate(prompt, args.n_new + 1 if args.n_new else 0, Sampler(), (), keep_logits=args.all_logits,
+                             **({"prefill_chunk": args.chunk} if args.chunk else {}))
             wall = time.perf_counter() - t
             return session.timings.rates(), wall
 

@@ -200,8 +200,10 @@ def _tokenizer(plan, needed: str | None):
 @click.option("--logits-out", type=click.Path(path_type=Path), help="Save the prompt logits, float32 [B, T, V], as .npy.")
 @click.option("--tokens-out", type=click.Path(path_type=Path), help="Save the generated ids, int64 [B, N], as .npy "
               "(after Ctrl-C: those made before it).")
-@click.option("--prefill-chunk", type=click.IntRange(1), default=512, show_default=True,
-              help="Prompt tokens per prefill step: a long prompt's activation memory is bounded by this.")
+@click.option("--prefill-chunk", type=click.IntRange(1), default=None,
+              help="Prompt tokens per prefill step: a long prompt's activation memory is bounded by this "
+                   "(default: 512; where the prefill runs on a GPU up to 4096, fewer while a step's attention "
+                   "scores would pass 2 GiB).")
 @click.option("--backend", type=click.Choice(["auto", "reference", "llvm", "xla"]), default="auto", show_default=True,
               help="Where kernels run: auto runs a placed plan (--target, --place) as placed and any other on the "
                    "best available backend (xla on a GPU, else llvm); a name runs every op there.")
@@ -248,7 +250,7 @@ def _tokenizer(plan, needed: str | None):
 def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_new_tokens: int, greedy: bool,
                temperature: float, top_p: float, top_k: int, min_p: float, repeat_penalty: float, seed: int,
                ignore_eos: bool, stop_strings: tuple[str, ...], echo: bool, logits_out: Path | None,
-               tokens_out: Path | None, prefill_chunk: int, backend: str, device: str, trace_out: Path | None, stats: bool,
+               tokens_out: Path | None, prefill_chunk: int | None, backend: str, device: str, trace_out: Path | None, stats: bool,
                expert_cache: bool, prefetch: bool, miss_path: str, cache_policy: str, multi_gpu: str,
                coordinator: str | None,
                num_processes: int | None, process_id: int | None, chat: bool, system_prompt: str | None,
@@ -288,7 +290,7 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
 def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | None, max_new_tokens: int,
          temperature: float, top_p: float, top_k: int, min_p: float, repeat_penalty: float, seed: int,
          ignore_eos: bool, stop_strings: tuple[str, ...], echo: bool, logits_out: Path | None,
-         tokens_out: Path | None, prefill_chunk: int, backend: str, device: str, trace_out: Path | None,
+         tokens_out: Path | None, prefill_chunk: int | None, backend: str, device: str, trace_out: Path | None,
          stats: bool, expert_cache: bool, prefetch: bool, miss_path: str, cache_policy: str, multi_gpu: str,
          coordinator: str | None, num_processes: int | None, process_id: int | None, chat: bool,
          system_prompt: str | None, **_flags) -> None:

@@ -325,6 +325,12 @@ class MixedExecutor:
 
     fetches_last = True     # run(last_only=True): only the last token's outputs cross to the host
 
+    @property
+    def prefills_on_gpu(self) -> bool:
+        """Whether a prefill step runs on a GPU: some partition does (the CPU's experts streamed to
+        it, or not: Session gives the step more tokens either way)."""
+        return any(kind == "xla" and exe.on_gpu for kind, exe, _ in self.parts)
+
     def run(self, input_ids: np.ndarray, cache, last_only: bool = False) -> dict[int, np.ndarray]:
         """One step of ids i64[B, T]: the outputs [B, T, ...], or [B, 1, ...] of the last token with
         `last_only` (a GPU's outputs are sliced there, so the rest never reach the host)."""

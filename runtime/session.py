@@ -20,6 +20,12 @@ from .plan import Plan
 from .sampler import Sampler
 
 PREFILL_CHUNK = 512     # prompt tokens a prefill step: a long prompt's activation memory is bounded by it
+# Where the prefill runs on a GPU, steps of up to 4096 tokens: its MoE tiles and weight passes
+# (a dequantization, or a CPU layer's upload) are paid per step, and a 4096-token prompt in one
+# step ran 2.1x faster than in eight (BENCHMARKS.md); halved while one step's attention scores
+# (f32 [B, heads, chunk, cache]) would pass GPU_SCORES_BYTES.
+GPU_PREFILL_CHUNK = 4096
+GPU_SCORES_BYTES = 2 << 30
 
 # JAX's compile events (tracing, lowering, XLA's compile or its persistent cache's load): their
 # seconds are summed by a listener that `compile_seconds` registers once
@@ -195,6 +201,18 @@ class Session:
         bucket = 1 << max(4, (last - 1).bit_length())
         return -(-(T - last + max(last, bucket) + max_new_tokens) // 64) * 64
 
+    def default_chunk(self, B: int, T: int, max_new_tokens: int) -> int:
+        """Prompt tokens per prefill step: PREFILL_CHUNK, or where the executor prefills on a GPU
+        up to GPU_PREFILL_CHUNK while a step's attention scores fit GPU_SCORES_BYTES."""
+        if not getattr(self.executor, "prefills_on_gpu", False):
+            return PREFILL_CHUNK
+        heads = max((int(n.attr("n_heads")) for n in self.plan.graph.nodes if n.has_attr("n_heads")), default=1)
+        chunk = GPU_PREFILL_CHUNK
+        while chunk > PREFILL_CHUNK and (
+                4 * B * heads * min(chunk, T) * self.capacity_for(T, max_new_tokens, chunk) > GPU_SCORES_BYTES):
+            chunk //= 2
+        return chunk
+
     def step(self, ids: np.ndarray, last_only: bool = False) -> np.ndarray:
         """Run ids i64[B, T] through the model at the cache's position; logits f32[B, T, V], or with
         `last_only` the last token's f32[B, 1, V] (a GPU then copies only those to the host)."""
@@ -222,10 +240,10 @@ class Session:
         return sampler.plain_greedy and self.disk is None and can is not None and can(B, self.cache)
 
     def generate(self, prompt: np.ndarray, max_new_tokens: int, sampler: Sampler, stop_ids: tuple[int, ...] = (),
-                 prefill_chunk: int = PREFILL_CHUNK, keep_logits: bool = True,
+                 prefill_chunk: int | None = None, keep_logits: bool = True,
                  on_token: Callable[[int, np.ndarray], bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Prefill the prompt i64[B, T] `prefill_chunk` tokens a step (its activations bounded by
-        the chunk), then decode. Returns (the prompt's logits f32[B, T, V], or its last token's
+        the chunk; default: `default_chunk`), then decode. Returns (the prompt's logits f32[B, T, V], or its last token's
         [B, 1, V] without `keep_logits`; the new ids i64[B, N]).
 
         on_token(i, tokens) runs once token i is chosen (tokens: its ids i64[B]) while more may
@@ -234,6 +252,8 @@ class Session:
         made before."""
         B, T = prompt.shape
         check_room(self.plan, B, T, max_new_tokens, keep_logits)
+        if prefill_chunk is None:
+            prefill_chunk = self.default_chunk(B, T, max_new_tokens)
         if prefill_chunk < 1:
             raise UsageError(f"prefill chunk {prefill_chunk}: expected at least 1 token")
         self.reset(B, self.capacity_for(T, max_new_tokens, prefill_chunk))

@@ -131,6 +131,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("compile_threads", "int", None, "compile", "threads that quantize weights (default: every usable CPU)",
        minimum=1, user=True),
     # -- tuning constants and debugging aids (docs/settings.md) -------------------------------
+    _s("gpu_preallocate", "bool", False, "xla",
+       "let JAX reserve 75 % of the GPU's memory when it starts (its default; on a 141 GB GPU that costs ~1.4 s of "
+       "start-up), instead of growing its pool as arrays need (XLA_PYTHON_CLIENT_PREALLOCATE, if set, wins)"),
     _s("gpu_mem_limit", "str", "", "runtime",
        "bytes of GPU memory the expert caches may assume free, e.g. 2GiB (default: what the device reports)"),
     _s("pool_split", "int", None, "llvm",
@@ -170,6 +173,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("pallas_linear_tune", "pow2s", (32, 8), "xla", "dense int4 kernel: rows per program, warps", length=2),
     _s("pallas_gemm_tune", "pow2s", (64, 128, 4, 4, 3), "xla",
        "many-row kernels: most rows and columns per program, groups per step, warps, pipeline stages", length=5),
+    _s("pallas_gemm_bf16_tune", "pow2s", (128, 128, 2, 8, 4), "xla",
+       "many-row kernels over experts dequantized first: as pallas_gemm_tune (groups of 32 per step)", length=5),
     _s("pallas_dense_tune", "pow2s", (2, 4), "xla", "router kernel: rows per program, warps", length=2),
     _s("pallas_attn_tune", "pow2s", (64, 4, 256), "xla", "attention kernel: rows per block, warps, rows per split",
        length=3),
@@ -240,6 +245,14 @@ def environ(key: str, default: str | None = None) -> str | None:
     if key.startswith(PREFIX):
         raise KeyError(f"{key}: read Strata's settings with settings.get")
     return os.environ.get(key, default)
+
+
+def jax_client_env() -> None:
+    """Set what JAX's GPU client reads from the environment when it starts, from these settings:
+    no 75 % reservation of the device's memory unless `gpu_preallocate` (a value the user put in
+    XLA_PYTHON_CLIENT_PREALLOCATE is left alone)."""
+    if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ and not get("gpu_preallocate"):
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 
 
 def markdown() -> str:

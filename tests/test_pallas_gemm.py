@@ -50,8 +50,12 @@ def test_align_blocks():
     assert all(pair_of[s] == P for s in range(len(pair_of)) if s not in set(slot.tolist()))
 
 
+@pytest.mark.parametrize("first", [False, True], ids=["in-registers", "dequantized-first"])
 @pytest.mark.parametrize("fmt,G,M,k", [("int4", 32, 24, 2), ("int8", 32, 9, 3), ("int4", 64, 33, 2)])
-def test_moe_matches_numpy(fmt, G, M, k):
+def test_moe_matches_numpy(fmt, G, M, k, first, monkeypatch):
+    """Both forms: weight tiles dequantized in registers, and (from DEQUANT_FIRST_TOKENS tokens)
+    the experts dequantized to bf16 first, then plain tiles (D, I not multiples of the tiles)."""
+    monkeypatch.setattr(pallas_gemm, "DEQUANT_FIRST_TOKENS", 1 if first else 1 << 30)
     E, D, I = 5, 96, 80
     gs, ga, gw = _weight((E, 2 * I, D), fmt, G, 3)
     ds, da, dw = _weight((E, D, I), fmt, G, 4)
@@ -59,7 +63,7 @@ def test_moe_matches_numpy(fmt, G, M, k):
     x = rng.standard_normal((M, D)).astype(np.float32)
     topi = np.stack([rng.choice(E, k, replace=False) for _ in range(M)]).astype(np.int32)
     topw = rng.random((M, k)).astype(np.float32)
-    with settings.override(pallas_gemm_tune=(16, 32, 2, 4, 1)):
+    with settings.override(pallas_gemm_tune=(16, 32, 2, 4, 1), pallas_gemm_bf16_tune=(16, 32, 2, 4, 1)):
         y = np.asarray(pallas_gemm.moe(jnp.asarray(x), jnp.asarray(topi), jnp.asarray(topw), gs,
                                        {n: jnp.asarray(v) for n, v in ga.items()}, ds,
                                        {n: jnp.asarray(v) for n, v in da.items()}, interpret=True))
@@ -73,9 +77,11 @@ def test_moe_matches_numpy(fmt, G, M, k):
     assert np.abs(y - ref).max() <= 5e-2 * np.abs(ref).std()      # x, w and h each rounded to bf16
 
 
-def test_moe_f32_products_match_numpy():
+@pytest.mark.parametrize("first", [False, True], ids=["in-registers", "dequantized-first"])
+def test_moe_f32_products_match_numpy(first, monkeypatch):
     """Where the plan computes in f32 (the CPU), the kernels' products are f32: the exact result
     to f32 rounding."""
+    monkeypatch.setattr(pallas_gemm, "DEQUANT_FIRST_TOKENS", 1 if first else 1 << 30)
     E, D, I, M, k, G = 4, 64, 96, 20, 2, 32
     gs, ga, gw = _weight((E, 2 * I, D), "int4", G, 6)
     ds, da, dw = _weight((E, D, I), "int4", G, 7)

@@ -56,3 +56,45 @@ def test_zeros_all_makes_every_buffer_on_the_device():
     zeros_all(specs, dev)
     assert _zeros_all_fn.cache_info().hits >= 1   # one program per set of shapes
     assert zeros_all([], dev) == []
+
+
+def test_jax_client_env_skips_the_memory_reservation(monkeypatch):
+    """JAX's GPU client is told not to reserve 75 % of the device's memory at its start (seconds on
+    a large GPU), unless the gpu_preallocate setting asks for it; a user's own value stays."""
+    from strata_compiler import settings
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    settings.jax_client_env()
+    import os
+
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+    settings.jax_client_env()
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE")
+    with settings.override(gpu_preallocate=True):
+        settings.jax_client_env()
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ
+
+
+def test_prefill_steps_are_larger_on_a_gpu(tiny_int8_plan):
+    """Session's default prefill step: 512 tokens, up to 4096 where the executor prefills on a GPU,
+    halved while one step's attention scores would pass GPU_SCORES_BYTES."""
+    from strata_compiler.runtime import session as sm
+    from strata_compiler.runtime.plan import load_plan
+
+    s = sm.Session(load_plan(tiny_int8_plan), "llvm")
+    assert s.default_chunk(1, 8192, 16) == sm.PREFILL_CHUNK
+
+    class OnGpu:
+        prefills_on_gpu = True
+
+    s.executor = OnGpu()
+    assert s.default_chunk(1, 8192, 16) == sm.GPU_PREFILL_CHUNK
+    heads = max(int(n.attr("n_heads")) for n in s.plan.graph.nodes if n.has_attr("n_heads"))
+    cap = s.capacity_for(8192, 16, 2048)
+    with pytest.MonkeyPatch.context() as mp:       # a scores budget that 2048-token steps just fit
+        mp.setattr(sm, "GPU_SCORES_BYTES", 4 * 2 * heads * 2048 * cap)
+        assert s.default_chunk(2, 8192, 16) == 2048
+        mp.setattr(sm, "GPU_SCORES_BYTES", 1)
+        assert s.default_chunk(2, 8192, 16) == sm.PREFILL_CHUNK

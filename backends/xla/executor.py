@@ -500,6 +500,11 @@ class XLAExecutor(DecodeSteps):
 
     fetches_last = True     # run(last_only=True): only the last token's outputs cross to the host
 
+    @property
+    def prefills_on_gpu(self) -> bool:
+        """Whether a prefill step runs on a GPU (Session gives it larger steps)."""
+        return self.on_gpu
+
     def run(self, input_ids: np.ndarray, cache, last_only: bool = False) -> dict[int, np.ndarray]:
         """Whole-plan execution (every node on this executor); with `last_only` the outputs of the
         last token only, [B, 1, ...] (the rest never leave the device)."""

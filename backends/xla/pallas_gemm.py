@@ -19,6 +19,10 @@ ragged dot. Here the weights stay packed in memory:
           weighted sum over a token's k pairs is an XLA gather-and-sum in a fixed order
           (deterministic, no atomics).
 
+  bf16    from DEQUANT_FIRST_TOKENS tokens, the experts are dequantized to bf16 in memory first (one
+          XLA pass over the layer's experts: a temporary as large as them in bf16) and _wkernel's
+          tiles read them: the pass costs about what one row block's register dequantization does.
+
 Dense projections stay XLA's: its dot fuses the int4 dequantization itself and beat a kernel of
 this shape on q/k/v (BENCHMARKS.md). On the CPU the kernels run in Pallas interpret mode (tests).
 Block sizes: the `pallas_gemm_tune` setting. Legend: R rows, N output columns, K input columns,
@@ -33,6 +37,12 @@ import functools
 from strata_compiler import settings
 
 from .pallas_quant import _is_pow2, _key, _pow2, gate
+
+
+# From this many tokens a MoE call dequantizes its experts to bf16 in memory once (one XLA fusion)
+# and runs plain tensor-core tiles over them (_wkernel): below it, every row block dequantizing its
+# weight tiles in registers costs less than that pass (BENCHMARKS.md, the measured crossover).
+DEQUANT_FIRST_TOKENS = 256
 
 
 def supported(spec) -> bool:
@@ -50,10 +60,11 @@ def use(on_gpu: bool, spec, M: int, above: int) -> tuple[bool, bool]:
     return gate(on_gpu, M > above and supported(spec))
 
 
-def tuning(rows_per_block: int) -> tuple[int, int, int, int, int]:
-    """(BM, BN, GB, warps, stages) from the `pallas_gemm_tune` setting, BM cut down to the rows a
-    block will have (about `rows_per_block`, at least 16: the tensor cores' tile)."""
-    BM, BN, GB, warps, stages = settings.get("pallas_gemm_tune")
+def tuning(rows_per_block: int, dequantized: bool = False) -> tuple[int, int, int, int, int]:
+    """(BM, BN, GB, warps, stages) from the `pallas_gemm_tune` setting (`pallas_gemm_bf16_tune` for
+    weights dequantized first), BM cut down to the rows a block will have (about `rows_per_block`,
+    at least 16: the tensor cores' tile)."""
+    BM, BN, GB, warps, stages = settings.get("pallas_gemm_bf16_tune" if dequantized else "pallas_gemm_tune")
     return min(BM, max(16, _pow2(rows_per_block))), BN, GB, warps, stages
 
 
@@ -120,14 +131,31 @@ def _tile_dot(g: _Geo, x_ref, q_ref, s_ref, e, r0, n0, g0, BM: int, BN: int, GB:
     return jax.lax.dot_general(xv, w, dims, precision=prec, preferred_element_type=jnp.float32)
 
 
-def _kernel(be_ref, x_ref, q_ref, s_ref, o_ref, *, g: _Geo, BM: int, BN: int, GB: int, N: int, glu: bool, dt):
-    """One [BM, BN] output tile. be_ref: the expert of each row block (-1: nothing to do), or None
-    (a dense weight). glu: the weight holds gate rows [0, N) and up rows [N, 2N); the tile is
-    silu(gate) * up."""
+def _finish(o_ref, body, steps: int, r0, n0, BM: int, BN: int, nmask, glu: bool) -> None:
+    """Run the K loop `body` (f32 accumulators: one, or gate and up) and store the [BM, BN] tile
+    (silu(gate) * up for glu), the columns past N masked off."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
+
+    zero = jnp.zeros((BM, BN), jnp.float32)
+    acc = jax.lax.fori_loop(0, steps, body, (zero, zero) if glu else (zero,))
+    y = acc[0] / (1.0 + jnp.exp(-acc[0])) * acc[1] if glu else acc[0]
+    out = o_ref.at[pl.ds(r0, BM), pl.ds(n0, BN)]
+    y = y.astype(o_ref.dtype)
+    if nmask is None:
+        out[...] = y
+    else:
+        plgpu.store(out, y, mask=jnp.broadcast_to(nmask[None, :], (BM, BN)))
+
+
+def _kernel(be_ref, x_ref, q_ref, s_ref, o_ref, *, g: _Geo, BM: int, BN: int, GB: int, N: int, glu: bool, dt):
+    """One [BM, BN] output tile. be_ref: the expert of each row block (-1: nothing to do), or None
+    (a dense weight). glu: the weight holds gate rows [0, N) and up rows [N, 2N); the tile is
+    silu(gate) * up."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
 
     b, j = pl.program_id(0), pl.program_id(1)
     r0, n0 = b * BM, j * BN
@@ -144,15 +172,7 @@ def _kernel(be_ref, x_ref, q_ref, s_ref, o_ref, *, g: _Geo, BM: int, BN: int, GB
                 return acc[0] + a, acc[1] + u
             return (acc[0] + a,)
 
-        zero = jnp.zeros((BM, BN), jnp.float32)
-        acc = jax.lax.fori_loop(0, steps, body, (zero, zero) if glu else (zero,))
-        y = acc[0] / (1.0 + jnp.exp(-acc[0])) * acc[1] if glu else acc[0]
-        out = o_ref.at[pl.ds(r0, BM), pl.ds(n0, BN)]
-        y = y.astype(o_ref.dtype)
-        if nmask is None:
-            out[...] = y
-        else:
-            plgpu.store(out, y, mask=jnp.broadcast_to(nmask[None, :], (BM, BN)))
+        _finish(o_ref, body, steps, r0, n0, BM, BN, nmask, glu)
 
     if be_ref is None:
         run(jnp.int32(0))
@@ -162,6 +182,61 @@ def _kernel(be_ref, x_ref, q_ref, s_ref, o_ref, *, g: _Geo, BM: int, BN: int, GB
         @pl.when(e >= 0)
         def _():
             run(e)
+
+
+def _wkernel(be_ref, x_ref, w_ref, o_ref, *, BM: int, BN: int, BK: int, K: int, N: int, glu: bool):
+    """As _kernel over weights already dequantized ([E, N(+N), K] in the products' dtype)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    from .pallas_quant import _load
+
+    b, j = pl.program_id(0), pl.program_id(1)
+    r0, n0 = b * BM, j * BN
+    nmask = ((n0 + jnp.arange(BN)) < N) if N % BN else None
+    dims = (((1,), (1,)), ((), ()))
+    prec = jax.lax.Precision.HIGHEST if w_ref.dtype == jnp.float32 else None
+
+    def run(e):
+        def tile(i, c0):
+            kmask = ((i * BK + jnp.arange(BK)) < K) if K % BK else None
+            wm = None if nmask is None and kmask is None else jnp.broadcast_to(
+                (nmask[:, None] if nmask is not None else True) & (kmask[None, :] if kmask is not None else True),
+                (BN, BK))
+            xm = None if kmask is None else jnp.broadcast_to(kmask[None, :], (BM, BK))
+            w = _load(w_ref.at[e, pl.ds(c0, BN), pl.ds(i * BK, BK)], wm)
+            xv = _load(x_ref.at[pl.ds(r0, BM), pl.ds(i * BK, BK)], xm)
+            return jax.lax.dot_general(xv, w, dims, precision=prec, preferred_element_type=jnp.float32)
+
+        def body(i, acc):
+            if glu:
+                return acc[0] + tile(i, n0), acc[1] + tile(i, n0 + N)
+            return (acc[0] + tile(i, n0),)
+
+        _finish(o_ref, body, -(-K // BK), r0, n0, BM, BN, nmask, glu)
+
+    e = be_ref[b]
+
+    @pl.when(e >= 0)
+    def _():
+        run(e)
+
+
+@functools.lru_cache(maxsize=None)
+def _wcall(E: int, N: int, K: int, rows: int, glu: bool, out_dtype: str, interpret: bool, tune: tuple):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    BM, BN, GB, warps, stages = tune
+    N = N // 2 if glu else N
+    BN, BK = min(BN, _pow2(N)), min(GB * 32, _pow2(K))
+    kern = functools.partial(_wkernel, BM=BM, BN=BN, BK=BK, K=K, N=N, glu=glu)
+    params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages))
+    return pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((rows, N), jnp.dtype(out_dtype)),
+                          grid=(rows // BM, -(-N // BN)), interpret=interpret, name="strata_gemm_moe_w", **params)
 
 
 @functools.lru_cache(maxsize=None)
@@ -219,13 +294,21 @@ def moe(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict, *, dt
 
     M, k = topi.shape
     E = gu_spec.shape[0]
-    tune = tuning(-(-M * k // E))
+    tune = tuning(-(-M * k // E), dequantized=M >= DEQUANT_FIRST_TOKENS)
     BM = tune[0]
     slot, pair_of, e_of = align(topi.reshape(-1), E, BM)
     rows = pair_of.shape[0]
     tok = jnp.minimum(pair_of // k, M)                                  # M: the zero row
     dt = jnp.dtype(dtype)
     xz = jnp.concatenate([x.astype(dt), jnp.zeros((1, x.shape[1]), dt)])[tok]
+    if M >= DEQUANT_FIRST_TOKENS:
+        from .dequant import dequantize
+
+        wg, wd = dequantize(jnp, gu_spec, gu_arrays, dt), dequantize(jnp, dn_spec, dn_arrays, dt)
+        E_, N2, D = wg.shape
+        h = _wcall(E_, N2, D, rows, True, dt.name, bool(interpret), tune)(e_of, xz, wg)
+        ys = _wcall(E_, D, N2 // 2, rows, False, "float32", bool(interpret), tune)(e_of, h, wd)
+        return (ys[slot].reshape(M, k, -1) * topw[..., None].astype(jnp.float32)).sum(axis=1)
     g1, gate_up = _call(_key(gu_spec), rows, True, True, dt.name, dt.name, bool(interpret), tune)
     h = gate_up(e_of, g1.x(xz, rows, dt), g1.qs(gu_arrays["qs"]), g1.scales(gu_arrays["scales"]))
     g2, down = _call(_key(dn_spec), rows, True, False, dt.name, "float32", bool(interpret), tune)
