@@ -2,9 +2,12 @@
 of the Mixtral-shaped benchmark model (make_mixtral_model.py defaults: 8 experts, top-2,
 2048 -> 2 x 5632 -> 2048), random packed int4 weights:
 
-    python benchmarks/gpu_gemm.py [--rows 16,64,512,4096] [--tunes 64.128.4.4.3,...] [--json OUT]
+    python benchmarks/gpu_gemm.py [--rows 16,64,512,4096] [--tunes 64.128.4.4.3,...] [--forms registers,first]
+        [--json OUT]
 
-For each token count and tuning (BM.BN.GB.warps.stages): the kernels' error against XLA's path
+For each token count, form (weight tiles dequantized in registers, or the experts dequantized to
+bf16 first: pallas_gemm.DEQUANT_FIRST_TOKENS decides between them in the product) and tuning
+(BM.BN.GB.warps.stages): the kernels' error against XLA's path
 (max |diff| / std) and the device time per call (the GPU kernels of a profiler trace of 20 calls,
 glue included) beside that of XLA's path (every expert dequantized to bf16, then a ragged dot over
 the pairs grouped by expert). Prints a table.
@@ -55,6 +58,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="16,64,512,4096")
     ap.add_argument("--tunes", default="64.128.4.4.3")
+    ap.add_argument("--forms", default="registers,first")
     ap.add_argument("--small", action="store_true", help="a model 8x smaller in every width (a CPU smoke test)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -102,22 +106,24 @@ def main() -> int:
         cases = [("moe", t_xla, want, lambda: jax.jit(lambda x, ti, tw, g, d: pallas_gemm.moe(
             x, ti, tw, gs, g, ds, d, interpret=interpret)), (x, topi, topw, gu, dn))]
         for name, t_ref, want, make, a in cases:
-            for tune in args.tunes.split(","):
+            for form, tune in ((f, t) for f in args.forms.split(",") for t in args.tunes.split(",")):
                 tv = tuple(int(t) for t in tune.split("."))
-                with settings.override(pallas_gemm_tune=tv):
+                pallas_gemm.DEQUANT_FIRST_TOKENS = 1 if form == "first" else 1 << 30
+                with settings.override(pallas_gemm_tune=tv, pallas_gemm_bf16_tune=tv):
                     pallas_gemm._call.cache_clear()
+                    pallas_gemm._wcall.cache_clear()
                     try:
                         f = make()
                         got = f(*a)
                         err = float(jnp.abs(got - want).max() / want.std())
                         t = _time(f, *a)
                     except Exception as e:      # a tuning Triton refuses: say so, go on
-                        print(f"{name} M={M} tune {tune}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                        print(f"{name} M={M} {form} tune {tune}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                         continue
-                r = dict(op=name, rows=M, tune=tune, us=round(t, 1), xla_us=round(t_ref, 1),
+                r = dict(op=name, rows=M, form=form, tune=tune, us=round(t, 1), xla_us=round(t_ref, 1),
                          speedup=round(t_ref / t, 2), err=err)
                 rows_out.append(r)
-                print(f"{name:8s} M={M:5d} {tune:16s} {t:9.1f} us  xla {t_ref:9.1f} us  "
+                print(f"{name:8s} M={M:5d} {form:9s} {tune:16s} {t:9.1f} us  xla {t_ref:9.1f} us  "
                       f"x{t_ref / t:6.2f}  err {err:.2e}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows_out, indent=1))

@@ -14,7 +14,7 @@
 #           builds at the lowest priority while Strata's side runs (start-up, prefill, the streamed
 #           logits against the CPU kernels'), then llama-bench and the CPU-only prefill of both
 #   PHASE=5 (carry build/wheels): start-up alone (four fresh processes, one more under py-spy)
-#   PHASE=6: the many-token MoE kernels' variants and tunings, start-up, the GPU prefill by 512 and 4096 chunks
+#   PHASE=6: the many-token MoE kernels' two forms and tunings, start-up, the GPU prefill by 512 and default steps
 #   PHASE=7 (carry build/llamacpp): the GPU and cpu8 rows and start-up, both sides in one call
 #   PHASE=4 (carry build/llamacpp): the CPU-only prefill alone, side by side: llama.cpp built without
 #           CUDA, Strata's llvm backend, alternating rounds on the idle machine; and CPU-only decode
@@ -161,40 +161,32 @@ for k, v in inc.most_common(40):
     print(f"{v / 200:7.2f} s  {k}")
 PY
 elif [ "${PHASE:-1}" = 6 ]; then
-  # the many-token MoE kernels' dequantization variants and tunings (gpu_gemm.py), start-up, then the
-  # whole GPU prefill of the best variant by 512- and by 4096-token chunks
-  log "model and plan (background); kernel variants"
+  # the many-token MoE kernels' two forms by tuning (gpu_gemm.py), start-up, then the whole GPU prefill
+  # by 512-token steps and by the default ones (the best tuning of the dequantized-first form)
+  log "model and plan (background); kernel forms"
   ( [ -f $M/config.json ] || python3 benchmarks/make_mixtral_model.py $M > $W/make.log 2>&1
     stratac compile $M -o $W/p-gpu --quant int4 > $W/c1.log 2>&1; echo "rc $?" >> $W/c1.log ) &
-  for v in ${VARIANTS:-f32 magic bf16 pre}; do
-    STRATA_PALLAS_GEMM_DEQUANT=$v timeout 110 python3 benchmarks/gpu_gemm.py --rows 512,4096 --json "$D/gemm-$v.json" \
-      --tunes ${TUNES:-64.128.4.4.3,128.128.4.8.3,128.128.2.8.4,64.256.2.8.3,128.256.2.8.3} 2>&1 | grep -v "$QUIET" \
-      | sed "s/^/$v /" | tee -a "$OUT/summary.txt"
-  done
-  BEST=$(python3 - "$D" <<'PY'
-import glob, json, sys
-rows = [dict(r, v=f.split("gemm-")[1][:-5]) for f in glob.glob(sys.argv[1] + "/gemm-*.json") for r in json.load(open(f))]
+  timeout 220 python3 benchmarks/gpu_gemm.py --rows ${ROWS:-64,128,256,512,4096} --json "$D/gemm.json" \
+    --tunes ${TUNES:-64.128.4.4.3,128.128.2.8.4,64.128.2.4.4} 2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
+  BEST=$(python3 - "$D/gemm.json" <<'PY'
+import json, sys
 tot = {}
-for r in rows:
-    tot.setdefault((r["v"], r["tune"]), {})[r["rows"]] = r["us"]
-ok = {k: v[512] / 698 + v[4096] / 3814 for k, v in tot.items() if len(v) == 2}
-v, t = min(ok, key=ok.get) if ok else ("f32", "64.128.4.4.3")
-print(v, t)
+for r in json.load(open(sys.argv[1])):
+    tot.setdefault(r["tune"], {})[r["rows"], r["form"]] = r["us"]
+ok = {t: v[512, "first"] + v[4096, "first"] for t, v in tot.items() if (512, "first") in v and (4096, "first") in v}
+print((min(ok, key=ok.get) if ok else "128.128.2.8.4"))
 PY
 )
-  log "best by 512 + 4096: $BEST"
-  set -- $BEST; BV=$1; BT=$(echo $2 | tr . ,)
+  log "best tuning of the dequantized-first form by 512 + 4096: $BEST"
+  BT=$(echo $BEST | tr . ,)
   while ! grep -q "^rc" $W/c1.log 2>/dev/null && [ $(left) -gt 60 ]; do sleep 2; done
   log "start-up: three fresh processes (the first compiles and stores the programs)"
   startup 3
   py-spy record --idle --threads -r 200 -f raw -o "$D/spy-startup.txt" -- strata-run $W/p-gpu -n 64 \
     --prompt "The history of the city" > /dev/null 2> $W/run5.err
   log "under py-spy: $(grep -v "$QUIET" $W/run5.err | tail -1)"
-  strata_prefill base-c512 $W/p-gpu --lens 512,4096 --repeats 3
-  STRATA_PALLAS_GEMM_DEQUANT=$BV STRATA_PALLAS_GEMM_TUNE=$BT strata_prefill best-c512 $W/p-gpu --lens 512,4096 --repeats 3
-  STRATA_PALLAS_GEMM_DEQUANT=$BV STRATA_PALLAS_GEMM_TUNE=$BT strata_prefill best-c4096 $W/p-gpu --lens 4096 \
-    --repeats 3 --chunk 4096 --profile
-  strata_prefill base-c4096 $W/p-gpu --lens 4096 --repeats 3 --chunk 4096
+  strata_prefill c512 $W/p-gpu --lens 512,4096 --repeats 3 --chunk 512
+  STRATA_PALLAS_GEMM_BF16_TUNE=$BT strata_prefill best $W/p-gpu --lens 512,4096 --repeats 3 --profile
 elif [ "${PHASE:-1}" = 7 ]; then
   # the acceptance rows in one call: llama.cpp builds at the lowest priority while Strata's side runs
   # (start-up, GPU and cpu8 prefill by the default steps and the GPU's by 512, decode), then llama-bench

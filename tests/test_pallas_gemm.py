@@ -125,3 +125,23 @@ def test_model_prefill_with_kernels_matches_xla(tmp_path, monkeypatch):
         out[mode] = s.step(ids)
     assert calls and all(kw["interpret"] and kw["dtype"] == "float32" for kw in calls)
     assert np.abs(out["interpret"] - out["off"]).max() <= 1e-4 * out["off"].std()
+
+
+def test_dequantized_first_only_within_its_bytes(monkeypatch):
+    """From DEQUANT_FIRST_TOKENS tokens the experts are dequantized first, unless their bf16 copy
+    would pass DEQUANT_FIRST_BYTES: then the register form runs."""
+    E, D, I, M, k = 4, 64, 96, 20, 2
+    gs, ga, _ = _weight((E, 2 * I, D), "int4", 32, 6)
+    ds, da, _ = _weight((E, D, I), "int4", 32, 7)
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((M, D)).astype(np.float32))
+    topi = jnp.asarray(np.tile(np.arange(k, dtype=np.int32), (M, 1)))
+    topw = jnp.ones((M, k), jnp.float32)
+    monkeypatch.setattr(pallas_gemm, "DEQUANT_FIRST_TOKENS", 1)
+    forms = []
+    monkeypatch.setattr(pallas_gemm, "tuning", lambda rows, dequantized=False: forms.append(dequantized) or (16, 32, 2, 4, 1))
+    args = (x, topi, topw, gs, {n: jnp.asarray(v) for n, v in ga.items()}, ds, {n: jnp.asarray(v) for n, v in da.items()})
+    a = pallas_gemm.moe(*args, interpret=True)
+    monkeypatch.setattr(pallas_gemm, "DEQUANT_FIRST_BYTES", 2 * (E * 2 * I * D + E * D * I) - 1)
+    b = pallas_gemm.moe(*args, interpret=True)
+    assert forms == [True, False]
+    assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 5e-2 * np.asarray(b).std()

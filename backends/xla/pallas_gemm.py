@@ -20,8 +20,9 @@ ragged dot. Here the weights stay packed in memory:
           (deterministic, no atomics).
 
   bf16    from DEQUANT_FIRST_TOKENS tokens, the experts are dequantized to bf16 in memory first (one
-          XLA pass over the layer's experts: a temporary as large as them in bf16) and _wkernel's
-          tiles read them: the pass costs about what one row block's register dequantization does.
+          XLA pass over the layer's experts: a temporary as large as them in bf16, at most
+          DEQUANT_FIRST_BYTES) and _wkernel's tiles read them: the pass costs about what one row
+          block's register dequantization does.
 
 Dense projections stay XLA's: its dot fuses the int4 dequantization itself and beat a kernel of
 this shape on q/k/v (BENCHMARKS.md). On the CPU the kernels run in Pallas interpret mode (tests).
@@ -33,6 +34,7 @@ BM/BN rows/columns per program.
 from __future__ import annotations
 
 import functools
+import math
 
 from strata_compiler import settings
 
@@ -43,6 +45,9 @@ from .pallas_quant import _is_pow2, _key, _pow2, gate
 # and runs plain tensor-core tiles over them (_wkernel): below it, every row block dequantizing its
 # weight tiles in registers costs less than that pass (BENCHMARKS.md, the measured crossover).
 DEQUANT_FIRST_TOKENS = 256
+# ... while that bf16 copy of a layer's experts (a temporary of the step) stays within this many
+# bytes: a model whose layers are larger keeps the register form rather than risk a GPU's memory.
+DEQUANT_FIRST_BYTES = 2 << 30
 
 
 def supported(spec) -> bool:
@@ -294,14 +299,16 @@ def moe(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict, *, dt
 
     M, k = topi.shape
     E = gu_spec.shape[0]
-    tune = tuning(-(-M * k // E), dequantized=M >= DEQUANT_FIRST_TOKENS)
+    dt = jnp.dtype(dtype)
+    first = (M >= DEQUANT_FIRST_TOKENS
+             and dt.itemsize * (math.prod(gu_spec.shape) + math.prod(dn_spec.shape)) <= DEQUANT_FIRST_BYTES)
+    tune = tuning(-(-M * k // E), dequantized=first)
     BM = tune[0]
     slot, pair_of, e_of = align(topi.reshape(-1), E, BM)
     rows = pair_of.shape[0]
     tok = jnp.minimum(pair_of // k, M)                                  # M: the zero row
-    dt = jnp.dtype(dtype)
     xz = jnp.concatenate([x.astype(dt), jnp.zeros((1, x.shape[1]), dt)])[tok]
-    if M >= DEQUANT_FIRST_TOKENS:
+    if first:
         from .dequant import dequantize
 
         wg, wd = dequantize(jnp, gu_spec, gu_arrays, dt), dequantize(jnp, dn_spec, dn_arrays, dt)
