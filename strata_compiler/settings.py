@@ -176,6 +176,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("pallas_gemm_bf16_tune", "pow2s", (128, 128, 2, 8, 4), "xla",
        "many-row kernels over experts dequantized first: as pallas_gemm_tune (groups of 32 per step)", length=5),
     _s("pallas_dense_tune", "pow2s", (2, 4), "xla", "router kernel: rows per program, warps", length=2),
+    _s("pallas_flash_tune", "pow2s", (128, 64, 8, 3), "xla",
+       "prefill attention kernel: query rows per block, key rows per step, warps, pipeline stages", length=4),
     _s("pallas_attn_tune", "pow2s", (64, 4, 256), "xla", "attention kernel: rows per block, warps, rows per split",
        length=3),
     _s("raw_copy", "choice", "auto", "runtime",

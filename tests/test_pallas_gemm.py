@@ -103,7 +103,8 @@ def test_moe_f32_products_match_numpy(first, monkeypatch):
 
 def test_model_prefill_with_kernels_matches_xla(tmp_path, monkeypatch):
     """A tiny int4 OLMoE's prefill of 40 tokens x 2 rows (80 > the decode kernels' 16) with the
-    kernels forced (interpret) gives the XLA path's logits to f32 rounding and takes the kernels."""
+    kernels forced (interpret) gives the XLA path's logits to f32 rounding and takes the kernels
+    (the MoE's and the flash attention's)."""
     from hf_models import build_model
     from strata_compiler.cli import stratac
     from strata_compiler.cli_common import run_cli
@@ -117,6 +118,10 @@ def test_model_prefill_with_kernels_matches_xla(tmp_path, monkeypatch):
     calls = []
     real = pallas_gemm.moe
     monkeypatch.setattr(pallas_gemm, "moe", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    from strata_compiler.backends.xla import pallas_flash
+
+    flash, real_flash = [], pallas_flash.attention
+    monkeypatch.setattr(pallas_flash, "attention", lambda *a, **kw: flash.append(a) or real_flash(*a, **kw))
     out = {}
     for mode in ("off", "interpret"):
         monkeypatch.setenv("STRATA_PALLAS", mode)
@@ -124,6 +129,7 @@ def test_model_prefill_with_kernels_matches_xla(tmp_path, monkeypatch):
         s.reset(2, 64)
         out[mode] = s.step(ids)
     assert calls and all(kw["interpret"] and kw["dtype"] == "float32" for kw in calls)
+    assert flash        # the prefill's attention took the flash kernel too
     assert np.abs(out["interpret"] - out["off"]).max() <= 1e-4 * out["off"].std()
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from strata_compiler.ir import Graph, Node, Op
 from strata_compiler.rope import rope_inv_freq
 
-from . import pallas_attn, pallas_dense
+from . import pallas_attn, pallas_dense, pallas_flash
 from .dequant import MATVEC_ROWS, _jnp, dequantize, matvec, silu
 from .moe import moe_ffn
 from .pallas_quant import fusable_norm
@@ -211,6 +211,10 @@ def _attention(c: _Ctx, n: Node, a: list):
     K = _cache_write(lax, jnp, c.ks[layer], k.transpose(0, 2, 1, 3), c.pos)
     V = _cache_write(lax, jnp, c.vs[layer], v.transpose(0, 2, 1, 3), c.pos)
     c.ks[layer], c.vs[layer] = K, V
+    dt = _attention_dtype(c, n)
+    flash, interpret = pallas_flash.use(c.exe.on_gpu, H, KV, hd, T, K.shape[2])
+    if flash:       # a prefill step on a GPU: flash attention, no [T, S] scores in memory
+        return pallas_flash.attention(q, K, V, c.pos, dt, interpret).reshape(B * T, H * hd)
     if K.shape[0] != B:         # the step's rows of a larger batch cache (continuous batching)
         K, V = K[:B], V[:B]
     S = K.shape[2]
@@ -218,7 +222,6 @@ def _attention(c: _Ctx, n: Node, a: list):
     qg = q.reshape(B, T, KV, rep, hd).transpose(0, 2, 3, 1, 4)               # [B, KV, rep, T, hd]
     # operands in the plan's compute dtype (bf16 on a GPU for quantized weights: the tensor cores),
     # sums in f32
-    dt = _attention_dtype(c, n)
     prec = lax.Precision.HIGHEST if dt == jnp.float32 else None
     scores = jnp.einsum("bgrtd,bgsd->bgrts", qg.astype(dt), K.astype(dt), precision=prec,
                         preferred_element_type=jnp.float32) / np.float32(np.sqrt(hd))
