@@ -29,8 +29,9 @@ _ON = ("1", "on", "true", "yes")
 
 @dataclass(frozen=True)
 class Setting:
-    """One declared setting. kind: bool | int | float | choice | pow2s | floats | path | str.
-    `pow2s` and `floats` are comma-separated tuples of `length` values (`floats` with length 2 also
+    """One declared setting. kind: bool | int | float | choice | pow2s | tune | floats | path | str.
+    `pow2s`, `tune` and `floats` are comma-separated tuples of `length` values (`tune`: a GPU
+    kernel's powers of two, then its pipeline stages, any whole number; `floats` with length 2 also
     takes one value, used for both)."""
 
     name: str
@@ -70,7 +71,7 @@ class Setting:
             elif self.kind == "float":
                 vals = (float(text),)
             else:
-                vals = tuple((int if self.kind == "pow2s" else float)(v) for v in text.split(","))
+                vals = tuple((int if self.kind in ("pow2s", "tune") else float)(v) for v in text.split(","))
         except ValueError:
             raise UsageError(bad) from None
         if self.kind == "floats" and self.length == 2 and len(vals) == 1:
@@ -79,8 +80,9 @@ class Setting:
         ok = ok and all(v == v and abs(v) < 1e12 for v in vals)          # no nan, no inf
         if self.minimum is not None:
             ok = ok and all(v >= self.minimum for v in vals)
-        if self.kind == "pow2s":
-            ok = ok and all(v > 0 and v & (v - 1) == 0 for v in vals)
+        if self.kind in ("pow2s", "tune"):
+            ok = ok and all(v > 0 and v & (v - 1) == 0 for v in (vals[:-1] if self.kind == "tune" else vals))
+            ok = ok and vals[-1] > 0
         if not ok:
             raise UsageError(bad)
         return vals[0] if self.kind in ("int", "float") else vals
@@ -93,6 +95,7 @@ class Setting:
             "int": "give a whole number" + (f" >= {self.minimum:g}" if self.minimum is not None else ""),
             "float": "give a number" + (f" >= {self.minimum:g}" if self.minimum is not None else ""),
             "pow2s": "give a power of two" if n == 1 else f"give {n} comma-separated powers of two",
+            "tune": f"give {n} comma-separated whole numbers, powers of two but the last (pipeline stages)",
             "floats": f"give {n} comma-separated numbers" + (f" >= {self.minimum:g}" if self.minimum is not None else ""),
             "path": "give a path",
             "str": "give a string",
@@ -171,12 +174,12 @@ SETTINGS: tuple[Setting, ...] = (
     _s("pallas_tune", "pow2s", (32, 4, 4, 4), "xla", "MoE kernels: rows per program and warps of gate_up, down (bn1,bn2,w1,w2)",
        length=4),
     _s("pallas_linear_tune", "pow2s", (32, 8), "xla", "dense int4 kernel: rows per program, warps", length=2),
-    _s("pallas_gemm_tune", "pow2s", (64, 128, 4, 4, 3), "xla",
+    _s("pallas_gemm_tune", "tune", (64, 128, 4, 4, 3), "xla",
        "many-row kernels: most rows and columns per program, groups per step, warps, pipeline stages", length=5),
-    _s("pallas_gemm_bf16_tune", "pow2s", (128, 128, 2, 8, 4), "xla",
+    _s("pallas_gemm_bf16_tune", "tune", (128, 128, 2, 8, 4), "xla",
        "many-row kernels over experts dequantized first: as pallas_gemm_tune (groups of 32 per step)", length=5),
     _s("pallas_dense_tune", "pow2s", (2, 4), "xla", "router kernel: rows per program, warps", length=2),
-    _s("pallas_flash_tune", "pow2s", (128, 64, 8, 3), "xla",
+    _s("pallas_flash_tune", "tune", (128, 64, 8, 3), "xla",
        "prefill attention kernel: query rows per block, key rows per step, warps, pipeline stages", length=4),
     _s("pallas_attn_tune", "pow2s", (64, 4, 256), "xla", "attention kernel: rows per block, warps, rows per split",
        length=3),

@@ -35,10 +35,20 @@ def test_defaults_and_parsing(monkeypatch):
     assert settings.get("cpu_act") == "f32"
 
 
+def test_every_default_parses_from_its_own_text():
+    """A default a user could not set back (e.g. a kernel's 3 pipeline stages) is a declaration bug."""
+    for name in settings.names():
+        s = settings.declared(name)
+        if s.default is None or s.default == "":
+            continue
+        assert s.parse(s.shown_default()) == s.default, name
+
+
 @pytest.mark.parametrize("name,raw", [
     ("pallas_tune", "3,4,4,4"), ("pallas_tune", "32,4"), ("num_threads", "0"), ("num_threads", "x"),
     ("hand_off_spin_us", "-1"), ("hand_off_spin_us", "1,2,3"), ("swap_margin", "nan"),
-    ("prefetch_backoff", "maybe"), ("cpu_act", "f16"),
+    ("prefetch_backoff", "maybe"), ("cpu_act", "f16"), ("pallas_gemm_tune", "64,128,4,3,3"),
+    ("pallas_flash_tune", "128,64,8,0"),
 ])
 def test_bad_values_are_one_line_naming_the_variable(monkeypatch, name, raw):
     s = settings.declared(name)
