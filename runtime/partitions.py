@@ -331,6 +331,11 @@ class MixedExecutor:
         it, or not: Session gives the step more tokens either way)."""
         return any(kind == "xla" and exe.on_gpu for kind, exe, _ in self.parts)
 
+    @property
+    def flash_prefill(self) -> bool:
+        """Whether every GPU partition's prefill attention runs as the flash kernel."""
+        return self.prefills_on_gpu and all(exe.flash_prefill for kind, exe, _ in self.parts if kind == "xla")
+
     def run(self, input_ids: np.ndarray, cache, last_only: bool = False) -> dict[int, np.ndarray]:
         """One step of ids i64[B, T]: the outputs [B, T, ...], or [B, 1, ...] of the last token with
         `last_only` (a GPU's outputs are sliced there, so the rest never reach the host)."""

@@ -22,8 +22,8 @@ from .sampler import Sampler
 PREFILL_CHUNK = 512     # prompt tokens a prefill step: a long prompt's activation memory is bounded by it
 # Where the prefill runs on a GPU, steps of up to 4096 tokens: its MoE tiles and weight passes
 # (a dequantization, or a CPU layer's upload) are paid per step, and a 4096-token prompt in one
-# step ran 2.1x faster than in eight (BENCHMARKS.md); halved while one step's attention scores
-# (f32 [B, heads, chunk, cache]) would pass GPU_SCORES_BYTES.
+# step ran 2.1x faster than in eight (BENCHMARKS.md); without the flash-attention kernel, halved
+# while one step's attention scores (f32 [B, heads, chunk, cache]) would pass GPU_SCORES_BYTES.
 GPU_PREFILL_CHUNK = 4096
 GPU_SCORES_BYTES = 2 << 30
 
@@ -203,9 +203,12 @@ class Session:
 
     def default_chunk(self, B: int, T: int, max_new_tokens: int) -> int:
         """Prompt tokens per prefill step: PREFILL_CHUNK, or where the executor prefills on a GPU
-        up to GPU_PREFILL_CHUNK while a step's attention scores fit GPU_SCORES_BYTES."""
+        GPU_PREFILL_CHUNK (its attention the flash kernel), else up to that while a step's attention
+        scores fit GPU_SCORES_BYTES."""
         if not getattr(self.executor, "prefills_on_gpu", False):
             return PREFILL_CHUNK
+        if getattr(self.executor, "flash_prefill", False):
+            return GPU_PREFILL_CHUNK            # its attention keeps no scores in memory
         heads = max((int(n.attr("n_heads")) for n in self.plan.graph.nodes if n.has_attr("n_heads")), default=1)
         chunk = GPU_PREFILL_CHUNK
         while chunk > PREFILL_CHUNK and (

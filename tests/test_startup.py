@@ -78,8 +78,9 @@ def test_jax_client_env_skips_the_memory_reservation(monkeypatch):
 
 
 def test_prefill_steps_are_larger_on_a_gpu(tiny_int8_plan):
-    """Session's default prefill step: 512 tokens, up to 4096 where the executor prefills on a GPU,
-    halved while one step's attention scores would pass GPU_SCORES_BYTES."""
+    """Session's default prefill step: 512 tokens, 4096 where the executor prefills on a GPU with
+    the flash kernel, else up to 4096, halved while one step's attention scores would pass
+    GPU_SCORES_BYTES."""
     from strata_compiler.runtime import session as sm
     from strata_compiler.runtime.plan import load_plan
 
@@ -88,8 +89,11 @@ def test_prefill_steps_are_larger_on_a_gpu(tiny_int8_plan):
 
     class OnGpu:
         prefills_on_gpu = True
+        flash_prefill = True
 
     s.executor = OnGpu()
+    assert s.default_chunk(2, 1 << 15, 16) == sm.GPU_PREFILL_CHUNK      # flash: no scores to bound
+    OnGpu.flash_prefill = False
     assert s.default_chunk(1, 8192, 16) == sm.GPU_PREFILL_CHUNK
     heads = max(int(n.attr("n_heads")) for n in s.plan.graph.nodes if n.has_attr("n_heads"))
     cap = s.capacity_for(8192, 16, 2048)

@@ -505,6 +505,15 @@ class XLAExecutor(DecodeSteps):
         """Whether a prefill step runs on a GPU (Session gives it larger steps)."""
         return self.on_gpu
 
+    @property
+    def flash_prefill(self) -> bool:
+        """Whether this partition's prefill attention runs as the flash kernel on a GPU (no
+        [step, cache] scores in memory: Session need not shorten long prompts' steps for them)."""
+        from . import pallas_flash
+
+        return self.on_gpu and all(pallas_flash.supported(True, n.attr("n_heads"), n.attr("n_kv_heads"), n.attr("head_dim"))
+                                   for n in self.nodes if n.has_attr("n_heads"))
+
     def run(self, input_ids: np.ndarray, cache, last_only: bool = False) -> dict[int, np.ndarray]:
         """Whole-plan execution (every node on this executor); with `last_only` the outputs of the
         last token only, [B, 1, ...] (the rest never leave the device)."""

@@ -33,6 +33,12 @@ def tuning() -> tuple[int, int, int, int]:
     return settings.get("pallas_flash_tune")
 
 
+def supported(on_gpu: bool, H: int, KV: int, hd: int) -> bool:
+    """Whether an attention of these heads takes the kernel on its power-of-two prefill steps (over
+    caches of whole key blocks: Session's capacities are multiples of 64)."""
+    return gate(on_gpu, H % KV == 0 and _is_pow2(hd) and hd >= 16)[0]
+
+
 def use(on_gpu: bool, H: int, KV: int, hd: int, T: int, S: int) -> tuple[bool, bool]:
     """(use the kernel, in interpret mode) for an attention step of T > 1 tokens over S cache rows."""
     BQ, BK, _, _ = tuning()
