@@ -202,8 +202,8 @@ def _tokenizer(plan, needed: str | None):
               "(after Ctrl-C: those made before it).")
 @click.option("--prefill-chunk", type=click.IntRange(1), default=None,
               help="Prompt tokens per prefill step: a long prompt's activation memory is bounded by this "
-                   "(default: 512; where the prefill runs on a GPU up to 4096, fewer while a step's attention "
-                   "scores would pass 2 GiB).")
+                   "(default: 512; where the prefill runs on a GPU 4096, fewer without its flash-attention kernel "
+                   "while a step's attention scores would pass 2 GiB).")
 @click.option("--backend", type=click.Choice(["auto", "reference", "llvm", "xla"]), default="auto", show_default=True,
               help="Where kernels run: auto runs a placed plan (--target, --place) as placed and any other on the "
                    "best available backend (xla on a GPU, else llvm); a name runs every op there.")

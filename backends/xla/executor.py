@@ -21,7 +21,7 @@ from strata_compiler import trace
 from strata_compiler.experts import Residency, in_place_weights
 from strata_compiler.verify import check_token_ids
 
-from . import aot, cuda_rt
+from . import aot, cuda_rt, pallas_flash
 from .decoding import DecodeSteps
 from .dequant import _jnp
 from .device import _jax, device as pick_device, on_device, zeros_all  # noqa: F401 - on_device: also imported from here
@@ -509,8 +509,6 @@ class XLAExecutor(DecodeSteps):
     def flash_prefill(self) -> bool:
         """Whether this partition's prefill attention runs as the flash kernel on a GPU (no
         [step, cache] scores in memory: Session need not shorten long prompts' steps for them)."""
-        from . import pallas_flash
-
         return self.on_gpu and all(pallas_flash.supported(True, n.attr("n_heads"), n.attr("n_kv_heads"), n.attr("head_dim"))
                                    for n in self.nodes if n.has_attr("n_heads"))
 

@@ -33,18 +33,20 @@ def tuning() -> tuple[int, int, int, int]:
     return settings.get("pallas_flash_tune")
 
 
+def _heads_fit(H: int, KV: int, hd: int) -> bool:
+    return H % KV == 0 and _is_pow2(hd) and hd >= 16
+
+
 def supported(on_gpu: bool, H: int, KV: int, hd: int) -> bool:
     """Whether an attention of these heads takes the kernel on its power-of-two prefill steps (over
     caches of whole key blocks: Session's capacities are multiples of 64)."""
-    return gate(on_gpu, H % KV == 0 and _is_pow2(hd) and hd >= 16)[0]
+    return gate(on_gpu, _heads_fit(H, KV, hd))[0]
 
 
 def use(on_gpu: bool, H: int, KV: int, hd: int, T: int, S: int) -> tuple[bool, bool]:
     """(use the kernel, in interpret mode) for an attention step of T > 1 tokens over S cache rows."""
     BQ, BK, _, _ = tuning()
-    applies = (T > 1 and _is_pow2(T) and H % KV == 0 and _is_pow2(hd) and hd >= 16
-               and S % BK == 0 and T % min(BQ, T) == 0)
-    return gate(on_gpu, applies)
+    return gate(on_gpu, T > 1 and _is_pow2(T) and _heads_fit(H, KV, hd) and S % BK == 0 and T % min(BQ, T) == 0)
 
 
 def _kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, *, BQ: int, BK: int, rep: int, S: int, scale: float, dt):

@@ -312,9 +312,9 @@ def moe(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict, *, dt
         from .dequant import dequantize
 
         wg, wd = dequantize(jnp, gu_spec, gu_arrays, dt), dequantize(jnp, dn_spec, dn_arrays, dt)
-        E_, N2, D = wg.shape
-        h = _wcall(E_, N2, D, rows, True, dt.name, bool(interpret), tune)(e_of, xz, wg)
-        ys = _wcall(E_, D, N2 // 2, rows, False, "float32", bool(interpret), tune)(e_of, h, wd)
+        _, N2, D = wg.shape
+        h = _wcall(E, N2, D, rows, True, dt.name, bool(interpret), tune)(e_of, xz, wg)
+        ys = _wcall(E, D, N2 // 2, rows, False, "float32", bool(interpret), tune)(e_of, h, wd)
         return (ys[slot].reshape(M, k, -1) * topw[..., None].astype(jnp.float32)).sum(axis=1)
     g1, gate_up = _call(_key(gu_spec), rows, True, True, dt.name, dt.name, bool(interpret), tune)
     h = gate_up(e_of, g1.x(xz, rows, dt), g1.qs(gu_arrays["qs"]), g1.scales(gu_arrays["scales"]))
