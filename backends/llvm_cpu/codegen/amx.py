@@ -139,9 +139,7 @@ loop:
   %dso = mul nuw nsw i64 %g, 64
   %dsp = getelementptr inbounds i8, ptr %dsc, i64 %dso
   store <16 x float> %sf, ptr %dsp, align 64
-  %g1 = add nuw nsw i64 %g, 1
-  %done = icmp eq i64 %g1, {ng}
-  br i1 %done, label %exit, label %loop
+{_next('g', ng, 'loop', 'exit')}
 exit:
   ret void
 }}
@@ -261,6 +259,24 @@ def _unpack_rows(row: str, tag: str, rb: int, sb: int, B: str, dsc: str) -> str:
   call void @unpack(ptr %{tag}.w, ptr %{tag}.s, ptr {B}, ptr {dsc})"""
 
 
+def _q8_rows(a: str, r: str, ng: int) -> str:
+    """%{a}p / %{a}dp: the q8 activation rows from row `r` (32 bytes per group, one f32 scale)."""
+    return (f"  %{a}o = mul nuw nsw i64 {r}, {32 * ng}\n  %{a}p = getelementptr inbounds i8, ptr %{a}, i64 %{a}o\n"
+            f"  %{a}do = mul nuw nsw i64 {r}, {ng}\n  %{a}dp = getelementptr inbounds float, ptr %{a}d, i64 %{a}do")
+
+
+def _tile_rows(pred: str) -> str:
+    """A MoE tile's header: %t counts the expert's tiles (entered from `pred`), %r0 its first row."""
+    return (f"  %t = phi i64 [0, %{pred}], [%t1, %tile.next]\n  %t16 = mul nuw nsw i64 %t, {T}\n"
+            f"  %r0 = add nuw nsw i64 %ps, %t16")
+
+
+def _next(i: str, bound, back: str, out: str) -> str:
+    """A counted loop's latch: %{i}1 = %{i} + 1, then to `back` until it reaches `bound`, else `out`."""
+    return (f"  %{i}1 = add nuw nsw i64 %{i}, 1\n  %{i}done = icmp eq i64 %{i}1, {bound}\n"
+            f"  br i1 %{i}done, label %{out}, label %{back}")
+
+
 def _finish(ir: str, target: Target) -> str:
     require("amx", target.amx, "a CPU with AMX-INT8 (granted to this process)")
     return finish_module(ir + _DECLS, target)
@@ -303,13 +319,8 @@ blk:
   %none = icmp sle i64 %nt, 0
   br i1 %none, label %blk.next, label %tile
 tile:
-  %t = phi i64 [0, %blk], [%t1, %tile.next]
-  %t16 = mul nuw nsw i64 %t, {T}
-  %r0 = add nuw nsw i64 %ps, %t16
-  %xo = mul nuw nsw i64 %r0, {32 * ng}
-  %xp = getelementptr inbounds i8, ptr %x, i64 %xo
-  %xdo = mul nuw nsw i64 %r0, {ng}
-  %xdp = getelementptr inbounds float, ptr %xd, i64 %xdo
+{_tile_rows('blk')}
+{_q8_rows('x', '%r0', ng)}
   call void @tile_gemm(ptr %xp, ptr %xdp, ptr %Bg, ptr %dg, ptr %go)
   call void @tile_gemm(ptr %xp, ptr %xdp, ptr %Bu, ptr %du, ptr %uo)
   br label %row
@@ -326,17 +337,11 @@ row:
   %ho2 = add nuw nsw i64 %ho, %n0
   %hp = getelementptr inbounds float, ptr %h, i64 %ho2
   store <16 x float> %hv, ptr %hp, align 4
-  %m1 = add nuw nsw i64 %m, 1
-  %mdone = icmp eq i64 %m1, {T}
-  br i1 %mdone, label %tile.next, label %row
+{_next('m', T, 'row', 'tile.next')}
 tile.next:
-  %t1 = add nuw nsw i64 %t, 1
-  %tdone = icmp eq i64 %t1, %nt
-  br i1 %tdone, label %blk.next, label %tile
+{_next('t', '%nt', 'tile', 'blk.next')}
 blk.next:
-  %j1 = add nuw nsw i64 %j, 1
-  %done = icmp eq i64 %j1, %end
-  br i1 %done, label %exit, label %blk
+{_next('j', '%end', 'blk', 'exit')}
 exit:
   ret void
 }}
@@ -376,9 +381,7 @@ init:
   %yo2 = add nuw nsw i64 %yo, %n0
   %yp = getelementptr inbounds float, ptr %y, i64 %yo2
   store <16 x float> %rv, ptr %yp, align 4
-  %m1 = add nuw nsw i64 %m, 1
-  %mdone = icmp eq i64 %m1, %M
-  br i1 %mdone, label %experts, label %init
+{_next('m', '%M', 'init', 'experts')}
 experts:
   %anone = icmp sle i64 %nA, 0
   br i1 %anone, label %blk.next, label %expert
@@ -402,13 +405,8 @@ unpack:
   call void @unpack(ptr %wp, ptr %sp, ptr %B, ptr %dsc)
   br label %tile
 tile:
-  %t = phi i64 [0, %unpack], [%t1, %tile.next]
-  %t16 = mul nuw nsw i64 %t, {T}
-  %r0 = add nuw nsw i64 %ps, %t16
-  %ho = mul nuw nsw i64 %r0, {32 * ng}
-  %hp = getelementptr inbounds i8, ptr %h, i64 %ho
-  %hdo = mul nuw nsw i64 %r0, {ng}
-  %hdp = getelementptr inbounds float, ptr %hd, i64 %hdo
+{_tile_rows('unpack')}
+{_q8_rows('h', '%r0', ng)}
   call void @tile_gemm(ptr %hp, ptr %hdp, ptr %B, ptr %dsc, ptr %ob)
   br label %row
 row:
@@ -434,21 +432,13 @@ add:
   store <16 x float> %yv1, ptr %typ, align 4
   br label %row.next
 row.next:
-  %i1 = add nuw nsw i64 %i, 1
-  %idone = icmp eq i64 %i1, {T}
-  br i1 %idone, label %tile.next, label %row
+{_next('i', T, 'row', 'tile.next')}
 tile.next:
-  %t1 = add nuw nsw i64 %t, 1
-  %tdone = icmp eq i64 %t1, %nt
-  br i1 %tdone, label %expert.next, label %tile
+{_next('t', '%nt', 'tile', 'expert.next')}
 expert.next:
-  %a1 = add nuw nsw i64 %a, 1
-  %adone = icmp eq i64 %a1, %nA
-  br i1 %adone, label %blk.next, label %expert
+{_next('a', '%nA', 'expert', 'blk.next')}
 blk.next:
-  %nb1 = add nuw nsw i64 %nb, 1
-  %done = icmp eq i64 %nb1, %end
-  br i1 %done, label %exit, label %blk
+{_next('nb', '%end', 'blk', 'exit')}
 exit:
   ret void
 }}
@@ -494,7 +484,7 @@ def linear(spec: AmxLinearSpec, target: Target) -> KernelSource:
         return f"""  {out}.p = getelementptr inbounds float, ptr %b, i64 {off}
   {out}.b = load <16 x float>, ptr {out}.p, align 4
   {out} = fadd <16 x float> {v}, {out}.b"""
-    epi = [f"  %gv = load <16 x float>, ptr %gvp, align 64", bias("%gv", "%n0", "%g1")]
+    epi = ["  %gv = load <16 x float>, ptr %gvp, align 64", bias("%gv", "%n0", "%g1")]
     cur = "%g1"
     if two:
         epi += ["  %uvp = getelementptr inbounds float, ptr %uo, i64 %vo",
@@ -533,10 +523,7 @@ blk:
   br label %tile
 tile:
   %m0 = phi i64 [0, %blk], [%m0.1, %tile.next]
-  %xo = mul nuw nsw i64 %m0, {32 * ng}
-  %xp = getelementptr inbounds i8, ptr %x, i64 %xo
-  %xdo = mul nuw nsw i64 %m0, {ng}
-  %xdp = getelementptr inbounds float, ptr %xd, i64 %xdo
+{_q8_rows('x', '%m0', ng)}
   call void @tile_gemm(ptr %xp, ptr %xdp, ptr %Bg, ptr %dg, ptr %go)
 {"  call void @tile_gemm(ptr %xp, ptr %xdp, ptr %Bu, ptr %du, ptr %uo)" if two else ""}
   br label %row
@@ -555,17 +542,13 @@ store:
   store <16 x float> {cur}, ptr %yp, align 4
   br label %row.next
 row.next:
-  %i1 = add nuw nsw i64 %i, 1
-  %idone = icmp eq i64 %i1, {T}
-  br i1 %idone, label %tile.next, label %row
+{_next('i', T, 'row', 'tile.next')}
 tile.next:
   %m0.1 = add nuw nsw i64 %m0, {T}
   %mdone = icmp sge i64 %m0.1, %M
   br i1 %mdone, label %blk.next, label %tile
 blk.next:
-  %nb1 = add nuw nsw i64 %nb, 1
-  %done = icmp eq i64 %nb1, %end
-  br i1 %done, label %exit, label %blk
+{_next('nb', '%end', 'blk', 'exit')}
 exit:
   ret void
 }}
