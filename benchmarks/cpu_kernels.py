@@ -142,7 +142,7 @@ def main() -> int:
     for fmt in a.formats.split(","):
         for shape in a.shapes.split(","):
             N, K = (int(v) for v in shape.lower().split("x"))
-            for q8 in ([True, False] if fmt in ("int8", "int4") else [False]):
+            for q8 in ([True, False] if fmt in ("int8", "int4", "int4a") else [False]):
                 gbs, nbytes, t = bench_gemv(pool, lib, target, fmt, N, K, q8, a.reps, a.tokens)
                 bws.append(read_bandwidth(pool, lib, target, 1 << 30, max(5, a.reps // 2)) / 1e9)
                 bw = statistics.median(bws[-2:])

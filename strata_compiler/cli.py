@@ -186,8 +186,9 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
         click.echo(f"stopped after {stop_after}: {len(g.nodes)} {g.level.value}-level nodes")
 
 
-# (GGUF type, Strata format) pairs a compile keeps without a second rounding
-_EXACT = {("Q4_0", "int4"), ("Q8_0", "int8"), ("F32", "f32"), ("F16", "f32"), ("BF16", "f32"), ("BF16", "bf16")}
+# (GGUF type, Strata format) pairs a compile keeps without a second rounding (with the stored
+# formats of gguf_reader.NATIVE)
+_EXACT = {("F32", "f32"), ("F16", "f32"), ("BF16", "f32"), ("BF16", "bf16")}
 
 
 def _requantized(model: Path, plan: Path) -> str:
@@ -195,16 +196,17 @@ def _requantized(model: Path, plan: Path) -> str:
     (K-quants, ...) and how to measure what that cost; '' when none were."""
     if not (model.is_file() and model.suffix.lower() == ".gguf"):
         return ""
-    from .frontend.gguf_reader import open_gguf
+    from .frontend.gguf_reader import NATIVE, open_gguf
     from .passes.quantize import source_type
     from .runtime.plan import load_plan
 
+    exact = _EXACT | {(t, f) for t, f, _ in NATIVE}
     store = open_gguf(model)[0]
     moved: dict[tuple[str, str], int] = {}
     for w in load_plan(plan).graph.weights:
         for key in w.sources:
             t = source_type(store, key)
-            if t is not None and len(w.shape) >= 2 and ((t, w.fmt) not in _EXACT or w.group_size not in (0, 32)):
+            if t is not None and len(w.shape) >= 2 and ((t, w.fmt) not in exact or w.group_size not in (0, 32)):
                 moved[t, w.fmt] = moved.get((t, w.fmt), 0) + 1
     if not moved:
         return ""

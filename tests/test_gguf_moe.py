@@ -195,24 +195,25 @@ def test_quantized_experts_match_transformers_on_dequantized_weights(moe, tmp_pa
     np.testing.assert_array_equal(tokens, hf_greedy(ref_model, ids, N_NEW)[0])
 
 
-def test_q4_0_and_q8_0_are_stored_as_they_are(moe, tmp_path):
-    """A GGUF's Q4_0 / Q8_0 experts compile to --quant int4 / int8 without a second rounding: the
-    plan's expert arrays are the file's blocks (f16 scale, then the 16 nibble bytes / 32 int8),
-    split into Strata's qs and scales."""
+def test_q4_0_q4_1_and_q8_0_are_stored_as_they_are(moe, tmp_path):
+    """A GGUF's Q4_0 / Q4_1 / Q8_0 experts compile to --quant int4 / int4a / int8 without a second
+    rounding: the plan's expert arrays are the file's blocks (f16 scale, or Q4_1's f16 scale and
+    minimum, then the 16 nibble bytes / 32 int8), split into Strata's qs and scales."""
     from strata_compiler.plan_format import WEIGHTS_MAGIC, Container
 
     d = build_model("mixtral", tmp_path / "hf", vocab_size=len(moe["tokens"]), intermediate_size=64, seed=9)
     sd = load_file(str(d / "model.safetensors"))
-    for qt, fmt in ((QT.Q4_0, "int4"), (QT.Q8_0, "int8")):
+    for qt, fmt, block, head in ((QT.Q4_0, "int4", 18, 2), (QT.Q4_1, "int4a", 20, 4), (QT.Q8_0, "int8", 34, 2)):
         write_moe_gguf(tmp_path / f"{fmt}.gguf", d, "mixtral", moe["tokens"], moe["merges"], qt)
-        plan = compile_ok(tmp_path / f"{fmt}.gguf", tmp_path / fmt, "--quant", fmt)
-        with Container.open(plan / "weights.bin", WEIGHTS_MAGIC) as c:
-            qs, sc = np.array(c.section("L1.moe.down:qs")), np.array(c.section("L1.moe.down:scales"))
-        E, D = 4, sd["model.layers.1.block_sparse_moe.experts.0.w2.weight"].shape[0]
-        raw = np.stack([quantize(sd[f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"].astype(np.float32), qt)
-                        for e in range(E)]).reshape(E, D, -1, 18 if fmt == "int4" else 34)
-        np.testing.assert_array_equal(sc.view(np.uint8).reshape(E, D, -1, 2), raw[..., :2])
-        np.testing.assert_array_equal(qs.view(np.uint8).reshape(E, D, -1, raw.shape[-1] - 2), raw[..., 2:])
+        for plan in (compile_ok(tmp_path / f"{fmt}.gguf", tmp_path / fmt, "--quant", fmt),
+                     compile_ok(tmp_path / f"{fmt}.gguf", tmp_path / f"{fmt}-auto")):
+            with Container.open(plan / "weights.bin", WEIGHTS_MAGIC) as c:
+                qs, sc = np.array(c.section("L1.moe.down:qs")), np.array(c.section("L1.moe.down:scales"))
+            E, D = 4, sd["model.layers.1.block_sparse_moe.experts.0.w2.weight"].shape[0]
+            raw = np.stack([quantize(sd[f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"].astype(np.float32),
+                                     qt) for e in range(E)]).reshape(E, D, -1, block)
+            np.testing.assert_array_equal(sc.view(np.uint8).reshape(E, D, -1, head), raw[..., :head])
+            np.testing.assert_array_equal(qs.view(np.uint8).reshape(E, D, -1, block - head), raw[..., head:])
 
 
 def test_placed_gguf_plan_matches_transformers(moe, tmp_path):
@@ -285,11 +286,12 @@ def test_chat_template_flag_supplies_one(moe, tmp_path, capsys):
                              str(tmp_path / "missing.jinja")]) != 0
 
 
-@pytest.mark.parametrize("qtype,fmt", [(QT.Q4_0, "int4"), (QT.Q8_0, "int8"), (QT.F16, "f32"), (QT.Q4_K, "int4")])
+@pytest.mark.parametrize("qtype,fmt", [(QT.Q4_0, "int4"), (QT.Q4_1, "int4a"), (QT.Q8_0, "int8"), (QT.F16, "f32"),
+                                       (QT.Q4_K, "int4a")])
 def test_quant_auto_keeps_the_files_formats(moe, tmp_path, qtype, fmt):
-    """Without --quant a GGUF compiles in its own formats: Q4_0 / Q8_0 experts as the --quant int4 /
-    int8 plan's bytes (taken as they are), F16 exactly (f32), a K-quant as the nearest format at
-    least as precise (Q4_K: int4); the F32 tensors stay f32."""
+    """Without --quant a GGUF compiles in its own formats: Q4_0 / Q4_1 / Q8_0 experts as the --quant
+    int4 / int4a / int8 plan's bytes (taken as they are), F16 exactly (f32), a K-quant as the
+    nearest format at least as precise (Q4_K: int4a); the F32 tensors stay f32."""
     from strata_compiler.plan_format import WEIGHTS_MAGIC, Container
     from strata_compiler.runtime.plan import load_plan
 
@@ -324,7 +326,7 @@ def test_a_k_quant_file_says_what_was_requantized_and_eval_measures_it(moe, tmp_
     capsys.readouterr()
     compile_ok(tmp_path / "k.gguf", tmp_path / "plan")
     out = capsys.readouterr().out
-    assert "requantized from the file's types: Q4_K -> int4" in out and "--reference" in out, out
+    assert "requantized from the file's types: Q4_K -> int4a" in out and "--reference" in out, out
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog while the cat sleeps on a warm mat. " * 40)
     assert run_cli(stratac, ["eval", str(tmp_path / "plan"), "--reference", str(tmp_path / "k.gguf"), "--text",

@@ -25,7 +25,7 @@ KFN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 TARGETS = {"native": Target.host(), "avx2": Target.host(force="avx2")}
 LIBS = {k: KernelLibrary(t, use_disk_cache=False) for k, t in TARGETS.items()}
 CASES = [("f32", False), ("bf16", False), ("int8", False), ("int8", True), ("int4", False), ("int4", True),
-         ("int4a", False), ("int3", False), ("int2", False), ("fp8", False)]
+         ("int4a", False), ("int4a", True), ("int3", False), ("int2", False), ("fp8", False)]
 
 
 def call(lib, src, vals, total, split=None):

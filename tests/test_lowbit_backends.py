@@ -1,5 +1,6 @@
 """The low-bit formats (int4a, int3, int2, fp8) through every backend, end to end: each backend
-runs the same plan as transformers on the same quantize-dequantized weights."""
+runs the same plan as transformers on the same quantize-dequantized weights (llvm on its exact
+f32-activation path: int4a's default q8 activations are checked in test_llvm_linear_moe.py)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ def quantized(request, model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", ["reference", "llvm", "xla"])
-def test_lowbit_plan_matches_transformers_on_dequantized_weights(quantized, backend, tmp_path):
+def test_lowbit_plan_matches_transformers_on_dequantized_weights(quantized, backend, tmp_path, monkeypatch):
     fmt, plan, ids, ref, ref_tokens = quantized
+    monkeypatch.setenv("STRATA_CPU_ACT", "f32")
     logits, tokens = run_plan(plan, ids, tmp_path, n_new=8, backend=backend)
     err = np.abs(logits - ref).max() / ref.std()
     assert err <= 1e-4, f"{fmt} on {backend}: {err:.2e} x std"
@@ -51,8 +53,9 @@ def quantized_embedding(tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", ["reference", "llvm", "xla"])
-def test_quantized_embedding_table_matches_transformers(quantized_embedding, backend, tmp_path):
+def test_quantized_embedding_table_matches_transformers(quantized_embedding, backend, tmp_path, monkeypatch):
     plan, ids, ref, ref_tokens = quantized_embedding
+    monkeypatch.setenv("STRATA_CPU_ACT", "f32")
     logits, tokens = run_plan(plan, ids, tmp_path, n_new=8, backend=backend)
     err = np.abs(logits - ref).max() / ref.std()
     assert err <= 1e-4, f"int4a embedding on {backend}: {err:.2e} x std"

@@ -145,7 +145,7 @@ def _bind_linear(exe: LLVMExecutor, n: Node):
             if not amx_kernel:
                 amx_kernel.append(Kernel(exe.lib, amx_gen.linear(amx_gen.AmxLinearSpec(
                     fmt, N, K, bias=spec.bias, silu_mul=spec.silu_mul, residual=spec.residual), exe.target)))
-            at = amx_kernel[0].args(y=frame.out(n), x=x, xd=xd, w=w, s=s, b=b, r=r, M=M, ldy=N, ldr=N)
+            at = amx_kernel[0].args(y=frame.out(n), x=x, xd=xd, xs=xs, w=w, s=s, b=b, r=r, M=M, ldy=N, ldr=N)
 
             def run_tiles(step: Step) -> None:
                 for f in before:
@@ -315,7 +315,8 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
                 aspec = amx_gen.AmxMoESpec(fmt, dn_spec.fmt, D, I, residual=spec.residual)
                 amx_kernels[:] = [Kernel(exe.lib, amx_gen.gate_up(aspec, exe.target)),
                                   Kernel(exe.lib, amx_gen.down(aspec, exe.target))]
-            tiles = _amx_tiles(frame, n, amx_kernels, (h, hin, hd, qhrun), I, D, E, ip, xd, (wu, su), (wd, sd), r)
+            tiles = _amx_tiles(frame, n, amx_kernels, (h, hin, hd, hs, qhrun), I, D, E, ip, (xd, xs), (wu, su),
+                               (wd, sd), r)
 
         def run(step: Step) -> None:
             clock = _no_clock if step.phases is None else time.perf_counter_ns
@@ -353,26 +354,30 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
     return prepare
 
 
-def _amx_tiles(frame: Frame, n: Node, kernels: list, hs: tuple, I: int, D: int, E: int, ip: int, xd,
+def _amx_tiles(frame: Frame, n: Node, kernels: list, hs: tuple, I: int, D: int, E: int, ip: int, xq8: tuple,
                gate_up: tuple, down: tuple, r):
     """The AMX form of a MoE op's two matrix products (codegen/amx.py): each active expert's
     pairs gathered into q8 rows padded to whole tiles, then gate_up, h quantized, down. `hs`: the
-    op's h (rows for the padding included), its q8 scratch and quantizer. Returns the function a
-    step calls after its routing pairs and its quantized x are made."""
+    op's h (rows for the padding included), its q8 scratch and quantizer; `xq8`: x's q8 scales
+    and block sums. Returns the function a step calls after its routing pairs and its quantized
+    x are made."""
     T = amx_gen.T
-    h, hq, hd, qrun = hs
+    h, hq, hd, hsum, qrun = hs
+    xd, xs = xq8
     rows = h.shape[0]
     ku, kd = kernels
     ng = D // 32
     xg = frame.temp("moe.amx.x", (rows, 32 * ng), np.int8)
     xgd = frame.temp("moe.amx.xd", (rows, ng), np.float32)
+    xgs = frame.temp("moe.amx.xs", (rows, ng), np.int32)
     ptok = frame.temp("moe.amx.tok", (rows,), np.int64)
     pwr = frame.temp("moe.amx.w", (rows,), np.float32)
     act = frame.temp("moe.amx.act", (E,), np.int64)
     start = frame.temp("moe.amx.start", (E,), np.int64)
     ntiles = frame.temp("moe.amx.tiles", (E,), np.int64)
-    au = ku.args(h=h, x=xg, xd=xgd, w=gate_up[0], s=gate_up[1], act=act, pstart=start, ptiles=ntiles, ldh=ip)
-    ad = kd.args(y=frame.out(n), r=r, h=hq, hd=hd, w=down[0], s=down[1], act=act, pstart=start, ptiles=ntiles,
+    au = ku.args(h=h, x=xg, xd=xgd, xs=xgs, w=gate_up[0], s=gate_up[1], act=act, pstart=start, ptiles=ntiles,
+                 ldh=ip)
+    ad = kd.args(y=frame.out(n), r=r, h=hq, hd=hd, hs=hsum, w=down[0], s=down[1], act=act, pstart=start, ptiles=ntiles,
                  ptok=ptok, pw=pwr, nA=0, M=frame.M, ldy=D, ldr=D)
 
     def run(pool, xq, tok, pw, first, active, P: int, nA: int, t: list, clock) -> None:
@@ -388,6 +393,7 @@ def _amx_tiles(frame: Frame, n: Node, kernels: list, hs: tuple, I: int, D: int, 
         xgd[:Pp] = 0.0                  # pad rows: scale 0, whatever their bytes
         xg[prow] = xq[tok[:P]]
         xgd[prow] = xd[tok[:P]]
+        xgs[prow] = xs[tok[:P]]
         au.go(pool, nA * (I // T))
         t.append(clock())
         qrun(Pp)

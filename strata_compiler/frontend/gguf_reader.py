@@ -76,7 +76,9 @@ _MOE_NAMES = {
 }
 _EXPERT_STACKS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 # (GGML type, Strata format, group size) -> that format, where the file's bytes are its arrays as stored
-NATIVE = {("Q4_0", "int4", 32): "int4", ("Q8_0", "int8", 32): "int8"}
+NATIVE = {("Q4_0", "int4", 32): "int4", ("Q8_0", "int8", 32): "int8", ("Q4_1", "int4a", 32): "int4a"}
+# bytes of a block's scales ahead of its codes: Q4_0 / Q8_0 d (f16), Q4_1 d and m (f16 each)
+_SCALE_BYTES = {"int4": 2, "int8": 2, "int4a": 4}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -141,8 +143,9 @@ class GGUFTensorStore:
     def iter_row_blocks(self, key: str, block_bytes: int = 16 << 20, native: tuple[str, int] | None = None) -> Iterator:
         """The tensor as f32 row blocks of about `block_bytes` (of f32) each (whole heads for q/k).
         With `native` (a Strata format and group size): (block, the same rows in that format's
-        stored arrays, or None) pairs — Q4_0 is Strata's int4 and Q8_0 its int8 in groups of 32 bit
-        for bit (same nibble order, f16 scales), so those are taken as they are, not requantized."""
+        stored arrays, or None) pairs — Q4_0 is Strata's int4, Q4_1 its int4a and Q8_0 its int8 in
+        groups of 32 bit for bit (same nibble order, f16 scales), so those are taken as they are,
+        not requantized."""
         from .safetensors_reader import row_blocks
 
         t = self.infos[key]
@@ -155,12 +158,14 @@ class GGUFTensorStore:
             self.read_rows(k, r0, r1), self._native_rows(t, r0, r1, same) if same else None))
 
     def _native_rows(self, t: GGUFTensorInfo, r0: int, r1: int, fmt: str) -> dict[str, np.ndarray]:
-        """Rows [r0, r1) of a Q4_0 / Q8_0 tensor as Strata int4 / int8 arrays (groups of 32)."""
+        """Rows [r0, r1) of a Q4_0 / Q4_1 / Q8_0 tensor as Strata int4 / int4a / int8 arrays (groups
+        of 32; Q4_1's (d, m) pairs are int4a's interleaved scales)."""
         raw = self._tensors[t.gguf_name]
         data = raw.data if t.expert < 0 else raw.data[t.expert]
+        sb = _SCALE_BYTES[fmt]
         b = np.ascontiguousarray(np.asarray(data[r0:r1]).view(np.uint8)).reshape(r1 - r0, t.shape[1] // 32, -1)
-        scales = np.ascontiguousarray(b[:, :, :2]).view(np.float16).reshape(r1 - r0, -1)
-        qs = np.ascontiguousarray(b[:, :, 2:]).reshape(r1 - r0, -1)
+        scales = np.ascontiguousarray(b[:, :, :sb]).view(np.float16).reshape(r1 - r0, -1)
+        qs = np.ascontiguousarray(b[:, :, sb:]).reshape(r1 - r0, -1)
         if fmt == "int8":
             qs = qs.view(np.int8)
         if t.permute_heads:

@@ -1,4 +1,5 @@
-"""Prefill kernels on AMX tiles (MoE and linear): int4/int8 weights (group 32) against q8 activations.
+"""Prefill kernels on AMX tiles (MoE and linear): int4/int8/int4a weights (group 32) against q8
+activations, bit for bit as the row kernels compute each output (canon.py's order).
 
 A prefill gives each expert many tokens, so its weights are worth unpacking once into the tile
 layout and running through the matrix unit for every 16 of them. Each active expert's pairs are
@@ -6,8 +7,8 @@ gathered (by the binder) into contiguous q8 rows padded to a multiple of 16 (pad
 A task owns 16 weight rows: it unpacks them into B tiles (per group of 32: 8 rows of 64 bytes,
 four consecutive k of each of the 16 rows per dword: the layout tdpbssd reads), then for each
 16-token tile, per group, one tdpbssd gives the 16 x 16 integer dot products; they are scaled by
-weight scale x activation scale and summed in f32 (the scales differ per group, so every group
-is its own tile product, as llama.cpp's AMX kernels do).
+weight scale x activation scale and summed in f32 in canon.py's lanes (the scales differ per
+group, so every group is its own tile product, as llama.cpp's AMX kernels do).
 
   amx_moe_gate_up  h[r, n] = silu(gate_e[n] . x[r]) * (up_e[n] . x[r]), r over the padded rows
                    of expert e; tasks: nA * I/16 blocks of rows
@@ -26,19 +27,21 @@ from dataclasses import dataclass
 
 from ..target import Target
 from .common import KernelSource, dims, load_args, require
-from .dot import finish_module
+from .dot import PAIRED, finish_module
 
 T = 16          # tokens of a tile (A rows), weight rows of a task (B columns)
-GATE_UP_PARAMS = ("h", "x", "xd", "w", "s", "act", "pstart", "ptiles", "ldh")
-DOWN_PARAMS = ("y", "r", "h", "hd", "w", "s", "act", "pstart", "ptiles", "ptok", "pw", "nA", "M", "ldy", "ldr")
-_PTRS = {"h", "x", "xd", "w", "s", "act", "pstart", "ptiles", "y", "r", "hd", "ptok", "pw"}
-FORMATS = ("int4", "int8")
+GATE_UP_PARAMS = ("h", "x", "xd", "xs", "w", "s", "act", "pstart", "ptiles", "ldh")
+DOWN_PARAMS = ("y", "r", "h", "hd", "hs", "w", "s", "act", "pstart", "ptiles", "ptok", "pw", "nA", "M", "ldy", "ldr")
+_PTRS = {"h", "x", "xd", "xs", "w", "s", "act", "pstart", "ptiles", "y", "r", "hd", "hs", "ptok", "pw"}
+FORMATS = ("int4", "int8", "int4a")
+CHUNK = 64      # groups whose tile products a pass of tile_gemm keeps (64 KiB of i32 on the stack)
 
 _DECLS = """
 declare x86_amx @llvm.x86.tileloadd64.internal(i16, i16, ptr, i64)
 declare x86_amx @llvm.x86.tilezero.internal(i16, i16)
 declare x86_amx @llvm.x86.tdpbssd.internal(i16, i16, i16, x86_amx, x86_amx, x86_amx)
 declare void @llvm.x86.tilestored64.internal(i16, i16, ptr, i64, x86_amx)
+declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)
 """
 
 
@@ -68,15 +71,18 @@ def _check(kernel: str, spec: AmxMoESpec) -> None:
 
 
 def _row_bytes(fmt: str, ng: int) -> tuple[int, int]:
-    return (16 if fmt == "int4" else 32) * ng, 2 * ng
+    return (32 if fmt == "int8" else 16) * ng, (4 if fmt == "int4a" else 2) * ng
 
 
 def unpack_function(fmt: str, ng: int, name: str) -> str:
-    """`void name(ptr w, ptr s, ptr B, ptr dsc)`: 16 rows from w (stride rb) into ng B tiles of
-    512 bytes at B (signed values; int4's 0..15 become -8..7), their scales as f32 [ng][16] at dsc."""
+    """`void name(ptr w, ptr s, ptr B, ptr dsc, ptr msc)`: 16 rows from w (stride rb) into ng B
+    tiles of 512 bytes at B (signed values; int4's 0..15 become -8..7, int4a's stay 0..15), their
+    scales as f32 [ng][16] at dsc (int4a: and its minima at msc)."""
     rb, sb = _row_bytes(fmt, ng)
-    per = 16 if fmt == "int4" else 32
-    out = [f"""define internal void @{name}(ptr %w, ptr %s, ptr %B, ptr %dsc) #0 {{
+    nib = fmt != "int8"
+    per = 16 if nib else 32
+    off = "8" if fmt == "int4" else "0"
+    out = [f"""define internal void @{name}(ptr %w, ptr %s, ptr %B, ptr %dsc, ptr %msc) #0 {{
 entry:
   br label %loop
 loop:
@@ -88,7 +94,7 @@ loop:
         out.append(f"""  %o{n} = add nuw nsw i64 %wo, {n * rb}
   %p{n} = getelementptr inbounds i8, ptr %w, i64 %o{n}
   %c{n} = load <{per} x i8>, ptr %p{n}, align 1""")
-    if fmt == "int4":
+    if nib:
         # rows n..n+3 in one 64-byte vector (16 bytes each); low nibbles are k 0..15, high 16..31
         for q in range(8):
             out.append(f"  %q{q} = shufflevector <16 x i8> %c{2 * q}, <16 x i8> %c{2 * q + 1}, "
@@ -96,10 +102,10 @@ loop:
         for z in range(4):
             out.append(f"""  %z{z} = shufflevector <32 x i8> %q{2 * z}, <32 x i8> %q{2 * z + 1}, <64 x i32> <{', '.join(f'i32 {i}' for i in range(64))}>
   %l{z}.0 = and <64 x i8> %z{z}, <{', '.join(['i8 15'] * 64)}>
-  %l{z}.1 = sub <64 x i8> %l{z}.0, <{', '.join(['i8 8'] * 64)}>
+  %l{z}.1 = sub <64 x i8> %l{z}.0, <{', '.join([f'i8 {off}'] * 64)}>
   %l{z} = bitcast <64 x i8> %l{z}.1 to <16 x i32>
   %h{z}.0 = lshr <64 x i8> %z{z}, <{', '.join(['i8 4'] * 64)}>
-  %h{z}.1 = sub <64 x i8> %h{z}.0, <{', '.join(['i8 8'] * 64)}>
+  %h{z}.1 = sub <64 x i8> %h{z}.0, <{', '.join([f'i8 {off}'] * 64)}>
   %h{z} = bitcast <64 x i8> %h{z}.1 to <16 x i32>""")
         for kk in range(8):
             src, j = ("l" if kk < 4 else "h"), kk % 4
@@ -126,20 +132,21 @@ loop:
     for kk in range(8):
         out.append(f"""  %rp{kk} = getelementptr inbounds i8, ptr %bp, i64 {64 * kk}
   store <16 x i32> %r{kk}, ptr %rp{kk}, align 64""")
-    # the 16 rows' scales of group g
-    out.append("  %so = mul nuw nsw i64 %g, 2")
-    prev = "poison"
-    for n in range(T):
-        out.append(f"""  %sp{n}.o = add nuw nsw i64 %so, {n * sb}
-  %sp{n} = getelementptr inbounds i8, ptr %s, i64 %sp{n}.o
-  %sh{n} = load half, ptr %sp{n}, align 2
-  %sv{n} = insertelement <16 x half> {prev}, half %sh{n}, i64 {n}""")
-        prev = f"%sv{n}"
-    out.append(f"""  %sf = fpext <16 x half> {prev} to <16 x float>
-  %dso = mul nuw nsw i64 %g, 64
-  %dsp = getelementptr inbounds i8, ptr %dsc, i64 %dso
-  store <16 x float> %sf, ptr %dsp, align 64
-{_next('g', ng, 'loop', 'exit')}
+    # the 16 rows' scales (and minima) of group g
+    for arr, at in (("d", 0), ("m", 2)) if fmt == "int4a" else (("d", 0),):
+        out.append(f"  %{arr}so = mul nuw nsw i64 %g, {sb // ng}")
+        prev = "poison"
+        for n in range(T):
+            out.append(f"""  %{arr}p{n}.o = add nuw nsw i64 %{arr}so, {n * sb + at}
+  %{arr}p{n} = getelementptr inbounds i8, ptr %s, i64 %{arr}p{n}.o
+  %{arr}h{n} = load half, ptr %{arr}p{n}, align 2
+  %{arr}v{n} = insertelement <16 x half> {prev}, half %{arr}h{n}, i64 {n}""")
+            prev = f"%{arr}v{n}"
+        out.append(f"""  %{arr}f = fpext <16 x half> {prev} to <16 x float>
+  %{arr}o = mul nuw nsw i64 %g, 64
+  %{arr}dp = getelementptr inbounds i8, ptr {'%dsc' if arr == 'd' else '%msc'}, i64 %{arr}o
+  store <16 x float> %{arr}f, ptr %{arr}dp, align 64""")
+    out.append(f"""{_next('g', ng, 'loop', 'exit')}
 exit:
   ret void
 }}
@@ -147,122 +154,169 @@ exit:
     return "\n".join(out)
 
 
-def gemm_function(ng: int, name: str) -> str:
-    """`void name(ptr x, ptr xd, ptr B, ptr dsc, ptr out)`: out[m][n] (16 x 16 f32) = sum over the
-    ng groups of (x row m . B column n) * xd[m][g] * dsc[g][n]; x rows of Kp = 32 ng bytes, xd rows
-    of ng floats. U groups per iteration (two tile products in flight while the last ones are
-    scaled), a last odd group alone."""
+def gemm_function(ng: int, name: str, paired: bool) -> str:
+    """`void name(ptr x, ptr xd, ptr xs, ptr B, ptr dsc, ptr msc, ptr out)`: out[m][n] (16 x 16 f32)
+    = the dot of x row m and B column n over ng groups in canon.py's order: per group one tile
+    product (exact i32 sums), then per token m its 8 accumulator lanes (vectors over the 16
+    columns) take fma(sum, dsc[g] * xd[m][g]) in lane g mod 8 (paired formats: then fma(xs[m][g],
+    msc[g] * xd[m][g])); the lanes are folded at the end. x rows of Kp = 32 ng bytes, xd / xs
+    rows of ng values. Tile products are kept for CHUNK groups at a time, the accumulators
+    between chunks in memory."""
+    from .canon import fold_vectors
+
     kp = 32 * ng
-    U = 2 if ng % 2 == 0 else 1
-    phis = "\n".join(f"  %acc{m} = phi <16 x float> [zeroinitializer, %entry], [%acc{m}.{U}, %loop]" for m in range(T))
-    tiles, body = [], []
-    for u in range(U):
-        tiles.append(f"""  %g{u} = add nuw nsw i64 %g, {u}
-  %ao{u} = mul nuw nsw i64 %g{u}, 32
-  %ap{u} = getelementptr inbounds i8, ptr %x, i64 %ao{u}
-  %bo{u} = mul nuw nsw i64 %g{u}, 512
-  %bp{u} = getelementptr inbounds i8, ptr %B, i64 %bo{u}
-  %ta{u} = call x86_amx @llvm.x86.tileloadd64.internal(i16 16, i16 32, ptr %ap{u}, i64 {kp})
-  %tb{u} = call x86_amx @llvm.x86.tileloadd64.internal(i16 8, i16 64, ptr %bp{u}, i64 64)
-  %tz{u} = call x86_amx @llvm.x86.tilezero.internal(i16 16, i16 64)
-  %tc{u} = call x86_amx @llvm.x86.tdpbssd.internal(i16 16, i16 64, i16 32, x86_amx %tz{u}, x86_amx %ta{u}, x86_amx %tb{u})
-  %cb{u} = getelementptr inbounds i8, ptr %cbuf, i64 {1024 * u}
-  call void @llvm.x86.tilestored64.internal(i16 16, i16 64, ptr %cb{u}, i64 64, x86_amx %tc{u})""")
-        body.append(f"""  %dwo{u} = mul nuw nsw i64 %g{u}, 64
-  %dwp{u} = getelementptr inbounds i8, ptr %dsc, i64 %dwo{u}
-  %dw{u} = load <16 x float>, ptr %dwp{u}, align 64""")
-        for m in range(T):
-            body.append(f"""  %cp{m}.{u} = getelementptr inbounds i8, ptr %cb{u}, i64 {64 * m}
-  %ci{m}.{u} = load <16 x i32>, ptr %cp{m}.{u}, align 64
-  %cf{m}.{u} = sitofp <16 x i32> %ci{m}.{u} to <16 x float>
-  %xo{m}.{u} = add nuw nsw i64 %g{u}, {m * ng}
-  %xp{m}.{u} = getelementptr inbounds float, ptr %xd, i64 %xo{m}.{u}
-  %dx{m}.{u} = load float, ptr %xp{m}.{u}, align 4
-  %dv{m}.{u} = insertelement <16 x float> poison, float %dx{m}.{u}, i64 0
-  %ds{m}.{u} = shufflevector <16 x float> %dv{m}.{u}, <16 x float> poison, <16 x i32> zeroinitializer
-  %sc{m}.{u} = fmul <16 x float> %dw{u}, %ds{m}.{u}
-  %acc{m}.{u + 1} = call <16 x float> @llvm.fma.v16f32(<16 x float> %cf{m}.{u}, <16 x float> %sc{m}.{u}, <16 x float> %acc{m}{'' if u == 0 else '.' + str(u)})""")
-    stores = "\n".join(f"""  %op{m} = getelementptr inbounds i8, ptr %out, i64 {64 * m}
-  store <16 x float> %acc{m}.{U}, ptr %op{m}, align 64""" for m in range(T))
-    return f"""define internal void @{name}(ptr %x, ptr %xd, ptr %B, ptr %dsc, ptr %out) #0 {{
+    V = "<16 x float>"
+    out = [f"""define internal void @{name}(ptr %x, ptr %xd, ptr %xs, ptr %B, ptr %dsc, ptr %msc, ptr %out) #0 {{
 entry:
-  %cbuf = alloca [{256 * U} x i32], align 64
-  br label %loop
-loop:
-  %g = phi i64 [0, %entry], [%g.next, %loop]
-{phis}
-{chr(10).join(tiles)}
-{chr(10).join(body)}
-  %g.next = add nuw nsw i64 %g, {U}
-  %done = icmp eq i64 %g.next, {ng}
-  br i1 %done, label %exit, label %loop
+  %cbuf = alloca [{256 * min(ng, CHUNK)} x i32], align 64
+  %abuf = alloca [2048 x float], align 64
+  call void @llvm.memset.p0.i64(ptr align 64 %abuf, i8 0, i64 8192, i1 false)
+  br label %c0"""]
+
+    def group(c: str, j: int, gl: str, acc: str) -> str:
+        """IR for group (chunk-local index gl) of token %{c}.m into lane j's accumulator."""
+        t = f"%{c}.j{j}"
+        ir = f"""  {t}.g = add nuw nsw i64 {gl}, %{c}.c0
+  {t}.co0 = mul nuw nsw i64 {gl}, 1024
+  {t}.co = add nuw nsw i64 {t}.co0, %{c}.mo
+  {t}.cp = getelementptr inbounds i8, ptr %cbuf, i64 {t}.co
+  {t}.ci = load <16 x i32>, ptr {t}.cp, align 64
+  {t}.cf = sitofp <16 x i32> {t}.ci to {V}
+  {t}.wo = mul nuw nsw i64 {t}.g, 64
+  {t}.wp = getelementptr inbounds i8, ptr %dsc, i64 {t}.wo
+  {t}.dw = load {V}, ptr {t}.wp, align 64
+  {t}.xo = add nuw nsw i64 %{c}.xr, {t}.g
+  {t}.xp = getelementptr inbounds float, ptr %xd, i64 {t}.xo
+  {t}.dx = load float, ptr {t}.xp, align 4
+  {t}.dv = insertelement {V} poison, float {t}.dx, i64 0
+  {t}.ds = shufflevector {V} {t}.dv, {V} poison, <16 x i32> zeroinitializer
+  {t}.sc = fmul {V} {t}.dw, {t}.ds
+  {t}.a = call {V} @llvm.fma.v16f32({V} {t}.cf, {V} {t}.sc, {V} {acc})"""
+        if paired:
+            ir += f"""
+  {t}.mp = getelementptr inbounds i8, ptr %msc, i64 {t}.wo
+  {t}.mw = load {V}, ptr {t}.mp, align 64
+  {t}.ms = fmul {V} {t}.mw, {t}.ds
+  {t}.bp = getelementptr inbounds i32, ptr %xs, i64 {t}.xo
+  {t}.bs = load i32, ptr {t}.bp, align 4
+  {t}.bf = sitofp i32 {t}.bs to float
+  {t}.bv = insertelement {V} poison, float {t}.bf, i64 0
+  {t}.bb = shufflevector {V} {t}.bv, {V} poison, <16 x i32> zeroinitializer
+  {t}.am = call {V} @llvm.fma.v16f32({V} {t}.bb, {V} {t}.ms, {V} {t}.a)"""
+        return ir, f"{t}.{'am' if paired else 'a'}"
+
+    chunks = list(range(0, ng, CHUNK))
+    for ci, c0 in enumerate(chunks):
+        c = f"c{ci}"
+        n = min(CHUNK, ng - c0)
+        nb, rem = divmod(n, 8)
+        after = f"c{ci + 1}" if ci + 1 < len(chunks) else "fold"
+        out.append(f"""{c}:
+  %{c}.c0 = add i64 0, {c0}
+  br label %{c}.t
+{c}.t:
+  %{c}.i = phi i64 [0, %{c}], [%{c}.i1, %{c}.t]
+  %{c}.g = add nuw nsw i64 %{c}.i, {c0}
+  %{c}.ao = mul nuw nsw i64 %{c}.g, 32
+  %{c}.ap = getelementptr inbounds i8, ptr %x, i64 %{c}.ao
+  %{c}.bo = mul nuw nsw i64 %{c}.g, 512
+  %{c}.bp = getelementptr inbounds i8, ptr %B, i64 %{c}.bo
+  %{c}.ta = call x86_amx @llvm.x86.tileloadd64.internal(i16 16, i16 32, ptr %{c}.ap, i64 {kp})
+  %{c}.tb = call x86_amx @llvm.x86.tileloadd64.internal(i16 8, i16 64, ptr %{c}.bp, i64 64)
+  %{c}.tz = call x86_amx @llvm.x86.tilezero.internal(i16 16, i16 64)
+  %{c}.tc = call x86_amx @llvm.x86.tdpbssd.internal(i16 16, i16 64, i16 32, x86_amx %{c}.tz, x86_amx %{c}.ta, x86_amx %{c}.tb)
+  %{c}.co = mul nuw nsw i64 %{c}.i, 1024
+  %{c}.cp = getelementptr inbounds i8, ptr %cbuf, i64 %{c}.co
+  call void @llvm.x86.tilestored64.internal(i16 16, i16 64, ptr %{c}.cp, i64 64, x86_amx %{c}.tc)
+  %{c}.i1 = add nuw nsw i64 %{c}.i, 1
+  %{c}.td = icmp eq i64 %{c}.i1, {n}
+  br i1 %{c}.td, label %{c}.row, label %{c}.t
+{c}.row:
+  %{c}.m = phi i64 [0, %{c}.t], [%{c}.m1, %{c}.end]
+  %{c}.mo = mul nuw nsw i64 %{c}.m, 64
+  %{c}.xr = mul nuw nsw i64 %{c}.m, {ng}
+  %{c}.ao2 = mul nuw nsw i64 %{c}.m, 512
+  %{c}.abp = getelementptr inbounds i8, ptr %abuf, i64 %{c}.ao2""")
+        accs = []
+        for j in range(8):
+            out.append(f"""  %{c}.ap{j} = getelementptr inbounds i8, ptr %{c}.abp, i64 {64 * j}
+  %{c}.l{j} = load {V}, ptr %{c}.ap{j}, align 64""")
+            accs.append(f"%{c}.l{j}")
+        if nb:
+            out.append(f"  br label %{c}.b\n{c}.b:\n  %{c}.bi = phi i64 [0, %{c}.row], [%{c}.bi1, %{c}.b]")
+            phis = [f"%{c}.p{j}" for j in range(8)]
+            body, new = [], []
+            for j in range(8):
+                body.append(f"  %{c}.b8.{j} = mul nuw nsw i64 %{c}.bi, 8\n  %{c}.gl{j} = add nuw nsw i64 %{c}.b8.{j}, {j}")
+                ir, a = group(c, j, f"%{c}.gl{j}", phis[j])
+                body.append(ir.replace(f"%{c}.j{j}", f"%{c}.bj{j}"))
+                new.append(a.replace(f"%{c}.j{j}", f"%{c}.bj{j}"))
+            for j in range(8):
+                out.append(f"  {phis[j]} = phi {V} [{accs[j]}, %{c}.row], [{new[j]}, %{c}.b]")
+            out += body
+            out.append(f"""  %{c}.bi1 = add nuw nsw i64 %{c}.bi, 1
+  %{c}.bd = icmp eq i64 %{c}.bi1, {nb}
+  br i1 %{c}.bd, label %{c}.r, label %{c}.b
+{c}.r:""")
+            accs = new
+        for j in range(rem):
+            ir, a = group(c, j, f"{8 * nb + j}", accs[j])
+            out.append(ir)
+            accs[j] = a
+        for j in range(8):
+            out.append(f"  store {V} {accs[j]}, ptr %{c}.ap{j}, align 64")
+        out.append(f"""  br label %{c}.end
+{c}.end:
+  %{c}.m1 = add nuw nsw i64 %{c}.m, 1
+  %{c}.md = icmp eq i64 %{c}.m1, {T}
+  br i1 %{c}.md, label %{after}, label %{c}.row""")
+    vs = [f"%f.l{j}" for j in range(8)]
+    out.append(f"""fold:
+  br label %f
+f:
+  %f.m = phi i64 [0, %fold], [%f.m1, %f]
+  %f.ao = mul nuw nsw i64 %f.m, 512
+  %f.abp = getelementptr inbounds i8, ptr %abuf, i64 %f.ao""")
+    for j in range(8):
+        out.append(f"""  %f.ap{j} = getelementptr inbounds i8, ptr %f.abp, i64 {64 * j}
+  %f.l{j} = load {V}, ptr %f.ap{j}, align 64""")
+    out.append(f"""{fold_vectors(vs, '%f.s', V)}
+  %f.oo = mul nuw nsw i64 %f.m, 64
+  %f.op = getelementptr inbounds i8, ptr %out, i64 %f.oo
+  store {V} %f.s, ptr %f.op, align 64
+  %f.m1 = add nuw nsw i64 %f.m, 1
+  %f.d = icmp eq i64 %f.m1, {T}
+  br i1 %f.d, label %exit, label %f
 exit:
-{stores}
   ret void
 }}
-"""
-
-
-def _c(v: float) -> str:
-    """A float constant splatted over 16 lanes (as a double's hex: exact for f32 values)."""
-    import struct
-
-    f32 = struct.unpack("<f", struct.pack("<f", v))[0]
-    h = "0x%016X" % struct.unpack("<Q", struct.pack("<d", f32))[0]
-    return "<" + ", ".join([f"float {h}"] * 16) + ">"
-
-
-_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
-
-
-def _vexp(x: str, out: str) -> str:
-    """IR for out = exp(x) over <16 x float> (Cephes' expf: x = n ln2 + r, a degree-6 polynomial
-    in r, 2^n by the exponent bits; within 2 ulp over the clamped range [-87, 88]): a vector
-    silu without 16 calls of the scalar expf per row."""
-    V = "<16 x float>"
-    lines = [f"  {out}.c0 = call {V} @llvm.maxnum.v16f32({V} {x}, {V} {_c(-87.0)})",
-             f"  {out}.c = call {V} @llvm.minnum.v16f32({V} {out}.c0, {V} {_c(88.0)})",
-             f"  {out}.t = fmul {V} {out}.c, {_c(1.4426950408889634)}",
-             f"  {out}.n = call {V} @llvm.rint.v16f32({V} {out}.t)",
-             f"  {out}.r0 = call {V} @llvm.fma.v16f32({V} {out}.n, {V} {_c(-0.693359375)}, {V} {out}.c)",
-             f"  {out}.r = call {V} @llvm.fma.v16f32({V} {out}.n, {V} {_c(2.12194440e-4)}, {V} {out}.r0)",
-             f"  {out}.p0 = fadd {V} zeroinitializer, {_c(_EXP_POLY[0])}"]
-    for i, c in enumerate(_EXP_POLY[1:], 1):
-        lines.append(f"  {out}.p{i} = call {V} @llvm.fma.v16f32({V} {out}.p{i - 1}, {V} {out}.r, {V} {_c(c)})")
-    k = len(_EXP_POLY) - 1
-    lines += [f"  {out}.rr = fmul {V} {out}.r, {out}.r",
-              f"  {out}.e0 = call {V} @llvm.fma.v16f32({V} {out}.p{k}, {V} {out}.rr, {V} {out}.r)",
-              f"  {out}.e = fadd {V} {out}.e0, {_c(1.0)}",
-              f"  {out}.ni = fptosi {V} {out}.n to <16 x i32>",
-              f"  {out}.nb = add <16 x i32> {out}.ni, <{', '.join(['i32 127'] * 16)}>",
-              f"  {out}.sb = shl <16 x i32> {out}.nb, <{', '.join(['i32 23'] * 16)}>",
-              f"  {out}.s = bitcast <16 x i32> {out}.sb to {V}",
-              f"  {out} = fmul {V} {out}.e, {out}.s"]
-    return "\n".join(lines)
+""")
+    return "\n".join(out)
 
 
 def _silu_mul(g: str, u: str, out: str) -> str:
-    """IR for out = silu(g) * u over <16 x float>."""
-    return f"""  {out}.n = fneg <16 x float> {g}
-{_vexp(out + '.n', out + '.e')}
-  {out}.d = fadd <16 x float> {out}.e, {_c(1.0)}
-  {out}.s = fdiv <16 x float> {g}, {out}.d
-  {out} = fmul <16 x float> {out}.s, {u}"""
+    """IR for out = silu(g) * u over <16 x float> (canon.py's, as the row kernels compute it)."""
+    from .canon import silu_mul
+
+    return silu_mul(g, u, out, 16)
 
 
-def _unpack_rows(row: str, tag: str, rb: int, sb: int, B: str, dsc: str) -> str:
-    """IR that unpacks the 16 weight rows from row `row` on (their data %w, scales %s) into B, dsc."""
+def _unpack_rows(row: str, tag: str, rb: int, sb: int, B: str, dsc: str, msc: str) -> str:
+    """IR that unpacks the 16 weight rows from row `row` on (their data %w, scales %s) into B,
+    dsc, msc."""
     return f"""  %{tag}.wo = mul nuw nsw i64 {row}, {rb}
   %{tag}.w = getelementptr inbounds i8, ptr %w, i64 %{tag}.wo
   %{tag}.so = mul nuw nsw i64 {row}, {sb}
   %{tag}.s = getelementptr inbounds i8, ptr %s, i64 %{tag}.so
-  call void @unpack(ptr %{tag}.w, ptr %{tag}.s, ptr {B}, ptr {dsc})"""
+  call void @unpack(ptr %{tag}.w, ptr %{tag}.s, ptr {B}, ptr {dsc}, ptr {msc})"""
 
 
 def _q8_rows(a: str, r: str, ng: int) -> str:
-    """%{a}p / %{a}dp: the q8 activation rows from row `r` (32 bytes per group, one f32 scale)."""
+    """%{a}p / %{a}dp / %{a}sp: the q8 activation rows from row `r` (32 bytes per group, one f32
+    scale, one i32 block sum)."""
     return (f"  %{a}o = mul nuw nsw i64 {r}, {32 * ng}\n  %{a}p = getelementptr inbounds i8, ptr %{a}, i64 %{a}o\n"
-            f"  %{a}do = mul nuw nsw i64 {r}, {ng}\n  %{a}dp = getelementptr inbounds float, ptr %{a}d, i64 %{a}do")
+            f"  %{a}do = mul nuw nsw i64 {r}, {ng}\n  %{a}dp = getelementptr inbounds float, ptr %{a}d, i64 %{a}do\n"
+            f"  %{a}sp = getelementptr inbounds i32, ptr %{a}s, i64 %{a}do")
 
 
 def _tile_rows(pred: str) -> str:
@@ -288,7 +342,7 @@ def gate_up(spec: AmxMoESpec, target: Target) -> KernelSource:
     ng = D // 32
     rb, sb = _row_bytes(spec.fmt, ng)
     name = f"amx_moe_gate_up_{spec.tag}"
-    ir = unpack_function(spec.fmt, ng, "unpack") + gemm_function(ng, "tile_gemm") + f"""
+    ir = unpack_function(spec.fmt, ng, "unpack") + gemm_function(ng, "tile_gemm", spec.fmt in PAIRED) + f"""
 define void @{name}(ptr noalias %args, i64 %begin, i64 %end) #0 {{
 entry:
 {load_args(GATE_UP_PARAMS, _PTRS)}
@@ -296,6 +350,8 @@ entry:
   %Bu = alloca [{512 * ng} x i8], align 64
   %dg = alloca [{16 * ng} x float], align 64
   %du = alloca [{16 * ng} x float], align 64
+  %mg = alloca [{16 * ng} x float], align 64
+  %mu = alloca [{16 * ng} x float], align 64
   %go = alloca [256 x float], align 64
   %uo = alloca [256 x float], align 64
   %empty = icmp sge i64 %begin, %end
@@ -314,15 +370,15 @@ blk:
   %er = mul nuw nsw i64 %e, {2 * I}
   %gr = add nuw nsw i64 %er, %n0
   %ur = add nuw nsw i64 %gr, {I}
-{_unpack_rows('%gr', 'gate', rb, sb, '%Bg', '%dg')}
-{_unpack_rows('%ur', 'up', rb, sb, '%Bu', '%du')}
+{_unpack_rows('%gr', 'gate', rb, sb, '%Bg', '%dg', '%mg')}
+{_unpack_rows('%ur', 'up', rb, sb, '%Bu', '%du', '%mu')}
   %none = icmp sle i64 %nt, 0
   br i1 %none, label %blk.next, label %tile
 tile:
 {_tile_rows('blk')}
 {_q8_rows('x', '%r0', ng)}
-  call void @tile_gemm(ptr %xp, ptr %xdp, ptr %Bg, ptr %dg, ptr %go)
-  call void @tile_gemm(ptr %xp, ptr %xdp, ptr %Bu, ptr %du, ptr %uo)
+  call void @tile_gemm(ptr %xp, ptr %xdp, ptr %xsp, ptr %Bg, ptr %dg, ptr %mg, ptr %go)
+  call void @tile_gemm(ptr %xp, ptr %xdp, ptr %xsp, ptr %Bu, ptr %du, ptr %mu, ptr %uo)
   br label %row
 row:
   %m = phi i64 [0, %tile], [%m1, %row]
@@ -360,12 +416,13 @@ def down(spec: AmxMoESpec, target: Target) -> KernelSource:
   %rp = getelementptr inbounds float, ptr %r, i64 %ro2
   %rv = load <16 x float>, ptr %rp, align 4""" if spec.residual else
             "  %rv = fadd <16 x float> zeroinitializer, zeroinitializer")
-    ir = unpack_function(spec.dfmt, ng, "unpack") + gemm_function(ng, "tile_gemm") + f"""
+    ir = unpack_function(spec.dfmt, ng, "unpack") + gemm_function(ng, "tile_gemm", spec.dfmt in PAIRED) + f"""
 define void @{name}(ptr noalias %args, i64 %begin, i64 %end) #0 {{
 entry:
 {load_args(DOWN_PARAMS, _PTRS)}
   %B = alloca [{512 * ng} x i8], align 64
   %dsc = alloca [{16 * ng} x float], align 64
+  %msc = alloca [{16 * ng} x float], align 64
   %ob = alloca [256 x float], align 64
   %empty = icmp sge i64 %begin, %end
   br i1 %empty, label %exit, label %blk
@@ -402,12 +459,12 @@ expert:
   %tnone = icmp sle i64 %nt, 0
   br i1 %tnone, label %expert.next, label %unpack
 unpack:
-  call void @unpack(ptr %wp, ptr %sp, ptr %B, ptr %dsc)
+  call void @unpack(ptr %wp, ptr %sp, ptr %B, ptr %dsc, ptr %msc)
   br label %tile
 tile:
 {_tile_rows('unpack')}
 {_q8_rows('h', '%r0', ng)}
-  call void @tile_gemm(ptr %hp, ptr %hdp, ptr %B, ptr %dsc, ptr %ob)
+  call void @tile_gemm(ptr %hp, ptr %hdp, ptr %hsp, ptr %B, ptr %dsc, ptr %msc, ptr %ob)
   br label %row
 row:
   %i = phi i64 [0, %tile], [%i1, %row.next]
@@ -446,7 +503,7 @@ exit:
     return KernelSource(name, _finish(ir, target), DOWN_PARAMS, f"{T}-column blocks of the output (D/{T})")
 
 
-LINEAR_PARAMS = ("y", "x", "xd", "w", "s", "b", "r", "M", "ldy", "ldr")
+LINEAR_PARAMS = ("y", "x", "xd", "xs", "w", "s", "b", "r", "M", "ldy", "ldr")
 
 
 @dataclass(frozen=True)
@@ -473,7 +530,7 @@ def linear(spec: AmxLinearSpec, target: Target) -> KernelSource:
     scale 0); tasks: N/16 blocks of output rows, each unpacked once for every token tile."""
     dims("amx_linear", N=spec.N, K=spec.K)
     require("amx_linear", spec.fmt in FORMATS and spec.K % 32 == 0 and spec.N % T == 0,
-            "int4/int8 weights, K whole groups of 32, N a multiple of 16")
+            "int4/int8/int4a weights, K whole groups of 32, N a multiple of 16")
     N, ng = spec.N, spec.K // 32
     rb, sb = _row_bytes(spec.fmt, ng)
     two = spec.silu_mul
@@ -499,16 +556,18 @@ def linear(spec: AmxLinearSpec, target: Target) -> KernelSource:
   %rv = load <16 x float>, ptr %rp, align 4
   %v3 = fadd <16 x float> {cur}, %rv""")
         cur = "%v3"
-    up = _unpack_rows("%nu", "up", rb, sb, "%Bu", "%du") if two else ""
-    ir = unpack_function(spec.fmt, ng, "unpack") + gemm_function(ng, "tile_gemm") + f"""
+    up = _unpack_rows("%nu", "up", rb, sb, "%Bu", "%du", "%mu") if two else ""
+    ir = unpack_function(spec.fmt, ng, "unpack") + gemm_function(ng, "tile_gemm", spec.fmt in PAIRED) + f"""
 define void @{spec.name}(ptr noalias %args, i64 %begin, i64 %end) #0 {{
 entry:
-{load_args(LINEAR_PARAMS, {"y", "x", "xd", "w", "s", "b", "r"})}
+{load_args(LINEAR_PARAMS, {"y", "x", "xd", "xs", "w", "s", "b", "r"})}
   %Bg = alloca [{512 * ng} x i8], align 64
   %dg = alloca [{16 * ng} x float], align 64
+  %mg = alloca [{16 * ng} x float], align 64
   %go = alloca [256 x float], align 64
   %Bu = alloca [{512 * ng if two else 64} x i8], align 64
   %du = alloca [{16 * ng if two else 16} x float], align 64
+  %mu = alloca [{16 * ng if two else 16} x float], align 64
   %uo = alloca [256 x float], align 64
   %empty = icmp sge i64 %begin, %end
   %mnone = icmp sle i64 %M, 0
@@ -518,14 +577,14 @@ blk:
   %nb = phi i64 [%begin, %entry], [%nb1, %blk.next]
   %n0 = mul nuw nsw i64 %nb, {T}
   %nu = add nuw nsw i64 %n0, {N}
-{_unpack_rows('%n0', 'gate', rb, sb, '%Bg', '%dg')}
+{_unpack_rows('%n0', 'gate', rb, sb, '%Bg', '%dg', '%mg')}
 {up}
   br label %tile
 tile:
   %m0 = phi i64 [0, %blk], [%m0.1, %tile.next]
 {_q8_rows('x', '%m0', ng)}
-  call void @tile_gemm(ptr %xp, ptr %xdp, ptr %Bg, ptr %dg, ptr %go)
-{"  call void @tile_gemm(ptr %xp, ptr %xdp, ptr %Bu, ptr %du, ptr %uo)" if two else ""}
+  call void @tile_gemm(ptr %xp, ptr %xdp, ptr %xsp, ptr %Bg, ptr %dg, ptr %mg, ptr %go)
+{"  call void @tile_gemm(ptr %xp, ptr %xdp, ptr %xsp, ptr %Bu, ptr %du, ptr %mu, ptr %uo)" if two else ""}
   br label %row
 row:
   %i = phi i64 [0, %tile], [%i1, %row.next]

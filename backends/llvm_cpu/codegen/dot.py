@@ -234,7 +234,7 @@ def _q8_operands(fmt: str, P: int, g: str, t: str, w: str = "%w") -> str:
     nb = 32 * P
     xs = f"""  %{t}.xp = getelementptr inbounds i8, ptr %x, i64 %{g}.x
   %{t}.x = load <{nb} x i8>, ptr %{t}.xp, align 1"""
-    if fmt == "int4":
+    if fmt in ("int4", "int4a"):
         # bytes of P groups: per group 16 bytes -> low nibbles are values 0..15, high 16..31
         mask = [m for q in range(P) for m in [q * 16 + i for i in range(16)] + [16 * P + q * 16 + i for i in range(16)]]
         return f"""  %{t}.qp = getelementptr inbounds i8, ptr {w}, i64 %{g}.w
@@ -254,201 +254,167 @@ def _q8_operands(fmt: str, P: int, g: str, t: str, w: str = "%w") -> str:
   %{t}.s = select <{nb} x i1> %{t}.neg, <{nb} x i8> %{t}.nx, <{nb} x i8> %{t}.x"""
 
 
-def _q8_scale(g: str, t: str, off: int, s: str = "%s") -> str:
-    """d = weight scale * activation scale of group g+off; c = d * block sum (int4's -8 offset)."""
-    return f"""  %{t}.gi{off} = add nuw nsw i64 %{g}, {off}
-  %{t}.sp{off} = getelementptr inbounds half, ptr {s}, i64 %{t}.gi{off}
-  %{t}.sh{off} = load half, ptr %{t}.sp{off}, align 2
-  %{t}.dw{off} = fpext half %{t}.sh{off} to float
-  %{t}.dp{off} = getelementptr inbounds float, ptr %xd, i64 %{t}.gi{off}
-  %{t}.dx{off} = load float, ptr %{t}.dp{off}, align 4
-  %{t}.d{off} = fmul float %{t}.dw{off}, %{t}.dx{off}
-  %{t}.bp{off} = getelementptr inbounds i32, ptr %xs, i64 %{t}.gi{off}
-  %{t}.bs{off} = load i32, ptr %{t}.bp{off}, align 4
-  %{t}.bf{off} = sitofp i32 %{t}.bs{off} to float"""
+NIBBLES = ("int4", "int4a")     # formats of 16 nibble bytes per group (int4's order)
+PAIRED = ("int4a",)             # formats with a (scale, min) pair per group
 
 
-BATCH = 8   # groups whose scales are combined in one 8-lane vector
+def _part(target: Target, fmt: str, n: int, base: str, t: str, w: str) -> tuple[str, str]:
+    """IR for %{t}.i: the integer dot of n (1 or 2) consecutive groups from group %{base} of
+    weight row w against the activation row %x (plain layout): (ir, its i32 lanes)."""
+    return (f"""  %{t}g.w = mul nuw nsw i64 %{base}, {16 if fmt in NIBBLES else 32}
+  %{t}g.x = mul nuw nsw i64 %{base}, 32
+{_q8_operands(fmt, n, f'{t}g', t, w)}
+{_idot(target, 32 * n, f'%{t}.u', f'%{t}.s', f'%{t}.i')}""", 8 * n)
 
 
-def _q8_pair_operands(fmt: str, P: int, base: str, t: str, w: str = "%w") -> list[tuple[str, str, str]]:
-    """Operands of 2 consecutive groups starting at group %{base}: a list of (ir, u, s) per
-    vector of P groups. int4 loads both groups' 32 nibble bytes at once."""
-    out = []
-    if fmt == "int4":
-        ir = f"""  %{t}.wo = mul nuw nsw i64 %{base}, 16
-  %{t}.qp = getelementptr inbounds i8, ptr {w}, i64 %{t}.wo
-  %{t}.q = load <32 x i8>, ptr %{t}.qp, align 1
-  %{t}.lo = and <32 x i8> %{t}.q, {splat(32, 'i8', '15')}
-  %{t}.hi = lshr <32 x i8> %{t}.q, {splat(32, 'i8', '4')}
-  %{t}.xo = mul nuw nsw i64 %{base}, 32
-  %{t}.xp = getelementptr inbounds i8, ptr %x, i64 %{t}.xo"""
-        for v in range(2 // P):
-            groups = range(v * P, (v + 1) * P)
-            mask = [m for q in groups for m in [q * 16 + i for i in range(16)] + [32 + q * 16 + i for i in range(16)]]
-            ir += f"""
-  %{t}.u{v} = shufflevector <32 x i8> %{t}.lo, <32 x i8> %{t}.hi, {lanes(32 * P, mask)}
-  %{t}.xp{v} = getelementptr inbounds i8, ptr %{t}.xp, i64 {32 * P * v}
-  %{t}.s{v} = load <{32 * P} x i8>, ptr %{t}.xp{v}, align 1"""
-            out.append((ir, f"%{t}.u{v}", f"%{t}.s{v}"))
-            ir = ""
-        return out
-    for v in range(2 // P):
-        nb = 32 * P
-        ir = f"""  %{t}.o{v} = mul nuw nsw i64 %{base}, 32
-  %{t}.o{v}b = add nuw nsw i64 %{t}.o{v}, {nb * v}
-  %{t}.qp{v} = getelementptr inbounds i8, ptr {w}, i64 %{t}.o{v}b
-  %{t}.q{v} = load <{nb} x i8>, ptr %{t}.qp{v}, align 1
-  %{t}.u{v} = call <{nb} x i8> @llvm.abs.v{nb}i8(<{nb} x i8> %{t}.q{v}, i1 false)
-  %{t}.xp{v} = getelementptr inbounds i8, ptr %x, i64 %{t}.o{v}b
-  %{t}.x{v} = load <{nb} x i8>, ptr %{t}.xp{v}, align 1
-  %{t}.neg{v} = icmp slt <{nb} x i8> %{t}.q{v}, zeroinitializer
-  %{t}.nx{v} = sub <{nb} x i8> zeroinitializer, %{t}.x{v}
-  %{t}.s{v} = select <{nb} x i1> %{t}.neg{v}, <{nb} x i8> %{t}.nx{v}, <{nb} x i8> %{t}.x{v}"""
-        out.append((ir, f"%{t}.u{v}", f"%{t}.s{v}"))
-    return out
+def _row_parts(target: Target, fmt: str, n: int, g: str, t: str, w: str, pairs: bool) -> tuple[str, list[str], int, int]:
+    """The integer dots of n <= 8 groups of weight row w from group %{g} (absent groups: zero
+    parts): (ir, parts, lanes per part, lanes per group) for canon.group_totals."""
+    ir, parts = [], []
+    P = 1 if pairs or not target.avx512 else 2      # groups of one part (the pair layout: 2 in 8 lanes)
+    step = 2 if pairs else P
+    for j in range(0, 8, step):
+        k = min(step, n - j)
+        tag = f"{t}.v{j}"
+        if k <= 0:
+            parts.append("zeroinitializer")
+            continue
+        ir.append(f"  %{tag}.b = add nuw nsw i64 %{g}, {j}")
+        if pairs and k == 2:
+            ir.append(_q8_pair_pair(tag, f"{tag}.b", w))
+            parts.append(f"%{tag}.i")
+            continue
+        body, L = _part(target, fmt, k, f"{tag}.b", tag, w)
+        ir.append(body)
+        want = 8 * step if not pairs else 8
+        if pairs:         # a lone last group in the plain layout: its 8 lanes as 4, then 4 zeros
+            ir.append(f"""  %{tag}.e = shufflevector <8 x i32> %{tag}.i, <8 x i32> poison, <4 x i32> <i32 0, i32 2, i32 4, i32 6>
+  %{tag}.o = shufflevector <8 x i32> %{tag}.i, <8 x i32> poison, <4 x i32> <i32 1, i32 3, i32 5, i32 7>
+  %{tag}.f = add <4 x i32> %{tag}.e, %{tag}.o
+  %{tag}.z = shufflevector <4 x i32> %{tag}.f, <4 x i32> zeroinitializer, {lanes(8, range(8))}""")
+            parts.append(f"%{tag}.z")
+        elif L < want:    # one group where a part holds two: the other half zero
+            ir.append(f"  %{tag}.z = shufflevector <{L} x i32> %{tag}.i, <{L} x i32> zeroinitializer, {lanes(want, range(want))}")
+            parts.append(f"%{tag}.z")
+        else:
+            parts.append(f"%{tag}.i")
+    return "\n".join(ir), parts, (8 if pairs else 8 * P), (4 if pairs else 8)
+
+
+def _lanes8(n: int, g: str, t: str, ptr: str, ty: str, stride: int = 1, off: int = 0) -> tuple[str, str]:
+    """IR for %{t}: <8 x ty> of ptr[(g + j) * stride + off] for j < n (a vector load when n = 8
+    and stride 1), zeros in the other lanes. ty: half, float or i32."""
+    if n == 8 and stride == 1 and off == 0:
+        return (f"  %{t}.p = getelementptr inbounds {ty}, ptr {ptr}, i64 %{g}\n"
+                f"  %{t} = load <8 x {ty}>, ptr %{t}.p, align {2 if ty == 'half' else 4}"), f"%{t}"
+    out, prev = [], "zeroinitializer"
+    for j in range(n):
+        out.append(f"""  %{t}.i{j} = add nuw nsw i64 %{g}, {j}
+  %{t}.o{j} = mul nuw nsw i64 %{t}.i{j}, {stride}
+  %{t}.k{j} = add nuw nsw i64 %{t}.o{j}, {off}
+  %{t}.p{j} = getelementptr inbounds {ty}, ptr {ptr}, i64 %{t}.k{j}
+  %{t}.l{j} = load {ty}, ptr %{t}.p{j}, align {2 if ty == 'half' else 4}
+  %{t}.v{j} = insertelement <8 x {ty}> {prev}, {ty} %{t}.l{j}, i64 {j}""")
+        prev = f"%{t}.v{j}"
+    return "\n".join(out), prev
+
+
+def _weight_scales(fmt: str, n: int, g: str, t: str, s: str) -> tuple[str, str, str | None]:
+    """IR for the f32 scales (and minima, PAIRED formats) of n groups from %{g} of one row."""
+    if fmt in PAIRED:
+        if n == 8:
+            return f"""  %{t}.sg = mul nuw nsw i64 %{g}, 2
+  %{t}.sp = getelementptr inbounds half, ptr {s}, i64 %{t}.sg
+  %{t}.sh = load <16 x half>, ptr %{t}.sp, align 2
+  %{t}.sf = fpext <16 x half> %{t}.sh to <16 x float>
+  %{t}.dw = shufflevector <16 x float> %{t}.sf, <16 x float> poison, {lanes(8, range(0, 16, 2))}
+  %{t}.mw = shufflevector <16 x float> %{t}.sf, <16 x float> poison, {lanes(8, range(1, 16, 2))}""", f"%{t}.dw", f"%{t}.mw"
+        a, dh = _lanes8(n, g, f"{t}.dh", s, "half", 2, 0)
+        b, mh = _lanes8(n, g, f"{t}.mh", s, "half", 2, 1)
+        return f"""{a}
+{b}
+  %{t}.dw = fpext <8 x half> {dh} to <8 x float>
+  %{t}.mw = fpext <8 x half> {mh} to <8 x float>""", f"%{t}.dw", f"%{t}.mw"
+    a, dh = _lanes8(n, g, f"{t}.dh", s, "half")
+    return f"{a}\n  %{t}.dw = fpext <8 x half> {dh} to <8 x float>", f"%{t}.dw", None
+
+
+def _batch(target: Target, fmt: str, n: int, g: str, t: str, rows: list[tuple[str, str, str]], pairs: bool) -> str:
+    """IR adding n <= 8 groups from %{g} to each row's accumulator (canon.py's order); rows:
+    (weight data, scales, accumulator in -> the name of the accumulator out)."""
+    from .canon import accumulate, group_totals
+
+    a, dx = _lanes8(n, g, f"{t}.dx", "%xd", "float")
+    out = [a]
+    bs = None
+    if fmt in NIBBLES:
+        b, bs = _lanes8(n, g, f"{t}.bs", "%xs", "i32")
+        out.append(b)
+    for r, (w, s, acc) in enumerate(rows):
+        q = f"{t}r{r}"
+        ir, parts, width, run = _row_parts(target, fmt, n, g, q, w, pairs)
+        tir, tot = group_totals(parts, width, run, q)
+        sir, dw, mw = _weight_scales(fmt, n, g, q, s)
+        out += [ir, tir, sir, f"  %{q}.d = fmul <8 x float> {dw}, {dx}"]
+        if fmt == "int4":       # the nibbles carry +8: sum (q - 8) x = sum q x - 8 sum x, in integers
+            out.append(f"  %{q}.b8 = shl <8 x i32> {bs}, <i32 3, i32 3, i32 3, i32 3, i32 3, i32 3, i32 3, i32 3>\n"
+                       f"  %{q}.t = sub <8 x i32> {tot}, %{q}.b8")
+            tot = f"%{q}.t"
+        out.append(accumulate(acc, tot, f"%{q}.d", f"%{q}.acc"))
+        if mw is not None:      # w = q d + m: sum w x = d sum q x + m sum x
+            out.append(f"  %{q}.m = fmul <8 x float> {mw}, {dx}")
+            out.append(accumulate(f"%{q}.acc", bs, f"%{q}.m", f"%{q}.acm"))
+    return "\n".join(out)
 
 
 def _q8_dot(target: Target, fmt: str, NG: int, R: int = 1, pairs: bool = False) -> str:
-    """int8/int4 weights against q8 activations, R weight rows against one activation row.
+    """int8/int4/int4a weights against q8 activations, R weight rows against one activation row,
+    in canon.py's order: batches of 8 groups in a loop (each row's integer dots folded to one
+    total per group, scaled, added to the group's accumulator lane), a last partial batch after
+    it, then the fixed fold of the 8 lanes. With R > 1 the rows share the activation loads.
+    Returns float (R = 1) or [R x float].
 
-    The main loop takes BATCH groups at a time: their 8 weight scales times activation scales
-    form one vector (and, for int4, the -8 offset's correction one FMA against the block sums),
-    and each group's integer dot product (P groups per vector: 2 on AVX-512, else 1) is scaled
-    by a lane broadcast of it. Leftover groups (NG % BATCH) take the one-group path. With R > 1
-    the rows' bodies share one loop, so each activation block is loaded once (the duplicated
-    loads are the same address: LLVM keeps one). Returns float (R = 1) or [R x float].
+    `pairs` (int4 on AVX2, pair_layout): the activations are in the pair layout: two groups'
+    nibbles dot them as they come (_q8_pair_pair); an odd last group is in the plain layout."""
+    from .canon import fold
 
-    `pairs` (int4 on AVX2, pair_layout): the activations are in the pair layout, so each pair of
-    groups is one _q8_pair_pair (lanes 0-3 the first group's, 4-7 the second's); leftover pairs
-    go one by one and an odd last group takes the plain one-group path."""
-    P = 2 if target.avx512 else 1
-    require("dot", not (pairs and P != 1), "the pair layout is an AVX2 path")
-    L = 8 * P
-    V = vec(L, "float")
-    V8 = vec(8, "float")
-    main = (NG // BATCH) * BATCH
-    n_acc = BATCH // 2          # one accumulator per pair of groups: independent FMA chains
-    results, corrs = [], []
-    parts = []
+    require("dot", not (pairs and target.avx512), "the pair layout is an AVX2 path")
+    require("dot", fmt in NIBBLES + ("int8",), f"no q8 dot for {fmt}")
+    main, rem = divmod(NG, 8)
+    names = [((f"%w{r}", f"%s{r}") if R > 1 else ("%w", "%s")) for r in range(R)]
+    V = "<8 x float>"
+    parts = ["\nentry:"]
+    accs = ["zeroinitializer"] * R
     if main:
-        phis, bodies, exits = [], [], []
-        for r in range(R):
-            q = f"r{r}"                                   # this row's SSA prefix
-            w, sp = (f"%w{r}", f"%s{r}") if R > 1 else ("%w", "%s")
-            accs = [f"%{q}acc{a}" for a in range(n_acc)]
-            body = [f"""  %{q}sp8 = getelementptr inbounds half, ptr {sp}, i64 %g
-  %{q}sh8 = load <8 x half>, ptr %{q}sp8, align 2
-  %{q}dw8 = fpext <8 x half> %{q}sh8 to {V8}
-  %{q}d8 = fmul {V8} %{q}dw8, %dx8"""]
-            body.append(f"  %{q}corr1 = call <8 x float> @llvm.fma.v8f32(<8 x float> %{q}d8, <8 x float> %xs8f, "
-                        f"<8 x float> %{q}corr)" if fmt == "int4" else f"  %{q}corr1 = fadd <8 x float> %{q}corr, zeroinitializer")
-            for pair in range(BATCH // 2):
-                body.append(f"  %{q}b{pair} = add nuw nsw i64 %g, {2 * pair}")
-                if pairs:       # (int32 dots, their groups' lanes of %d8)
-                    tag = f"{q}p{pair}"
-                    body.append(_q8_pair_pair(tag, f"{q}b{pair}", w))
-                    dots = [(tag, [2 * pair] * 4 + [2 * pair + 1] * 4)]
-                else:
-                    dots = []
-                    for v, (ir, u, sv) in enumerate(_q8_pair_operands(fmt, P, f"{q}b{pair}", f"{q}p{pair}", w)):
-                        tag = f"{q}p{pair}v{v}"
-                        body.append(ir)
-                        body.append(_idot(target, 32 * P, u, sv, f"%{tag}.i"))
-                        dots.append((tag, [2 * pair + v * P + l // 8 for l in range(L)]))
-                for tag, lane in dots:
-                    body.append(f"  %{tag}.f = sitofp {vec(L, 'i32')} %{tag}.i to {V}")
-                    body.append(f"  %{tag}.dv = shufflevector {V8} %{q}d8, {V8} poison, {lanes(L, lane)}")
-                    body.append(f"  %{tag}.acc = call {V} @llvm.fma.v{L}f32({V} %{tag}.f, {V} %{tag}.dv, {V} {accs[pair]})")
-                    accs[pair] = f"%{tag}.acc"
-            bodies.append("\n".join(body))
-            phis.append("\n".join(f"  %{q}acc{a} = phi {V} [zeroinitializer, %entry], [{accs[a]}, %loop]"
-                                  for a in range(n_acc)))
-            phis.append(f"  %{q}corr = phi {V8} [zeroinitializer, %entry], [%{q}corr1, %loop]")
-            total = accs[0]
-            for a in range(1, n_acc):
-                exits.append(f"  %{q}accsum{a} = fadd {V} {total}, {accs[a]}")
-                total = f"%{q}accsum{a}"
-            exits.append(_reduce(L, total, f"%{q}main.r"))
-            exits.append(_reduce(8, f"%{q}corr1", f"%{q}main.c"))
-            results.append(f"%{q}main.r")
-            corrs.append(f"%{q}main.c")
-        xs8 = ("""  %xsp = getelementptr inbounds i32, ptr %xs, i64 %g
-  %xs8 = load <8 x i32>, ptr %xsp, align 4
-  %xs8f = sitofp <8 x i32> %xs8 to <8 x float>""" if fmt == "int4" else "")
-        parts.append(f"""
-entry:
-  br label %loop
+        last = "acm" if fmt in PAIRED else "acc"
+        phis = [f"  %acc{r} = phi {V} [zeroinitializer, %entry], [%mr{r}.{last}, %loop]" for r in range(R)]
+        body = _batch(target, fmt, 8, "g", "m", [(w, s, f"%acc{r}") for r, (w, s) in enumerate(names)], pairs)
+        parts.append(f"""  br label %loop
 loop:
   %g = phi i64 [0, %entry], [%g1, %loop]
 {chr(10).join(phis)}
-  %dp8 = getelementptr inbounds float, ptr %xd, i64 %g
-  %dx8 = load {V8}, ptr %dp8, align 4
-{xs8}
-{chr(10).join(bodies)}
-  %g1 = add nuw nsw i64 %g, {BATCH}
-  %done = icmp eq i64 %g1, {main}
-  br i1 %done, label %main.exit, label %loop
-main.exit:
-{chr(10).join(exits)}
-  br label %tail0""")
-    else:
-        parts.append("\nentry:\n  br label %tail0")
-        results, corrs = ["0.0"] * R, ["0.0"] * R
-    # leftover groups: (first group, 2) a pair in the pair layout, (group, 1) one plain group (256-bit ops)
-    if pairs:
-        tails = [(g, 2) for g in range(main, NG - 1, 2)] + ([(NG - 1, 1)] if (NG - main) % 2 else [])
-    else:
-        tails = [(g, 1) for g in range(main, NG)]
-    for i, (g, width) in enumerate(tails):
-        lines = [f"\ntail{i}:"]
-        for r in range(R):
-            t = f"t{i}r{r}"
-            w, sp = (f"%w{r}", f"%s{r}") if R > 1 else ("%w", "%s")
-            if width == 2:
-                lines.append(f"""  %{t}g = add i64 0, {g}
-{_q8_pair_pair(t, f'{t}g', w)}
-  %{t}.f = sitofp <8 x i32> %{t}.i to <8 x float>
-{_q8_scale(f'{t}g', t, 0, sp)}
-{_q8_scale(f'{t}g', t, 1, sp)}
-  %{t}.dva = insertelement <8 x float> poison, float %{t}.d0, i32 0
-  %{t}.dvb = insertelement <8 x float> %{t}.dva, float %{t}.d1, i32 4
-  %{t}.dv = shufflevector <8 x float> %{t}.dvb, <8 x float> poison, {lanes(8, [0] * 4 + [4] * 4)}
-  %{t}.fm = fmul <8 x float> %{t}.f, %{t}.dv
-  %{t}.r0 = call reassoc float @llvm.vector.reduce.fadd.v8f32(float 0.0, <8 x float> %{t}.fm)
-  %{t}.r = fadd float %{t}.r0, {results[r]}
-  %{t}.c0 = call float @llvm.fma.f32(float %{t}.d0, float %{t}.bf0, float {corrs[r]})
-  %{t}.c = call float @llvm.fma.f32(float %{t}.d1, float %{t}.bf1, float %{t}.c0)""")
-            else:
-                lines.append(f"""  %{t}g = add i64 0, {g}
-  %{t}g.w = mul nuw nsw i64 %{t}g, 16
-  %{t}g.x = mul nuw nsw i64 %{t}g, 32
-{_q8_operands(fmt, 1, f'{t}g', t, w)}
-{_idot(target, 32, f'%{t}.u', f'%{t}.s', f'%{t}.i')}
-  %{t}.f = sitofp <8 x i32> %{t}.i to <8 x float>
-{_q8_scale(f'{t}g', t, 0, sp)}
-  %{t}.r0 = call reassoc float @llvm.vector.reduce.fadd.v8f32(float 0.0, <8 x float> %{t}.f)
-  %{t}.r = call float @llvm.fma.f32(float %{t}.r0, float %{t}.d0, float {results[r]})
-  %{t}.c = call float @llvm.fma.f32(float %{t}.d0, float %{t}.bf0, float {corrs[r]})""")
-            results[r], corrs[r] = f"%{t}.r", f"%{t}.c"
-        lines.append(f"  br label %tail{i + 1}")
-        parts.append("\n".join(lines))
-    fin = [f"\ntail{len(tails)}:"]
+{body}
+  %g1 = add nuw nsw i64 %g, 8
+  %done = icmp eq i64 %g1, {8 * main}
+  br i1 %done, label %tail, label %loop
+tail:""")
+        accs = [f"%mr{r}.{last}" for r in range(R)]
+    if rem:
+        parts.append(f"  %gt = add i64 0, {8 * main}")
+        parts.append(_batch(target, fmt, rem, "gt", "t", [(w, s, accs[r]) for r, (w, s) in enumerate(names)], pairs))
+        accs = [f"%tr{r}.{'acm' if fmt in PAIRED else 'acc'}" for r in range(R)]
     for r in range(R):
-        if fmt == "int4":   # the nibbles carry +8: sum (q - 8) x = sum q x - 8 sum x
-            fin.append(f"  %out{r} = call float @llvm.fma.f32(float {corrs[r]}, float -8.0, float {results[r]})")
-        else:
-            fin.append(f"  %out{r} = fadd float {results[r]}, 0.0")
+        parts.append(fold(accs[r], f"%out{r}"))
     if R == 1:
-        fin.append("  ret float %out0")
+        parts.append("  ret float %out0")
     else:
         agg = "undef"
         for r in range(R):
-            fin.append(f"  %agg{r} = insertvalue [{R} x float] {agg}, float %out{r}, {r}")
+            parts.append(f"  %agg{r} = insertvalue [{R} x float] {agg}, float %out{r}, {r}")
             agg = f"%agg{r}"
-        fin.append(f"  ret [{R} x float] {agg}")
-    parts.append("\n".join(fin) + "\n}")
-    return "".join(parts)
+        parts.append(f"  ret [{R} x float] {agg}")
+    return "\n".join(parts) + "\n}"
+
 
 DECLS = """
 declare float @llvm.fma.f32(float, float, float)
@@ -488,8 +454,8 @@ def _q8_pair_pair(t: str, base: str, w: str) -> str:
 
 
 def needs_q8(fmt: str, group_size: int) -> bool:
-    """Whether the q8-activation path exists for this weight format (int8/int4, groups of 32)."""
-    return fmt in ("int8", "int4") and group_size == Q8_BLOCK
+    """Whether the q8-activation path exists for this weight format (int8/int4/int4a, groups of 32)."""
+    return fmt in ("int8", "int4", "int4a") and group_size == Q8_BLOCK
 
 
 def dot_function(target: Target, fmt: str, K: int, group_size: int, q8: bool, name: str = "dot") -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..target import Target
+from .canon import silu_mul
 from .common import KernelSource, dims, group_ok, load_args, one_of
 from .dot import dot_function, finish_module, weight_row
 from .tile import tile_function, tile_shape
@@ -78,11 +79,7 @@ def _epilogue(spec: LinearSpec, p: str, v: str, u: str | None, n: str, m: str) -
   %{p}buv = load float, ptr %{p}bup, align 4
   %{p}u1 = fadd float {u}, %{p}buv""")
             u = f"%{p}u1"
-        out.append(f"""  %{p}ng = fneg float {cur}
-  %{p}ex = call float @llvm.exp.f32(float %{p}ng)
-  %{p}den = fadd float %{p}ex, 1.0
-  %{p}sg = fdiv float {cur}, %{p}den
-  %{p}v2 = fmul float %{p}sg, {u}""")
+        out.append(silu_mul(cur, u, f"%{p}v2"))
         cur = f"%{p}v2"
     if spec.residual:
         out.append(f"""  %{p}ro = mul nuw nsw i64 {m}, %ldr

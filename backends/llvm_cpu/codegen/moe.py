@@ -145,12 +145,10 @@ def _check(kernel: str, spec: MoESpec) -> None:
 
 
 def _silu_mul(p: str, g: str, u: str) -> str:
-    """IR for %{p}hv = silu(g) * u."""
-    return f"""  %{p}ng = fneg float {g}
-  %{p}ex = call float @llvm.exp.f32(float %{p}ng)
-  %{p}den = fadd float %{p}ex, 1.0
-  %{p}sg = fdiv float {g}, %{p}den
-  %{p}hv = fmul float %{p}sg, {u}"""
+    """IR for %{p}hv = silu(g) * u (canon.py's: the AMX kernels' bits)."""
+    from .canon import silu_mul
+
+    return silu_mul(g, u, f"%{p}hv")
 
 
 _GU_ARGS = ("ptr noalias %h, ptr noalias %x, ptr noalias %xd, ptr noalias %xs, ptr noalias %w, ptr noalias %s, "

@@ -5,16 +5,15 @@
     void @tile(ptr w0, ptr s0, ..., ptr w{R-1}, ptr s{R-1},
                ptr x0, ptr xd0, ptr xs0, ..., ptr x{T-1}, ptr xd{T-1}, ptr xs{T-1}, ptr out)
 
-writing out[t * R + r] = dot(W row r, activation row t) for int8/int4 weights (groups of 32)
-against q8 activations, as dot.py's `_q8_dot` computes one element. Per pair of groups each
-weight row is unpacked once (int4 nibbles, int8 |w|) and each activation block loaded once, for
-R * T integer dot products (pmaddubsw/pmaddwd on AVX2, vpdpbusd on AVX-512 VNNI) into R * T
-float accumulators: `_q8_dot` redoes the unpacking for every token and the loads for every row.
+writing out[t * R + r] = dot(W row r, activation row t) for int8/int4/int4a weights (groups of
+32) against q8 activations, bit for bit as dot.py's `_q8_dot` computes one element (canon.py's
+order). Per unit of groups each weight row is unpacked once (nibbles, int8 |w|) and each
+activation block loaded once, for R * T integer dot products (pmaddubsw/pmaddwd on AVX2, vpdpbusd
+on AVX-512 VNNI); `_q8_dot` redoes the unpacking for every token and the loads for every row.
 
-The loop takes one pair of groups per iteration, so the R * T sums stay in registers: the
-scales of a pair are broadcast to its lanes, an integer dot is scaled as (dot * xd) * wd, and
-int4's -8 offset enters the integer dot as -8 * block sum in each group's first lane (free on
-VNNI: vpdpbusd's accumulator operand). An odd last group takes a one-group step.
+The loop takes one batch of 8 groups per iteration, so the R * T accumulators stay in registers:
+each (row, token)'s integer dots are folded to one total per group, scaled by weight scale x
+activation scale and added to the group's lane. A last partial batch follows the loop.
 
 Legend: NG = groups per row, L = lanes of one pair's integer dot (8 on AVX2, 16 on AVX-512),
 R = weight rows, T = activation rows (tokens) of the tile.
@@ -54,7 +53,7 @@ def _unit_lanes(kind: str) -> list[int]:
 
 def _row_operand(fmt: str, kind: str, p: str, w: str, g: str) -> tuple[str, list[str]]:
     """IR unpacking one row's weights of a unit starting at group %{g}: (ir, operand values)."""
-    if fmt == "int4":
+    if fmt in ("int4", "int4a"):
         nq = 16 if kind == "one" else 32
         ir = f"""  %{p}.wo = mul nuw nsw i64 %{g}, 16
   %{p}.qp = getelementptr inbounds i8, ptr {w}, i64 %{p}.wo
@@ -97,7 +96,7 @@ def _dot(target: Target, fmt: str, kind: str, p: str, row: list[str], tok: list[
   %{p}.d = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> %{p}.ps, <16 x i16> {splat(16, 'i16', '1')})
   %{p}.i = add <8 x i32> %{p}.d, {init}""", 8
     nb = 32 if kind == "one" else 64
-    if fmt == "int4":
+    if fmt in ("int4", "int4a"):
         signed, ir = tok[0], ""
     else:       # int8: |w| unsigned, x carrying w's sign signed
         signed = f"%{p}.s"
@@ -112,91 +111,117 @@ def _dot(target: Target, fmt: str, kind: str, p: str, row: list[str], tok: list[
     return ir + _idot(target, nb, row[0], signed, f"%{p}.d") + f"\n  %{p}.i = add <{L} x i32> %{p}.d, {init}", L
 
 
-def _unit(target: Target, fmt: str, R: int, T: int, kind: str, g: str, u: str, acc: dict) -> list[str]:
-    """IR for one unit (a pair of groups, or one group) starting at group %{g}, for every row and
-    token: acc[(r, t, lanes)] += (dot * xd) * wd, int4's -8 offset inside the integer dot."""
-    lane = _unit_lanes(kind)
-    L = len(lane)
-    ng = 2 if kind != "one" else 1
-    F, FL, IL = vec(ng, "float"), vec(L, "float"), vec(L, "i32")
-    out = []
-    firsts = [i for i in range(L) if i == 0 or lane[i] != lane[i - 1]]     # each group's first lane
+def _part(kind: str, ir: list[str], v: str, L: int, pairs: bool, wide: bool, tag: str) -> str:
+    """A unit's integer dot as a part of canon.group_totals' shape (AVX-512: 16 lanes, runs of 8;
+    the pair layout: 8 lanes, runs of 4; else 8 lanes, one group): a lone group widened with zeros."""
+    if kind == "one" and pairs:        # its 8 lanes as 4, then 4 zeros
+        ir.append(f"""  %{tag}.e = shufflevector <8 x i32> {v}, <8 x i32> poison, <4 x i32> <i32 0, i32 2, i32 4, i32 6>
+  %{tag}.o = shufflevector <8 x i32> {v}, <8 x i32> poison, <4 x i32> <i32 1, i32 3, i32 5, i32 7>
+  %{tag}.f = add <4 x i32> %{tag}.e, %{tag}.o
+  %{tag}.z = shufflevector <4 x i32> %{tag}.f, <4 x i32> zeroinitializer, {lanes(8, range(8))}""")
+        return f"%{tag}.z"
+    if kind == "one" and L == 8 and wide:
+        ir.append(f"  %{tag}.z = shufflevector <8 x i32> {v}, <8 x i32> zeroinitializer, {lanes(16, range(16))}")
+        return f"%{tag}.z"
+    return v
+
+
+def _batch(target: Target, fmt: str, R: int, T: int, n: int, g: str, u: str, acc: dict) -> list[str]:
+    """IR adding n <= 8 groups from %{g} to every (row, token) accumulator acc[(r, t)] in
+    canon.py's order: per unit the rows are unpacked once and the tokens loaded once."""
+    from .canon import accumulate, group_totals
+    from .dot import PAIRED, _lanes8, _weight_scales
+
+    pairs = pair_layout(target, fmt, 32)
+    units = _unit_kinds(fmt, target, n)
+    step = 2 if (pairs or target.avx512) else 1
+    out: list[str] = []
+    toks = []
     for t in range(T):
         x = f"{u}x{t}"
-        out.append(f"""  %{x}.dp = getelementptr inbounds float, ptr %xd{t}, i64 %{g}
-  %{x}.d = load {F}, ptr %{x}.dp, align 4
-  %{x}.dv = shufflevector {F} %{x}.d, {F} poison, {lanes(L, lane)}""")
-        if fmt == "int4":   # -8 * block sum in each group's first lane: sum (q - 8) x = sum q x - 8 sum x
-            out.append(f"""  %{x}.bp = getelementptr inbounds i32, ptr %xs{t}, i64 %{g}
-  %{x}.b = load {vec(ng, 'i32')}, ptr %{x}.bp, align 4
-  %{x}.b8 = mul {vec(ng, 'i32')} %{x}.b, {splat(ng, 'i32', '-8')}
-  %{x}.c = shufflevector {vec(ng, 'i32')} %{x}.b8, {vec(ng, 'i32')} zeroinitializer, {lanes(L, [firsts.index(i) if i in firsts else ng for i in range(L)])}""")
-        ir, ops = _token_operand(kind, x, f"%x{t}", g)
-        out.append(ir)
-        out.append((x, ops))
-    toks = [o for o in out if isinstance(o, tuple)]
-    out = [o for o in out if isinstance(o, str)]
+        a, dx = _lanes8(n, g, f"{x}.dx", f"%xd{t}", "float")
+        out.append(a)
+        bs = None
+        if fmt in ("int4", "int4a"):
+            b, bs = _lanes8(n, g, f"{x}.bs", f"%xs{t}", "i32")
+            out.append(b)
+        ops = []
+        for j, kind in units:
+            out.append(f"  %{x}.g{j} = add nuw nsw i64 %{g}, {j}")
+            ir, tok = _token_operand(kind, f"{x}.u{j}", f"%x{t}", f"{x}.g{j}")
+            out.append(ir)
+            ops.append(tok)
+        toks.append((dx, bs, ops))
+    parts: dict = {}
+    rows = []
     for r in range(R):
         w = f"{u}w{r}"
-        out.append(f"""  %{w}.sp = getelementptr inbounds half, ptr %s{r}, i64 %{g}
-  %{w}.sh = load {vec(ng, 'half')}, ptr %{w}.sp, align 2
-  %{w}.d = fpext {vec(ng, 'half')} %{w}.sh to {F}
-  %{w}.dv = shufflevector {F} %{w}.d, {F} poison, {lanes(L, lane)}""")
-        ir, row = _row_operand(fmt, kind, w, f"%w{r}", g)
-        out.append(ir)
-        for t, (x, tok) in enumerate(toks):
-            p = f"{u}r{r}t{t}"
-            ir, width = _dot(target, fmt, kind, p, row, tok, f"%{x}.c" if fmt == "int4" else "zeroinitializer")
-            prev = acc.get((r, t, L), "zeroinitializer")
-            out.append(f"""{ir}
-  %{p}.f = sitofp {IL} %{p}.i to {FL}
-  %{p}.fx = fmul {FL} %{p}.f, %{x}.dv
-  %{p}.acc = call {FL} @llvm.fma.v{L}f32({FL} %{p}.fx, {FL} %{w}.dv, {FL} {prev})""")
-            acc[(r, t, L)] = f"%{p}.acc"
+        sir, dw, mw = _weight_scales(fmt, n, g, w, f"%s{r}")
+        out.append(sir)
+        rows.append((dw, mw))
+        for k, (j, kind) in enumerate(units):
+            out.append(f"  %{w}.g{j} = add nuw nsw i64 %{g}, {j}")
+            ir, row = _row_operand(fmt, kind, f"{w}.u{j}", f"%w{r}", f"{w}.g{j}")
+            out.append(ir)
+            for t, (_, _, ops) in enumerate(toks):
+                p = f"{u}r{r}t{t}.u{j}"
+                ir, L = _dot(target, fmt, kind, p, row, ops[k], "zeroinitializer")
+                out.append(ir)
+                parts.setdefault((r, t), {})[j // step] = _part(kind, out, f"%{p}.i", L, pairs, target.avx512, p)
+    width, run = (8, 4) if pairs else ((16, 8) if target.avx512 else (8, 8))
+    for r, (dw, mw) in enumerate(rows):
+        for t, (dx, bs, _) in enumerate(toks):
+            q = f"{u}r{r}t{t}"
+            got = parts[(r, t)]
+            tir, tot = group_totals([got.get(i, "zeroinitializer") for i in range(8 // step)], width, run, q)
+            out += [tir, f"  %{q}.d = fmul <8 x float> {dw}, {dx}"]
+            if fmt == "int4":
+                out.append(f"  %{q}.b8 = shl <8 x i32> {bs}, <i32 3, i32 3, i32 3, i32 3, i32 3, i32 3, i32 3, i32 3>\n"
+                           f"  %{q}.t = sub <8 x i32> {tot}, %{q}.b8")
+                tot = f"%{q}.t"
+            out.append(accumulate(acc[(r, t)], tot, f"%{q}.d", f"%{q}.acc"))
+            acc[(r, t)] = f"%{q}.acc"
+            if fmt in PAIRED:
+                out.append(f"  %{q}.m = fmul <8 x float> {mw}, {dx}")
+                out.append(accumulate(f"%{q}.acc", bs, f"%{q}.m", f"%{q}.acm"))
+                acc[(r, t)] = f"%{q}.acm"
     return out
 
 
 def tile_function(target: Target, fmt: str, K: int, group_size: int, R: int, T: int, name: str = "tile") -> str:
+    from .canon import fold
+
     dims("tile", K=K)
     dims("tile", hi=16, R=R, T=T)
     group_ok("tile", fmt, group_size)
     require("tile", needs_q8(fmt, group_size), f"no q8 tile for {fmt} in groups of {group_size}")
     NG = -(-K // group_size)
-    kinds = _unit_kinds(fmt, target, 2)
+    main, rem = divmod(NG, 8)
     params = [f"ptr noalias %{v}{r}" for r in range(R) for v in ("w", "s")]
     params += [f"ptr noalias %{v}{t}" for t in range(T) for v in ("x", "xd", "xs")]
     head = f"define internal void @{name}({', '.join(params)}, ptr noalias %out) alwaysinline {{\nentry:\n"
     parts = []
-    acc: dict = {}
-    if NG >= 2:     # one pair of groups per iteration: R x T sums stay in registers
-        keys = [(r, t, len(_unit_lanes(kinds[0][1]))) for r in range(R) for t in range(T)]
+    keys = [(r, t) for r in range(R) for t in range(T)]
+    acc = {k: "zeroinitializer" for k in keys}
+    if main:        # one batch of 8 groups per iteration: the R x T accumulators stay in registers
         start = {k: f"%phi.{k[0]}.{k[1]}" for k in keys}
         acc = dict(start)
-        lines = []
-        for j, kind in kinds:
-            lines.append(f"  %g{j} = add nuw nsw i64 %g, {j}")
-            lines += _unit(target, fmt, R, T, kind, f"g{j}", f"m{j}", acc)
-        phis = [f"  {start[k]} = phi {vec(k[2], 'float')} [zeroinitializer, %entry], [{acc[k]}, %loop]" for k in keys]
+        lines = _batch(target, fmt, R, T, 8, "g", "m", acc)
+        phis = [f"  {start[k]} = phi <8 x float> [zeroinitializer, %entry], [{acc[k]}, %loop]" for k in keys]
         parts.append(f"""  br label %loop
 loop:
   %g = phi i64 [0, %entry], [%g.next, %loop]
 {chr(10).join(phis)}
 {chr(10).join(lines)}
-  %g.next = add nuw nsw i64 %g, 2
-  %done = icmp eq i64 %g.next, {NG // 2 * 2}
+  %g.next = add nuw nsw i64 %g, 8
+  %done = icmp eq i64 %g.next, {8 * main}
   br i1 %done, label %tail, label %loop
 tail:""")
-    if NG % 2:
-        parts.append(f"  %gt = add i64 0, {NG - 1}")
-        parts += _unit(target, fmt, R, T, "one", "gt", "t", acc)
-    for r in range(R):
-        for t in range(T):
-            total = "0.0"
-            for k in sorted(k for k in acc if k[:2] == (r, t)):
-                red = f"%red.{r}.{t}.{k[2]}"
-                parts.append(f"  {red} = call reassoc float @llvm.vector.reduce.fadd.v{k[2]}f32(float {total}, "
-                             f"{vec(k[2], 'float')} {acc[k]})")
-                total = red
-            parts.append(f"""  %op.{r}.{t} = getelementptr inbounds float, ptr %out, i64 {t * R + r}
-  store float {total}, ptr %op.{r}.{t}, align 4""")
+    if rem:
+        parts.append(f"  %gt = add i64 0, {8 * main}")
+        parts += _batch(target, fmt, R, T, rem, "gt", "t", acc)
+    for r, t in keys:
+        parts.append(fold(acc[(r, t)], f"%red.{r}.{t}"))
+        parts.append(f"""  %op.{r}.{t} = getelementptr inbounds float, ptr %out, i64 {t * R + r}
+  store float %red.{r}.{t}, ptr %op.{r}.{t}, align 4""")
     return head + "\n".join(parts) + "\n  ret void\n}\n"
