@@ -7,7 +7,7 @@ Shapes are N x K (output rows x input columns, as in W[N, K] @ x[K]). For each f
 the kernel streams the whole weight once per call (decode: one token); the table reports weight
 bytes per second (median of --reps calls) and the ratio to the read bandwidth measured by a
 JIT-compiled parallel sum over a 1 GiB array on the same threads. int8/int4 run with q8
-activations (the default) and with f32 activations (exact, STRATA_CPU_ACT=f32). --tokens M > 1
+activations (one plane; the runtime's default q16 has two) and with f32 activations (exact). --tokens M > 1
 times prefill instead: M tokens per call (the MoE rows route each to top_k random experts).
 """
 

@@ -126,9 +126,11 @@ SETTINGS: tuple[Setting, ...] = (
     _s("debug", "bool", False, "cli", "show Python tracebacks for errors (as --debug does)", user=True),
     _s("cpu_features", "choice", "", "llvm", "avx2 forces the AVX2 code path on an AVX-512 CPU (default: what this CPU has)",
        choices=("avx2", "native"), user=True),
-    _s("cpu_act", "choice", "q8", "llvm",
-       "activations against int8/int4 weights: q8 blocks on integer dot products, or f32 (exact, slower)",
-       choices=("q8", "f32"), user=True),
+    _s("cpu_act", "choice", "q16", "llvm",
+       "activations against int8/int4/int4a weights: q16 (blocks of 32 as two planes of int8 codes, about 15 bits, "
+       "on integer dot products), q8 (one plane, as llama.cpp: faster prefill, KL ~3e-3 on a real model), "
+       "or f32 (exact, slowest)",
+       choices=("q16", "q8", "f32"), user=True),
     _s("xla_compute", "choice", "bf16", "xla", "compute type of non-f32 weights on a GPU: bf16, or f32 (exact, slower)",
        choices=("bf16", "f32"), user=True),
     _s("compile_threads", "int", None, "compile", "threads that quantize weights (default: every usable CPU)",

@@ -14,7 +14,7 @@ from strata_compiler.backends.llvm_cpu.codegen.moe import MoESpec
 from strata_compiler.backends.llvm_cpu.jit import KernelLibrary, emit_artifacts
 from strata_compiler.backends.llvm_cpu.target import Target
 from strata_compiler.backends.reference.executor import silu
-from test_llvm_linear_moe import call, ptr, q8_reference, quantized, routes
+from test_llvm_linear_moe import activations, call, ptr, quantized, routes
 
 HOST = Target.host()
 needs_amx = pytest.mark.skipif(not HOST.amx, reason="this CPU has no AMX-INT8 (or the OS did not grant it)")
@@ -54,9 +54,11 @@ def _bits(a: np.ndarray) -> np.ndarray:
 
 
 @needs_amx
-@pytest.mark.parametrize("fmt,dfmt,D,I", [("int4", "int4", 64, 96), ("int8", "int8", 64, 96), ("int4", "int8", 64, 96),
-                                          ("int4a", "int4a", 64, 96), ("int4a", "int4", 320, 2112)])
-def test_moe_tiles_match_the_q8_definition(fmt, dfmt, D, I):
+@pytest.mark.parametrize("fmt,dfmt,D,I,planes", [("int4", "int4", 64, 96, 1), ("int8", "int8", 64, 96, 1),
+                                                 ("int4", "int8", 64, 96, 1), ("int4a", "int4a", 64, 96, 1),
+                                                 ("int4a", "int4", 320, 2112, 1), ("int4", "int8", 64, 96, 2),
+                                                 ("int4a", "int4a", 320, 2112, 2)])
+def test_moe_tiles_match_the_q8_definition(fmt, dfmt, D, I, planes):
     """The AMX MoE kernels against the q8 definition, and bit for bit against the row kernels (I =
     2112: 66 groups, more than a pass of tile_gemm keeps)."""
     lib = KernelLibrary(HOST, use_disk_cache=False)
@@ -69,27 +71,28 @@ def test_moe_tiles_match_the_q8_definition(fmt, dfmt, D, I):
     _, tok, exp, pw, first, active = routes(rng, M, E, k, choices=E - 1)      # expert 4 never chosen
     nA = len(active)
     nt, st, Pp, prow = _layout(first, nA)
-    xq, xd, xs, xdeq = q8_reference(x)
-    xg = np.full((Pp, D), 77, np.int8)              # pad rows hold bytes; their scale is 0
+    xq, xd, xs, xdeq = activations(x, True, 32, planes=planes)
+    xg = np.full((Pp, D * planes), 77, np.int8)     # pad rows hold bytes; their scale is 0
     xgd = np.zeros((Pp, D // 32), np.float32)
     xgs = np.full((Pp, D // 32), 5, np.int32)
     xg[prow], xgd[prow], xgs[prow] = xq[tok], xd[tok], xs[tok]
     h = np.full((Pp, I), np.nan, np.float32)
-    spec = amx.AmxMoESpec(fmt, dfmt, D, I, residual=True)
+    spec = amx.AmxMoESpec(fmt, dfmt, D, I, residual=True, planes=planes)
     act = active
     call(lib, amx.gate_up(spec, HOST), dict(h=ptr(h), x=ptr(xg), xd=ptr(xgd), xs=ptr(xgs), w=ptr(wu), s=ptr(su),
                                            act=ptr(act), pstart=ptr(st), ptiles=ptr(nt), ldh=I), nA * I // amx.T,
          split=7)
     href = np.stack([silu(xdeq[m] @ gud[e, :I].T) * (xdeq[m] @ gud[e, I:].T) for m, e in zip(tok, exp)])
     np.testing.assert_allclose(h[prow], href, atol=2e-5 * np.abs(href).max())
-    rspec = MoESpec(fmt, D, I, 32, True, residual=True, down_fmt=dfmt, down_q8=True, down_group_size=32)
+    rspec = MoESpec(fmt, D, I, 32, True, residual=True, down_fmt=dfmt, down_q8=True, down_group_size=32,
+                    planes=planes)
     hrow = np.zeros((len(tok), I), np.float32)
     call(lib, moe_gen.gate_up(rspec, HOST), dict(h=ptr(hrow), x=ptr(xq), xd=ptr(xd), xs=ptr(xs), w=ptr(wu), s=ptr(su),
                                                 pair_tok=ptr(tok), first=ptr(first), active=ptr(active), ldx=D),
          nA * I, split=I + 3)
     np.testing.assert_array_equal(_bits(h[prow]), _bits(hrow))
-    hq, hd, hs, hdeq = q8_reference(np.ascontiguousarray(h[prow]))
-    hgq = np.zeros((Pp, I), np.int8)
+    hq, hd, hs, hdeq = activations(np.ascontiguousarray(h[prow]), True, 32, planes=planes)
+    hgq = np.zeros((Pp, I * planes), np.int8)
     hgd = np.zeros((Pp, I // 32), np.float32)
     hgs = np.zeros((Pp, I // 32), np.int32)
     hgq[prow], hgd[prow], hgs[prow] = hq, hd, hs
@@ -137,24 +140,25 @@ def test_a_prefill_on_tiles_matches_the_row_kernels(tiny_int8_plan, monkeypatch)
 @pytest.mark.parametrize("fmt", amx.FORMATS)
 @pytest.mark.parametrize("N,K,M,epi", [(32, 64, 37, "bsr"), (48, 96, 16, ""), (16, 32, 5, "s"), (64, 128, 33, "br"),
                                         (16, 2336, 17, "s")])
-def test_linear_tiles_match_the_q8_definition(fmt, N, K, M, epi):
-    """Against the q8 definition, and bit for bit against the row kernels (K = 2336: 73 groups)."""
+@pytest.mark.parametrize("planes", [1, 2])
+def test_linear_tiles_match_the_q8_definition(fmt, N, K, M, epi, planes):
+    """Against the q8 (q16) definition, and bit for bit against the row kernels (K = 2336: 73 groups)."""
     lib = KernelLibrary(HOST, use_disk_cache=False)
     rng = np.random.default_rng(N + K + M)
     silu_mul = "s" in epi
     rows = 2 * N if silu_mul else N
     w, s, wd = quantized(fmt, rng.standard_normal((rows, K), dtype=np.float32), 32)
     x = rng.standard_normal((M, K), dtype=np.float32)
-    xq, xd, xs, xdeq = q8_reference(x)
+    xq, xd, xs, xdeq = activations(x, True, 32, planes=planes)
     Mp = -(-M // amx.T) * amx.T
-    xt = np.full((Mp, K), 99, np.int8)
+    xt = np.full((Mp, K * planes), 99, np.int8)
     xtd = np.zeros((Mp, K // 32), np.float32)
     xts = np.full((Mp, K // 32), 3, np.int32)
     xt[:M], xtd[:M], xts[:M] = xq, xd, xs
     b = rng.standard_normal(rows, dtype=np.float32)
     r = rng.standard_normal((M, N), dtype=np.float32)
     y = np.full((M + 1, N), np.nan, np.float32)          # the row past M stays untouched
-    spec = amx.AmxLinearSpec(fmt, N, K, bias="b" in epi, silu_mul=silu_mul, residual="r" in epi)
+    spec = amx.AmxLinearSpec(fmt, N, K, bias="b" in epi, silu_mul=silu_mul, residual="r" in epi, planes=planes)
     call(lib, amx.linear(spec, HOST), dict(y=ptr(y), x=ptr(xt), xd=ptr(xtd), xs=ptr(xts), w=ptr(w), s=ptr(s),
                                            b=ptr(b), r=ptr(r), M=M, ldy=N, ldr=N), N // amx.T, split=1)
     h = xdeq @ wd.T + (b if "b" in epi else 0)
@@ -165,7 +169,8 @@ def test_linear_tiles_match_the_q8_definition(fmt, N, K, M, epi):
     np.testing.assert_allclose(y[:M], h, rtol=0, atol=2e-5 * np.abs(h).max())
     assert np.isnan(y[M]).all()
     yrow = np.zeros((M, N), np.float32)
-    call(lib, generate(LinearSpec(fmt, N, K, 32, True, bias="b" in epi, silu_mul=silu_mul, residual="r" in epi), HOST),
+    call(lib, generate(LinearSpec(fmt, N, K, 32, True, bias="b" in epi, silu_mul=silu_mul, residual="r" in epi,
+                                  planes=planes), HOST),
          dict(y=ptr(yrow), x=ptr(xq), xd=ptr(xd), xs=ptr(xs), w=ptr(w), s=ptr(s), b=ptr(b), r=ptr(r), M=M, ldx=K,
               ldy=N, ldr=N), N, split=N // 3)
     np.testing.assert_array_equal(_bits(y[:M]), _bits(yrow))

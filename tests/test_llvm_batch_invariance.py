@@ -17,20 +17,22 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, np.float32).view(np.uint32)
 
 
+@pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("tname", list(TARGETS))
 @pytest.mark.parametrize("fmt", ["int4", "int8", "int4a"])
 @pytest.mark.parametrize("N,K,M,epi", [(37, 330, 11, "bsr"), (20, 256, 8, "s"), (9, 608, 13, "")])
-def test_linear_token_alone_equals_token_in_a_batch(tname, fmt, N, K, M, epi):
+def test_linear_token_alone_equals_token_in_a_batch(tname, fmt, N, K, M, epi, planes):
     t, lib = TARGETS[tname], LIBS[tname]
     rng = np.random.default_rng(K + M)
     silu_mul = "s" in epi
     rows = 2 * N if silu_mul else N
     w, s, _ = quantized(fmt, rng.standard_normal((rows, K), dtype=np.float32), 32)
     x = (rng.standard_normal((M, K), dtype=np.float32) * rng.random((M, 1), dtype=np.float32) * 4)
-    xin, xd, xs, _ = activations(x, True, 32, pair_layout(t, fmt, 32))
+    xin, xd, xs, _ = activations(x, True, 32, pair_layout(t, fmt, 32), planes)
     b = rng.standard_normal(rows, dtype=np.float32)
     r = rng.standard_normal((M, N), dtype=np.float32)
-    src = generate(LinearSpec(fmt, N, K, 32, True, bias="b" in epi, silu_mul=silu_mul, residual="r" in epi), t)
+    src = generate(LinearSpec(fmt, N, K, 32, True, bias="b" in epi, silu_mul=silu_mul, residual="r" in epi,
+                              planes=planes), t)
 
     def run(m0: int, m1: int) -> np.ndarray:
         y = np.full((m1 - m0, N), np.nan, np.float32)
@@ -45,9 +47,10 @@ def test_linear_token_alone_equals_token_in_a_batch(tname, fmt, N, K, M, epi):
     np.testing.assert_array_equal(_bits(in_pairs), _bits(alone))
 
 
+@pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("tname", list(TARGETS))
 @pytest.mark.parametrize("fmt", ["int4", "int8", "int4a"])
-def test_moe_token_alone_equals_token_in_a_batch(tname, fmt):
+def test_moe_token_alone_equals_token_in_a_batch(tname, fmt, planes):
     """Gate/up and down of 23 tokens (experts with whole R x T tiles and leftovers) against each
     token run alone: the same h rows and the same outputs, bit for bit."""
     t, lib = TARGETS[tname], LIBS[tname]
@@ -58,7 +61,7 @@ def test_moe_token_alone_equals_token_in_a_batch(tname, fmt):
     x = rng.standard_normal((M, D), dtype=np.float32)
     r = rng.standard_normal((M, D), dtype=np.float32)
     comb = routes(rng, M, E, k)[0]
-    spec = MoESpec(fmt, D, I, 32, True, residual=True)
+    spec = MoESpec(fmt, D, I, 32, True, residual=True, planes=planes)
     pairs = pair_layout(t, fmt, 32)
 
     def run(m0: int, m1: int) -> tuple[np.ndarray, np.ndarray]:
@@ -69,13 +72,13 @@ def test_moe_token_alone_equals_token_in_a_batch(tname, fmt):
         pw = sub[tok, exp].astype(np.float32)
         active, counts = np.unique(exp, return_counts=True)
         first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        xin, xd, xs, _ = activations(x[m0:m1], True, 32, pairs)
+        xin, xd, xs, _ = activations(x[m0:m1], True, 32, pairs, planes)
         hfull = np.zeros((len(tok), h_stride(spec)), np.float32)
         h = hfull[:, :I]
         call(lib, gate_up(spec, t), dict(h=ptr(hfull), x=ptr(xin), xd=ptr(xd), xs=ptr(xs), w=ptr(wu), s=ptr(su),
                                           pair_tok=ptr(tok), first=ptr(first), active=ptr(active.astype(np.int64)),
                                           ldx=xin.shape[1]), len(active) * I, split=I + 3)
-        hin, hd, hs, _ = activations(np.ascontiguousarray(h), True, 32, pairs)
+        hin, hd, hs, _ = activations(np.ascontiguousarray(h), True, 32, pairs, planes)
         y = np.zeros((m1 - m0, D), np.float32)
         call(lib, down(spec, t), dict(y=ptr(y), r=ptr(r[m0:m1]), h=ptr(hin), hd=ptr(hd), hs=ptr(hs), w=ptr(wdn),
                                        s=ptr(sdn), pair_tok=ptr(tok), pair_exp=ptr(exp), pair_w=ptr(pw), P=len(tok),

@@ -50,6 +50,25 @@ def q8_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.
             (q * d[..., None]).reshape(M, -1)[:, :K].astype(np.float32))
 
 
+def q16_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """q16 blocks as quantize_q8(planes=2) defines them: rows [q | q2], d / 256, 256 sum q + sum q2,
+    and the f32 values they stand for ((256 q + q2) d / 256)."""
+    M, K = x.shape
+    ng = -(-K // 32)
+    xp = np.zeros((M, ng * 32), np.float32)
+    xp[:, :K] = x
+    g = xp.reshape(M, ng, 32)
+    d = (np.abs(g).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    q = np.clip(np.rint(g * inv[..., None]), -127, 127).astype(np.float32)
+    r = (g.astype(np.float64) - q.astype(np.float64) * d[..., None]).astype(np.float32)   # one rounding: an fma
+    q2 = np.clip(np.rint(r * (inv * np.float32(256))[..., None]), -127, 127).astype(np.float32)
+    d2 = d / np.float32(256)
+    codes = np.concatenate([q.astype(np.int8).reshape(M, -1), q2.astype(np.int8).reshape(M, -1)], axis=1)
+    sums = (256 * q.sum(-1) + q2.sum(-1)).astype(np.int32)
+    return codes, d2, sums, ((256 * q + q2) * d2[..., None]).reshape(M, -1)[:, :K].astype(np.float32)
+
+
 def quantized(fmt, w, G):
     F = get_format(fmt)
     a = F.quantize(w, G or 32)
@@ -68,7 +87,13 @@ def pair_permute(xq: np.ndarray) -> np.ndarray:
     return out
 
 
-def activations(x, q8, G, pairs: bool = False):
+def activations(x, q8, G, pairs: bool = False, planes: int = 1):
+    if q8 and planes == 2:
+        xq, xd, xs, xdeq = q16_reference(x)
+        if pairs:
+            h = xq.shape[1] // 2
+            xq = np.concatenate([pair_permute(xq[:, :h]), pair_permute(xq[:, h:])], axis=1)
+        return xq, xd, xs, xdeq
     if q8:
         xq, xd, xs, xdeq = q8_reference(x)
         return (pair_permute(xq) if pairs else xq), xd, xs, xdeq
@@ -124,6 +149,49 @@ def test_linear_matches_reference(tname, fmt, q8, N, K, M, epi):
     if "r" in epi:
         h = h + r
     np.testing.assert_allclose(y, h, rtol=0, atol=2e-5 * np.abs(h).max())
+
+
+@pytest.mark.parametrize("tname", list(TARGETS))
+@pytest.mark.parametrize("fmt", ["int4", "int8", "int4a"])
+@pytest.mark.parametrize("N,K,M,epi", [(37, 70, 3, "bsr"), (16, 32, 2, "s"), (45, 608, 11, "bsr"), (50, 256, 9, "")])
+def test_linear_q16_activations_match_reference(tname, fmt, N, K, M, epi):
+    """q16 activations (two planes of int8 codes) against the product with the values they stand
+    for: within f32 rounding of the exact one."""
+    t = TARGETS[tname]
+    rng = np.random.default_rng(N * K + M + 1)
+    silu_mul = "s" in epi
+    rows = 2 * N if silu_mul else N
+    w, s, wd = quantized(fmt, rng.standard_normal((rows, K), dtype=np.float32), 32)
+    x = rng.standard_normal((M, K), dtype=np.float32)
+    xin, xd, xs, xdeq = activations(x, True, 32, pair_layout(t, fmt, 32), planes=2)
+    assert np.abs(xdeq - x).max() <= np.abs(x).max() / 127 / 256
+    b = rng.standard_normal(rows, dtype=np.float32)
+    r = rng.standard_normal((M, N), dtype=np.float32)
+    y = np.full((M, N), np.nan, np.float32)
+    spec = LinearSpec(fmt, N, K, 32, True, bias="b" in epi, silu_mul=silu_mul, residual="r" in epi, planes=2)
+    call(LIBS[tname], generate(spec, t), dict(y=ptr(y), x=ptr(xin), xd=ptr(xd), xs=ptr(xs), w=ptr(w), s=ptr(s),
+                                              b=ptr(b), r=ptr(r), M=M, ldx=xin.shape[1], ldy=N, ldr=N), N, split=N // 3)
+    h = xdeq @ wd.T + (b if "b" in epi else 0)
+    if silu_mul:
+        h = silu(h[:, :N]) * h[:, N:]
+    if "r" in epi:
+        h = h + r
+    np.testing.assert_allclose(y, h, rtol=0, atol=2e-5 * np.abs(h).max())
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+@pytest.mark.parametrize("K", [32, 70, 330])
+def test_quantize_q16_kernel_matches_definition(K, pairs):
+    tname = "avx2" if pairs else "native"
+    lib, t = LIBS[tname], TARGETS[tname]
+    x = np.random.default_rng(K).standard_normal((3, K), dtype=np.float32) * 3
+    ng = -(-K // 32)
+    xq, xd, xs = np.zeros((3, 2 * ng * 32), np.int8), np.zeros((3, ng), np.float32), np.zeros((3, ng), np.int32)
+    call(lib, quantize_q8(K, t, pairs, planes=2), dict(x=ptr(x), xq=ptr(xq), xd=ptr(xd), xs=ptr(xs), ldx=K), 3)
+    rq, rd, rs, _ = activations(x, True, 32, pairs, planes=2)
+    np.testing.assert_array_equal(xq, rq)
+    np.testing.assert_array_equal(xd, rd)
+    np.testing.assert_array_equal(xs, rs)
 
 
 @pytest.mark.parametrize("K", [32, 64, 70, 200, 330])

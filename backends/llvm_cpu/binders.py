@@ -102,9 +102,9 @@ def _bind_linear(exe: LLVMExecutor, n: Node):
     fmt, G = spec_w.fmt, spec_w.group_size
     K = spec_w.shape[1]
     N = n.type.shape[-1]
-    q8 = exe.act == "q8" and needs_q8(fmt, G)
+    q8 = exe.act != "f32" and needs_q8(fmt, G)
     spec = LinearSpec(fmt, N, K, G, q8, bias=n.weight("b") is not None,
-                      silu_mul=n.attr("epilogue", "none") == "silu_mul", residual=len(n.args) == 2)
+                      silu_mul=n.attr("epilogue", "none") == "silu_mul", residual=len(n.args) == 2, planes=exe.planes)
     k = Kernel(exe.lib, linear_gen(spec, exe.target))
     w, s = exe.weight(n.weight("w"))
     b, _ = exe.weight(n.weight("b"))
@@ -144,7 +144,8 @@ def _bind_linear(exe: LLVMExecutor, n: Node):
         if tiled:
             if not amx_kernel:
                 amx_kernel.append(Kernel(exe.lib, amx_gen.linear(amx_gen.AmxLinearSpec(
-                    fmt, N, K, bias=spec.bias, silu_mul=spec.silu_mul, residual=spec.residual), exe.target)))
+                    fmt, N, K, bias=spec.bias, silu_mul=spec.silu_mul, residual=spec.residual, planes=exe.planes),
+                    exe.target)))
             at = amx_kernel[0].args(y=frame.out(n), x=x, xd=xd, xs=xs, w=w, s=s, b=b, r=r, M=M, ldy=N, ldr=N)
 
             def run_tiles(step: Step) -> None:
@@ -205,11 +206,11 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
     fmt, G = gu_spec.fmt, gu_spec.group_size
     E, I2, D = gu_spec.shape
     I = I2 // 2
-    q8 = exe.act == "q8" and needs_q8(fmt, G)
+    q8 = exe.act != "f32" and needs_q8(fmt, G)
     dn_spec = exe.g.weight(n.weight("down"))
     dG = dn_spec.group_size
     spec = MoESpec(fmt, D, I, G, q8, residual=len(n.args) == 3, down_fmt=dn_spec.fmt,
-                   down_q8=exe.act == "q8" and needs_q8(dn_spec.fmt, dG), down_group_size=dG)
+                   down_q8=exe.act != "f32" and needs_q8(dn_spec.fmt, dG), down_group_size=dG, planes=exe.planes)
     ku = Kernel(exe.lib, moe_gate_up_gen(spec, exe.target))
     kd = Kernel(exe.lib, moe_down_gen(spec, exe.target))
     kp = Kernel(exe.lib, moe_pairs_gen(E, exe.target))
@@ -312,7 +313,7 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
         tiles = None
         if tiled:
             if not amx_kernels:
-                aspec = amx_gen.AmxMoESpec(fmt, dn_spec.fmt, D, I, residual=spec.residual)
+                aspec = amx_gen.AmxMoESpec(fmt, dn_spec.fmt, D, I, residual=spec.residual, planes=exe.planes)
                 amx_kernels[:] = [Kernel(exe.lib, amx_gen.gate_up(aspec, exe.target)),
                                   Kernel(exe.lib, amx_gen.down(aspec, exe.target))]
             tiles = _amx_tiles(frame, n, amx_kernels, (h, hin, hd, hs, qhrun), I, D, E, ip, (xd, xs), (wu, su),
@@ -367,7 +368,7 @@ def _amx_tiles(frame: Frame, n: Node, kernels: list, hs: tuple, I: int, D: int, 
     rows = h.shape[0]
     ku, kd = kernels
     ng = D // 32
-    xg = frame.temp("moe.amx.x", (rows, 32 * ng), np.int8)
+    xg = frame.temp("moe.amx.x", (rows, 32 * ng * frame.exe.planes), np.int8)
     xgd = frame.temp("moe.amx.xd", (rows, ng), np.float32)
     xgs = frame.temp("moe.amx.xs", (rows, ng), np.int32)
     ptok = frame.temp("moe.amx.tok", (rows,), np.int64)

@@ -80,8 +80,9 @@ class LLVMExecutor:
         self.pool = get_pool()
         self.pool.split = pool_split()     # the setting, read per executor (a mixed plan sets 4 afterwards)
         self.act = (act or settings.get("cpu_act")).lower()
-        if self.act not in ("q8", "f32"):
-            raise BackendError(f"activations {self.act!r}: use q8 or f32")
+        if self.act not in ("q16", "q8", "f32"):
+            raise BackendError(f"activations {self.act!r}: use q16, q8 or f32")
+        self.planes = 2 if self.act == "q16" else 1     # planes of int8 codes per activation block
         self._q8: dict[tuple[int, bool], Q8] = {}
         # the kernels' weights copied into memory backed by 2 MiB pages (runtime/plan.py
         # resident_arrays) where the OS offers transparent huge pages; weights without that method
@@ -100,7 +101,7 @@ class LLVMExecutor:
         """The q8 quantizer of width K in the layout the kernels of weight format `fmt` read."""
         pairs = pair_layout(self.target, fmt, group_size)
         if (K, pairs) not in self._q8:
-            self._q8[K, pairs] = Q8(self, K, pairs)
+            self._q8[K, pairs] = Q8(self, K, pairs, self.planes)
         return self._q8[K, pairs]
 
     def weight(self, name: str | None) -> tuple[np.ndarray | None, np.ndarray | None]:

@@ -149,10 +149,10 @@ Binder = Callable[["LLVMExecutor", Node], Callable[[Frame], Op_]]
 class Q8:
     """Quantizes f32 rows of width K to q8 blocks (int8 data, f32 scales, i32 block sums)."""
 
-    def __init__(self, exe: "LLVMExecutor", K: int, pairs: bool = False) -> None:
-        self.K, self.pairs = K, pairs
+    def __init__(self, exe: "LLVMExecutor", K: int, pairs: bool = False, planes: int = 1) -> None:
+        self.K, self.pairs, self.planes = K, pairs, planes
         self.ng = -(-K // Q8_BLOCK)
-        self.kernel = Kernel(exe.lib, ew.quantize_q8(K, exe.target, pairs))
+        self.kernel = Kernel(exe.lib, ew.quantize_q8(K, exe.target, pairs, planes))
 
     def prepare(self, frame: Frame, x: np.ndarray, key: str, rows: int | None = None):
         """Scratch (xq, xd, xs) for x's rows and a function that fills them. `rows` > x's: the
@@ -160,7 +160,7 @@ class Q8:
         M = x.shape[0]
         R = max(M, rows or 0)
         key += ".p" if self.pairs else ""     # the two layouts of one input are separate scratch
-        xq = frame.temp(key + ".q", (R, self.ng * Q8_BLOCK), np.int8)
+        xq = frame.temp(key + ".q", (R, self.planes * self.ng * Q8_BLOCK), np.int8)
         xd = frame.temp(key + ".d", (R, self.ng), np.float32)
         xs = frame.temp(key + ".s", (R, self.ng), np.int32)
         a = self.kernel.args(x=x, xq=xq, xd=xd, xs=xs, ldx=ld(x))

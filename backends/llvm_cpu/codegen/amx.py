@@ -52,10 +52,11 @@ class AmxMoESpec:
     D: int
     I: int
     residual: bool = False
+    planes: int = 1     # q8 activations in 2 planes: q16 (elementwise.quantize_q8)
 
     @property
     def tag(self) -> str:
-        return f"{self.fmt}_{self.dfmt}_d{self.D}_i{self.I}{'_r' if self.residual else ''}"
+        return f"{self.fmt}_{self.dfmt}_d{self.D}_i{self.I}{'_r' if self.residual else ''}{'_q16' if self.planes == 2 else ''}"
 
 
 def supported(target: Target, fmt: str, G: int, dfmt: str, dG: int, D: int, I: int) -> bool:
@@ -154,21 +155,47 @@ exit:
     return "\n".join(out)
 
 
-def gemm_function(ng: int, name: str, paired: bool) -> str:
+def gemm_function(ng: int, name: str, paired: bool, planes: int = 1) -> str:
     """`void name(ptr x, ptr xd, ptr xs, ptr B, ptr dsc, ptr msc, ptr out)`: out[m][n] (16 x 16 f32)
     = the dot of x row m and B column n over ng groups in canon.py's order: per group one tile
     product (exact i32 sums), then per token m its 8 accumulator lanes (vectors over the 16
     columns) take fma(sum, dsc[g] * xd[m][g]) in lane g mod 8 (paired formats: then fma(xs[m][g],
-    msc[g] * xd[m][g])); the lanes are folded at the end. x rows of Kp = 32 ng bytes, xd / xs
-    rows of ng values. Tile products are kept for CHUNK groups at a time, the accumulators
-    between chunks in memory."""
+    msc[g] * xd[m][g])); the lanes are folded at the end. x rows of Kp = 32 ng bytes (planes = 2,
+    q16: 2 Kp, the second plane's product added to 256 x the first's in i32), xd / xs rows of ng
+    values. Tile products are kept for CHUNK groups at a time (CHUNK / 2 with two planes), the
+    accumulators between chunks in memory."""
     from .canon import fold_vectors
 
     kp = 32 * ng
+    stride = planes * kp
+    chunk = CHUNK // planes
+    tb = 1024 * planes        # bytes of a group's tile products
+
+    def planes_sum(t: str) -> str:
+        """The two planes' i32 products as 256 x first + second (a group's second tile follows its first)."""
+        if planes == 1:
+            return f"\n  {t}.ci = add <16 x i32> {t}.c1, zeroinitializer"
+        return f"""
+  {t}.cp2 = getelementptr inbounds i8, ptr {t}.cp, i64 1024
+  {t}.c2 = load <16 x i32>, ptr {t}.cp2, align 64
+  {t}.ch = shl <16 x i32> {t}.c1, <{', '.join(['i32 8'] * 16)}>
+  {t}.ci = add <16 x i32> {t}.ch, {t}.c2"""
+
+    def second_tile(c: str) -> str:
+        """The second plane's tile product of the group, stored after the first's."""
+        if planes == 1:
+            return ""
+        return f"""
+  %{c}.xa2 = getelementptr inbounds i8, ptr %{c}.ap, i64 {kp}
+  %{c}.ta2 = call x86_amx @llvm.x86.tileloadd64.internal(i16 16, i16 32, ptr %{c}.xa2, i64 {stride})
+  %{c}.tz2 = call x86_amx @llvm.x86.tilezero.internal(i16 16, i16 64)
+  %{c}.tc2 = call x86_amx @llvm.x86.tdpbssd.internal(i16 16, i16 64, i16 32, x86_amx %{c}.tz2, x86_amx %{c}.ta2, x86_amx %{c}.tb)
+  %{c}.cp2 = getelementptr inbounds i8, ptr %{c}.cp, i64 1024
+  call void @llvm.x86.tilestored64.internal(i16 16, i16 64, ptr %{c}.cp2, i64 64, x86_amx %{c}.tc2)"""
     V = "<16 x float>"
     out = [f"""define internal void @{name}(ptr %x, ptr %xd, ptr %xs, ptr %B, ptr %dsc, ptr %msc, ptr %out) #0 {{
 entry:
-  %cbuf = alloca [{256 * min(ng, CHUNK)} x i32], align 64
+  %cbuf = alloca [{256 * planes * min(ng, chunk)} x i32], align 64
   %abuf = alloca [2048 x float], align 64
   call void @llvm.memset.p0.i64(ptr align 64 %abuf, i8 0, i64 8192, i1 false)
   br label %c0"""]
@@ -177,10 +204,10 @@ entry:
         """IR for group (chunk-local index gl) of token %{c}.m into lane j's accumulator."""
         t = f"%{c}.j{j}"
         ir = f"""  {t}.g = add nuw nsw i64 {gl}, %{c}.c0
-  {t}.co0 = mul nuw nsw i64 {gl}, 1024
+  {t}.co0 = mul nuw nsw i64 {gl}, {tb}
   {t}.co = add nuw nsw i64 {t}.co0, %{c}.mo
   {t}.cp = getelementptr inbounds i8, ptr %cbuf, i64 {t}.co
-  {t}.ci = load <16 x i32>, ptr {t}.cp, align 64
+  {t}.c1 = load <16 x i32>, ptr {t}.cp, align 64{planes_sum(t)}
   {t}.cf = sitofp <16 x i32> {t}.ci to {V}
   {t}.wo = mul nuw nsw i64 {t}.g, 64
   {t}.wp = getelementptr inbounds i8, ptr %dsc, i64 {t}.wo
@@ -205,10 +232,10 @@ entry:
   {t}.am = call {V} @llvm.fma.v16f32({V} {t}.bb, {V} {t}.ms, {V} {t}.a)"""
         return ir, f"{t}.{'am' if paired else 'a'}"
 
-    chunks = list(range(0, ng, CHUNK))
+    chunks = list(range(0, ng, chunk))
     for ci, c0 in enumerate(chunks):
         c = f"c{ci}"
-        n = min(CHUNK, ng - c0)
+        n = min(chunk, ng - c0)
         nb, rem = divmod(n, 8)
         after = f"c{ci + 1}" if ci + 1 < len(chunks) else "fold"
         out.append(f"""{c}:
@@ -221,13 +248,13 @@ entry:
   %{c}.ap = getelementptr inbounds i8, ptr %x, i64 %{c}.ao
   %{c}.bo = mul nuw nsw i64 %{c}.g, 512
   %{c}.bp = getelementptr inbounds i8, ptr %B, i64 %{c}.bo
-  %{c}.ta = call x86_amx @llvm.x86.tileloadd64.internal(i16 16, i16 32, ptr %{c}.ap, i64 {kp})
+  %{c}.ta = call x86_amx @llvm.x86.tileloadd64.internal(i16 16, i16 32, ptr %{c}.ap, i64 {stride})
   %{c}.tb = call x86_amx @llvm.x86.tileloadd64.internal(i16 8, i16 64, ptr %{c}.bp, i64 64)
   %{c}.tz = call x86_amx @llvm.x86.tilezero.internal(i16 16, i16 64)
   %{c}.tc = call x86_amx @llvm.x86.tdpbssd.internal(i16 16, i16 64, i16 32, x86_amx %{c}.tz, x86_amx %{c}.ta, x86_amx %{c}.tb)
-  %{c}.co = mul nuw nsw i64 %{c}.i, 1024
+  %{c}.co = mul nuw nsw i64 %{c}.i, {tb}
   %{c}.cp = getelementptr inbounds i8, ptr %cbuf, i64 %{c}.co
-  call void @llvm.x86.tilestored64.internal(i16 16, i16 64, ptr %{c}.cp, i64 64, x86_amx %{c}.tc)
+  call void @llvm.x86.tilestored64.internal(i16 16, i16 64, ptr %{c}.cp, i64 64, x86_amx %{c}.tc){second_tile(c)}
   %{c}.i1 = add nuw nsw i64 %{c}.i, 1
   %{c}.td = icmp eq i64 %{c}.i1, {n}
   br i1 %{c}.td, label %{c}.row, label %{c}.t
@@ -311,10 +338,10 @@ def _unpack_rows(row: str, tag: str, rb: int, sb: int, B: str, dsc: str, msc: st
   call void @unpack(ptr %{tag}.w, ptr %{tag}.s, ptr {B}, ptr {dsc}, ptr {msc})"""
 
 
-def _q8_rows(a: str, r: str, ng: int) -> str:
-    """%{a}p / %{a}dp / %{a}sp: the q8 activation rows from row `r` (32 bytes per group, one f32
-    scale, one i32 block sum)."""
-    return (f"  %{a}o = mul nuw nsw i64 {r}, {32 * ng}\n  %{a}p = getelementptr inbounds i8, ptr %{a}, i64 %{a}o\n"
+def _q8_rows(a: str, r: str, ng: int, planes: int = 1) -> str:
+    """%{a}p / %{a}dp / %{a}sp: the q8 activation rows from row `r` (32 bytes per group and plane,
+    one f32 scale, one i32 block sum)."""
+    return (f"  %{a}o = mul nuw nsw i64 {r}, {32 * ng * planes}\n  %{a}p = getelementptr inbounds i8, ptr %{a}, i64 %{a}o\n"
             f"  %{a}do = mul nuw nsw i64 {r}, {ng}\n  %{a}dp = getelementptr inbounds float, ptr %{a}d, i64 %{a}do\n"
             f"  %{a}sp = getelementptr inbounds i32, ptr %{a}s, i64 %{a}do")
 
@@ -342,7 +369,7 @@ def gate_up(spec: AmxMoESpec, target: Target) -> KernelSource:
     ng = D // 32
     rb, sb = _row_bytes(spec.fmt, ng)
     name = f"amx_moe_gate_up_{spec.tag}"
-    ir = unpack_function(spec.fmt, ng, "unpack") + gemm_function(ng, "tile_gemm", spec.fmt in PAIRED) + f"""
+    ir = unpack_function(spec.fmt, ng, "unpack") + gemm_function(ng, "tile_gemm", spec.fmt in PAIRED, spec.planes) + f"""
 define void @{name}(ptr noalias %args, i64 %begin, i64 %end) #0 {{
 entry:
 {load_args(GATE_UP_PARAMS, _PTRS)}
@@ -376,7 +403,7 @@ blk:
   br i1 %none, label %blk.next, label %tile
 tile:
 {_tile_rows('blk')}
-{_q8_rows('x', '%r0', ng)}
+{_q8_rows('x', '%r0', ng, spec.planes)}
   call void @tile_gemm(ptr %xp, ptr %xdp, ptr %xsp, ptr %Bg, ptr %dg, ptr %mg, ptr %go)
   call void @tile_gemm(ptr %xp, ptr %xdp, ptr %xsp, ptr %Bu, ptr %du, ptr %mu, ptr %uo)
   br label %row
@@ -416,7 +443,7 @@ def down(spec: AmxMoESpec, target: Target) -> KernelSource:
   %rp = getelementptr inbounds float, ptr %r, i64 %ro2
   %rv = load <16 x float>, ptr %rp, align 4""" if spec.residual else
             "  %rv = fadd <16 x float> zeroinitializer, zeroinitializer")
-    ir = unpack_function(spec.dfmt, ng, "unpack") + gemm_function(ng, "tile_gemm", spec.dfmt in PAIRED) + f"""
+    ir = unpack_function(spec.dfmt, ng, "unpack") + gemm_function(ng, "tile_gemm", spec.dfmt in PAIRED, spec.planes) + f"""
 define void @{name}(ptr noalias %args, i64 %begin, i64 %end) #0 {{
 entry:
 {load_args(DOWN_PARAMS, _PTRS)}
@@ -463,7 +490,7 @@ unpack:
   br label %tile
 tile:
 {_tile_rows('unpack')}
-{_q8_rows('h', '%r0', ng)}
+{_q8_rows('h', '%r0', ng, spec.planes)}
   call void @tile_gemm(ptr %hp, ptr %hdp, ptr %hsp, ptr %B, ptr %dsc, ptr %msc, ptr %ob)
   br label %row
 row:
@@ -514,11 +541,13 @@ class AmxLinearSpec:
     bias: bool = False
     silu_mul: bool = False
     residual: bool = False
+    planes: int = 1     # q8 activations in 2 planes: q16
 
     @property
     def name(self) -> str:
         flags = "".join(f for f, on in (("b", self.bias), ("s", self.silu_mul), ("r", self.residual)) if on)
-        return f"amx_linear_{self.fmt}_n{self.N}_k{self.K}{'_' + flags if flags else ''}"
+        q16 = "_q16" if self.planes == 2 else ""
+        return f"amx_linear_{self.fmt}_n{self.N}_k{self.K}{'_' + flags if flags else ''}{q16}"
 
 
 def linear_supported(target: Target, fmt: str, G: int, N: int, K: int) -> bool:
@@ -557,7 +586,7 @@ def linear(spec: AmxLinearSpec, target: Target) -> KernelSource:
   %v3 = fadd <16 x float> {cur}, %rv""")
         cur = "%v3"
     up = _unpack_rows("%nu", "up", rb, sb, "%Bu", "%du", "%mu") if two else ""
-    ir = unpack_function(spec.fmt, ng, "unpack") + gemm_function(ng, "tile_gemm", spec.fmt in PAIRED) + f"""
+    ir = unpack_function(spec.fmt, ng, "unpack") + gemm_function(ng, "tile_gemm", spec.fmt in PAIRED, spec.planes) + f"""
 define void @{spec.name}(ptr noalias %args, i64 %begin, i64 %end) #0 {{
 entry:
 {load_args(LINEAR_PARAMS, {"y", "x", "xd", "xs", "w", "s", "b", "r"})}
@@ -582,7 +611,7 @@ blk:
   br label %tile
 tile:
   %m0 = phi i64 [0, %blk], [%m0.1, %tile.next]
-{_q8_rows('x', '%m0', ng)}
+{_q8_rows('x', '%m0', ng, spec.planes)}
   call void @tile_gemm(ptr %xp, ptr %xdp, ptr %xsp, ptr %Bg, ptr %dg, ptr %mg, ptr %go)
 {"  call void @tile_gemm(ptr %xp, ptr %xdp, ptr %xsp, ptr %Bu, ptr %du, ptr %mu, ptr %uo)" if two else ""}
   br label %row

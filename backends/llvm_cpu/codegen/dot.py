@@ -258,16 +258,49 @@ NIBBLES = ("int4", "int4a")     # formats of 16 nibble bytes per group (int4's o
 PAIRED = ("int4a",)             # formats with a (scale, min) pair per group
 
 
-def _part(target: Target, fmt: str, n: int, base: str, t: str, w: str) -> tuple[str, str]:
+def second_plane(fmt: str, nb: int, t: str, off: str, neg: str | None = None) -> str:
+    """IR for %{t}.s2: the second plane's activation bytes (q16 activations: `off` = the first
+    plane's byte offset + Kp) as the signed operand of an integer dot, carrying int8 weights'
+    signs (`neg`, the first plane's mask) as the first plane's does."""
+    load = f"""  %{t}.x2p = getelementptr inbounds i8, ptr %x, i64 {off}
+  %{t}.x2 = load <{nb} x i8>, ptr %{t}.x2p, align 1"""
+    if fmt in NIBBLES:
+        return load + f"\n  %{t}.s2 = add <{nb} x i8> %{t}.x2, zeroinitializer"
+    return load + f"""
+  %{t}.nx2 = sub <{nb} x i8> zeroinitializer, %{t}.x2
+  %{t}.s2 = select <{nb} x i1> {neg or f'%{t}.neg'}, <{nb} x i8> %{t}.nx2, <{nb} x i8> %{t}.x2"""
+
+
+def combine_planes(target: Target, width: int, first: str, u: str, s2: str, out: str) -> str:
+    """IR for out = (first << 8) + the integer dot of (u, s2): the two planes of q16 activations
+    (x = (256 q + q2) d / 256) in one i32 total, exact (|256 dot| < 2^31 for 32 byte pairs)."""
+    L = width // 4
+    shl = f"  {out}.h = shl <{L} x i32> {first}, {splat(L, 'i32', '8')}"
+    if width == 64 and target.vnni:
+        return shl + (f"\n  {out}.u = bitcast <64 x i8> {u} to <16 x i32>\n  {out}.s = bitcast <64 x i8> {s2} to <16 x i32>\n"
+                      f"  {out} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {out}.h, <16 x i32> {out}.u, "
+                      f"<16 x i32> {out}.s)")
+    return shl + "\n" + _idot(target, width, u, s2, f"{out}.d") + f"\n  {out} = add <{L} x i32> {out}.h, {out}.d"
+
+
+def _part(target: Target, fmt: str, n: int, base: str, t: str, w: str, kp2: int) -> tuple[str, int]:
     """IR for %{t}.i: the integer dot of n (1 or 2) consecutive groups from group %{base} of
-    weight row w against the activation row %x (plain layout): (ir, its i32 lanes)."""
-    return (f"""  %{t}g.w = mul nuw nsw i64 %{base}, {16 if fmt in NIBBLES else 32}
+    weight row w against the activation row %x (plain layout; kp2 > 0: q16 activations, the
+    second plane kp2 bytes after the first): (ir, its i32 lanes)."""
+    ir = f"""  %{t}g.w = mul nuw nsw i64 %{base}, {16 if fmt in NIBBLES else 32}
   %{t}g.x = mul nuw nsw i64 %{base}, 32
 {_q8_operands(fmt, n, f'{t}g', t, w)}
-{_idot(target, 32 * n, f'%{t}.u', f'%{t}.s', f'%{t}.i')}""", 8 * n)
+{_idot(target, 32 * n, f'%{t}.u', f'%{t}.s', f'%{t}.i1' if kp2 else f'%{t}.i')}"""
+    if kp2:
+        ir += f"""
+  %{t}g.x2 = add nuw nsw i64 %{t}g.x, {kp2}
+{second_plane(fmt, 32 * n, t, f'%{t}g.x2')}
+{combine_planes(target, 32 * n, f'%{t}.i1', f'%{t}.u', f'%{t}.s2', f'%{t}.i')}"""
+    return ir, 8 * n
 
 
-def _row_parts(target: Target, fmt: str, n: int, g: str, t: str, w: str, pairs: bool) -> tuple[str, list[str], int, int]:
+def _row_parts(target: Target, fmt: str, n: int, g: str, t: str, w: str, pairs: bool,
+               kp2: int = 0) -> tuple[str, list[str], int, int]:
     """The integer dots of n <= 8 groups of weight row w from group %{g} (absent groups: zero
     parts): (ir, parts, lanes per part, lanes per group) for canon.group_totals."""
     ir, parts = [], []
@@ -281,10 +314,10 @@ def _row_parts(target: Target, fmt: str, n: int, g: str, t: str, w: str, pairs: 
             continue
         ir.append(f"  %{tag}.b = add nuw nsw i64 %{g}, {j}")
         if pairs and k == 2:
-            ir.append(_q8_pair_pair(tag, f"{tag}.b", w))
+            ir.append(_q8_pair_pair(tag, f"{tag}.b", w, kp2))
             parts.append(f"%{tag}.i")
             continue
-        body, L = _part(target, fmt, k, f"{tag}.b", tag, w)
+        body, L = _part(target, fmt, k, f"{tag}.b", tag, w, kp2)
         ir.append(body)
         want = 8 * step if not pairs else 8
         if pairs:         # a lone last group in the plain layout: its 8 lanes as 4, then 4 zeros
@@ -339,9 +372,10 @@ def _weight_scales(fmt: str, n: int, g: str, t: str, s: str) -> tuple[str, str, 
     return f"{a}\n  %{t}.dw = fpext <8 x half> {dh} to <8 x float>", f"%{t}.dw", None
 
 
-def _batch(target: Target, fmt: str, n: int, g: str, t: str, rows: list[tuple[str, str, str]], pairs: bool) -> str:
+def _batch(target: Target, fmt: str, n: int, g: str, t: str, rows: list[tuple[str, str, str]], pairs: bool,
+           kp2: int = 0) -> str:
     """IR adding n <= 8 groups from %{g} to each row's accumulator (canon.py's order); rows:
-    (weight data, scales, accumulator in -> the name of the accumulator out)."""
+    (weight data, scales, accumulator in -> the name of the accumulator out); kp2 > 0: q16."""
     from .canon import accumulate, group_totals
 
     a, dx = _lanes8(n, g, f"{t}.dx", "%xd", "float")
@@ -352,7 +386,7 @@ def _batch(target: Target, fmt: str, n: int, g: str, t: str, rows: list[tuple[st
         out.append(b)
     for r, (w, s, acc) in enumerate(rows):
         q = f"{t}r{r}"
-        ir, parts, width, run = _row_parts(target, fmt, n, g, q, w, pairs)
+        ir, parts, width, run = _row_parts(target, fmt, n, g, q, w, pairs, kp2)
         tir, tot = group_totals(parts, width, run, q)
         sir, dw, mw = _weight_scales(fmt, n, g, q, s)
         out += [ir, tir, sir, f"  %{q}.d = fmul <8 x float> {dw}, {dx}"]
@@ -367,7 +401,7 @@ def _batch(target: Target, fmt: str, n: int, g: str, t: str, rows: list[tuple[st
     return "\n".join(out)
 
 
-def _q8_dot(target: Target, fmt: str, NG: int, R: int = 1, pairs: bool = False) -> str:
+def _q8_dot(target: Target, fmt: str, NG: int, R: int = 1, pairs: bool = False, planes: int = 1) -> str:
     """int8/int4/int4a weights against q8 activations, R weight rows against one activation row,
     in canon.py's order: batches of 8 groups in a loop (each row's integer dots folded to one
     total per group, scaled, added to the group's accumulator lane), a last partial batch after
@@ -375,12 +409,14 @@ def _q8_dot(target: Target, fmt: str, NG: int, R: int = 1, pairs: bool = False) 
     Returns float (R = 1) or [R x float].
 
     `pairs` (int4 on AVX2, pair_layout): the activations are in the pair layout: two groups'
-    nibbles dot them as they come (_q8_pair_pair); an odd last group is in the plain layout."""
+    nibbles dot them as they come (_q8_pair_pair); an odd last group is in the plain layout.
+    `planes` = 2: q16 activations (elementwise.quantize_q8), each integer dot over both planes."""
     from .canon import fold
 
     require("dot", not (pairs and target.avx512), "the pair layout is an AVX2 path")
     require("dot", fmt in NIBBLES + ("int8",), f"no q8 dot for {fmt}")
     main, rem = divmod(NG, 8)
+    kp2 = 32 * NG if planes == 2 else 0
     names = [((f"%w{r}", f"%s{r}") if R > 1 else ("%w", "%s")) for r in range(R)]
     V = "<8 x float>"
     parts = ["\nentry:"]
@@ -388,7 +424,7 @@ def _q8_dot(target: Target, fmt: str, NG: int, R: int = 1, pairs: bool = False) 
     if main:
         last = "acm" if fmt in PAIRED else "acc"
         phis = [f"  %acc{r} = phi {V} [zeroinitializer, %entry], [%mr{r}.{last}, %loop]" for r in range(R)]
-        body = _batch(target, fmt, 8, "g", "m", [(w, s, f"%acc{r}") for r, (w, s) in enumerate(names)], pairs)
+        body = _batch(target, fmt, 8, "g", "m", [(w, s, f"%acc{r}") for r, (w, s) in enumerate(names)], pairs, kp2)
         parts.append(f"""  br label %loop
 loop:
   %g = phi i64 [0, %entry], [%g1, %loop]
@@ -401,7 +437,8 @@ tail:""")
         accs = [f"%mr{r}.{last}" for r in range(R)]
     if rem:
         parts.append(f"  %gt = add i64 0, {8 * main}")
-        parts.append(_batch(target, fmt, rem, "gt", "t", [(w, s, accs[r]) for r, (w, s) in enumerate(names)], pairs))
+        parts.append(_batch(target, fmt, rem, "gt", "t", [(w, s, accs[r]) for r, (w, s) in enumerate(names)], pairs,
+                            kp2))
         accs = [f"%tr{r}.{'acm' if fmt in PAIRED else 'acc'}" for r in range(R)]
     for r in range(R):
         parts.append(fold(accs[r], f"%out{r}"))
@@ -433,24 +470,38 @@ def pair_layout(target: Target, fmt: str, group_size: int) -> bool:
     return fmt == "int4" and group_size == Q8_BLOCK and not target.avx512
 
 
-def _q8_pair_pair(t: str, base: str, w: str) -> str:
+def _q8_pair_pair(t: str, base: str, w: str, kp2: int = 0) -> str:
     """One pair of int4 groups (%{base}, %{base}+1) against pair-layout activations: %{t}.i, the
     <8 x i32> dots (lanes 0-3: the first group's, 4-7: the second's). |a product pair| <= 2*15*127,
-    so the low and high halves' 16-bit sums add without overflow."""
-    return f"""  %{t}.wo = mul nuw nsw i64 %{base}, 16
+    so the low and high halves' 16-bit sums add without overflow. kp2 > 0: q16 activations, the
+    second plane kp2 bytes after the first."""
+    ir = f"""  %{t}.wo = mul nuw nsw i64 %{base}, 16
   %{t}.qp = getelementptr inbounds i8, ptr {w}, i64 %{t}.wo
   %{t}.q = load <32 x i8>, ptr %{t}.qp, align 1
   %{t}.lo = and <32 x i8> %{t}.q, {splat(32, 'i8', '15')}
   %{t}.hi = lshr <32 x i8> %{t}.q, {splat(32, 'i8', '4')}
   %{t}.xo = mul nuw nsw i64 %{base}, 32
-  %{t}.xlp = getelementptr inbounds i8, ptr %x, i64 %{t}.xo
-  %{t}.xl = load <32 x i8>, ptr %{t}.xlp, align 1
-  %{t}.xhp = getelementptr inbounds i8, ptr %{t}.xlp, i64 32
-  %{t}.xh = load <32 x i8>, ptr %{t}.xhp, align 1
-  %{t}.pl = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> %{t}.lo, <32 x i8> %{t}.xl)
-  %{t}.ph = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> %{t}.hi, <32 x i8> %{t}.xh)
-  %{t}.ps = add <16 x i16> %{t}.pl, %{t}.ph
-  %{t}.i = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> %{t}.ps, <16 x i16> {splat(16, 'i16', '1')})"""
+{pair_plane_dot(t, '', f'%{t}.xo', f'%{t}.i1' if kp2 else f'%{t}.i')}"""
+    if kp2:
+        ir += f"""
+  %{t}.xo2 = add nuw nsw i64 %{t}.xo, {kp2}
+{pair_plane_dot(t, '2', f'%{t}.xo2', f'%{t}.i2')}
+  %{t}.ih = shl <8 x i32> %{t}.i1, {splat(8, 'i32', '8')}
+  %{t}.i = add <8 x i32> %{t}.ih, %{t}.i2"""
+    return ir
+
+
+def pair_plane_dot(t: str, sfx: str, off: str, out: str) -> str:
+    """IR for `out`: the nibbles %{t}.lo / %{t}.hi of a pair of int4 groups against one plane's
+    pair-layout activations at byte offset `off` of %x (values named with suffix sfx)."""
+    return f"""  %{t}.xlp{sfx} = getelementptr inbounds i8, ptr %x, i64 {off}
+  %{t}.xl{sfx} = load <32 x i8>, ptr %{t}.xlp{sfx}, align 1
+  %{t}.xhp{sfx} = getelementptr inbounds i8, ptr %{t}.xlp{sfx}, i64 32
+  %{t}.xh{sfx} = load <32 x i8>, ptr %{t}.xhp{sfx}, align 1
+  %{t}.pl{sfx} = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> %{t}.lo, <32 x i8> %{t}.xl{sfx})
+  %{t}.ph{sfx} = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> %{t}.hi, <32 x i8> %{t}.xh{sfx})
+  %{t}.ps{sfx} = add <16 x i16> %{t}.pl{sfx}, %{t}.ph{sfx}
+  {out} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> %{t}.ps{sfx}, <16 x i16> {splat(16, 'i16', '1')})"""
 
 
 def needs_q8(fmt: str, group_size: int) -> bool:
@@ -458,7 +509,8 @@ def needs_q8(fmt: str, group_size: int) -> bool:
     return fmt in ("int8", "int4", "int4a") and group_size == Q8_BLOCK
 
 
-def dot_function(target: Target, fmt: str, K: int, group_size: int, q8: bool, name: str = "dot") -> str:
+def dot_function(target: Target, fmt: str, K: int, group_size: int, q8: bool, name: str = "dot",
+                 planes: int = 1) -> str:
     head = (f"define internal float @{name}(ptr noalias %w, ptr noalias %s, ptr noalias %x, "
             f"ptr noalias %xd, ptr noalias %xs) alwaysinline {{")
     dims("dot", K=K)
@@ -470,7 +522,7 @@ def dot_function(target: Target, fmt: str, K: int, group_size: int, q8: bool, na
         body = _bf16_dot(K)
     elif q8:
         require("dot", needs_q8(fmt, group_size), f"no q8-activation path for {fmt} in groups of {group_size}")
-        body = _q8_dot(target, fmt, NG, pairs=pair_layout(target, fmt, group_size))
+        body = _q8_dot(target, fmt, NG, pairs=pair_layout(target, fmt, group_size), planes=planes)
     elif fmt in ("int8", "int4"):
         body = _grouped_f32act_dot(fmt, NG, group_size)
     else:
@@ -478,7 +530,7 @@ def dot_function(target: Target, fmt: str, K: int, group_size: int, q8: bool, na
     return head + body + "\n"
 
 
-def dot2_function(target: Target, fmt: str, K: int, group_size: int) -> str:
+def dot2_function(target: Target, fmt: str, K: int, group_size: int, planes: int = 1) -> str:
     """[2 x float] @dot2(w0, s0, w1, s1, x, xd, xs): two weight rows against one q8 activation
     row in one pass (the merged gate/up weight: gate row n and up row n + I share x)."""
     dims("dot2", K=K)
@@ -487,7 +539,7 @@ def dot2_function(target: Target, fmt: str, K: int, group_size: int) -> str:
     NG = -(-K // group_size)
     head = ("define internal [2 x float] @dot2(ptr noalias %w0, ptr noalias %s0, ptr noalias %w1, "
             "ptr noalias %s1, ptr noalias %x, ptr noalias %xd, ptr noalias %xs) alwaysinline {")
-    return head + _q8_dot(target, fmt, NG, R=2, pairs=pair_layout(target, fmt, group_size)) + "\n"
+    return head + _q8_dot(target, fmt, NG, R=2, pairs=pair_layout(target, fmt, group_size), planes=planes) + "\n"
 
 
 def weight_row(row: str, out: str, rb: int, sb: int) -> str:

@@ -36,6 +36,7 @@ _INTRINSICS = {
     "llvm.sin.f32": "declare float @llvm.sin.f32(float)",
     "llvm.fabs.v32f32": "declare <32 x float> @llvm.fabs.v32f32(<32 x float>)",
     "llvm.roundeven.v32f32": "declare <32 x float> @llvm.roundeven.v32f32(<32 x float>)",
+    "llvm.fma.v32f32": "declare <32 x float> @llvm.fma.v32f32(<32 x float>, <32 x float>, <32 x float>)",
     "llvm.vector.reduce.fmax.v32f32": "declare float @llvm.vector.reduce.fmax.v32f32(<32 x float>)",
     "llvm.vector.reduce.add.v32i32": "declare i32 @llvm.vector.reduce.add.v32i32(<32 x i32>)",
     "llvm.memcpy.p0.p0.i64": "declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)",
@@ -311,6 +312,18 @@ def _splat32(v: str, t: str = "float") -> str:
     return "<" + ", ".join(f"{t} {v}" for _ in range(Q8_BLOCK)) + ">"
 
 
+def _codes(t: str, out: str) -> str:
+    """IR for %{out}.f (rint(%t) clipped to +-127, NaN as 0, f32) and %{out}.q (as i8)."""
+    return f"""  %{out}.rn = call <32 x float> @llvm.roundeven.v32f32(<32 x float> %{t})
+  %{out}.lo = fcmp olt <32 x float> %{out}.rn, {_splat32("-127.0")}
+  %{out}.c1 = select <32 x i1> %{out}.lo, <32 x float> {_splat32("-127.0")}, <32 x float> %{out}.rn
+  %{out}.hi = fcmp ogt <32 x float> %{out}.c1, {_splat32("127.0")}
+  %{out}.c2 = select <32 x i1> %{out}.hi, <32 x float> {_splat32("127.0")}, <32 x float> %{out}.c1
+  %{out}.nan = fcmp uno <32 x float> %{out}.c2, zeroinitializer
+  %{out}.f = select <32 x i1> %{out}.nan, <32 x float> zeroinitializer, <32 x float> %{out}.c2
+  %{out}.q = fptosi <32 x float> %{out}.f to <32 x i8>"""
+
+
 _Q8_BLOCK_FN = f"""
 define internal void @q8_block(ptr noalias %src, ptr noalias %q, ptr noalias %dp, ptr noalias %sp) alwaysinline #0 {{
 entry:
@@ -341,32 +354,81 @@ entry:
 }}
 """
 
+_Q16_BLOCK_FN = f"""
+define internal void @q16_block(ptr noalias %src, ptr noalias %q, ptr noalias %q2, ptr noalias %dp,
+                                ptr noalias %sp) alwaysinline #0 {{
+entry:
+  %v = load <32 x float>, ptr %src, align 4
+  %a = call <32 x float> @llvm.fabs.v32f32(<32 x float> %v)
+  %mx = call float @llvm.vector.reduce.fmax.v32f32(<32 x float> %a)
+  %d = fdiv float %mx, 127.0
+  %pos = fcmp ogt float %d, 0.0
+  %rc = fdiv float 1.0, %d
+  %inv = select i1 %pos, float %rc, float 0.0
+  %i0 = insertelement <32 x float> poison, float %inv, i64 0
+  %iv = shufflevector <32 x float> %i0, <32 x float> poison, <32 x i32> zeroinitializer
+  %t = fmul <32 x float> %v, %iv
+{_codes("t", "c")}
+  %d0 = insertelement <32 x float> poison, float %d, i64 0
+  %dv = shufflevector <32 x float> %d0, <32 x float> poison, <32 x i32> zeroinitializer
+  %nc = fneg <32 x float> %c.f
+  %r = call <32 x float> @llvm.fma.v32f32(<32 x float> %nc, <32 x float> %dv, <32 x float> %v)
+  %inv2 = fmul float %inv, 256.0
+  %j0 = insertelement <32 x float> poison, float %inv2, i64 0
+  %jv = shufflevector <32 x float> %j0, <32 x float> poison, <32 x i32> zeroinitializer
+  %t2 = fmul <32 x float> %r, %jv
+{_codes("t2", "e")}
+  store <32 x i8> %c.q, ptr %q, align 1
+  store <32 x i8> %e.q, ptr %q2, align 1
+  %d2 = fmul float %d, 0x3F70000000000000
+  store float %d2, ptr %dp, align 4
+  %qw = sext <32 x i8> %c.q to <32 x i32>
+  %s1 = call i32 @llvm.vector.reduce.add.v32i32(<32 x i32> %qw)
+  %qw2 = sext <32 x i8> %e.q to <32 x i32>
+  %s2 = call i32 @llvm.vector.reduce.add.v32i32(<32 x i32> %qw2)
+  %s1s = shl i32 %s1, 8
+  %s = add i32 %s1s, %s2
+  store i32 %s, ptr %sp, align 4
+  ret void
+}}
+"""
 
-def quantize_q8(K: int, target: Target, pairs: bool = False) -> KernelSource:
+
+def quantize_q8(K: int, target: Target, pairs: bool = False, planes: int = 1) -> KernelSource:
     """Per row, blocks of 32 (the last zero-padded): d = max|x| / 127, q = clip(rint(x * (1/d)), +-127).
 
     Writes xq i8[M, Kp] (row stride Kp), xd f32[M, NG] (d) and xs i32[M, NG] (sum of the block's q).
     `pairs`: xq in the pair layout of int4's AVX2 kernels (codegen/dot.py: pair_layout): per two
     blocks [first[0:16], second[0:16], first[16:32], second[16:32]]; xd and xs keep block order.
+    `planes` = 2 (q16): a second plane of codes q2 = clip(rint((x - q d) * 256 / d), +-127) after
+    the first (row stride 2 Kp), xd = d / 256 and xs = 256 sum q + sum q2: x = (256 q + q2) xd to
+    about 15 bits, and the kernels' integer dots become 256 dot(w, q) + dot(w, q2).
     """
     dims("quantize_q8", K=K)
     one_of("quantize_q8", "pairs", pairs, (True, False))
+    dims("quantize_q8", lo=1, hi=2, planes=planes)
     NG = -(-K // Q8_BLOCK)
     Kp = NG * Q8_BLOCK
     NF, rem = divmod(K, Q8_BLOCK)
     params = ("x", "xq", "xd", "xs", "ldx")
     body = f"""{row_ptr("xr", "x", "%ldx")}
-{row_ptr("qr", "xq", Kp, ty="i8")}
+{row_ptr("qr", "xq", planes * Kp, ty="i8")}
 {row_ptr("dr", "xd", NG)}
 {row_ptr("sr", "xs", NG, ty="i32")}
 """
+
+    def block(x: str, q: str, d: str, sm: str) -> str:
+        if planes == 1:
+            return f"  call void @q8_block(ptr {x}, ptr {q}, ptr {d}, ptr {sm})"
+        return (f"  {q}.2 = getelementptr inbounds i8, ptr {q}, i64 {Kp}\n"
+                f"  call void @q16_block(ptr {x}, ptr {q}, ptr {q}.2, ptr {d}, ptr {sm})")
     if NF:
-        body += loop("blk", "g", NF, """  %go = mul nuw nsw i64 %g, 32
+        body += loop("blk", "g", NF, f"""  %go = mul nuw nsw i64 %g, 32
   %xg = getelementptr inbounds float, ptr %xr, i64 %go
   %qg = getelementptr inbounds i8, ptr %qr, i64 %go
   %dg = getelementptr inbounds float, ptr %dr, i64 %g
   %sg = getelementptr inbounds i32, ptr %sr, i64 %g
-  call void @q8_block(ptr %xg, ptr %qg, ptr %dg, ptr %sg)""")
+{block("%xg", "%qg", "%dg", "%sg")}""")
     if rem:
         body += f"""  %xt = getelementptr inbounds float, ptr %xr, i64 {NF * Q8_BLOCK}
   call void @llvm.memset.p0.i64(ptr align 64 %buf, i8 0, i64 {4 * Q8_BLOCK}, i1 false)
@@ -374,18 +436,23 @@ def quantize_q8(K: int, target: Target, pairs: bool = False) -> KernelSource:
   %qt = getelementptr inbounds i8, ptr %qr, i64 {NF * Q8_BLOCK}
   %dt = getelementptr inbounds float, ptr %dr, i64 {NF}
   %st = getelementptr inbounds i32, ptr %sr, i64 {NF}
-  call void @q8_block(ptr %buf, ptr %qt, ptr %dt, ptr %st)
+{block("%buf", "%qt", "%dt", "%st")}
 """
     if pairs and NG >= 2:
-        body += loop("pairs", "pp", NG // 2, """  %ppo = mul nuw nsw i64 %pp, 64
-  %ppa = getelementptr inbounds i8, ptr %qr, i64 %ppo
-  %ppb = getelementptr inbounds i8, ptr %ppa, i64 32
-  %ppA = load <32 x i8>, ptr %ppa, align 1
-  %ppB = load <32 x i8>, ptr %ppb, align 1
-  %ppL = shufflevector <32 x i8> %ppA, <32 x i8> %ppB, """ + lanes(32, list(range(16)) + list(range(32, 48))) + """
-  %ppH = shufflevector <32 x i8> %ppA, <32 x i8> %ppB, """ + lanes(32, list(range(16, 32)) + list(range(48, 64))) + """
-  store <32 x i8> %ppL, ptr %ppa, align 1
-  store <32 x i8> %ppH, ptr %ppb, align 1""")
-    return row_kernel(f"quantize_q8_k{K}{'_pairs' if pairs else ''}", params, {"x", "xq", "xd", "xs"}, body, target,
+        for plane in range(planes):
+            body += loop(f"pairs{plane}", f"pp{plane}", NG // 2, f"""  %ppo{plane} = mul nuw nsw i64 %pp{plane}, 64
+  %ppo{plane}.k = add nuw nsw i64 %ppo{plane}, {plane * Kp}
+  %ppa{plane} = getelementptr inbounds i8, ptr %qr, i64 %ppo{plane}.k
+  %ppb{plane} = getelementptr inbounds i8, ptr %ppa{plane}, i64 32
+  %ppA{plane} = load <32 x i8>, ptr %ppa{plane}, align 1
+  %ppB{plane} = load <32 x i8>, ptr %ppb{plane}, align 1
+  %ppL{plane} = shufflevector <32 x i8> %ppA{plane}, <32 x i8> %ppB{plane}, """
+                         + lanes(32, list(range(16)) + list(range(32, 48))) + f"""
+  %ppH{plane} = shufflevector <32 x i8> %ppA{plane}, <32 x i8> %ppB{plane}, """
+                         + lanes(32, list(range(16, 32)) + list(range(48, 64))) + f"""
+  store <32 x i8> %ppL{plane}, ptr %ppa{plane}, align 1
+  store <32 x i8> %ppH{plane}, ptr %ppb{plane}, align 1""")
+    name = f"quantize_q8_k{K}{'_pairs' if pairs else ''}{'_q16' if planes == 2 else ''}"
+    return row_kernel(name, params, {"x", "xq", "xd", "xs"}, body, target,
                       prologue=f"  %buf = alloca <{Q8_BLOCK} x float>, align 64" if rem else "",
-                      extra=_Q8_BLOCK_FN)
+                      extra=_Q8_BLOCK_FN if planes == 1 else _Q16_BLOCK_FN)

@@ -41,6 +41,7 @@ class LinearSpec:
     bias: bool = False
     silu_mul: bool = False
     residual: bool = False
+    planes: int = 1       # q8 activations in 2 planes: q16 (elementwise.quantize_q8)
 
     def row_bytes(self) -> tuple[int, int]:
         """Bytes of one weight row and of its scales (grouped formats), in the stored layout."""
@@ -51,7 +52,7 @@ class LinearSpec:
     @property
     def name(self) -> str:
         flags = "".join(f for f, on in (("b", self.bias), ("s", self.silu_mul), ("r", self.residual)) if on)
-        act = "q8" if self.q8 else "f32"
+        act = ("q16" if self.planes == 2 else "q8") if self.q8 else "f32"
         return f"linear_{self.fmt}_{act}_n{self.N}_k{self.K}_g{self.group_size}{'_' + flags if flags else ''}"
 
 
@@ -61,6 +62,7 @@ def check(kernel: str, spec: LinearSpec) -> None:
     group_ok(kernel, spec.fmt, spec.group_size)
     for flag in ("q8", "bias", "silu_mul", "residual"):
         one_of(kernel, flag, getattr(spec, flag), (True, False))
+    dims(kernel, lo=1, hi=2, planes=spec.planes)
 
 
 def _epilogue(spec: LinearSpec, p: str, v: str, u: str | None, n: str, m: str) -> tuple[str, str]:
@@ -95,7 +97,7 @@ def _xrow(spec: LinearSpec, ng: int, m: str, p: str) -> str:
     """Pointers %{p}x, %{p}xd, %{p}xs to token m's activation row (row xidx[m] when given). It
     ends in block %{p}join and must start in a block named %{p}pre."""
     if spec.q8:
-        row = f"""  %{p}xro = mul nuw nsw i64 %{p}xm, {ng * spec.group_size}
+        row = f"""  %{p}xro = mul nuw nsw i64 %{p}xm, {spec.planes * ng * spec.group_size}
   %{p}x = getelementptr inbounds i8, ptr %x, i64 %{p}xro
   %{p}xdo = mul nuw nsw i64 %{p}xm, {4 * ng}
   %{p}xd = getelementptr inbounds i8, ptr %xd, i64 %{p}xdo
@@ -254,7 +256,8 @@ def generate(spec: LinearSpec, target: Target) -> KernelSource:
   call void @tiles({CALL}, i64 0, i64 %mt, i64 %rb, i64 %nt)
   call void @span({CALL}, i64 0, i64 %mt, i64 %nt, i64 %rend)
   call void @span({CALL}, i64 %mt, i64 %M, i64 %rb, i64 %rend)"""
-        fns = (tile_function(target, spec.fmt, spec.K, spec.group_size, 2 * R if spec.silu_mul else R, T)
+        fns = (tile_function(target, spec.fmt, spec.K, spec.group_size, 2 * R if spec.silu_mul else R, T,
+                             planes=spec.planes)
                + _tiles(spec, rb, sb, ng, R, T))
     else:
         blocks = f"  call void @span({CALL}, i64 0, i64 %M, i64 %rb, i64 %rend)"
@@ -278,7 +281,7 @@ exit:
   ret void
 }}
 """
-    dot = dot_function(target, spec.fmt, spec.K, spec.group_size, spec.q8)
+    dot = dot_function(target, spec.fmt, spec.K, spec.group_size, spec.q8, planes=spec.planes)
     ir = dot + _span(spec, rb, sb, ng) + fns + kernel
     ir = finish_module(ir, target)
     return KernelSource(spec.name, ir, PARAMS, "rows")

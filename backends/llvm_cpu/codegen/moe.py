@@ -40,6 +40,7 @@ class MoESpec:
     down_fmt: str = ""        # layer-adaptive plans may store down in another format
     down_q8: bool | None = None
     down_group_size: int = -1
+    planes: int = 1               # q8 activations in 2 planes: q16 (elementwise.quantize_q8)
 
     @property
     def dfmt(self) -> str:
@@ -54,16 +55,18 @@ class MoESpec:
         return self.group_size if self.down_group_size < 0 else self.down_group_size
 
     def gate_up(self) -> LinearSpec:
-        return LinearSpec(self.fmt, self.I, self.D, self.group_size, self.q8, silu_mul=True)
+        return LinearSpec(self.fmt, self.I, self.D, self.group_size, self.q8, silu_mul=True, planes=self.planes)
 
     def down(self) -> LinearSpec:
-        return LinearSpec(self.dfmt, self.D, self.I, self.dgs, self.dq8)
+        return LinearSpec(self.dfmt, self.D, self.I, self.dgs, self.dq8, planes=self.planes)
 
     @property
     def tag(self) -> str:
         t = f"{self.fmt}_{'q8' if self.q8 else 'f32'}_d{self.D}_i{self.I}_g{self.group_size}"
         if (self.dfmt, self.dq8, self.dgs) != (self.fmt, self.q8, self.group_size):
             t += f"_dn{self.dfmt}_{'q8' if self.dq8 else 'f32'}_g{self.dgs}"
+        if self.planes == 2:
+            t += "_q16"
         return t
 
 
@@ -72,11 +75,12 @@ def h_stride(spec: MoESpec) -> int:
     return -(-spec.I // spec.dgs) * spec.dgs if spec.dgs else spec.I
 
 
-def _xrow(q8: bool, K: int, group_size: int, base: str, idx: str, ld: str, out: str) -> str:
-    """Pointers %{out}, %{out}d, %{out}s to row `idx` of an activation matrix (f32 or q8)."""
+def _xrow(q8: bool, K: int, group_size: int, base: str, idx: str, ld: str, out: str, planes: int = 1) -> str:
+    """Pointers %{out}, %{out}d, %{out}s to row `idx` of an activation matrix (f32, or q8 of
+    `planes` planes)."""
     if q8:
         ng = -(-K // group_size)
-        return f"""  %{out}.o = mul nuw nsw i64 {idx}, {ng * group_size}
+        return f"""  %{out}.o = mul nuw nsw i64 {idx}, {planes * ng * group_size}
   %{out} = getelementptr inbounds i8, ptr %{base}, i64 %{out}.o
   %{out}.so = mul nuw nsw i64 {idx}, {4 * ng}
   %{out}d = getelementptr inbounds i8, ptr %{base}d, i64 %{out}.so
@@ -185,7 +189,7 @@ pair:
   %p = phi i64 [%p0, %row], [%p.1, %pair]
   %tp = getelementptr inbounds i64, ptr %pair_tok, i64 %p
   %tok = load i64, ptr %tp, align 8
-{_xrow(spec.q8, spec.D, spec.group_size, 'x', '%tok', '%ldx', 'xr')}
+{_xrow(spec.q8, spec.D, spec.group_size, 'x', '%tok', '%ldx', 'xr', spec.planes)}
 {gate_and_up}
 {_silu_mul("", "%g", "%u")}
   %ho = mul nuw nsw i64 %p, {h_stride(spec)}
@@ -220,7 +224,7 @@ def _gu_tiles(spec: MoESpec, rb: int, sb: int, R: int, T: int) -> str:
         toks.append(f"""  %p.{t} = add nuw nsw i64 %p, {t}
   %tp{t} = getelementptr inbounds i64, ptr %pair_tok, i64 %p.{t}
   %tok{t} = load i64, ptr %tp{t}, align 8
-{_xrow(True, spec.D, spec.group_size, 'x', f'%tok{t}', '%ldx', f'xr{t}')}
+{_xrow(True, spec.D, spec.group_size, 'x', f'%tok{t}', '%ldx', f'xr{t}', spec.planes)}
   %ho{t} = mul nuw nsw i64 %p.{t}, {h_stride(spec)}
   %hb{t} = add nuw nsw i64 %ho{t}, %n0""")
         args += [f"ptr %xr{t}", f"ptr %xr{t}d", f"ptr %xr{t}s"]
@@ -267,10 +271,12 @@ def gate_up(spec: MoESpec, target: Target) -> KernelSource:
     name = f"moe_gate_up_{spec.tag}"
     R, T = tile_shape(target)
     R = R // 2 if spec.q8 else 1      # R weight rows a tile: R / 2 gate rows and their up rows
-    fns = dot_function(target, spec.fmt, spec.D, spec.group_size, spec.q8) + _gu_span(spec, rb, sb, spec.q8)
+    fns = (dot_function(target, spec.fmt, spec.D, spec.group_size, spec.q8, planes=spec.planes)
+           + _gu_span(spec, rb, sb, spec.q8))
     if spec.q8:
-        fns += (dot2_function(target, spec.fmt, spec.D, spec.group_size)
-                + tile_function(target, spec.fmt, spec.D, spec.group_size, 2 * R, T) + _gu_tiles(spec, rb, sb, R, T))
+        fns += (dot2_function(target, spec.fmt, spec.D, spec.group_size, planes=spec.planes)
+                + tile_function(target, spec.fmt, spec.D, spec.group_size, 2 * R, T, planes=spec.planes)
+                + _gu_tiles(spec, rb, sb, R, T))
         tiles = f"""  %pn = sub nuw nsw i64 %p1, %p0
   %pt.q = udiv i64 %pn, {T}
   %pt.r = mul nuw nsw i64 %pt.q, {T}
@@ -338,7 +344,7 @@ entry:
 pair:
   %p = phi i64 [%p0, %entry], [%p.1, %pair.next]
   %er = mul nuw nsw i64 %e, {spec.D}
-{_xrow(spec.dq8, spec.I, spec.dgs, 'h', '%p', h_stride(spec), 'hr')}
+{_xrow(spec.dq8, spec.I, spec.dgs, 'h', '%p', h_stride(spec), 'hr', spec.planes)}
   %pwp = getelementptr inbounds float, ptr %pair_w, i64 %p
   %pw = load float, ptr %pwp, align 4
   %tp = getelementptr inbounds i64, ptr %pair_tok, i64 %p
@@ -374,7 +380,7 @@ def _dn_tiles(spec: MoESpec, rb: int, sb: int, R: int, T: int) -> str:
     toks, args = [f"  %er = mul nuw nsw i64 %e, {spec.D}"], []
     for t in range(T):
         toks.append(f"""  %p.{t} = add nuw nsw i64 %p0, {t}
-{_xrow(True, spec.I, spec.dgs, 'h', f'%p.{t}', h_stride(spec), f'hr{t}')}
+{_xrow(True, spec.I, spec.dgs, 'h', f'%p.{t}', h_stride(spec), f'hr{t}', spec.planes)}
   %pwp{t} = getelementptr inbounds float, ptr %pair_w, i64 %p.{t}
   %pw{t} = load float, ptr %pwp{t}, align 4
   %tp{t} = getelementptr inbounds i64, ptr %pair_tok, i64 %p.{t}
@@ -428,9 +434,10 @@ def down(spec: MoESpec, target: Target) -> KernelSource:
     name = f"moe_down_{spec.tag}{'_r' if spec.residual else ''}"
     R, T = tile_shape(target)
     tiled = spec.dq8
-    fns = dot_function(target, spec.dfmt, spec.I, spec.dgs, spec.dq8) + _dn_span(spec, rb, sb)
+    fns = dot_function(target, spec.dfmt, spec.I, spec.dgs, spec.dq8, planes=spec.planes) + _dn_span(spec, rb, sb)
     if tiled:
-        fns += tile_function(target, spec.dfmt, spec.I, spec.dgs, R, T) + _dn_tiles(spec, rb, sb, R, T)
+        fns += (tile_function(target, spec.dfmt, spec.I, spec.dgs, R, T, planes=spec.planes)
+                + _dn_tiles(spec, rb, sb, R, T))
         pick = f"""  %pl = add nuw nsw i64 %p, {T - 1}
   %room = icmp slt i64 %pl, %P
   %plc = select i1 %room, i64 %pl, i64 %p

@@ -74,10 +74,12 @@ def _row_operand(fmt: str, kind: str, p: str, w: str, g: str) -> tuple[str, list
   %{p}.neg = icmp slt <{nb} x i8> %{p}.q, zeroinitializer""", [f"%{p}.u", f"%{p}.neg"]
 
 
-def _token_operand(kind: str, p: str, x: str, g: str) -> tuple[str, list[str]]:
-    """IR loading one activation row's bytes of a unit starting at group %{g}."""
+def _token_operand(kind: str, p: str, x: str, g: str, off: int = 0) -> tuple[str, list[str]]:
+    """IR loading one activation row's bytes of a unit starting at group %{g} (off: of the plane
+    that many bytes into the row)."""
     nb = {"pair": 32, "two": 64, "one": 32}[kind]
-    ir = f"""  %{p}.xo = mul nuw nsw i64 %{g}, 32
+    ir = f"""  %{p}.xo0 = mul nuw nsw i64 %{g}, 32
+  %{p}.xo = add nuw nsw i64 %{p}.xo0, {off}
   %{p}.xp = getelementptr inbounds i8, ptr {x}, i64 %{p}.xo
   %{p}.x = load <{nb} x i8>, ptr %{p}.xp, align 1"""
     if kind != "pair":
@@ -126,9 +128,10 @@ def _part(kind: str, ir: list[str], v: str, L: int, pairs: bool, wide: bool, tag
     return v
 
 
-def _batch(target: Target, fmt: str, R: int, T: int, n: int, g: str, u: str, acc: dict) -> list[str]:
+def _batch(target: Target, fmt: str, R: int, T: int, n: int, g: str, u: str, acc: dict, kp2: int) -> list[str]:
     """IR adding n <= 8 groups from %{g} to every (row, token) accumulator acc[(r, t)] in
-    canon.py's order: per unit the rows are unpacked once and the tokens loaded once."""
+    canon.py's order: per unit the rows are unpacked once and the tokens loaded once (kp2 > 0:
+    q16 activations, a second plane kp2 bytes into each row, dotted on top of the first)."""
     from .canon import accumulate, group_totals
     from .dot import PAIRED, _lanes8, _weight_scales
 
@@ -150,6 +153,10 @@ def _batch(target: Target, fmt: str, R: int, T: int, n: int, g: str, u: str, acc
             out.append(f"  %{x}.g{j} = add nuw nsw i64 %{g}, {j}")
             ir, tok = _token_operand(kind, f"{x}.u{j}", f"%x{t}", f"{x}.g{j}")
             out.append(ir)
+            if kp2:
+                ir, tok2 = _token_operand(kind, f"{x}.v{j}", f"%x{t}", f"{x}.g{j}", kp2)
+                out.append(ir)
+                tok = (tok, tok2)
             ops.append(tok)
         toks.append((dx, bs, ops))
     parts: dict = {}
@@ -165,9 +172,16 @@ def _batch(target: Target, fmt: str, R: int, T: int, n: int, g: str, u: str, acc
             out.append(ir)
             for t, (_, _, ops) in enumerate(toks):
                 p = f"{u}r{r}t{t}.u{j}"
-                ir, L = _dot(target, fmt, kind, p, row, ops[k], "zeroinitializer")
-                out.append(ir)
-                parts.setdefault((r, t), {})[j // step] = _part(kind, out, f"%{p}.i", L, pairs, target.avx512, p)
+                if kp2:     # (first plane << 8) + second plane
+                    ir, L = _dot(target, fmt, kind, p, row, ops[k][0], "zeroinitializer")
+                    ir2, _ = _dot(target, fmt, kind, p + "b", row, ops[k][1], f"%{p}.h")
+                    out += [ir, f"  %{p}.h = shl <{L} x i32> %{p}.i, {splat(L, 'i32', '8')}", ir2]
+                    v = f"%{p}b.i"
+                else:
+                    ir, L = _dot(target, fmt, kind, p, row, ops[k], "zeroinitializer")
+                    out.append(ir)
+                    v = f"%{p}.i"
+                parts.setdefault((r, t), {})[j // step] = _part(kind, out, v, L, pairs, target.avx512, p)
     width, run = (8, 4) if pairs else ((16, 8) if target.avx512 else (8, 8))
     for r, (dw, mw) in enumerate(rows):
         for t, (dx, bs, _) in enumerate(toks):
@@ -188,7 +202,8 @@ def _batch(target: Target, fmt: str, R: int, T: int, n: int, g: str, u: str, acc
     return out
 
 
-def tile_function(target: Target, fmt: str, K: int, group_size: int, R: int, T: int, name: str = "tile") -> str:
+def tile_function(target: Target, fmt: str, K: int, group_size: int, R: int, T: int, name: str = "tile",
+                  planes: int = 1) -> str:
     from .canon import fold
 
     dims("tile", K=K)
@@ -197,6 +212,7 @@ def tile_function(target: Target, fmt: str, K: int, group_size: int, R: int, T: 
     require("tile", needs_q8(fmt, group_size), f"no q8 tile for {fmt} in groups of {group_size}")
     NG = -(-K // group_size)
     main, rem = divmod(NG, 8)
+    kp2 = 32 * NG if planes == 2 else 0
     params = [f"ptr noalias %{v}{r}" for r in range(R) for v in ("w", "s")]
     params += [f"ptr noalias %{v}{t}" for t in range(T) for v in ("x", "xd", "xs")]
     head = f"define internal void @{name}({', '.join(params)}, ptr noalias %out) alwaysinline {{\nentry:\n"
@@ -206,7 +222,7 @@ def tile_function(target: Target, fmt: str, K: int, group_size: int, R: int, T: 
     if main:        # one batch of 8 groups per iteration: the R x T accumulators stay in registers
         start = {k: f"%phi.{k[0]}.{k[1]}" for k in keys}
         acc = dict(start)
-        lines = _batch(target, fmt, R, T, 8, "g", "m", acc)
+        lines = _batch(target, fmt, R, T, 8, "g", "m", acc, kp2)
         phis = [f"  {start[k]} = phi <8 x float> [zeroinitializer, %entry], [{acc[k]}, %loop]" for k in keys]
         parts.append(f"""  br label %loop
 loop:
@@ -219,7 +235,7 @@ loop:
 tail:""")
     if rem:
         parts.append(f"  %gt = add i64 0, {8 * main}")
-        parts += _batch(target, fmt, R, T, rem, "gt", "t", acc)
+        parts += _batch(target, fmt, R, T, rem, "gt", "t", acc, kp2)
     for r, t in keys:
         parts.append(fold(acc[(r, t)], f"%red.{r}.{t}"))
         parts.append(f"""  %op.{r}.{t} = getelementptr inbounds float, ptr %out, i64 {t * R + r}
