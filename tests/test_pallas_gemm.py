@@ -51,7 +51,7 @@ def test_align_blocks():
 
 
 @pytest.mark.parametrize("first", [False, True], ids=["in-registers", "dequantized-first"])
-@pytest.mark.parametrize("fmt,G,M,k", [("int4", 32, 24, 2), ("int8", 32, 9, 3), ("int4", 64, 33, 2)])
+@pytest.mark.parametrize("fmt,G,M,k", [("int4", 32, 24, 2), ("int8", 32, 9, 3), ("int4", 64, 33, 2), ("int4a", 32, 17, 2)])
 def test_moe_matches_numpy(fmt, G, M, k, first, monkeypatch):
     """Both forms: weight tiles dequantized in registers, and (from DEQUANT_FIRST_TOKENS tokens)
     the experts dequantized to bf16 first, then plain tiles (D, I not multiples of the tiles)."""

@@ -70,7 +70,7 @@ def _q8(x, G):
 def _as_read(x, spec):
     """The activation rows x [R, K] as a kernel reading weights stored as `spec` multiplies them:
     q8-rounded for int4 (dp4a), as they are for int8."""
-    if spec.fmt != "int4":
+    if spec.fmt not in ("int4", "int4a"):
         return x.astype(np.float64)
     G, K = spec.group_size, x.shape[1]
     Kp = -(-K // G) * G
@@ -98,7 +98,7 @@ def _reference(x, topi, topw, gs, ga, ds, da, q8: bool = True):
 def _tolerance(gs, ds) -> float:
     """Relative tolerance against `_reference`: f32 rounding, or with int4 a q8 rounding that may
     land on the other side of a step (f32 against float64 activations)."""
-    return 1e-4 if "int4" in (gs.fmt, ds.fmt) else 2e-6
+    return 1e-4 if {"int4", "int4a"} & {gs.fmt, ds.fmt} else 2e-6
 
 
 def _run(x, topi, topw, gs, ga, ds, da):
@@ -115,6 +115,8 @@ def _run(x, topi, topw, gs, ga, ds, da):
     (5, 96, 40, 2, 3, ("int8", "int4"), 32),      # mixed formats, ragged row blocks
     (6, 128, 96, 2, 1, ("int4", "int8"), 64),     # G=64; I a multiple of G but not of the block
     (4, 48, 24, 4, 4, ("int8", "int8"), 8),       # every expert chosen, small groups
+    (8, 200, 72, 3, 2, ("int4a", "int4a"), 32),   # Q4_1's layout: (scale, min) pairs
+    (6, 128, 96, 2, 1, ("int4a", "int4"), 32),
 ])
 def test_kernels_match_reference(E, D, I, k, M, fmts, G):
     gs, ga, ds, da = _experts(E, D, I, *fmts, G, seed=E + D)
@@ -208,19 +210,20 @@ def _spy(monkeypatch, module, name: str, calls=None, record=lambda kw: kw) -> li
     return calls
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int4a"])
 @pytest.mark.parametrize("N,K,M", [(64, 64, 1), (50, 200, 3), (300, 96, 2)])
-def test_dp4a_linear_matches_q8_reference(N, K, M):
-    """The dense int4 decode kernel (linear_decode, interpret): W x_q8 for ragged rows and groups;
-    and use_linear picks it only for int4 2-D weights whose groups fill u32 words."""
+def test_dp4a_linear_matches_q8_reference(N, K, M, fmt):
+    """The dense int4/int4a decode kernel (linear_decode, interpret): W x_q8 for ragged rows and
+    groups; and use_linear picks it only for int4/int4a 2-D weights whose groups fill u32 words."""
     G = 32
     rng = np.random.default_rng(N + K)
-    w = rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K)
-    arrays = get_format("int4").quantize(w, G)
-    spec = WeightSpec("w", (N, K), (), 0, "int4", G)
+    w = rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K) + (0.05 if fmt == "int4a" else 0.0)
+    arrays = get_format(fmt).quantize(w, G)
+    spec = WeightSpec("w", (N, K), (), 0, fmt, G)
     x = rng.standard_normal((M, K)).astype(np.float32)
     Kp = -(-K // G) * G
     xq = _q8(np.pad(x, [(0, 0), (0, Kp - K)]), G)[:, :K].astype(np.float64)
-    want = xq @ get_format("int4").dequantize(arrays, K, G).astype(np.float64).T
+    want = xq @ get_format(fmt).dequantize(arrays, K, G).astype(np.float64).T
     got = np.asarray(pallas_dense.linear_decode(jnp.asarray(x), spec, {r: jnp.asarray(v) for r, v in arrays.items()},
                                                 interpret=True))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())

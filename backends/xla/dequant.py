@@ -52,9 +52,11 @@ def dequantize(jnp, spec, arrays: dict, dtype):
         q = jax.lax.bitcast_convert_type(qs.reshape(*lead, ng, G), jnp.float8_e4m3fn).astype(dtype)
     else:
         raise BackendError(f"the xla backend has no lowering for weight format {fmt!r}")
-    w = q * d.astype(dtype)[..., None]
-    if m is not None:
-        w = w + m.astype(dtype)[..., None]
+    if m is not None:       # q d + m in f32, one rounding to dtype: m may be far larger than q d's step
+        f32 = jnp.float32
+        w = (q.astype(f32) * d.astype(f32)[..., None] + m.astype(f32)[..., None]).astype(dtype)
+    else:
+        w = q * d.astype(dtype)[..., None]
     return w.reshape(*lead, ng * G)[..., :K]
 
 

@@ -51,12 +51,12 @@ DEQUANT_FIRST_BYTES = 2 << 30
 
 
 def supported(spec) -> bool:
-    """Whether a weight stored as `spec` ([N, K] or stacked [E, N, K]) has these kernels: int4
-    with a power-of-two group of at least 32 (16-column dots per nibble half), int8 with one of
-    at least 16."""
+    """Whether a weight stored as `spec` ([N, K] or stacked [E, N, K]) has these kernels: int4 or
+    int4a with a power-of-two group of at least 32 (16-column dots per nibble half), int8 with one
+    of at least 16."""
     G = spec.group_size or 32
     return (len(spec.shape) in (2, 3) and _is_pow2(G)
-            and (spec.fmt == "int4" and G >= 32 or spec.fmt == "int8" and G >= 16))
+            and (spec.fmt in ("int4", "int4a") and G >= 32 or spec.fmt == "int8" and G >= 16))
 
 
 def use(on_gpu: bool, spec, M: int, above: int) -> tuple[bool, bool]:
@@ -81,7 +81,8 @@ class _Geo:
         self.E, self.N, self.K = shape if len(shape) == 3 else (1, *shape)
         self.ng = -(-self.K // self.G)
         self.Kp = self.ng * self.G
-        self.int4 = self.fmt == "int4"
+        self.int4 = self.fmt in ("int4", "int4a")              # nibbles
+        self.paired = self.fmt == "int4a"                      # a (scale, min) pair per group
         self.H = self.G // 2 if self.int4 else self.G          # stored bytes per group
 
     def qs(self, qs):
@@ -89,7 +90,7 @@ class _Geo:
         return qs.reshape(self.E, self.N, self.ng, self.H)
 
     def scales(self, d):
-        return d.reshape(self.E, self.N, self.ng)
+        return d.reshape(self.E, self.N, self.ng, 2) if self.paired else d.reshape(self.E, self.N, self.ng)
 
     def x(self, x, rows: int, dt):
         """x [R, K] -> dt [rows, ng, 2, H] (int4) or [rows, ng, G] (int8), zero-padded."""
@@ -118,7 +119,11 @@ def _tile_dot(g: _Geo, x_ref, q_ref, s_ref, e, r0, n0, g0, BM: int, BN: int, GB:
         smask = jnp.broadcast_to(smask, (BN, GB))
     qmask = None if smask is None else jnp.broadcast_to(smask[:, :, None], (BN, GB, g.H))
     q = _load(q_ref.at[e, ns, gs, :], qmask)                                  # [BN, GB, H]
-    s = _load(s_ref.at[e, ns, gs], smask).astype(jnp.float32)[:, :, None]     # [BN, GB, 1]
+    if g.paired:                                                              # [BN, GB, 1] each
+        s2 = _load(s_ref.at[e, ns, gs, :], None if smask is None else jnp.broadcast_to(smask[:, :, None], (BN, GB, 2)))
+        s, mn = s2[:, :, 0:1].astype(jnp.float32), s2[:, :, 1:2].astype(jnp.float32)
+    else:
+        s = _load(s_ref.at[e, ns, gs], smask).astype(jnp.float32)[:, :, None]
     dims = (((1,), (1,)), ((), ()))
     prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
     K = GB * g.H
@@ -127,7 +132,10 @@ def _tile_dot(g: _Geo, x_ref, q_ref, s_ref, e, r0, n0, g0, BM: int, BN: int, GB:
         parts = []
         for half in (0, 1):
             v = (q & jnp.uint8(0x0F)) if half == 0 else (q >> jnp.uint8(4))
-            w = ((v.astype(jnp.int32) - 8).astype(jnp.float32) * s).astype(dt).reshape(BN, K)
+            if g.paired:
+                w = (v.astype(jnp.float32) * s + mn).astype(dt).reshape(BN, K)
+            else:
+                w = ((v.astype(jnp.int32) - 8).astype(jnp.float32) * s).astype(dt).reshape(BN, K)
             xv = _load(x_ref.at[pl.ds(r0, BM), gs, jnp.int32(half), :], xmask).reshape(BM, K)
             parts.append(jax.lax.dot_general(xv, w, dims, precision=prec, preferred_element_type=jnp.float32))
         return parts[0] + parts[1]

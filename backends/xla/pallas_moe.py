@@ -45,12 +45,12 @@ def tuning() -> tuple[int, int, int, int]:
 
 def supported(gu_spec, dn_spec) -> bool:
     """Whether both projections' stored formats have a kernel here: int8 with a power-of-two
-    group, int4 with a power-of-two group of at least 8 (dp4a words)."""
+    group, int4/int4a with a power-of-two group of at least 8 (dp4a words)."""
     for s in (gu_spec, dn_spec):
         G = s.group_size or 32
         if s.fmt not in FORMATS or len(s.shape) != 3:
             return False
-        if s.fmt == "int4" and (G % 8 or not _is_pow2(G)) or s.fmt == "int8" and not _is_pow2(G):
+        if s.fmt in ("int4", "int4a") and (G % 8 or not _is_pow2(G)) or s.fmt == "int8" and not _is_pow2(G):
             return False
     return gu_spec.shape[0] == dn_spec.shape[0] and gu_spec.shape[1] % 2 == 0
 
@@ -273,12 +273,12 @@ def moe_decode(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict
         if EP != E:
             ids = jnp.pad(ids, [(0, 0), (0, EP - E)], constant_values=-jnp.inf)
     xin = [pg.x_view(_padded(x, pg))] + ([pg.norm_view(rms[0])] if rms is not None else [])
-    gw = [pg.qs_view(gu_arrays["qs"]), gu_arrays["scales"]]
-    dw = [pd.qs_view(dn_arrays["qs"]), dn_arrays["scales"]]
+    gw = [pg.qs_view(gu_arrays["qs"]), pg.sc_view(gu_arrays["scales"])]
+    dw = [pd.qs_view(dn_arrays["qs"]), pd.sc_view(dn_arrays["scales"])]
     if slots is not None:
         slot_of = slots[0].astype(jnp.int32)
-        gw += [slot_of, pg.qs_view(slots[1]["qs"]), slots[1]["scales"]]
-        dw += [slot_of, pd.qs_view(slots[2]["qs"]), slots[2]["scales"]]
+        gw += [slot_of, pg.qs_view(slots[1]["qs"]), pg.sc_view(slots[1]["scales"])]
+        dw += [slot_of, pd.qs_view(slots[2]["qs"]), pd.sc_view(slots[2]["scales"])]
     out = gate_up(ids, *xin, *gw)   # h [M*k, Ip] or its q8 (+ ids, w)
     if route is None:
         h, w = out, topw.reshape(-1).astype(jnp.float32)

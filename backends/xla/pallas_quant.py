@@ -1,5 +1,5 @@
 """What the Pallas (Triton) decode kernels share: when they run, how they load blocks, and how
-they read stored int4/int8 weights against an activation row.
+they read stored int4/int4a/int8 weights against an activation row.
 
 int4 weights are read as u32 words, nibbles masked into bytes, and multiplied by activations
 quantized to int8 per group of G (q8, as llama.cpp's mmvq and the llvm CPU kernels) with integer
@@ -10,7 +10,9 @@ The weights stay exactly as formats.py stores them (no repacking): int4 qs u8[E,
 viewed (a free reshape and bitcast) as u32 [E, N, Kp/G, G/8], where byte i of a group holds
 value i (low nibble) and value i + G/2 (high nibble); the activation [Kp] is viewed as [Kp/G, 2,
 G/8, 4], so its two halves of every group line up with the two nibbles of the group's bytes.
-int8 qs i8[E, N, Kp] is viewed as [E, N, Kp/G, G].
+int8 qs i8[E, N, Kp] is viewed as [E, N, Kp/G, G]. int4a (Q4_1's layout) is int4's nibbles with
+a (scale, min) pair per group, its scales [E, N, 2 Kp/G] viewed as [E, N, Kp/G, 2]: a group's sum is
+d dot(q, x) + m sum(x), the second term from the q8 block sums.
 
 Triton needs power-of-two tensor sizes: the group axis is padded to the next power of two and
 ragged row blocks are masked (masked lanes read scale 0, so they add nothing). On the CPU the
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from strata_compiler import settings
 
-FORMATS = ("int4", "int8")
+FORMATS = ("int4", "int8", "int4a")
 
 
 def gate(on_gpu: bool, applies: bool) -> tuple[bool, bool]:
@@ -67,8 +69,9 @@ class _Proj:
         self.ng = -(-self.K // self.G)               # groups per row
         self.Kp = self.ng * self.G
         self.NGP = _pow2(self.ng)                    # group axis as loaded (power of two)
-        self.W = self.G // 2 if self.fmt == "int4" else self.G   # bytes per group
-        self.dp4a = self.fmt == "int4" and self.W % 4 == 0
+        self.paired = self.fmt == "int4a"            # a (scale, min) pair per group
+        self.W = self.G // 2 if self.fmt in ("int4", "int4a") else self.G   # bytes per group
+        self.dp4a = self.fmt in ("int4", "int4a") and self.W % 4 == 0
         self.QW = self.W // 4 if self.dp4a else self.W          # stored elements per group as loaded
 
     def qs_view(self, qs):
@@ -81,6 +84,11 @@ class _Proj:
 
             return jax.lax.bitcast_convert_type(qs.reshape(E, self.N, self.ng, self.QW, 4), jnp.uint32)
         return qs.reshape(E, self.N, self.ng, self.W)
+
+    def sc_view(self, sc):
+        """The scales as the kernels load them: [E, N, ng], int4a's pairs [E, N, ng, 2]."""
+        E = sc.shape[0] if sc.ndim == 3 else self.E
+        return sc.reshape(E, self.N, self.ng, 2) if self.paired else sc.reshape(E, self.N, self.ng)
 
     def norm_view(self, w):
         """A norm's weight [K] in the dp4a view of one activation row: f32 [ng, 2, G/8, 4]."""
@@ -268,7 +276,8 @@ def _dp4a(a, b, c, interpret: bool):
 
 def _dequant_dot(p: _Proj, q, xs, interpret: bool = False):
     """sum over the last axis of q [..., NGP, QW] (stored integers, the weights' scale not applied)
-    times the activation parts xs: [..., NGP]. dp4a: from the q8 activations, their scale applied."""
+    times the activation parts xs: [..., NGP]. dp4a: from the q8 activations, their scale applied;
+    int4a: (that, the group's sum of x) [..., NGP] each, for its scale and its min."""
     import jax.numpy as jnp
 
     if p.dp4a:
@@ -277,6 +286,8 @@ def _dequant_dot(p: _Proj, q, xs, interpret: bool = False):
         hi = (q >> jnp.uint32(4)) & jnp.uint32(0x0F0F0F0F)
         xlo, xhi = jnp.broadcast_to(xlo, q.shape), jnp.broadcast_to(xhi, q.shape)
         acc = _dp4a(hi, xhi, _dp4a(lo, xlo, jnp.zeros(q.shape, jnp.int32), interpret), interpret)
+        if p.paired:
+            return acc.sum(axis=-1).astype(jnp.float32) * dx, sm.astype(jnp.float32) * dx
         return (acc.sum(axis=-1) - 8 * sm).astype(jnp.float32) * dx      # nibbles are value + 8
     return (q.astype(jnp.float32) * xs[0]).sum(axis=-1)
 
@@ -296,14 +307,17 @@ def _rows_load(p: _Proj, qs_ref, sc_ref, e, start, row0, BN: int, limit: int, sp
         ok = (rows < limit)[:, None] & (jnp.arange(p.NGP) < p.ng)[None, :]     # [BN, NGP]
         if on is not None:
             ok = ok & on
-        smask = ok
+        smask = jnp.broadcast_to(ok[:, :, None], (BN, p.NGP, 2)) if p.paired else ok
         qmask = jnp.broadcast_to(ok[:, :, None], (BN, p.NGP, p.QW))
     rs, gs = pl.ds(start + row0, BN), pl.ds(0, p.NGP)
-    return _load(qs_ref.at[e, rs, gs, :], qmask), _load(sc_ref.at[e, rs, gs], smask).astype(jnp.float32)
+    sc = sc_ref.at[e, rs, gs, :] if p.paired else sc_ref.at[e, rs, gs]
+    return _load(qs_ref.at[e, rs, gs, :], qmask), _load(sc, smask).astype(jnp.float32)
 
 
 def _rows_apply(p: _Proj, w, xs, interpret: bool = False):
     """f32[BN]: the rows `w` (from `_rows_load`) dequantized, times the activation parts xs."""
     q, d = w
     s = _dequant_dot(p, q, tuple(x[None] for x in xs), interpret)
+    if p.paired:                                                                 # d: [BN, NGP, (scale, min)]
+        return (s[0] * d[..., 0] + s[1] * d[..., 1]).sum(axis=-1)
     return (s * d).sum(axis=-1)                                                  # masked: d == 0
