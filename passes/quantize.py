@@ -71,14 +71,16 @@ def _overrides(g: Graph, rules: str, group_size: int) -> Graph:
 
 # --quant auto on a GGUF file: a tensor type -> the Strata format its weights take. Q4_0, Q4_1 and
 # Q8_0 are Strata's int4, int4a and int8 bit for bit (stored as they are); the other types become
-# the nearest format at least as precise (dequantized, then quantized again); BF16 stays bf16, F16
-# becomes f32 (exact; bf16 would round it).
+# a format whose error against the file is below the file's own (dequantized, then quantized
+# again; tests/test_gguf_types.py measures each): Q3_K int4, the asymmetric Q2_K and Q4_K int4a,
+# the 5- and 6-bit types and the non-uniform grids (IQ) int8; BF16 stays bf16, F16 becomes f32
+# (exact; bf16 would round it).
 FROM_GGUF = {
     "F32": "f32", "F64": "f32", "F16": "f32", "BF16": "bf16",
     "Q8_0": "int8", "Q8_1": "int8", "Q8_K": "int8", "Q6_K": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8",
-    "Q4_0": "int4", "Q4_1": "int4a", "Q4_K": "int4a", "IQ4_NL": "int4", "IQ4_XS": "int4", "Q3_K": "int4",
-    "IQ3_XXS": "int4", "IQ3_S": "int4",
-    "Q2_K": "int3", "IQ2_XXS": "int3", "IQ2_XS": "int3", "IQ2_S": "int3", "IQ1_S": "int3", "IQ1_M": "int3",
+    "Q4_0": "int4", "Q4_1": "int4a", "Q4_K": "int4a", "Q3_K": "int4", "Q2_K": "int4a",
+    "IQ4_NL": "int8", "IQ4_XS": "int8", "IQ3_XXS": "int8", "IQ3_S": "int8",
+    "IQ2_XXS": "int8", "IQ2_XS": "int8", "IQ2_S": "int8", "IQ1_S": "int8", "IQ1_M": "int8",
 }
 _PRECISION = ("int3", "int4", "int4a", "int8", "bf16", "f32")     # narrowest first
 

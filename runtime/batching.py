@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import queue
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -147,6 +148,9 @@ class BatchScheduler(Scheduler):
             block = False
 
     def _loop(self) -> None:
+        if self._exact_rows:    # the caches the host's kernels read, reserved beside the warm-up and first steps
+            threading.Thread(target=lambda: self.kv.populate() and self.pre.populate(), daemon=True,
+                             name="strata-kv-reserve").start()
         if self._warm:
             try:
                 self.warm_up()

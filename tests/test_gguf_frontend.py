@@ -363,6 +363,16 @@ def test_truncated_file(tiny, tmp_path, capsys):
         assert "GGUF" in line or "truncated" in line, line
 
 
+def test_a_gguf_without_its_extension_is_known_by_its_magic(tiny, tmp_path, capsys):
+    """Ollama keeps models as blobs named by their digest: no .gguf, the magic says what it is."""
+    import shutil
+
+    blob = tmp_path / "sha256-0123abcd"
+    shutil.copy(tiny["base"] / "untied.gguf", blob)
+    compile_ok(blob, tmp_path / "plan", "--quant", "f32")
+    assert (tmp_path / "plan" / "plan.bin").is_file()
+
+
 def test_not_gguf_and_missing_tensor(tiny, tmp_path, capsys):
     path = tmp_path / "junk.gguf"
     path.write_bytes(b"PK\x03\x04" + bytes(100))

@@ -354,7 +354,17 @@ def _config(meta: _Meta, store: GGUFTensorStore, arch: str, hf_arch: str) -> Mod
 
 
 def is_gguf(path: Path) -> bool:
-    return path.suffix.lower() == ".gguf" and path.is_file()
+    """Whether `path` is a file to read as GGUF: named *.gguf (one that is not says so when read),
+    or starting with GGUF's magic whatever its name (Ollama keeps models as blobs named by digest)."""
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open_regular(path) as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
 
 
 def open_gguf(path: Path, *, with_chat: bool = False) -> tuple:
