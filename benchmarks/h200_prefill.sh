@@ -63,7 +63,7 @@ strata_prefill() {   # label plan extra-args
 
 startup() {   # N fresh processes decoding 64 tokens (the first may compile; the rest load the programs)
   for i in $(seq 1 ${1:-2}); do
-    /usr/bin/time -f "wall %e s" strata-run $W/p-gpu -n 64 --prompt "The history of the city" --tokens-out $W/tok$i.npy \
+    /usr/bin/time -f "wall %e s" strata-run $W/p-gpu --greedy -n 64 --prompt "The history of the city" --tokens-out $W/tok$i.npy \
       > /dev/null 2> $W/run$i.err
     log "start-up run $i: $(grep -v "$QUIET" $W/run$i.err | tail -3 | tr '\n' ' ')"
   done
@@ -87,7 +87,7 @@ if [ "${PHASE:-1}" = 1 ]; then
   strata_prefill gpu $W/p-gpu --lens 512,4096 --repeats 3 --profile
   startup
   log "start-up run 3 under py-spy"
-  py-spy record -r 200 -f raw -o "$D/spy-startup.txt" -- strata-run $W/p-gpu -n 64 --prompt "The history of the city" \
+  py-spy record -r 200 -f raw -o "$D/spy-startup.txt" -- strata-run $W/p-gpu --greedy -n 64 --prompt "The history of the city" \
     > /dev/null 2> $W/run3.err
   while ! grep -q "^rc" $W/c2.log 2>/dev/null && [ $(left) -gt 60 ]; do sleep 2; done
   strata_prefill cpu8 $W/p-cpu8 --lens 512,4096 --repeats 3 --profile
@@ -110,7 +110,7 @@ elif [ "${PHASE:-1}" = 3 ]; then
   build_and_plans
   log "start-up: three fresh processes decoding 64 tokens (the first compiles and stores the programs)"
   startup 3
-  py-spy record -r 200 -f raw -o "$D/spy-startup.txt" -- strata-run $W/p-gpu -n 64 --prompt "The history of the city" \
+  py-spy record -r 200 -f raw -o "$D/spy-startup.txt" -- strata-run $W/p-gpu --greedy -n 64 --prompt "The history of the city" \
     > /dev/null 2> $W/run4.err
   python3 -c "import numpy as np; a,b,c=[np.load('$W/tok%d.npy' % i) for i in (1,2,3)]; print('tokens equal across the processes:', (a==b).all() and (a==c).all())" | tee -a "$OUT/summary.txt"
   strata_prefill gpu $W/p-gpu --lens 512,4096 --repeats 3 --profile
@@ -141,7 +141,7 @@ elif [ "${PHASE:-1}" = 5 ]; then
   log "start-up: four fresh processes decoding 64 tokens (the first compiles and stores the programs)"
   startup 4
   python3 -c "import numpy as np; t=[np.load('$W/tok%d.npy' % i) for i in (1,2,3,4)]; print('tokens equal across the processes:', all((x==t[0]).all() for x in t))" | tee -a "$OUT/summary.txt"
-  py-spy record --idle --threads -r 200 -f raw -o "$D/spy-startup.txt" -- strata-run $W/p-gpu -n 64 \
+  py-spy record --idle --threads -r 200 -f raw -o "$D/spy-startup.txt" -- strata-run $W/p-gpu --greedy -n 64 \
     --prompt "The history of the city" > /dev/null 2> $W/run5.err
   log "under py-spy: $(grep -v "$QUIET" $W/run5.err | tail -1)"
   python3 - "$D/spy-startup.txt" <<'PY' | tee -a "$OUT/summary.txt"
@@ -182,7 +182,7 @@ PY
   while ! grep -q "^rc" $W/c1.log 2>/dev/null && [ $(left) -gt 60 ]; do sleep 2; done
   log "start-up: three fresh processes (the first compiles and stores the programs)"
   startup 3
-  py-spy record --idle --threads -r 200 -f raw -o "$D/spy-startup.txt" -- strata-run $W/p-gpu -n 64 \
+  py-spy record --idle --threads -r 200 -f raw -o "$D/spy-startup.txt" -- strata-run $W/p-gpu --greedy -n 64 \
     --prompt "The history of the city" > /dev/null 2> $W/run5.err
   log "under py-spy: $(grep -v "$QUIET" $W/run5.err | tail -1)"
   strata_prefill c512 $W/p-gpu --lens 512,4096 --repeats 3 --chunk 512
@@ -198,7 +198,7 @@ elif [ "${PHASE:-1}" = 7 ]; then
   while ! grep -q "^rc" $W/c2.log 2>/dev/null && [ $(left) -gt 60 ]; do sleep 2; done
   strata_prefill cpu8 $W/p-cpu8 --lens 512,4096 --repeats 3
   log "cpu8 decode, 64 tokens, two fresh processes"
-  for i in 1 2; do strata-run $W/p-cpu8 -n 64 --prompt "The history of the city" 2>&1 | grep "^\[" | tail -1 \
+  for i in 1 2; do strata-run $W/p-cpu8 --greedy -n 64 --prompt "The history of the city" 2>&1 | grep "^\[" | tail -1 \
     | tee -a "$OUT/summary.txt"; done
   log "waiting for llama.cpp ($(left) s left)"
   while ! grep -q "gguf rc" $W/quant.log 2>/dev/null && [ $(left) -gt 100 ]; do sleep 3; done
@@ -242,7 +242,7 @@ np.save('$W/ids512.npy', np.random.default_rng(0).integers(3, v - 1, (1, 512)))"
   log "decode, CPU only, 64 tokens (llama-bench tg64; strata-run -n 64)"
   CUDA_VISIBLE_DEVICES= LLAMA llama-bench -m $W/mx-Q4_0.gguf -ngl 0 -t 16 -p 0 -n 64 -r 2 -o md 2>&1 | grep "tg64" \
     | tee -a "$OUT/summary.txt"
-  timeout 60 strata-run $W/p-gpu --backend llvm --prompt "The history of the city" -n 64 2>&1 | grep "^\[llvm\]" \
+  timeout 60 strata-run $W/p-gpu --backend llvm --greedy --prompt "The history of the city" -n 64 2>&1 | grep "^\[llvm\]" \
     | tee -a "$OUT/summary.txt"
 fi
 log "done ($(left) s left)"

@@ -150,7 +150,7 @@ elif [ "${PHASE:-1}" = 1 ]; then
   done
   [ "${STARTUP:-0}" = 1 ] && log "start-up: two fresh processes decoding 64 tokens (gpu plan)"
   for i in $([ "${STARTUP:-0}" = 1 ] && echo 1 2); do
-    /usr/bin/time -f "wall %e s" strata-run $W/p-gpu -n 64 --prompt "The history of the city" > /dev/null 2> $W/run$i.err
+    /usr/bin/time -f "wall %e s" strata-run $W/p-gpu --greedy -n 64 --prompt "The history of the city" > /dev/null 2> $W/run$i.err
     grep -v "$QUIET" $W/run$i.err | tail -2 | tee -a "$OUT/summary.txt"
   done
   if [ "${BATCH_STEPS:-0}" = 1 ]; then

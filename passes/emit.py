@@ -193,6 +193,8 @@ def _write_weights(g: Graph, ctx: PassContext, path: Path) -> list[tuple[str, by
     }
     if ctx.chat is not None:
         meta["chat"] = ctx.chat
+    if ctx.sampling is not None:
+        meta["sampling"] = ctx.sampling
     if calib is not None:
         meta["calibration"] = dict(calib.summary(), file=Path(ctx.options.calib).name)
     sections = [("meta", json.dumps(meta, sort_keys=True, indent=1).encode()), ("ir", print_graph(g).encode())]

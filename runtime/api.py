@@ -22,7 +22,7 @@ from typing import Iterator
 
 from strata_compiler.errors import StrataError, UsageError
 
-from .sampler import Sampler
+from .sampler import Sampler, plan_sampling
 
 
 class Model:
@@ -32,13 +32,13 @@ class Model:
 
         from .batching import BatchScheduler
         from .plan import load_plan
-        from .session import Session
+        from .session import Session, default_ctx
 
         self.plan = load_plan(plan_path)
         self.tokenizer = Tokenizer.from_str(self.plan.tokenizer_json.decode()) if self.plan.tokenizer_json else None
         limit = int(self.plan.meta["model"].get("max_position") or 0)
         if ctx is None:
-            ctx = min(limit or 4096, 4096)
+            ctx = default_ctx(self.plan, max_batch + 1)     # the batch's rows and the prefill row
         elif ctx < 1 or (limit and ctx > limit):
             raise UsageError(f"ctx {ctx}: expected 1..{limit or 'the model context'}")
         self.session = Session(self.plan, backend, device=device)
@@ -51,21 +51,32 @@ class Model:
 
     # -- text in, text out -----------------------------------------------------------------------
 
-    def stream(self, prompt: str | list[int], max_tokens: int = 64, *, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-               seed: int = 0, stop: tuple[str, ...] | list[str] = (), ignore_eos: bool = False) -> Iterator[str]:
+    def stream(self, prompt: str | list[int], max_tokens: int = 64, *, temperature: float | None = None,
+               top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+               repetition_penalty: float | None = None, repeat_last_n: int | None = None, seed: int = 0,
+               stop: tuple[str, ...] | list[str] = (), ignore_eos: bool = False) -> Iterator[str]:
         """The continuation of `prompt` (text, or token ids) piece by piece as it is made; stops at
-        an EOS token (unless `ignore_eos`), a `stop` string (not included) or `max_tokens`."""
+        an EOS token (unless `ignore_eos`), a `stop` string (not included) or `max_tokens`. A
+        sampling argument left None takes the plan's default (`self.sampling`, docs/sampling.md);
+        temperature=0 is greedy."""
         from .chat import stop_ids
         from .scheduler import Request
 
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise UsageError(f"max_tokens should be a whole number of at least 1, got {str(max_tokens)[:24]}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise UsageError(f"seed should be a non-negative whole number, got {str(seed)[:24]}")
         ids = self._ids(prompt)
-        if max_tokens < 1 or len(ids) + max_tokens > self.engine.ctx:
-            raise UsageError(f"max_tokens {max_tokens}: the prompt has {len(ids)} tokens and the context "
-                             f"is {self.engine.ctx}")
+        room = self.engine.ctx - len(ids)
+        if max_tokens > room:
+            raise UsageError(f"max_tokens {max_tokens}: the prompt has {len(ids)} tokens and the context is "
+                             f"{self.engine.ctx}; " + (f"give max_tokens {room} or less" if room > 0 else
+                                                        "shorten the prompt (or load the plan with a larger ctx)"))
         if stop and self.tokenizer is None:
             raise UsageError("stop strings need the plan's tokenizer")
-        sampler = Sampler(temperature, top_p, seed, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)
+        sampler = Sampler.of(plan_sampling(self.plan.meta, temperature=temperature, top_p=top_p, top_k=top_k,
+                                           min_p=min_p, repetition_penalty=repetition_penalty,
+                                           repeat_last_n=repeat_last_n), seed)
         events: queue.Queue = queue.Queue()
         req = Request(ids, max_tokens, sampler, () if ignore_eos else stop_ids(self.plan), tuple(stop),
                       sink=events.put)
@@ -97,6 +108,11 @@ class Model:
         return self.stream(render_chat(self.plan, messages, add_generation_prompt=True), max_tokens, **sampling)
 
     # -- the rest ----------------------------------------------------------------------------------
+
+    @property
+    def sampling(self):
+        """The sampling a call gets for the arguments it leaves out (strata_compiler.sampling.Sampling)."""
+        return plan_sampling(self.plan.meta)
 
     def _ids(self, prompt: str | list[int]) -> list[int]:
         vocab = int(self.plan.meta["model"]["vocab_size"])

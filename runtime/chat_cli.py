@@ -22,6 +22,7 @@ from strata_compiler.errors import UsageError
 from .chat import render_chat, stop_ids
 from .sampler import Sampler
 from .scheduler import TextStream, sample_steps
+from .session import default_ctx
 
 HELP = "/reset starts over, /exit (or Ctrl-D) quits; Ctrl-C stops an answer"
 
@@ -121,7 +122,7 @@ def run_chat(chat: Chat, inp: TextIO | None = None, out: TextIO | None = None) -
     inp = inp if inp is not None else sys.stdin
     out = out if out is not None else chat.out
     if inp.isatty():
-        out.write(f"[chat: {HELP}]\n")
+        out.write(f"[chat: {HELP}; sampling: {chat.sampler.settings.describe()}]\n")
     interrupted = False
     while True:
         try:
@@ -164,9 +165,8 @@ def start_chat(plan, session, tokenizer, sampler: Sampler, max_new_tokens: int, 
         raise UsageError(f"{plan.path}: --chat needs the plan's tokenizer (the model folder had no tokenizer.json)")
     if not has_template(plan):
         raise UsageError(NO_TEMPLATE.split(", or send")[0])
-    limit = int(plan.meta["model"].get("max_position") or 0)
     if ctx is None:
-        ctx = limit or 4096
+        ctx = default_ctx(plan, 1)
     if max_new_tokens < 1 or max_new_tokens >= ctx:
         raise UsageError(f"-n {max_new_tokens}: a chat answer needs between 1 and {ctx - 1} tokens "
                          f"(the context is {ctx})")

@@ -100,8 +100,8 @@ class _CtrlC:
         os.close(r)
 
 
-def _finite(ctx, param, value: float) -> float:
-    if not math.isfinite(value):
+def _finite(ctx, param, value: float | None) -> float | None:
+    if value is not None and not math.isfinite(value):
         raise click.BadParameter(f"{value} is not a finite number", ctx, param)
     return value
 
@@ -180,18 +180,24 @@ def _tokenizer(plan, needed: str | None):
 @click.option("--input-ids", type=click.Path(path_type=Path), help="Token ids as .npy, int64 [B, T] (or [T]).")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(0), default=32, show_default=True,
               help="Tokens to generate after the prompt (fewer if every sequence reaches EOS).")
-@click.option("--greedy", is_flag=True, help="Pick the most likely token (the default unless --temperature > 0).")
-@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, callback=_finite,
-              help="Sampling temperature; 0 is greedy.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
-              callback=_finite, help="Nucleus sampling: keep the most likely tokens whose probabilities sum to this.")
-@click.option("--top-k", type=click.IntRange(0), default=0, show_default=True,
-              help="Sample among the k most likely tokens only (0: no limit).")
-@click.option("--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True, callback=_finite,
-              help="Drop tokens less likely than this fraction of the most likely one (0: off).")
-@click.option("--repeat-penalty", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
-              callback=_finite, help="Penalise tokens already in the prompt or the output: a positive logit is "
-              "divided by this, a negative one multiplied (1: off; applies to greedy decoding too).")
+@click.option("--greedy", is_flag=True, help="Pick the most likely token: the same as --temperature 0.")
+@click.option("--temperature", type=click.FloatRange(0), default=None, callback=_finite,
+              help="Sampling temperature; 0 is greedy (exact argmax, no repeat penalty unless given). "
+                   "[default: the model's, else 0.8; every sampling default: docs/sampling.md]")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None, callback=_finite,
+              help="Nucleus sampling: keep the most likely tokens whose probabilities sum to this (1: off). "
+                   "[default: the model's, else 0.95]")
+@click.option("--top-k", type=click.IntRange(0), default=None,
+              help="Sample among the k most likely tokens only (0: off). [default: the model's, else 40]")
+@click.option("--min-p", type=click.FloatRange(0, 1), default=None, callback=_finite,
+              help="Drop tokens less likely than this fraction of the most likely one (0: off). "
+                   "[default: the model's, else 0.05]")
+@click.option("--repeat-penalty", type=click.FloatRange(0, min_open=True), default=None,
+              callback=_finite, help="Penalise tokens among the last --repeat-last-n of the prompt and output: a "
+              "positive logit is divided by this, a negative one multiplied (1: off). [default: the model's, else "
+              "1.1; none with --greedy / --temperature 0 unless given]")
+@click.option("--repeat-last-n", type=click.IntRange(-1), default=None,
+              help="The repeat penalty's window of tokens (-1: all, 0: off). [default: the model's, else 64]")
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the sampler.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")
 @click.option("--stop", "stop_strings", multiple=True, metavar="TEXT",
@@ -248,7 +254,8 @@ def _tokenizer(plan, needed: str | None):
 @click.version_option(package_name="strata", prog_name="strata-run")
 @debug_option
 def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_new_tokens: int, greedy: bool,
-               temperature: float, top_p: float, top_k: int, min_p: float, repeat_penalty: float, seed: int,
+               temperature: float | None, top_p: float | None, top_k: int | None, min_p: float | None,
+               repeat_penalty: float | None, repeat_last_n: int | None, seed: int,
                ignore_eos: bool, stop_strings: tuple[str, ...], echo: bool, logits_out: Path | None,
                tokens_out: Path | None, prefill_chunk: int | None, backend: str, device: str, trace_out: Path | None, stats: bool,
                expert_cache: bool, prefetch: bool, miss_path: str, cache_policy: str, multi_gpu: str,
@@ -267,8 +274,10 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
         raise UsageError("--system goes with --chat")
     elif (prompt is None) == (input_ids is None):
         raise UsageError("give exactly one of --prompt TEXT or --input-ids FILE.npy")
-    if greedy and temperature > 0:
+    if greedy and temperature:
         raise UsageError("--greedy and --temperature > 0 contradict each other; pick one")
+    if greedy:
+        temperature = 0.0
     for flag, path in (("--trace", trace_out), ("--logits-out", logits_out), ("--tokens-out", tokens_out)):
         _check_out(flag, path)
     if (coordinator, num_processes, process_id) != (None, None, None):
@@ -288,7 +297,8 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
 
 
 def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | None, max_new_tokens: int,
-         temperature: float, top_p: float, top_k: int, min_p: float, repeat_penalty: float, seed: int,
+         temperature: float | None, top_p: float | None, top_k: int | None, min_p: float | None,
+         repeat_penalty: float | None, repeat_last_n: int | None, seed: int,
          ignore_eos: bool, stop_strings: tuple[str, ...], echo: bool, logits_out: Path | None,
          tokens_out: Path | None, prefill_chunk: int | None, backend: str, device: str, trace_out: Path | None,
          stats: bool, expert_cache: bool, prefetch: bool, miss_path: str, cache_policy: str, multi_gpu: str,
@@ -296,7 +306,7 @@ def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | No
          system_prompt: str | None, **_flags) -> None:
     """strata-run after its flags were checked: start up, generate, report (Ctrl-C: `ctrl`)."""
     from .plan import load_plan
-    from .sampler import Sampler
+    from .sampler import Sampler, plan_sampling
     from .session import Interrupted, NonFiniteLogits, Session, check_room
     from .sigbus import guard
 
@@ -314,7 +324,9 @@ def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | No
     guard(plan.weights_path)        # a weights file truncated under this process: one error line
     tokenizer = _tokenizer(plan, "--chat" if chat else "--prompt" if prompt is not None else None)
 
-    sampler = Sampler(temperature, top_p, seed, top_k=top_k, min_p=min_p, repetition_penalty=repeat_penalty)
+    sampling = plan_sampling(plan.meta, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                             repetition_penalty=repeat_penalty, repeat_last_n=repeat_last_n)
+    sampler = Sampler.of(sampling, seed)
 
     def start() -> Session:
         return Session(plan, backend, device=device, expert_cache=expert_cache, cache_policy=cache_policy,
@@ -379,7 +391,8 @@ def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | No
     kept = lead and (stopped is None or new.shape[1] > 0)
     if kept:
         _keep(tokenizer, ids, new, logits, tokens_out, logits_out, trace_out, tracer,
-              None if stopped is not None else lambda: _report(session, ids, stats, tracer, t_run), out, echo)
+              None if stopped is not None else lambda: _report(session, ids, stats, tracer, t_run, sampling),
+              out, echo)
     if isinstance(stopped, KeyboardInterrupt):
         saved = [f for f, v in (("--tokens-out", tokens_out), ("--logits-out", logits_out)) if v and kept]
         raise RunInterrupted(f"interrupted (Ctrl-C) after {new.shape[1]} new tokens"
@@ -455,8 +468,8 @@ def _keep(tokenizer, ids: np.ndarray, new: np.ndarray, logits: np.ndarray, token
         raise failed[0]
 
 
-def _report(session, ids: np.ndarray, stats: bool, tracer, t_run: float) -> None:
-    """The rates line (and --stats' lines) on stderr."""
+def _report(session, ids: np.ndarray, stats: bool, tracer, t_run: float, sampling) -> None:
+    """The rates line, ending with the sampling in effect (and --stats' lines) on stderr."""
     pre, dec = session.timings.rates()
     extra = ""
     if session.backend == "llvm":
@@ -475,8 +488,8 @@ def _report(session, ids: np.ndarray, stats: bool, tracer, t_run: float) -> None
     click.echo(f"[{session.backend}] prefill {ids.size} tokens at {pre:.1f} tok/s"
                f"{warm(warm_pre, t.prefill_compile_seconds)}, decode {t.decode_tokens} tokens at "
                f"{dec:.1f} tok/s{warm(warm_dec, t.decode_compile_seconds)}{extra}"
-               + (f"; first token {t.first_token_at:.2f} s after the process started" if t.first_token_at else ""),
-               err=True)
+               + (f"; first token {t.first_token_at:.2f} s after the process started" if t.first_token_at else "")
+               + f"; {sampling.describe()}", err=True)
     if stats:
         from . import expert_cache as ec
 

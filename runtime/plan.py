@@ -9,17 +9,19 @@ the weight sections' real sizes. Weight sections are checksummed on first access
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from strata_compiler.errors import IRError, PlanError
+from strata_compiler.errors import IRError, PlanError, UsageError
 from strata_compiler.formats import get_format
 from strata_compiler.ir import Graph, Level
 from strata_compiler.ir_text import parse_graph
-from strata_compiler.plan_format import PLAN_MAGIC, WEIGHTS_MAGIC, Container, parse_imatrix_section, section_name
-from strata_compiler.untrusted import load_json
+from strata_compiler.plan_format import (GGUF_MAGIC, PLAN_MAGIC, WEIGHTS_MAGIC, Container, parse_imatrix_section,
+                                        section_name)
+from strata_compiler.untrusted import load_json, open_regular
 from strata_compiler.verify import verify
 
 from .validate import validate_plan
@@ -131,8 +133,27 @@ def _huge_copy(a: np.ndarray) -> np.ndarray:
     return out
 
 
+def _model_not_plan(path: Path) -> None:
+    """A model given where a plan is expected (a GGUF file, a Hugging Face folder): one UsageError
+    line that says to compile it first, instead of the plan reader's `wrong file kind`."""
+    what = None
+    if path.is_dir():
+        if not (path / "plan.bin").exists() and (path / "config.json").is_file():
+            what = "a Hugging Face model folder"
+    else:
+        try:
+            with open_regular(path) as f:
+                what = "a GGUF model" if f.read(4) == GGUF_MAGIC else None
+        except OSError:         # missing, unreadable, not a regular file: the plan reader says which
+            return
+    if what:
+        raise UsageError(f"{path} is {what}, not a plan: compile it first: stratac compile "
+                         f"{shlex.quote(str(path))} -o DIR")
+
+
 def load_plan(path: str | Path, *, verify_weights: str = "lazy") -> Plan:
     path = Path(path)
+    _model_not_plan(path)
     if path.is_dir():
         path = path / "plan.bin"
     c = Container.open(path, PLAN_MAGIC, verify="full")

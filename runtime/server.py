@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from strata_compiler.errors import StrataError
 
 from . import chat as chat_mod    # the plan's chat template (jinja2, sandboxed) and stop ids
-from .sampler import Sampler
+from .sampler import Sampler, plan_sampling
 from .scheduler import QueueFull, Request
 
 MAX_STOP = 4            # stop strings per request, as OpenAI's API
@@ -49,19 +49,22 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)     # JSON types as written: no "yes" for true, no true for 1
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: Optional[int] = None
+    # sampling: a field left out (or null) takes the plan's default (docs/sampling.md)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    seed: Optional[int] = Field(None, ge=0, lt=1 << 64)
     stop: Optional[Union[str, list[str]]] = None
     n: int = 1
     stream: bool = False
     stream_options: Optional[dict[str, Any]] = None
     user: Optional[str] = None
     ignore_eos: bool = False        # vLLM's and llama-server's extension: run to max_tokens past an EOS
-    # vLLM's sampling extensions (llama-server's too): top_k <= 0, min_p 0 and repetition_penalty 1 are off
-    top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    # vLLM's sampling extensions (llama-server's too): top_k <= 0, min_p 0 and repetition_penalty 1 are
+    # off; repeat_last_n (llama-server's): the penalty's window, -1 every token seen
+    top_k: Optional[int] = Field(None, ge=-1, lt=1 << 31)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=10)
+    repeat_last_n: Optional[int] = Field(None, ge=-1, lt=1 << 31)
     # accepted at their neutral values only
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -198,17 +201,24 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
         if any(not 0 <= i < vocab for i in ids):
             raise APIError(400, f"a prompt token id is outside the vocabulary [0, {vocab})", param="prompt")
         room = engine.ctx - len(ids)
+        if room <= 0:
+            raise APIError(400, f"the prompt has {len(ids)} tokens: this model's context of {engine.ctx} tokens "
+                                f"leaves no room for an answer; shorten it", param="messages" if
+                           isinstance(body, ChatBody) else "prompt", code="context_length_exceeded")
         if max_tokens is None:
             max_tokens = room
-        if max_tokens > room or room <= 0:
+        if max_tokens > room:
             raise APIError(400, f"this model's context is {engine.ctx} tokens; the prompt has {len(ids)} and "
-                                f"max_tokens is {max_tokens}", param="max_tokens", code="context_length_exceeded")
+                                f"max_tokens is {max_tokens}: give {room} or less", param="max_tokens",
+                           code="context_length_exceeded")
         if body.stop and tok is None:
             raise APIError(400, "stop strings need the plan's tokenizer", param="stop")
         seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
-        req = Request(ids, max_tokens, Sampler(body.temperature, body.top_p, seed, top_k=max(0, body.top_k),
-                                               min_p=body.min_p, repetition_penalty=body.repetition_penalty),
-                      () if body.ignore_eos else tuple(stop_ids), tuple(body.stop or ()))
+        sampling = plan_sampling(plan.meta, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                 min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+                                 repeat_last_n=body.repeat_last_n)
+        req = Request(ids, max_tokens, Sampler.of(sampling, seed), () if body.ignore_eos else tuple(stop_ids),
+                      tuple(body.stop or ()))
         req.loop = asyncio.get_running_loop()
         try:
             engine.submit(req)

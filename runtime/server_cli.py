@@ -50,7 +50,8 @@ def _read_config(ctx: click.Context, _param, path: Path | None):
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--ctx", type=click.IntRange(min=2), default=None,
               help="Context length per sequence (prompt + generated tokens); the KV cache holds --max-batch of "
-                   "them. Default: the model's, at most 4096.")
+                   "them. Default: the model's, as far as the KV cache of --max-batch of them fits in half the "
+                   "memory available (the same as strata-run --chat and the Python API).")
 @click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True,
               help="Sequences decoded together (each its own KV row of --ctx positions); more requests wait.")
 @click.option("--prefill-chunk", type=click.IntRange(1, 8192), default=256, show_default=True,
@@ -76,7 +77,9 @@ def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_ba
                   prompt_cache: int, kv_cache_dir: Path | None, queue_size: int, api_key: str | None,
                   model_name: str | None, backend: str, device: str, log_level: str, debug: bool) -> None:
     """Serve PLAN_PATH (a plan.bin, or its directory) over an OpenAI-compatible API: /v1/completions,
-    /v1/chat/completions, /v1/models, /health."""
+    /v1/chat/completions, /v1/models, /health. A request that leaves out a sampling field gets the
+    plan's default (the model's recommendation, else temperature 0.8, top-k 40, top-p 0.95, min-p 0.05,
+    repetition penalty 1.1 over the last 64 tokens; docs/sampling.md)."""
     if backend in ("auto", "xla") and device != "cpu":     # JAX's start-up beside the imports and the plan's reading
         from strata_compiler.backends.xla.device import start_in_background
 
@@ -89,7 +92,8 @@ def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_ba
     from .batching import BatchScheduler
     from .prompt_cache import PromptCache
     from .server import make_app
-    from .session import Session
+    from .sampler import plan_sampling
+    from .session import Session, default_ctx
     from .sigbus import guard
 
     plan = load_plan(plan_path)
@@ -101,7 +105,7 @@ def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_ba
         tokenizer = Tokenizer.from_str(plan.tokenizer_json.decode())
     limit = int(plan.meta["model"].get("max_position") or 0)
     if ctx is None:
-        ctx = min(limit or 4096, 4096)
+        ctx = default_ctx(plan, max_batch + 1)      # the batch's rows and the prefill row
     elif limit and ctx > limit:
         raise UsageError(f"--ctx {ctx}: the model's positions end at {limit}; give --ctx {limit} or less")
     session = Session(plan, backend, device=device)
@@ -114,7 +118,8 @@ def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_ba
                             chunk=prefill_chunk, prompt_cache=cache)
     m = plan.meta["model"]
     kv_mib = 2 * 4 * m["n_layers"] * m["n_kv_heads"] * m["head_dim"] * engine.capacity * (max_batch + 1) / 2**20
-    click.echo(f"strata-server: {max_batch} sequences of up to {ctx} tokens; KV cache {kv_mib:.0f} MiB", err=True)
+    click.echo(f"strata-server: {max_batch} sequences of up to {ctx} tokens; KV cache {kv_mib:.0f} MiB; "
+               f"requests that name none sample with {plan_sampling(plan.meta).describe()}", err=True)
     name = model_name or (plan.path.parent.name if plan.path.name == "plan.bin" else plan.path.stem)
     app = make_app(engine, api_key=api_key, model_name=name)
     # keep-alive longer than clients keep idle connections (httpx, so the openai client: 5 s): a

@@ -12,6 +12,7 @@ import numpy as np
 
 from strata_compiler.backends import make_executor, resolve_backend
 from strata_compiler.errors import PlanError, UsageError
+from strata_compiler.hwprofile import host_memory
 
 from strata_compiler import trace
 from strata_compiler.runtime.entry import process_seconds
@@ -325,6 +326,21 @@ def _check_finite(last: np.ndarray, i: int, logits: np.ndarray, new: np.ndarray)
     raise NonFiniteLogits(f"the model's logits are {what} at {where}, row {b}: the plan's weights hold NaN/Inf "
                           f"or its activations overflow; recompile from a checkpoint with finite weights",
                           logits, new)
+
+
+FALLBACK_CTX = 4096     # the context of a plan that does not say its model's (meta model.max_position)
+KV_SHARE = 0.5          # the share of the host's available memory a default context's KV cache may take
+
+
+def default_ctx(plan: Plan, rows: int) -> int:
+    """Tokens per sequence when none is asked for (strata-run --chat, strata-server, the Python API
+    alike): the model's own context, bounded so that the f32 KV cache of `rows` such sequences takes
+    at most KV_SHARE of the memory available now; a multiple of 64, at least 64 (or the model's)."""
+    m = plan.meta["model"]
+    limit = int(m.get("max_position") or 0) or FALLBACK_CTX
+    per_token = 8 * m["n_layers"] * m["n_kv_heads"] * m["head_dim"] * max(rows, 1)
+    fits = int(host_memory()[1] * KV_SHARE) // max(per_token, 1) // 64 * 64
+    return min(limit, max(fits, 64))
 
 
 def check_room(plan: Plan, B: int, T: int, max_new_tokens: int, keep_logits: bool = True) -> None:

@@ -16,7 +16,9 @@ sections' real sizes and checks that everything else agrees with them:
   the KV cache is allocated with; the metadata's n_layers, n_kv_heads, head_dim and vocab_size
   equal those facts (vocab_size: the embedding table's rows and the logits' width);
 * activation buffers never overwrite a value that is still to be read; nodes name known backends
-  and devices; an expert cache has its one host share.
+  and devices; an expert cache has its one host share;
+* meta["sampling"], the defaults every request starts from, has known keys of the right types
+  within their bounds (strata_compiler/sampling.py).
 
 Failures are PlanError, one line naming the plan, the node or weight and what is wrong; never
 `assert` (it vanishes under python -O).
@@ -38,6 +40,7 @@ from strata_compiler.formats import get_format
 from strata_compiler.ir import DType, Graph, Node, Op
 from strata_compiler.plan_format import Container, section_name
 from strata_compiler.rope import rope_inv_freq
+from strata_compiler.sampling import from_meta
 from strata_compiler.verify import MAX_DIM
 
 BACKENDS = ("reference", "llvm", "xla")
@@ -63,6 +66,7 @@ def validate_plan(path: Path, meta: dict, g: Graph, weights: Container) -> None:
         _check_buffers(g)
         _check_model_meta(meta.get("model"), g, facts)
         _check_graph_meta(g)
+        _check_sampling_meta(meta.get("sampling"))
     except _Invalid as e:
         raise PlanError(f"{path}: {e}; the plan is corrupt or was edited — recompile it with `stratac compile`") \
             from None
@@ -293,6 +297,14 @@ def _check_model_meta(m: object, g: Graph, facts: _Facts) -> None:
             ok = False
         if not ok:
             raise _Invalid("meta.model.placement is not a placement record")
+
+
+def _check_sampling_meta(s: object) -> None:
+    """The sampling defaults every request starts from: known keys, types and bounds."""
+    try:
+        from_meta(s)
+    except ValueError as e:
+        raise _Invalid(str(e)) from None
 
 
 def _check_graph_meta(g: Graph) -> None:

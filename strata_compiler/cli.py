@@ -186,17 +186,18 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
         click.echo(f"stopped after {stop_after}: {len(g.nodes)} {g.level.value}-level nodes")
 
 
-# (GGUF type, Strata format) pairs a compile keeps without a second rounding (with the stored
-# formats of gguf_reader.NATIVE)
-_EXACT = {("F32", "f32"), ("F16", "f32"), ("BF16", "f32"), ("BF16", "bf16")}
+# (GGUF type, Strata format) pairs a compile keeps without a second rounding, besides f32 (which
+# holds any type exactly) and the stored formats of gguf_reader.NATIVE
+_EXACT = {("BF16", "bf16")}
 
 
 def _requantized(model: Path, plan: Path) -> str:
     """For a GGUF input: one line naming the tensor types that were dequantized and quantized again
     (K-quants, ...) and how to measure what that cost; '' when none were."""
-    if not (model.is_file() and model.suffix.lower() == ".gguf"):
+    from .frontend.gguf_reader import NATIVE, is_gguf, open_gguf
+
+    if not is_gguf(model):
         return ""
-    from .frontend.gguf_reader import NATIVE, open_gguf
     from .passes.quantize import source_type
     from .runtime.plan import load_plan
 
@@ -206,7 +207,8 @@ def _requantized(model: Path, plan: Path) -> str:
     for w in load_plan(plan).graph.weights:
         for key in w.sources:
             t = source_type(store, key)
-            if t is not None and len(w.shape) >= 2 and ((t, w.fmt) not in exact or w.group_size not in (0, 32)):
+            if (t is not None and len(w.shape) >= 2 and w.fmt != "f32"       # f32 holds every type exactly
+                    and ((t, w.fmt) not in exact or w.group_size not in (0, 32))):
                 moved[t, w.fmt] = moved.get((t, w.fmt), 0) + 1
     if not moved:
         return ""
@@ -224,8 +226,10 @@ def _formats(plan: Path) -> str:
 
 
 def _text_support(plan: Path) -> str:
-    """One line: whether the plan holds a tokenizer (text in and out) and a chat template."""
+    """One line: whether the plan holds a tokenizer (text in and out) and a chat template, and where
+    its default sampling comes from."""
     from .plan_format import PLAN_MAGIC, Container
+    from .sampling import source_of
     from .untrusted import load_json
 
     with Container.open(plan, PLAN_MAGIC) as c:
@@ -233,7 +237,8 @@ def _text_support(plan: Path) -> str:
         meta = load_json(c.section("meta"))
     chat = meta.get("chat") if isinstance(meta.get("chat"), dict) else {}
     return (f"tokenizer: {'stored' if tokenizer else 'none (give strata-run --input-ids)'}; chat template: "
-            f"{'stored' if chat.get('template') else 'none (add one with --chat-template FILE)'}")
+            f"{'stored' if chat.get('template') else 'none (add one with --chat-template FILE)'}; sampling: "
+            f"{source_of(meta)}")
 
 
 compile_cmd.help = (compile_cmd.help or "") + ", ".join(DEFAULT)
@@ -287,9 +292,12 @@ class CompileProgress:
 
 
 def summarize(plan) -> dict:
+    from dataclasses import asdict
+
     from strata_compiler.runtime.evaluate import quant_label
 
     from .ir import Op
+    from .sampling import from_meta, resolve, source_of
 
     g = plan.graph
     kernels = Counter(f"{n.backend}@{n.device}:{n.op.value}" for n in g.nodes)
@@ -329,6 +337,7 @@ def summarize(plan) -> dict:
         "bytes_per_tier": dict(tiers), "weights": weights, "formats_by_layer": layers,
         "peak_activation_bytes_per_token": plan.meta["model"].get("peak_activation_bytes_per_token"),
         "placement": json.loads(plan.meta["model"]["placement"]) if "placement" in plan.meta["model"] else None,
+        "sampling": {**asdict(resolve(from_meta(plan.meta.get("sampling")))), "source": source_of(plan.meta)},
     }
 
 
@@ -340,6 +349,8 @@ def summarize(plan) -> dict:
 def inspect_cmd(plan_path: Path, as_json: bool, weights: bool, debug: bool) -> None:
     """Summarise a plan: kernels per device, bytes per memory tier, format per tensor, fusions."""
     from strata_compiler.runtime.plan import load_plan
+
+    from .sampling import Sampling
 
     s = summarize(load_plan(plan_path))
     if as_json:
@@ -358,6 +369,8 @@ def inspect_cmd(plan_path: Path, as_json: bool, weights: bool, debug: bool) -> N
     for k, v in s["bytes_per_tier"].items():
         click.echo(f"  {v / 2**20:10.2f} MiB  {k}")
     click.echo(f"\npeak activations: {s['peak_activation_bytes_per_token']} B per token")
+    sm = {k: v for k, v in s["sampling"].items() if k != "source"}
+    click.echo(f"default sampling: {Sampling(**sm).describe()}, from {s['sampling']['source']}")
     pl = s["placement"]
     if pl:
         prof = pl["profile"]
@@ -409,7 +422,9 @@ def reference_kind(ref: Path) -> str:
     a UsageError."""
     if not ref.exists():
         raise UsageError(f"--reference {ref}: no such file or directory; pass a Hugging Face model folder or a plan")
-    if ref.is_file() and ref.suffix.lower() == ".gguf":
+    from .frontend.gguf_reader import is_gguf
+
+    if is_gguf(ref):
         return "gguf"
     if ref.is_dir():
         if (ref / "config.json").is_file():

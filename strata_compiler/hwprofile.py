@@ -288,6 +288,31 @@ def parse_size(text: str) -> int:
     return int(value * units[unit])
 
 
+def host_memory() -> tuple[int, int]:
+    """(total, available) RAM of this host in bytes: /proc/meminfo, capped by the cgroup's memory
+    limit (the probe records it; the runtime bounds its default context by it)."""
+    info: dict[str, int] = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                info[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except OSError:
+        pass
+    total = info.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    available = info.get("MemAvailable", total)
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            total = int(text)
+        break
+    return total, min(available, total)
+
+
 def describe(p: HardwareProfile) -> str:
     """A compact human table of a profile."""
     h = p.host

@@ -72,6 +72,7 @@ class PassContext:
     store: object | None = None         # frontend TensorStore, for passes that read weights
     tokenizer_json: bytes | None = None
     chat: dict | None = None            # meta["chat"]: chat template and special tokens (frontend/chat.py)
+    sampling: dict | None = None        # meta["sampling"]: the model's recommended sampling (frontend/generation.py)
     dump_dir: Path | None = None         # set with --dump-dir: passes may write extra artifacts
     analyses: Analyses = field(default_factory=Analyses)
     progress: Callable[[str], None] | None = None        # called with each pass's name

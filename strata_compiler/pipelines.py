@@ -142,25 +142,32 @@ def compile_model(model_dir: Path, out_dir: Path | None, opts: CompileOptions, *
 
 
 def _read_model(model_dir: Path, out_dir: Path | None, opts: CompileOptions) -> tuple[Graph, PassContext]:
-    """The frontend's graph, and the pass context holding its tensor store, tokenizer and chat."""
+    """The frontend's graph, and the pass context holding its tensor store, tokenizer, chat and
+    recommended sampling."""
     from .frontend.chat import hf_chat
+    from .frontend.generation import gguf_sampling, hf_sampling
+    from .frontend.gguf_reader import is_gguf, open_gguf
     from .frontend.hf import build_graph
     from .frontend.safetensors_reader import TensorStore
 
-    if model_dir.suffix.lower() == ".gguf" and model_dir.is_file():
-        from .frontend.gguf_reader import open_gguf
-
+    if is_gguf(model_dir):
         store, cfg, tokenizer_json, chat = open_gguf(model_dir, with_chat=True)
+        sampling = gguf_sampling(model_dir, store.reader)
         graph, _ = build_graph(model_dir, store, cfg)
         if tokenizer_json is not None:
             check_tokenizer(tokenizer_json, f"{model_dir}: the tokenizer its metadata describes")
     else:
+        if not os.path.lexists(model_dir):
+            raise ModelError(f"{model_dir}: no such file or directory; pass a Hugging Face model folder or a "
+                             f".gguf file")
         if not model_dir.is_dir():
-            raise ModelError(f"{model_dir}: not a directory; pass a Hugging Face model folder or a .gguf file")
+            raise ModelError(f"{model_dir}: neither a model folder nor a GGUF file; pass a Hugging Face model "
+                             f"folder (config.json, *.safetensors) or a .gguf file")
         store = TensorStore.open(model_dir)
         graph, cfg = build_graph(model_dir, store)
         tokenizer_json = read_tokenizer_json(model_dir / "tokenizer.json")
         chat = hf_chat(model_dir, cfg.eos_token_ids, cfg.vocab_size)
+        sampling = hf_sampling(model_dir)
     if opts.chat_template:
         from .frontend.chat import MAX_TEMPLATE_BYTES, check_template
         from .untrusted import read_regular
@@ -173,7 +180,7 @@ def _read_model(model_dir: Path, out_dir: Path | None, opts: CompileOptions) -> 
                              f"({getattr(e, 'strerror', None) or e})") from None
         chat = {**(chat or {}), "template": check_template(text, where)}
     return graph, PassContext(opts, model_dir=model_dir, output_dir=out_dir, store=store,
-                              tokenizer_json=tokenizer_json, chat=chat)
+                              tokenizer_json=tokenizer_json, chat=chat, sampling=sampling)
 
 
 MAX_TOKENIZER_BYTES = 128 << 20     # the largest real tokenizer.json files are ~35 MB

@@ -46,7 +46,8 @@ The same sections in the same order always give byte-identical files (no timesta
 
 The plan is two containers (end of this file): plan.bin (PLAN_MAGIC; sections "meta" JSON, "ir"
 the kernel-level IR as text, "tokenizer", and with --calib "imatrix"; meta["chat"] holds the chat template
-and special tokens, frontend/chat.py) and weights.bin
+and special tokens, frontend/chat.py; meta["sampling"] the model's recommended sampling, checked on
+load by strata_compiler/sampling.py) and weights.bin
 (WEIGHTS_MAGIC; one 4 KiB-aligned section per stored array, named by `section_name`).
 """
 
@@ -602,7 +603,7 @@ def _map(path: str) -> mmap.mmap | None:
     try:
         f = open_regular(path, within=os.path.dirname(os.path.abspath(path)))
     except FileNotFoundError:
-        raise _err(path, "no such file", "check the path, or create it with `stratac compile`") from None
+        raise _err(path, "no such file or directory", "check the path, or create it with `stratac compile`") from None
     except FileRefused as e:
         if e.errno == errno.EISDIR:
             raise _err(path, "is a directory, not a file", "pass the plan or weights file") from None
@@ -626,6 +627,7 @@ def _map(path: str) -> mmap.mmap | None:
 
 PLAN_MAGIC = b"STRATAPL"
 WEIGHTS_MAGIC = b"STRATAWT"
+GGUF_MAGIC = b"GGUF"    # llama.cpp's model files: a model, never a plan (runtime/plan.py says to compile it)
 WEIGHTS_FILE = "weights.bin"
 _KNOWN_MAGIC = {PLAN_MAGIC: f"a Strata plan, magic {PLAN_MAGIC!r}",   # ours: safe to name
                 WEIGHTS_MAGIC: f"a Strata weights file, magic {WEIGHTS_MAGIC!r}"}

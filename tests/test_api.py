@@ -1,7 +1,9 @@
-"""The Python API (runtime/api.py, `import strata`): generate gives the greedy text of a plain
-Session run; stream's pieces join to it; token-id prompts, stop strings, chat under the template;
-calls from several threads at once each get their own text; bad arguments are UsageErrors and the
-model keeps working; close() ends the generation thread."""
+"""The Python API (runtime/api.py, `import strata`): generate with temperature 0 gives the greedy
+text of a plain Session run, and without sampling arguments the text of a Session run sampled with
+the plan's defaults; stream's pieces join to it; token-id prompts, stop strings, chat under the
+template; calls from several threads at once each get their own text; bad arguments (a negative
+max_tokens, a top_p of 0) are UsageErrors that do not echo a negative count as a need, and the model
+keeps working; close() ends the generation thread; the default context is strata-run's."""
 
 from __future__ import annotations
 
@@ -22,22 +24,33 @@ def model(tiny_int8_plan):
         yield m
 
 
-def _plain(model, ids: list[int], n: int) -> str:
+def _plain(model, ids: list[int], n: int, sampler=None) -> str:
     from strata_compiler.runtime.chat import stop_ids
     from strata_compiler.runtime.sampler import Sampler
     from strata_compiler.runtime.session import Session
 
     s = Session(model.plan, "llvm")
-    _, new = s.generate(np.array([ids], np.int64), n, Sampler(), stop_ids(model.plan), keep_logits=False)
+    _, new = s.generate(np.array([ids], np.int64), n, sampler or Sampler(), stop_ids(model.plan), keep_logits=False)
     return model.tokenizer.decode(new[0].tolist())
 
 
 def test_generate_is_the_plain_greedy_run(model):
     ids = model.tokenizer.encode(PROMPT).ids
     want = _plain(model, ids, 12)
-    assert model.generate(PROMPT, max_tokens=12) == want
-    assert "".join(model.stream(PROMPT, max_tokens=12)) == want
-    assert model.generate(ids, max_tokens=12) == want              # token ids in
+    assert model.generate(PROMPT, max_tokens=12, temperature=0) == want
+    assert "".join(model.stream(PROMPT, max_tokens=12, temperature=0)) == want
+    assert model.generate(ids, max_tokens=12, temperature=0) == want              # token ids in
+
+
+def test_default_sampling_is_the_plans(model):
+    from strata_compiler.runtime.sampler import Sampler
+    from strata_compiler.sampling import DEFAULTS
+
+    assert model.sampling == DEFAULTS       # tiny-moe's generation_config.json recommends nothing
+    ids = model.tokenizer.encode(PROMPT).ids
+    want = _plain(model, ids, 12, Sampler.of(DEFAULTS, seed=3))
+    assert model.generate(PROMPT, max_tokens=12, seed=3) == want
+    assert want != _plain(model, ids, 12)   # it samples, with the repeat penalty: not the greedy text
 
 
 def test_stop_string_and_chat(model):
@@ -63,10 +76,24 @@ def test_threads_are_batched_and_each_gets_its_text(model):
 
 def test_bad_arguments_are_usage_errors(model):
     for call in (lambda: model.generate("", max_tokens=4), lambda: model.generate([10 ** 9], max_tokens=4),
-                 lambda: model.generate(PROMPT, max_tokens=10 ** 7), lambda: model.generate(PROMPT, max_tokens=0)):
+                 lambda: model.generate(PROMPT, max_tokens=10 ** 7), lambda: model.generate(PROMPT, max_tokens=0),
+                 lambda: model.generate(PROMPT, top_p=0), lambda: model.generate(PROMPT, temperature=-1),
+                 lambda: model.generate(PROMPT, seed=-1)):
         with pytest.raises(UsageError):
             call()
+    with pytest.raises(UsageError) as e:
+        model.generate(PROMPT, max_tokens=-5)
+    assert str(e.value) == "max_tokens should be a whole number of at least 1, got -5"
+    with pytest.raises(UsageError) as e:
+        model.generate(PROMPT, max_tokens=10 ** 7)
+    assert f"give max_tokens {model.engine.ctx - len(model.tokenizer.encode(PROMPT).ids)} or less" in str(e.value)
     assert model.generate(PROMPT, max_tokens=3)            # still serving
+
+
+def test_default_context_is_strata_runs(model):
+    from strata_compiler.runtime.session import default_ctx
+
+    assert model.engine.ctx == default_ctx(model.plan, 4 + 1) == model.plan.meta["model"]["max_position"]
 
 
 def test_an_abandoned_stream_frees_its_slot(model):

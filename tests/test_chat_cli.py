@@ -119,7 +119,7 @@ def test_ctrl_c_stops_the_answer_not_the_chat(env, monkeypatch):
 
 
 def test_strata_run_chat_exits_0_at_eof(plan_dir, env):
-    r = CliRunner().invoke(strata_run, [str(plan_dir), "--chat", "--backend", "llvm", "-n", str(N),
+    r = CliRunner().invoke(strata_run, [str(plan_dir), "--chat", "--backend", "llvm", "-n", str(N), "--greedy",
                                         "--system", "You are terse."], input="hello\n")
     assert r.exit_code == 0, r.output
     ref = _reference(env, [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hello"}])

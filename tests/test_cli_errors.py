@@ -402,13 +402,34 @@ def test_compile_ok_baseline(capsys, tmp_path, model_dir):
 
 
 def test_missing_model_dir(capsys, tmp_path):
-    compile_fails(capsys, tmp_path, tmp_path / "no_such_model", names=("no_such_model",))
+    line = compile_fails(capsys, tmp_path, tmp_path / "no_such_model", names=("no_such_model",))
+    assert "no such file or directory" in line and "not a directory" not in line
+    line = compile_fails(capsys, tmp_path, tmp_path / "no_such.gguf", names=("no_such.gguf",))
+    assert "no such file or directory" in line
 
 
 def test_model_dir_is_a_file(capsys, tmp_path):
     f = tmp_path / "model.txt"
     f.write_text("hello")
-    compile_fails(capsys, tmp_path, f, names=("model.txt",))
+    compile_fails(capsys, tmp_path, f, names=("model.txt", "neither a model folder nor a GGUF file"))
+
+
+def test_a_model_given_where_a_plan_is_expected(capsys, tmp_path, model_dir):
+    """strata-run, strata-server and stratac inspect given a GGUF file or a model folder: one line
+    that says how to compile it, not `wrong file kind`."""
+    from strata_compiler.runtime.server_cli import strata_server
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    want = f"error: {gguf} is a GGUF model, not a plan: compile it first: stratac compile {gguf} -o DIR"
+    assert run_fails(capsys, gguf, "--prompt", "hi") == want
+    assert assert_one_line_error(cli(capsys, strata_server, gguf)) == want
+    assert assert_one_line_error(cli(capsys, stratac, "inspect", gguf)) == want
+    line = run_fails(capsys, model_dir, "--prompt", "hi")
+    assert line == f"error: {model_dir} is a Hugging Face model folder, not a plan: compile it first: stratac " \
+                   f"compile {model_dir} -o DIR"
+    line = run_fails(capsys, tmp_path / "nowhere", "--prompt", "hi", names=("nowhere",))
+    assert "no such file or directory" in line
 
 
 def test_missing_config(capsys, tmp_path, model_dir):

@@ -273,15 +273,15 @@ def test_chat_template_flag_supplies_one(moe, tmp_path, capsys):
     src = moe["base"] / "mixtral.gguf"
     capsys.readouterr()
     plan = load_plan(compile_ok(src, tmp_path / "plain", "--quant", "f32"))
-    assert capsys.readouterr().out.splitlines()[-1] == \
-        "tokenizer: stored; chat template: none (add one with --chat-template FILE)"
+    assert capsys.readouterr().out.splitlines()[-1].startswith(
+        "tokenizer: stored; chat template: none (add one with --chat-template FILE); sampling: ")
     with pytest.raises(UsageError, match="--chat-template FILE"):
         render_chat(plan, [{"role": "user", "content": "hi"}])
     tpl = tmp_path / "chat.jinja"
     tpl.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>")
     plan = load_plan(compile_ok(src, tmp_path / "chat", "--quant", "f32", "--chat-template", str(tpl)))
     assert render_chat(plan, [{"role": "user", "content": "hi"}]) == "<user>hi<assistant>"
-    assert capsys.readouterr().out.splitlines()[-1] == "tokenizer: stored; chat template: stored"
+    assert capsys.readouterr().out.splitlines()[-1].startswith("tokenizer: stored; chat template: stored; sampling: ")
     assert run_cli(stratac, ["compile", str(src), "-o", str(tmp_path / "bad"), "--chat-template",
                              str(tmp_path / "missing.jinja")]) != 0
 

@@ -133,6 +133,15 @@ META_EDITS = {
     "eos_token_ids=5": (lambda m: m["model"].update(eos_token_ids=5), "eos_token_ids"),
     "bos_token_id=-1": (lambda m: m["model"].update(bos_token_id=-1), "bos_token_id"),
     "placement=junk": (lambda m: m["model"].update(placement="[1, 2"), "placement"),
+    # the sampling defaults every request starts from (strata_compiler/sampling.py)
+    "sampling=list": (lambda m: m.update(sampling=[0.8]), "meta.sampling"),
+    "sampling.top_p=2": (lambda m: m.update(sampling={"top_p": 2}), "top_p"),
+    "sampling.temperature=str": (lambda m: m.update(sampling={"temperature": "hot"}), "temperature"),
+    "sampling.top_k=1e12": (lambda m: m.update(sampling={"top_k": 10**12}), "top_k"),
+    "sampling.top_k=1.5": (lambda m: m.update(sampling={"top_k": 1.5}), "top_k"),
+    "sampling.repeat_last_n=-7": (lambda m: m.update(sampling={"repeat_last_n": -7}), "repeat_last_n"),
+    "sampling.bogus": (lambda m: m.update(sampling={"bogus": 1}), "bogus"),
+    "sampling.source=long": (lambda m: m.update(sampling={"source": "x" * 10_000}), "source"),
 }
 
 
@@ -141,6 +150,15 @@ def test_meta_lies(tiny_int8_plan, tmp_path, ids, case):
     edit, field = META_EDITS[case]
     plan = edited(tiny_int8_plan, tmp_path / "p", meta=edit)
     one_error(run(plan, ids), "plan.bin", field)
+
+
+def test_valid_sampling_meta_is_the_default(tiny_int8_plan, tmp_path, ids):
+    plan = edited(tiny_int8_plan, tmp_path / "p", meta=lambda m: m.update(
+        sampling={"source": "generation_config.json", "temperature": 0.5, "top_k": 7}))
+    p = run(plan, ids)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.rstrip().endswith("; temperature 0.5, top-k 7, top-p 0.95, min-p 0.05, repeat penalty 1.1 over "
+                                      "the last 64 tokens")
 
 
 @pytest.mark.parametrize("backend", ["reference", "llvm"])

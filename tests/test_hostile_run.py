@@ -197,7 +197,7 @@ def test_ctrl_c_during_a_real_start_up(tiny_int8_plan, ids_file, tmp_path):
 def test_ctrl_c_mid_decode_keeps_the_text_and_tokens_out(tiny_int8_plan, ids_file, tmp_path, optimize):
     tokens = tmp_path / "t.npy"
     code, out, err, sec = _interrupt(_SLOW_DECODE, tmp_path / "m", tiny_int8_plan, "--input-ids", ids_file,
-                                     "-n", "1000", "--ignore-eos", "--backend", "llvm", "--tokens-out", tokens,
+                                     "-n", "1000", "--ignore-eos", "--backend", "llvm", "--greedy", "--tokens-out", tokens,
                                      python_flags=("-O",) if optimize else ())
     assert code == 130
     line = one_error(code, out, err, "interrupted", "--tokens-out")
@@ -252,7 +252,8 @@ def test_full_disk_keeps_the_text_and_the_old_file(capsys, tiny_int8_plan, ids_f
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(np, "save", save)
-    code, out, err = cli(capsys, tiny_int8_plan, "--input-ids", ids_file, "-n", "4", "--backend", "llvm", flag, old)
+    code, out, err = cli(capsys, tiny_int8_plan, "--input-ids", ids_file, "-n", "4", "--backend", "llvm", "--greedy",
+                         flag, old)
     assert code == 1
     one_error(code, out, err, flag, str(old), "No space left on device")
     monkeypatch.undo()
@@ -263,7 +264,7 @@ def test_full_disk_keeps_the_text_and_the_old_file(capsys, tiny_int8_plan, ids_f
 
 
 def test_outputs_written_whole(capsys, tiny_int8_plan, ids_file, tmp_path):
-    code, out, err = cli(capsys, tiny_int8_plan, "--input-ids", ids_file, "-n", "3", "--backend", "llvm",
+    code, out, err = cli(capsys, tiny_int8_plan, "--input-ids", ids_file, "-n", "3", "--backend", "llvm", "--greedy",
                          "--tokens-out", tmp_path / "t", "--logits-out", tmp_path / "l.npy")
     assert code == 0, err
     np.testing.assert_array_equal(np.load(tmp_path / "t"), _greedy(tiny_int8_plan, 3))
@@ -333,7 +334,7 @@ def test_input_ids_outside_the_vocabulary_before_start_up(capsys, tiny_int8_plan
 def test_non_utf8_tokenizer(capsys, tiny_int8_plan, ids_file, tmp_path):
     """--input-ids needs no tokenizer: one warning, ids printed; --prompt needs it: one line."""
     plan = _resealed(tiny_int8_plan, tmp_path / "plan", tokenizer=b"\xff\xfe{\"model\": \xc3\x28}")
-    code, out, err = cli(capsys, plan, "--input-ids", ids_file, "-n", "3", "--backend", "llvm")
+    code, out, err = cli(capsys, plan, "--input-ids", ids_file, "-n", "3", "--backend", "llvm", "--greedy")
     assert code == 0 and "Traceback" not in err, err
     assert "warning" in err and "tokenizer" in err and "UTF-8" in err
     assert out == " ".join(map(str, _greedy(tiny_int8_plan, 3)[0])) + "\n"
@@ -371,7 +372,7 @@ def test_inf_logits_mid_decode_keep_what_was_made(capsys, tiny_int8_plan, ids_fi
 
     monkeypatch.setattr(Session, "step", step)
     code, out, err = cli(capsys, tiny_int8_plan, "--input-ids", ids_file, "-n", "10", "--ignore-eos",
-                         "--backend", "llvm", "--tokens-out", tmp_path / "t.npy")
+                         "--backend", "llvm", "--greedy", "--tokens-out", tmp_path / "t.npy")
     assert code == 1
     one_error(code, out, err, "Inf", "decode step 3", "row 0")
     monkeypatch.undo()

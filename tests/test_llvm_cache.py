@@ -16,7 +16,8 @@ BIN = Path(sys.executable).parent
 
 
 def run(plan: Path, ids: Path, env: dict) -> tuple[str, str]:
-    p = subprocess.run([str(BIN / "strata-run"), str(plan), "--input-ids", str(ids), "-n", "4", "--backend", "llvm"],
+    p = subprocess.run([str(BIN / "strata-run"), str(plan), "--input-ids", str(ids), "-n", "4", "--backend", "llvm",
+                        "--greedy"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr
     return p.stdout, p.stderr.strip().splitlines()[-1]

@@ -291,7 +291,7 @@ def test_cli_stats_while_decoding_ahead(model, tmp_path, monkeypatch, capsys):
     real = partitions.MixedExecutor.decode_ahead
     monkeypatch.setattr(partitions.MixedExecutor, "decode_ahead", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     args = [str(plan / "plan.bin"), "--input-ids", str(tmp_path / "ids.npy"), "-n", str(N_NEW), "--ignore-eos",
-            "--device", "cpu", "--miss-path", "gpu"]
+            "--greedy", "--device", "cpu", "--miss-path", "gpu"]
     assert run_cli(strata_run, args + ["--stats", "--tokens-out", str(tmp_path / "a.npy")]) == 0
     err = capsys.readouterr().err
     assert calls and "hit rate" in err and "gpu partitions (xla)" in err and "steps (host)" in err

@@ -54,7 +54,7 @@ class Base:
         err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             rc = run_cli(strata_run, [str(plan_dir), "--input-ids", str(self.ids), "-n", "3", "--backend", "llvm",
-                                      "--ignore-eos", "--tokens-out", str(plan_dir / "t.npy"),
+                                      "--greedy", "--ignore-eos", "--tokens-out", str(plan_dir / "t.npy"),
                                       "--logits-out", str(plan_dir / "l.npy")])
         out = (np.load(plan_dir / "t.npy"), np.load(plan_dir / "l.npy")) if rc == 0 else None
         return rc, err.getvalue(), out

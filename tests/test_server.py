@@ -1,7 +1,8 @@
 """strata-server: a real server in a subprocess on the tiny trained MoE (int8, llvm backend).
 
 One server process serves every test (started once per module, with --api-key); the last test
-sends it SIGTERM. Greedy completions must give the text of a plain greedy Session.generate run.
+sends it SIGTERM. Greedy completions must give the text of a plain greedy Session.generate run, and
+a request that names no sampling field the text of a run sampled with the plan's defaults.
 """
 
 from __future__ import annotations
@@ -89,10 +90,10 @@ def reference(plan_dir):
     plan = load_plan(plan_dir)
     tok = Tokenizer.from_str(plan.tokenizer_json.decode())
 
-    def run(ids: list[int], n: int, stop=None) -> str:
+    def run(ids: list[int], n: int, stop=None, sampler=None) -> str:
         s = Session(plan, "llvm")
         eos = tuple(stop_ids(plan)) if stop is None else stop
-        _, new = s.generate(np.array([ids], np.int64), n, Sampler(0.0), eos)
+        _, new = s.generate(np.array([ids], np.int64), n, sampler or Sampler(0.0), eos)
         return tok.decode(ids + new[0].tolist())[len(tok.decode(ids)):]
 
     return plan, tok, run
@@ -151,8 +152,27 @@ def test_sampling_extensions(client, reference):
     assert sampled.usage.completion_tokens == 8 or sampled.choices[0].finish_reason == "stop"
 
 
+def test_omitted_fields_sample_with_the_plans_defaults(client, reference):
+    from strata_compiler.runtime.sampler import Sampler, plan_sampling
+    from strata_compiler.sampling import DEFAULTS
+
+    plan, tok, run = reference
+    assert plan_sampling(plan.meta) == DEFAULTS
+    want = run(tok.encode(PROMPT).ids, 12, sampler=Sampler.of(DEFAULTS, seed=5))
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, seed=5)
+    assert r.choices[0].text == want and want != run(tok.encode(PROMPT).ids, 12)
+    # a field given replaces its default only: top_k 1 leaves one token, whatever the rest
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, seed=5, extra_body={"top_k": 1,
+                                                                                                  "repetition_penalty": 1})
+    assert r.choices[0].text == run(tok.encode(PROMPT).ids, 12)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": PROMPT, "n": 2}, "n"),
+    ({"prompt": PROMPT, "max_tokens": -5}, "max_tokens"),
+    ({"prompt": PROMPT, "seed": -1}, "seed"),
+    ({"prompt": PROMPT, "repeat_last_n": -2}, "repeat_last_n"),
+    ({"prompt": PROMPT, "top_p": 0}, "top_p"),
     ({"prompt": PROMPT, "max_tokens": 10_000}, "max_tokens"),
     ({"prompt": PROMPT, "temperature": -1}, "temperature"),
     ({"prompt": PROMPT, "bogus_field": 1}, "bogus_field"),
@@ -170,7 +190,7 @@ def test_bad_requests_are_one_400(server, body, param):
                                                       "Content-Type": "application/json"}, timeout=30, **kw)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["type"] == "invalid_request_error" and err["message"] and "needs -" not in err["message"]
     if param:
         assert err["param"] and err["param"].startswith(param)
     _assert_alive(base)
@@ -297,6 +317,33 @@ def test_queue_full_is_429(reference):
     assert c.get("/health").status_code == 503
     r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
     assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+
+
+def test_a_prompt_that_fills_the_context_names_no_negative_count(reference):
+    """Before: `the prompt has 9 and max_tokens is -5` for a chat without max_tokens."""
+    from fastapi.testclient import TestClient
+
+    from strata_compiler.runtime.server import make_app
+
+    plan, tok, run = reference
+    prompt = "one two three four five six seven eight nine ten"
+
+    class Small:
+        ctx, tokenizer, warm_error, stats, max_batch = 4, tok, None, {}, 1
+        ready = __import__("threading").Event()
+
+        def __init__(self):
+            self.plan = plan
+
+    c = TestClient(make_app(Small()))
+    r = c.post("/v1/completions", json={"prompt": prompt})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+    n = len(tok.encode(prompt).ids)
+    assert err["message"] == (f"the prompt has {n} tokens: this model's context of 4 tokens leaves no room for an "
+                              f"answer; shorten it")
+    r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+    assert "give 2 or less" in r.json()["error"]["message"] and "-" not in r.json()["error"]["message"]
 
 
 def test_chat(client, reference):

@@ -23,7 +23,7 @@ def model(tmp_path_factory):
 def _run(plan, tmp_path, *extra):
     np.save(tmp_path / "ids.npy", np.array([[1, 2, 3, 4]], np.int64))
     return run_cli(strata_run, [str(plan / "plan.bin"), "--input-ids", str(tmp_path / "ids.npy"), "-n", "4",
-                                "--ignore-eos", "--device", "cpu", *extra])
+                                "--ignore-eos", "--greedy", "--device", "cpu", *extra])
 
 
 def test_mixed_plan_trace_has_every_track_and_validates(model, tmp_path, capsys):

@@ -82,7 +82,7 @@ def test_second_run_compiles_nothing(plans, tmp_path):
     env = dict(os.environ, STRATA_CACHE_DIR=str(tmp_path / "cache"))
     np.save(tmp_path / "ids.npy", np.array([[1, 2, 3]], np.int64))
     cmd = [str(Path(sys.executable).parent / "strata-run"), str(p["f32"]), "--input-ids", str(tmp_path / "ids.npy"),
-           "-n", "3", "--backend", "xla"]
+           "-n", "3", "--greedy", "--backend", "xla"]
     for _ in range(2):
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         assert r.returncode == 0, r.stderr
@@ -107,7 +107,7 @@ def test_layer_partitions_of_one_shape_compile_once(tmp_path):
     env = dict(os.environ, STRATA_CACHE_DIR=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
     np.save(tmp_path / "ids.npy", np.array([[1, 2, 3]], np.int64))
     r = subprocess.run([str(Path(sys.executable).parent / "strata-run"), str(plan), "--input-ids",
-                        str(tmp_path / "ids.npy"), "-n", "3", "--device", "cpu"],
+                        str(tmp_path / "ids.npy"), "-n", "3", "--greedy", "--device", "cpu"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     names = [e.name for e in (tmp_path / "cache" / "xla").iterdir()]
@@ -176,5 +176,5 @@ def test_timings_count_the_compiling(plans, capsys):
     assert pre > t.rates()[0] and dec > t.rates()[1]
     np.save(tmp / "ids.npy", np.arange(1, 6))
     assert run_cli(strata_run, [str(p["int4"]), "--input-ids", str(tmp / "ids.npy"), "-n", "4", "--backend", "xla",
-                                "--ignore-eos"]) == 0
+                                "--greedy", "--ignore-eos"]) == 0
     assert "s of compiling)" in capsys.readouterr().err
