@@ -36,7 +36,7 @@ import numpy as np
 
 from strata_compiler.errors import BackendError, UsageError
 from strata_compiler.formats import FORMATS, get_format
-from strata_compiler.hwprofile import (PROFILE_VERSION, CpuIsa, DiskProfile, GpuProfile, HardwareProfile,
+from strata_compiler.hwprofile import (PROFILE_VERSION, host_memory, CpuIsa, DiskProfile, GpuProfile, HardwareProfile,
                                        HostProfile)
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def measure_host(sizes: ProbeSizes, say: Callable[[str], None], notes: list[str]
                  avx512bw="+avx512bw" in feats, avx512_vnni="+avx512vnni" in feats,
                  avx512_bf16="+avx512bf16" in feats,
                  amx="+amx-tile" in feats and ("+amx-int8" in feats or "+amx-bf16" in feats))
-    total, available = _meminfo()
+    total, available = host_memory()
     op_s = None
     gemv: dict[str, float] = {}
     flops: dict[str, float] = {}
@@ -255,30 +255,6 @@ def time_linear(pool, lib, target, fmt: str, N: int, K: int, reps: int, *, M: in
     args = (ctypes.c_int64 * len(PARAMS))(*[vals[p] for p in PARAMS])
     t = _median_seconds(lambda: pool.parallel_for(addr, ctypes.addressof(args), N, min_chunk=16), reps, warmup=2)
     return t, w.nbytes + (0 if s is None else s.nbytes)
-
-
-def _meminfo() -> tuple[int, int]:
-    """(total, available) RAM in bytes: /proc/meminfo, capped by the cgroup's memory limit."""
-    info: dict[str, int] = {}
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            parts = rest.split()
-            if parts and parts[0].isdigit():
-                info[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    except OSError:
-        pass
-    total = info.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    available = info.get("MemAvailable", total)
-    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(limit_file).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit() and 0 < int(text) < total:
-            total = int(text)
-        break
-    return total, min(available, total)
 
 
 def _cpu_model() -> str:

@@ -324,10 +324,8 @@ def _codes(t: str, out: str) -> str:
   %{out}.q = fptosi <32 x float> %{out}.f to <32 x i8>"""
 
 
-_Q8_BLOCK_FN = f"""
-define internal void @q8_block(ptr noalias %src, ptr noalias %q, ptr noalias %dp, ptr noalias %sp) alwaysinline #0 {{
-entry:
-  %v = load <32 x float>, ptr %src, align 4
+# a block's scale d = max|x| / 127 and %t = x / d (0 for an all-zero block)
+_BLOCK_SCALE = """  %v = load <32 x float>, ptr %src, align 4
   %a = call <32 x float> @llvm.fabs.v32f32(<32 x float> %v)
   %mx = call float @llvm.vector.reduce.fmax.v32f32(<32 x float> %a)
   %d = fdiv float %mx, 127.0
@@ -337,17 +335,15 @@ entry:
   %i0 = insertelement <32 x float> poison, float %inv, i64 0
   %iv = shufflevector <32 x float> %i0, <32 x float> poison, <32 x i32> zeroinitializer
   %t = fmul <32 x float> %v, %iv
-  %rn = call <32 x float> @llvm.roundeven.v32f32(<32 x float> %t)
-  %lo = fcmp olt <32 x float> %rn, {_splat32("-127.0")}
-  %c1 = select <32 x i1> %lo, <32 x float> {_splat32("-127.0")}, <32 x float> %rn
-  %hi = fcmp ogt <32 x float> %c1, {_splat32("127.0")}
-  %c2 = select <32 x i1> %hi, <32 x float> {_splat32("127.0")}, <32 x float> %c1
-  %c3 = fcmp uno <32 x float> %c2, zeroinitializer
-  %c4 = select <32 x i1> %c3, <32 x float> zeroinitializer, <32 x float> %c2
-  %qi = fptosi <32 x float> %c4 to <32 x i8>
-  store <32 x i8> %qi, ptr %q, align 1
+"""
+
+_Q8_BLOCK_FN = f"""
+define internal void @q8_block(ptr noalias %src, ptr noalias %q, ptr noalias %dp, ptr noalias %sp) alwaysinline #0 {{
+entry:
+{_BLOCK_SCALE}{_codes("t", "c")}
+  store <32 x i8> %c.q, ptr %q, align 1
   store float %d, ptr %dp, align 4
-  %qw = sext <32 x i8> %qi to <32 x i32>
+  %qw = sext <32 x i8> %c.q to <32 x i32>
   %s = call i32 @llvm.vector.reduce.add.v32i32(<32 x i32> %qw)
   store i32 %s, ptr %sp, align 4
   ret void
@@ -358,17 +354,7 @@ _Q16_BLOCK_FN = f"""
 define internal void @q16_block(ptr noalias %src, ptr noalias %q, ptr noalias %q2, ptr noalias %dp,
                                 ptr noalias %sp) alwaysinline #0 {{
 entry:
-  %v = load <32 x float>, ptr %src, align 4
-  %a = call <32 x float> @llvm.fabs.v32f32(<32 x float> %v)
-  %mx = call float @llvm.vector.reduce.fmax.v32f32(<32 x float> %a)
-  %d = fdiv float %mx, 127.0
-  %pos = fcmp ogt float %d, 0.0
-  %rc = fdiv float 1.0, %d
-  %inv = select i1 %pos, float %rc, float 0.0
-  %i0 = insertelement <32 x float> poison, float %inv, i64 0
-  %iv = shufflevector <32 x float> %i0, <32 x float> poison, <32 x i32> zeroinitializer
-  %t = fmul <32 x float> %v, %iv
-{_codes("t", "c")}
+{_BLOCK_SCALE}{_codes("t", "c")}
   %d0 = insertelement <32 x float> poison, float %d, i64 0
   %dv = shufflevector <32 x float> %d0, <32 x float> poison, <32 x i32> zeroinitializer
   %nc = fneg <32 x float> %c.f
