@@ -14,7 +14,7 @@ from strata_compiler.backends.llvm_cpu.codegen.moe import MoESpec
 from strata_compiler.backends.llvm_cpu.jit import KernelLibrary, emit_artifacts
 from strata_compiler.backends.llvm_cpu.target import Target
 from strata_compiler.backends.reference.executor import silu
-from test_llvm_linear_moe import activations, call, ptr, quantized, routes
+from test_llvm_linear_moe import activations, call, linear_reference, ptr, quantized, routes
 
 HOST = Target.host()
 needs_amx = pytest.mark.skipif(not HOST.amx, reason="this CPU has no AMX-INT8 (or the OS did not grant it)")
@@ -161,11 +161,7 @@ def test_linear_tiles_match_the_q8_definition(fmt, N, K, M, epi, planes):
     spec = amx.AmxLinearSpec(fmt, N, K, bias="b" in epi, silu_mul=silu_mul, residual="r" in epi, planes=planes)
     call(lib, amx.linear(spec, HOST), dict(y=ptr(y), x=ptr(xt), xd=ptr(xtd), xs=ptr(xts), w=ptr(w), s=ptr(s),
                                            b=ptr(b), r=ptr(r), M=M, ldy=N, ldr=N), N // amx.T, split=1)
-    h = xdeq @ wd.T + (b if "b" in epi else 0)
-    if silu_mul:
-        h = silu(h[:, :N]) * h[:, N:]
-    if "r" in epi:
-        h = h + r
+    h = linear_reference(xdeq, wd, b, r, N, epi)
     np.testing.assert_allclose(y[:M], h, rtol=0, atol=2e-5 * np.abs(h).max())
     assert np.isnan(y[M]).all()
     yrow = np.zeros((M, N), np.float32)

@@ -10,7 +10,7 @@ import pytest
 from strata_compiler.backends.llvm_cpu.codegen.dot import pair_layout
 from strata_compiler.backends.llvm_cpu.codegen.linear import LinearSpec, generate
 from strata_compiler.backends.llvm_cpu.codegen.moe import MoESpec, down, gate_up, h_stride
-from test_llvm_linear_moe import LIBS, TARGETS, activations, call, ptr, quantized, routes
+from test_llvm_linear_moe import LIBS, TARGETS, activations, call, pairs_of, ptr, quantized, routes
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -65,18 +65,12 @@ def test_moe_token_alone_equals_token_in_a_batch(tname, fmt, planes):
     pairs = pair_layout(t, fmt, 32)
 
     def run(m0: int, m1: int) -> tuple[np.ndarray, np.ndarray]:
-        sub = comb[m0:m1]
-        tok, exp = np.nonzero(sub)
-        order = np.argsort(exp, kind="stable")
-        tok, exp = tok[order].astype(np.int64), exp[order].astype(np.int64)
-        pw = sub[tok, exp].astype(np.float32)
-        active, counts = np.unique(exp, return_counts=True)
-        first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        tok, exp, pw, first, active = pairs_of(comb[m0:m1])
         xin, xd, xs, _ = activations(x[m0:m1], True, 32, pairs, planes)
         hfull = np.zeros((len(tok), h_stride(spec)), np.float32)
         h = hfull[:, :I]
         call(lib, gate_up(spec, t), dict(h=ptr(hfull), x=ptr(xin), xd=ptr(xd), xs=ptr(xs), w=ptr(wu), s=ptr(su),
-                                          pair_tok=ptr(tok), first=ptr(first), active=ptr(active.astype(np.int64)),
+                                          pair_tok=ptr(tok), first=ptr(first), active=ptr(active),
                                           ldx=xin.shape[1]), len(active) * I, split=I + 3)
         hin, hd, hs, _ = activations(np.ascontiguousarray(h), True, 32, pairs, planes)
         y = np.zeros((m1 - m0, D), np.float32)

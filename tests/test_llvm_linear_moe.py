@@ -111,13 +111,28 @@ def routes(rng, M: int, E: int, k: int, choices: int | None = None):
     comb = np.zeros((M, E), np.float32)
     for m in range(M):
         comb[m, rng.choice(choices or E, k, replace=False)] = rng.random(k, dtype=np.float32)
+    return (comb, *pairs_of(comb))
+
+
+def pairs_of(comb: np.ndarray):
+    """The routing comb [M, E] as the pairs kernel lays it out: (token, expert, weight) pairs
+    sorted by expert, each active expert's first pair (and the end), the active experts."""
     tok, exp = np.nonzero(comb)
     order = np.argsort(exp, kind="stable")
     tok, exp = tok[order].astype(np.int64), exp[order].astype(np.int64)
     pw = comb[tok, exp].astype(np.float32)
     active, counts = np.unique(exp, return_counts=True)
     first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    return comb, tok, exp, pw, first, active.astype(np.int64)
+    return tok, exp, pw, first, active.astype(np.int64)
+
+
+def linear_reference(xdeq, wd, b, r, N: int, epi: str) -> np.ndarray:
+    """linear's definition on the activations' values: bias, silu_mul (rows N.. the up half),
+    residual as the epilogue letters b, s, r say."""
+    h = xdeq @ wd.T + (b if "b" in epi else 0)
+    if "s" in epi:
+        h = silu(h[:, :N]) * h[:, N:]
+    return h + r if "r" in epi else h
 
 
 def ptr(a):
@@ -143,11 +158,7 @@ def test_linear_matches_reference(tname, fmt, q8, N, K, M, epi):
     call(LIBS[tname], generate(spec, TARGETS[tname]),
          dict(y=ptr(y), x=ptr(xin), xd=ptr(xd), xs=ptr(xs), w=ptr(w), s=ptr(s), b=ptr(b), r=ptr(r), M=M,
               ldx=xin.shape[1], ldy=N, ldr=N), N, split=N // 3)
-    h = xdeq @ wd.T + (b if "b" in epi else 0)
-    if silu_mul:
-        h = silu(h[:, :N]) * h[:, N:]
-    if "r" in epi:
-        h = h + r
+    h = linear_reference(xdeq, wd, b, r, N, epi)
     np.testing.assert_allclose(y, h, rtol=0, atol=2e-5 * np.abs(h).max())
 
 
@@ -171,11 +182,7 @@ def test_linear_q16_activations_match_reference(tname, fmt, N, K, M, epi):
     spec = LinearSpec(fmt, N, K, 32, True, bias="b" in epi, silu_mul=silu_mul, residual="r" in epi, planes=2)
     call(LIBS[tname], generate(spec, t), dict(y=ptr(y), x=ptr(xin), xd=ptr(xd), xs=ptr(xs), w=ptr(w), s=ptr(s),
                                               b=ptr(b), r=ptr(r), M=M, ldx=xin.shape[1], ldy=N, ldr=N), N, split=N // 3)
-    h = xdeq @ wd.T + (b if "b" in epi else 0)
-    if silu_mul:
-        h = silu(h[:, :N]) * h[:, N:]
-    if "r" in epi:
-        h = h + r
+    h = linear_reference(xdeq, wd, b, r, N, epi)
     np.testing.assert_allclose(y, h, rtol=0, atol=2e-5 * np.abs(h).max())
 
 
