@@ -185,6 +185,13 @@ SETTINGS: tuple[Setting, ...] = (
        "prefill attention kernel: query rows per block, key rows per step, warps, pipeline stages", length=4),
     _s("pallas_attn_tune", "pow2s", (64, 4, 256), "xla", "attention kernel: rows per block, warps, rows per split",
        length=3),
+    _s("template_timeout", "float", 5.0, "compile, runtime",
+       "seconds a chat template may take to render (the check at compile time, each chat prompt at run time) "
+       "before its worker process is killed and the template refused (strata_compiler/template_sandbox.py)",
+       minimum=0.01),
+    _s("template_memory", "int", 1024, "compile, runtime",
+       "MiB of address space of the process that renders chat templates (RLIMIT_AS; Python and jinja2 take ~25 of them); "
+       "a template that needs more is refused", minimum=64),
     _s("raw_copy", "choice", "auto", "runtime",
        "hand-offs between xla and CPU partitions: auto (raw cudaMemcpy on a GPU), host (raw copies on JAX's CPU platform: tests)",
        choices=("auto", "host")),

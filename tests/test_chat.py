@@ -145,6 +145,8 @@ def test_template_sources(tmp_path):
     ([{"name": "default", "template": 3}], "should be a string"),
     (["x"], "list of"),
     ("x" * (MAX_TEMPLATE_BYTES + 1), "larger than 256 KiB"),
+    ("{% for m in messages %}", "does not parse"),          # checked by a render (tests/test_hostile_templates.py)
+    ("{% if false %}x{% endif %}", "renders an empty prompt"),
 ])
 def test_bad_template_is_one_error(tmp_path, value, why):
     folder = model_copy(tmp_path / "m", chat_template=value)

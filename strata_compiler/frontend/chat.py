@@ -1,8 +1,11 @@
 """The model's chat template and special tokens, read for the plan's meta["chat"].
 
-A template is model-supplied text: it is stored here, never rendered (the runtime renders it in a
-jinja2 sandbox, runtime/chat.py). Everything read is validated as untrusted input; a wrong type is
-one ModelError naming the file and the field.
+A template is model-supplied text. Before it is stored it is parsed and rendered once for a
+system + user conversation in the template sandbox (strata_compiler/template_sandbox.py, the
+worker process with a time and memory budget the runtime renders every prompt in), so a template
+that does not parse, hangs, blows up memory or writes nothing fails the compile instead of every
+chat. Everything read is validated as untrusted input; a wrong type or a failing template is one
+ModelError naming the file and the field.
 
 meta["chat"] = {"template": str | None, "bos_token": str | None, "eos_token": str | None,
                 "eos_token_ids": [int, ...]}   # the ids to stop on, config and generation_config merged
@@ -20,10 +23,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ModelError
+from ..template_sandbox import TemplateFailure, render
 from .hf import read_json_object
 
 MAX_TEMPLATE_BYTES = 256 * 1024     # real templates are a few KiB; the largest known are ~20 KiB
 MAX_TOKEN_CHARS = 256
+# Failures that no conversation avoids; a template's raise_exception or a type error may depend on
+# the messages (some refuse a system role), so those send the check on to the next conversation.
+REFUSED = ("syntax", "forbidden", "output", "time", "memory")
+CHECK_CONVERSATIONS = (
+    [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hello!"}],
+    [{"role": "user", "content": "Hello!"}],
+)
 
 
 def check_template(value: object, where: str) -> str | None:
@@ -45,7 +56,26 @@ def check_template(value: object, where: str) -> str | None:
     if len(value.encode("utf-8", "surrogatepass")) > MAX_TEMPLATE_BYTES:
         raise ModelError(f"{where}: the chat template is larger than {MAX_TEMPLATE_BYTES // 1024} KiB; "
                          "refusing it")
+    check_renders(value, where)
     return value
+
+
+def check_renders(template: str, where: str) -> None:
+    """ModelError unless `template` parses and renders CHECK_CONVERSATIONS within the sandbox's
+    budget: the first that renders must give a non-empty prompt; a conversation the template
+    itself refuses (raise_exception, an error of its own) moves on to the next."""
+    for messages in CHECK_CONVERSATIONS:
+        try:
+            text = render(template, {"messages": messages, "add_generation_prompt": True, "bos_token": "",
+                                     "eos_token": ""})
+        except TemplateFailure as e:
+            if e.kind in REFUSED:
+                raise ModelError(f"{where}: {e}") from None
+            continue
+        if text:
+            return
+        raise ModelError(f"{where}: the chat template renders an empty prompt for "
+                         f"{' + '.join(m['role'] for m in messages)} messages; refusing it")
 
 
 def _token_str(value: object, where: str) -> str | None:
@@ -78,9 +108,10 @@ def hf_chat(model_dir: Path, config_eos: tuple[int, ...], vocab: int) -> dict:
         if jinja.stat().st_size > MAX_TEMPLATE_BYTES:
             raise ModelError(f"{jinja}: the chat template is larger than {MAX_TEMPLATE_BYTES // 1024} KiB; refusing it")
         try:
-            template = jinja.read_bytes().decode("utf-8")
+            text = jinja.read_bytes().decode("utf-8")
         except UnicodeDecodeError:
             raise ModelError(f"{jinja}: not UTF-8 text") from None
+        template = check_template(text, str(jinja))
     cj_path = model_dir / "chat_template.json"
     if template is None and cj_path.is_file():
         template = check_template((read_json_object(cj_path) or {}).get("chat_template"), f"{cj_path}: field 'chat_template'")
