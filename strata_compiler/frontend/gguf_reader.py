@@ -1,8 +1,10 @@
 """GGUF files (llama.cpp's format) -> the same config and tensors as an HF folder: `llama` (dense, or with
 experts: Mixtral), `qwen2moe` (with its shared expert), `qwen3moe` and `olmoe`.
 
-`open_gguf(path)` reads the metadata and tensor directory (the `gguf` package maps the file; no
-tensor data is read up front) and returns
+`open_gguf(path)` reads the metadata and tensor directory (gguf_file.py: Strata's own parser, every
+count checked against the file and its caps before anything is allocated; the file is mapped and
+no tensor data is read up front), checks every `<architecture>.*` size against the tensors it sizes,
+and returns
 
 - a `GGUFTensorStore`: a TensorStore look-alike keyed by the Hugging Face names the graph builder
   declares (`model.layers.0.self_attn.q_proj.weight`, ...). Each tensor is dequantized to f32 with
@@ -26,7 +28,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import numpy as np
@@ -34,10 +38,10 @@ import numpy as np
 from ..errors import ModelError
 from ..ir import make_attrs
 from ..untrusted import open_regular
+from .gguf_file import GGUF_MAGIC, GGUFFile, read_gguf
 from .gguf_tokenizer import build_tokenizer_json
 from .hf import MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, ModelConfig, in_range
 
-GGUF_MAGIC = b"GGUF"
 # GGUF general.architecture -> the HF architecture it maps to (llama with experts: mixtral)
 ARCHITECTURES = {"llama": "llama", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
@@ -80,6 +84,9 @@ NATIVE = {("Q4_0", "int4", 32): "int4", ("Q8_0", "int8", 32): "int8", ("Q4_1", "
 # bytes of a block's scales ahead of its codes: Q4_0 / Q8_0 d (f16), Q4_1 d and m (f16 each)
 _SCALE_BYTES = {"int4": 2, "int8": 2, "int4a": 4}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+# the store's keys in all: one per tensor, and one per expert of each stacked tensor (DeepSeek-V3 has
+# ~45k, Kimi K2 ~70k); a file of a few bytes per expert could otherwise ask for millions
+MAX_STORE_KEYS = 1 << 18
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +99,6 @@ class GGUFTensorInfo:
     nbytes: int               # bytes the tensor occupies in the file
     gguf_name: str
     permute_heads: int        # > 0: rows are llama.cpp-permuted q/k rows of this many heads
-    expert: int = -1          # >= 0: this expert's slice of a stacked expert tensor
 
 
 def _unpermute(rows: np.ndarray, head_dim: int) -> np.ndarray:
@@ -108,9 +114,16 @@ class GGUFTensorStore:
     takes_native = True     # iter_row_blocks(native=...): Q4_0 / Q8_0 rows as Strata's own arrays
     typed = True            # info(key).dtype: the file's tensor type (--quant auto keeps it)
 
-    def __init__(self, path: Path, reader: Any, infos: dict[str, GGUFTensorInfo]) -> None:
-        self.path, self.reader, self.infos = path, reader, infos
-        self._tensors = {t.name: t for t in reader.tensors}
+    def __init__(self, path: Path, file: GGUFFile, infos: dict[str, GGUFTensorInfo]) -> None:
+        self.path, self.file, self.infos = path, file, infos
+        # generation.gguf_sampling reads metadata as gguf.GGUFReader offers it: reader.fields[key].contents()
+        self.reader = SimpleNamespace(fields={k: SimpleNamespace(contents=lambda v=v: v)
+                                              for k, v in file.metadata.items()})
+
+    def _bytes(self, t: GGUFTensorInfo) -> np.ndarray:
+        """The tensor's bytes as stored, [*shape[:-1], bytes of a row] (a view of the mapped file): the
+        layout gguf.quants.dequantize takes, whatever the type."""
+        return self.file.view(t.offset, t.nbytes).reshape(t.shape[:-1] + (-1,))
 
     def __contains__(self, key: str) -> bool:
         return key in self.infos
@@ -128,10 +141,10 @@ class GGUFTensorStore:
         from gguf.quants import dequantize
 
         t = self.infos[key]
-        raw = self._tensors[t.gguf_name]
-        data = raw.data if t.expert < 0 else raw.data[t.expert]
+        data = self._bytes(t)
         data = data if len(t.shape) <= 1 else data[r0:r1]
-        out = np.array(dequantize(np.asarray(data), raw.tensor_type), dtype=np.float32)   # a copy, never the mmap
+        with np.errstate(all="ignore"):     # NaN / Inf scales: weights.py refuses them in one line, naming the row
+            out = np.array(dequantize(data, _ggml_type(t.dtype)), dtype=np.float32)   # a copy, never the mmap
         out = out.reshape(t.shape if len(t.shape) <= 1 else (-1,) + t.shape[1:])
         if t.permute_heads:
             hd = self._head_dim(t)
@@ -160,10 +173,8 @@ class GGUFTensorStore:
     def _native_rows(self, t: GGUFTensorInfo, r0: int, r1: int, fmt: str) -> dict[str, np.ndarray]:
         """Rows [r0, r1) of a Q4_0 / Q4_1 / Q8_0 tensor as Strata int4 / int4a / int8 arrays (groups
         of 32; Q4_1's (d, m) pairs are int4a's interleaved scales)."""
-        raw = self._tensors[t.gguf_name]
-        data = raw.data if t.expert < 0 else raw.data[t.expert]
         sb = _SCALE_BYTES[fmt]
-        b = np.ascontiguousarray(np.asarray(data[r0:r1]).view(np.uint8)).reshape(r1 - r0, t.shape[1] // 32, -1)
+        b = np.ascontiguousarray(self._bytes(t)[r0:r1]).reshape(r1 - r0, t.shape[1] // 32, -1)
         scales = np.ascontiguousarray(b[:, :, :sb]).view(np.float16).reshape(r1 - r0, -1)
         qs = np.ascontiguousarray(b[:, :, sb:]).reshape(r1 - r0, -1)
         if fmt == "int8":
@@ -179,69 +190,61 @@ class GGUFTensorStore:
 
 
 class _Meta:
-    def __init__(self, path: Path, reader: Any) -> None:
-        self.path, self.fields = path, reader.fields
+    def __init__(self, path: Path, fields: dict[str, Any]) -> None:
+        self.path, self.fields = path, fields
 
     def has(self, key: str) -> bool:
         return key in self.fields
 
     def get(self, key: str, kind: type, default: Any = None, required: bool = False) -> Any:
-        f = self.fields.get(key)
-        if f is None:
+        v = self.fields.get(key)
+        if v is None:
             if required:
                 raise ModelError(f"{self.path}: GGUF metadata {key!r} is missing")
             return default
-        try:
-            v = f.contents()
-        except Exception:
-            raise ModelError(f"{self.path}: GGUF metadata {key!r} cannot be read; the file is corrupt") from None
         ok = (isinstance(v, bool) if kind is bool else isinstance(v, str) if kind is str
               else isinstance(v, list) if kind is list
               else isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or float(v).is_integer()))
         if not ok:
             raise ModelError(f"{self.path}: GGUF metadata {key!r} should be {kind.__name__}, got {v!r}"[:300])
         if kind is float:   # GGUF stores f32: 1e-5 reads back as 9.99999974e-06; take the shortest f32 decimal
-            return float(str(np.float32(v)))
+            with np.errstate(over="ignore"):    # an f64 beyond f32 becomes inf, which the range checks refuse
+                return float(str(np.float32(v)))
         return int(v) if kind is int else v
 
 
-def _open_reader(path: Path) -> Any:
-    from gguf import GGUFReader
+@cache
+def _ggml_type(name: str) -> Any:
+    from gguf.constants import GGMLQuantizationType
+
+    return GGMLQuantizationType[name]
+
+
+@cache
+def _dequantizable(name: str) -> bool:
+    """Whether gguf.quants.dequantize takes this GGML type (not the integer types I8..I64, F64, Q8_K, ...)."""
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
 
     try:
-        with open_regular(path) as f:   # a FIFO or device would block or never end
-            magic = f.read(4)
-    except OSError as e:
-        raise ModelError(f"{path}: cannot read ({e.strerror or e})") from None
-    if magic != GGUF_MAGIC:   # the file's own bytes stay out of the message
-        raise ModelError(f"{path}: not a GGUF file (it does not start with magic {GGUF_MAGIC!r})")
-    try:
-        reader = GGUFReader(path, "r")
-    except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError, OSError) as e:
-        why = str(e).splitlines()[0][:160] if str(e) else e.__class__.__name__
-        raise ModelError(f"{path}: not a readable GGUF file ({why}); the file is truncated or corrupt") from None
-    size = len(reader.data)   # the mapping GGUFReader reads through, not a second look at the path
-    for t in reader.tensors:
-        if (t.data_offset - reader.data_offset) % reader.alignment:
-            # GGUF places every tensor at a multiple of general.alignment from the data start; one off
-            # it would be read shifted (llama.cpp refuses it too)
-            raise ModelError(f"{path}: tensor {t.name[:200]} at offset {t.data_offset - reader.data_offset} is not a "
-                             f"multiple of the file's alignment {reader.alignment}; the file is corrupt")
-        if t.data_offset < reader.data_offset or t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
-            raise ModelError(f"{path}: tensor {t.name} data lies outside the file; the file is truncated or corrupt")
-    return reader
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[_ggml_type(name)][1]), np.uint8), _ggml_type(name))
+    except NotImplementedError:
+        return False
+    return True
 
 
-def _store(path: Path, reader: Any, hf_arch: str, n_heads: int, n_kv: int) -> GGUFTensorStore:
+def _store(path: Path, gf: GGUFFile, hf_arch: str, n_heads: int, n_kv: int) -> GGUFTensorStore:
     """The file's tensors under HF keys for `hf_arch` (q/k rows to unpermute for llama and Mixtral;
     each expert of a stacked expert tensor under its own key)."""
     moe_pre, expert_names = (("block_sparse_moe.", ("w1", "w3", "w2")) if hf_arch == "mixtral"
                              else ("mlp.", ("gate_proj", "up_proj", "down_proj")))
     permuted = hf_arch in ("llama", "mixtral")
     infos: dict[str, GGUFTensorInfo] = {}
-    for t in reader.tensors:
-        name = t.name
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    for t in gf.tensors.values():
+        name, shape, dtype = t.name, t.shape, t.ggml_type.name
+        if not _dequantizable(dtype):
+            raise ModelError(f"{path}: tensor {name} has type {dtype}, which is not a weight type Strata reads "
+                             "(F32, F16, BF16, Q4_0 ... Q8_0, K-quants, IQ types)")
         m = _BLOCK_RE.fullmatch(name)
         if name in _GLOBAL_NAMES:
             key = _GLOBAL_NAMES[name]
@@ -254,11 +257,14 @@ def _store(path: Path, reader: Any, hf_arch: str, n_heads: int, n_kv: int) -> GG
         elif m and m.group(2) in _EXPERT_STACKS and hf_arch != "llama":
             if len(shape) != 3 or not 1 <= shape[0] <= MAX_EXPERTS:
                 raise ModelError(f"{path}: tensor {name} has shape {list(shape)}; expected [experts, rows, columns]")
+            if len(infos) + shape[0] > MAX_STORE_KEYS:
+                raise ModelError(f"{path}: tensor {name} brings the file to more than {MAX_STORE_KEYS} tensors "
+                                 "and experts; no model Strata compiles has that many")
             proj = expert_names[_EXPERT_STACKS.index(m.group(2))]
+            each = t.nbytes // shape[0]
             for e in range(shape[0]):
                 key = f"model.layers.{int(m.group(1))}.{moe_pre}experts.{e}.{proj}.weight"
-                infos[key] = GGUFTensorInfo(key, path, t.tensor_type.name, shape[1:], int(t.data_offset),
-                                            int(t.n_bytes) // shape[0], name, 0, e)
+                infos[key] = GGUFTensorInfo(key, path, dtype, shape[1:], t.offset + e * each, each, name, 0)
             continue
         elif name == "rope_freqs.weight":
             raise ModelError(f"{path}: tensor rope_freqs.weight (per-frequency RoPE factors, as in Llama 3.1+) "
@@ -268,9 +274,8 @@ def _store(path: Path, reader: Any, hf_arch: str, n_heads: int, n_kv: int) -> GG
         heads = 0
         if permuted and name.startswith("blk.") and name.split(".")[2] in ("attn_q", "attn_k"):
             heads = n_heads if ".attn_q." in name else n_kv
-        infos[key] = GGUFTensorInfo(key, path, t.tensor_type.name, shape, int(t.data_offset), int(t.n_bytes),
-                                    name, heads)
-    return GGUFTensorStore(path, reader, infos)
+        infos[key] = GGUFTensorInfo(key, path, dtype, shape, t.offset, t.nbytes, name, heads)
+    return GGUFTensorStore(path, gf, infos)
 
 
 def _config(meta: _Meta, store: GGUFTensorStore, arch: str, hf_arch: str) -> ModelConfig:
@@ -281,7 +286,7 @@ def _config(meta: _Meta, store: GGUFTensorStore, arch: str, hf_arch: str) -> Mod
     n_kv = meta.get(a + "attention.head_count_kv", int, default=n_heads)
     head_dim = meta.get(a + "attention.key_length", int, default=hidden // max(n_heads, 1))
     if meta.get(a + "attention.value_length", int, default=head_dim) != head_dim:
-        raise ModelError(f"{path}: llama.attention.value_length differs from key_length; not supported")
+        raise ModelError(f"{path}: {a}attention.value_length differs from key_length; not supported")
     if min(hidden, n_layers, n_heads, n_kv, head_dim) <= 0 or n_heads % n_kv or head_dim % 2:
         raise ModelError(f"{path}: inconsistent attention sizes (embedding_length={hidden}, "
                          f"head_count={n_heads}, head_count_kv={n_kv}, head_dim={head_dim})")
@@ -304,16 +309,10 @@ def _config(meta: _Meta, store: GGUFTensorStore, arch: str, hf_arch: str) -> Mod
             path, a + "rope.scaling.factor", meta.get(a + "rope.scaling.factor", float, required=True), 0.0, above=True))
     elif scaling != "none":
         raise ModelError(f"{path}: {a}rope.scaling.type {scaling!r} is not supported (supported: none, linear)")
-    tokens = meta.fields.get("tokenizer.ggml.tokens")
-    vocab = meta.get(a + "vocab_size", int, default=len(tokens.data) if tokens is not None else 0)
+    tokens = meta.get("tokenizer.ggml.tokens", list, default=None)
+    vocab = meta.get(a + "vocab_size", int, default=len(tokens) if tokens is not None else 0)
     if not vocab and "model.embed_tokens.weight" in store:
         vocab = store.info("model.embed_tokens.weight").shape[0]
-    gate = "model.layers.0.mlp.gate_proj.weight"
-    if gate in store:       # a dense first layer: its width as the metadata says
-        ff = meta.get(a + "feed_forward_length", int, required=True)
-        if store.info(gate).shape[0] != ff:
-            raise ModelError(f"{path}: tensor blk.0.ffn_gate.weight has {store.info(gate).shape[0]} rows, "
-                             f"{a}feed_forward_length says {ff}")
     if hf_arch in ("qwen2_moe", "qwen3_moe"):       # MoE where the layer has a router, else a dense MLP
         moe_layers = tuple(f"model.layers.{i}.mlp.gate.weight" in store for i in range(n_layers))
     else:
@@ -351,6 +350,112 @@ def _config(meta: _Meta, store: GGUFTensorStore, arch: str, hf_arch: str) -> Mod
 
 
 # ------------------------------------------------------------------------------------------------
+# the metadata against the tensors
+
+# GGUF tensor (less its blk.N. prefix) -> its shape, outermost first, each dimension named by the size
+# (_sizes) it must equal
+_SHAPES = {
+    "token_embd.weight": ("vocab", "embd"), "output.weight": ("vocab", "embd"), "output_norm.weight": ("embd",),
+    "attn_norm.weight": ("embd",), "ffn_norm.weight": ("embd",),
+    "attn_q.weight": ("q", "embd"), "attn_k.weight": ("kv", "embd"), "attn_v.weight": ("kv", "embd"),
+    "attn_output.weight": ("embd", "q"),
+    "attn_q.bias": ("q",), "attn_k.bias": ("kv",), "attn_v.bias": ("kv",), "attn_output.bias": ("embd",),
+    "attn_q_norm.weight": ("q_norm",), "attn_k_norm.weight": ("k_norm",),
+    "ffn_gate.weight": ("ff", "embd"), "ffn_up.weight": ("ff", "embd"), "ffn_down.weight": ("embd", "ff"),
+    "ffn_gate_inp.weight": ("experts", "embd"),
+    "ffn_gate_exps.weight": ("experts", "ff_exp", "embd"), "ffn_up_exps.weight": ("experts", "ff_exp", "embd"),
+    "ffn_down_exps.weight": ("experts", "embd", "ff_exp"),
+    "ffn_gate_shexp.weight": ("ff_shexp", "embd"), "ffn_up_shexp.weight": ("ff_shexp", "embd"),
+    "ffn_down_shexp.weight": ("embd", "ff_shexp"),
+    "ffn_gate_inp_shexp.weight": ("embd",),     # llama.cpp writes [n_embd]; HF's [1, hidden] is taken too
+}
+_ATTENTION = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+              "ffn_norm.weight")
+_DENSE = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+_MOE = ("ffn_gate_inp.weight",) + _EXPERT_STACKS
+_SHARED = ("ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+
+
+def _sizes(meta: _Meta, cfg: ModelConfig, a: str) -> dict[str, tuple[int | None, str]]:
+    """Each named size of _SHAPES -> (its value, None where the file does not give it; what gives it)."""
+    def key(name: str, default: int | None = None) -> tuple[int | None, str]:
+        v = meta.get(a + name, int, default=default)
+        return v, f"{a}{name} is {v}"
+
+    hd, heads, kv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    out = {
+        "embd": key("embedding_length"), "vocab": key("vocab_size"), "ff": key("feed_forward_length"),
+        "experts": key("expert_count", 0), "ff_exp": key("expert_feed_forward_length"),
+        "ff_shexp": key("expert_shared_feed_forward_length"),
+        "q": (heads * hd, f"{a}attention.head_count {heads} x head dim {hd} is {heads * hd}"),
+        "kv": (kv * hd, f"{a}attention.head_count_kv {kv} x head dim {hd} is {kv * hd}"),
+        "hd": (hd, f"the head dim ({a}attention.key_length) is {hd}"),
+    }
+    if out["ff_exp"][0] is None and cfg.arch in ("mixtral", "olmoe"):    # llama.cpp sizes their experts by n_ff
+        out["ff_exp"] = out["ff"]
+    # Qwen3-MoE normalizes q and k per head, OLMoE over all heads at once
+    out["q_norm"], out["k_norm"] = (out["hd"], out["hd"]) if cfg.qk_norm == "head" else (out["q"], out["kv"])
+    return out
+
+
+def _cross_check(meta: _Meta, gf: GGUFFile, cfg: ModelConfig, arch: str) -> None:
+    """Every `<arch>.*` size against the tensors it sizes, and block_count against the layers present:
+    the graph is built from the metadata, so a file whose tensors say otherwise would compile to a
+    different model (a second layer left out) or fail deep in a pass. One ModelError naming the key
+    and the tensor."""
+    path, a, n_layers = meta.path, arch + ".", cfg.n_layers
+    sizes = _sizes(meta, cfg, a)
+    disagree = "the metadata and the tensors disagree: re-convert the model"
+    layers: dict[int, set[str]] = {}
+    for name, t in gf.tensors.items():
+        m = _BLOCK_RE.fullmatch(name)
+        if m:
+            if int(m.group(1)) >= n_layers:
+                raise ModelError(f"{path}: {a}block_count is {n_layers}, but the file holds tensor {name} of layer "
+                                 f"{int(m.group(1))}; {disagree}")
+            layers.setdefault(int(m.group(1)), set()).add(m.group(2))
+        part = m.group(2) if m else name
+        shape = t.shape
+        if part == "ffn_gate_inp_shexp.weight" and len(shape) == 2 and shape[0] == 1:
+            shape = shape[1:]
+        dims = _SHAPES.get(part)
+        if dims is None:
+            continue            # _store has refused anything not in a model Strata compiles
+        if len(shape) != len(dims):
+            raise ModelError(f"{path}: tensor {name} has shape {list(t.shape)}; a {arch} file holds it with "
+                             f"{len(dims)} dimensions")
+        for got, dim in zip(shape, dims):
+            want, why = sizes[dim]
+            if want is None and dim == "ff":
+                raise ModelError(f"{path}: GGUF metadata {a + 'feed_forward_length'!r} is missing (it sizes tensor "
+                                 f"{name})")
+            if want is not None and got != want:
+                expect = [sizes[d][0] if sizes[d][0] is not None else g for g, d in zip(shape, dims)]
+                raise ModelError(f"{path}: tensor {name} has shape {list(t.shape)}, but {why} (expected "
+                                 f"{expect}); {disagree}")
+    tokens, embd = meta.get("tokenizer.ggml.tokens", list), gf.tensors.get("token_embd.weight")
+    if tokens is not None and embd is not None and len(tokens) != embd.shape[0]:
+        raise ModelError(f"{path}: tokenizer.ggml.tokens holds {len(tokens)} tokens, but tensor token_embd.weight has "
+                         f"{embd.shape[0]} rows (one per token); {disagree}")
+    for name in ("token_embd.weight", "output_norm.weight"):
+        if name not in gf.tensors:
+            raise ModelError(f"{path}: tensor {name} is missing; the file is incomplete")
+    for i in range(n_layers):
+        have = layers.get(i)
+        if not have:
+            raise ModelError(f"{path}: {a}block_count (num_hidden_layers) is {n_layers}, but the file holds no tensor "
+                             f"of layer {i} (blk.{i}.*); {disagree}")
+        need = _ATTENTION + (_MOE if cfg.moe_layers[i] else _DENSE)
+        need += ("attn_q.bias", "attn_k.bias", "attn_v.bias") * cfg.qkv_bias
+        need += ("attn_q_norm.weight", "attn_k_norm.weight") * (cfg.qk_norm != "none")
+        need += _SHARED * (cfg.shared_expert and cfg.moe_layers[i])
+        missing = next((n for n in need if n not in have), None)
+        if missing:
+            raise ModelError(f"{path}: tensor blk.{i}.{missing} is missing (layer {i} of {a}block_count {n_layers}); "
+                             "the file is incomplete")
+
+
+# ------------------------------------------------------------------------------------------------
 
 
 def is_gguf(path: Path) -> bool:
@@ -370,8 +475,8 @@ def is_gguf(path: Path) -> bool:
 def open_gguf(path: Path, *, with_chat: bool = False) -> tuple:
     """The tensor store, model config and tokenizer JSON (or None) of a GGUF file; with
     `with_chat`, also its meta["chat"] (chat template and special tokens, frontend/chat.py)."""
-    reader = _open_reader(path)
-    meta = _Meta(path, reader)
+    gf = read_gguf(path)
+    meta = _Meta(path, gf.metadata)
     arch = meta.get("general.architecture", str, required=True)
     if arch not in ARCHITECTURES:
         raise ModelError(f"{path}: GGUF architecture {arch[:60]!r} is not supported; Strata reads GGUF files of "
@@ -383,12 +488,9 @@ def open_gguf(path: Path, *, with_chat: bool = False) -> tuple:
     n_kv = meta.get(f"{arch}.attention.head_count_kv", int, default=n_heads)
     if n_heads <= 0 or n_kv <= 0:
         raise ModelError(f"{path}: {arch}.attention.head_count {n_heads} / head_count_kv {n_kv} must be positive")
-    store = _store(path, reader, hf_arch, n_heads, n_kv)
-    for t in store.infos.values():
-        if t.permute_heads and len(t.shape) and t.shape[0] % (2 * t.permute_heads):
-            raise ModelError(f"{path}: tensor {t.gguf_name} has {t.shape[0]} rows, not whole heads of "
-                             f"{t.permute_heads} heads")
+    store = _store(path, gf, hf_arch, n_heads, n_kv)
     cfg = _config(meta, store, arch, hf_arch)
+    _cross_check(meta, gf, cfg, arch)   # q/k rows are now whole heads of an even head dim: _unpermute holds
     if not with_chat:
         return store, cfg, build_tokenizer_json(meta)
     from .chat import gguf_chat

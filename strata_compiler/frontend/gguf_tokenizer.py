@@ -1,7 +1,12 @@
 """A GGUF file's tokenizer rebuilt as a `tokenizers` Tokenizer (JSON), so that a plan compiled from
 it reads and writes text: byte-level BPE vocabularies ('gpt2', with the pre-tokenizer families
 whose llama.cpp regexes map exactly onto HF's) and SentencePiece ones ('llama'). Anything else
-gives None and one warning (the plan then takes token ids)."""
+gives None and one warning (the plan then takes token ids).
+
+The file is untrusted: token_type, scores and merges must hold one item of the right kind per token
+(merges: "a b"), no token may exceed MAX_TOKEN_BYTES, and the SentencePiece merge search (every
+split of every piece, quadratic in a piece's length) is bounded by MAX_SEARCH_CHARS, MAX_MERGES and
+MAX_MERGE_CHARS. Any failure of the rebuild is one ModelError naming the file and the field."""
 
 from __future__ import annotations
 
@@ -20,6 +25,13 @@ _QWEN2 = ("qwen2",)     # Qwen2/Qwen3 (and their MoE) files: llama3's split with
 _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4      # tokenizer.ggml.token_type values
 
+# Real vocabularies' longest tokens are runs of spaces or newlines of a few hundred bytes (SmolLM2's:
+# 162); 1024 bounds a piece's split search at ~0.25 ms.
+MAX_TOKEN_BYTES = 1024
+MAX_SEARCH_CHARS = 1 << 23      # characters of normal SentencePiece pieces searched (~0.5 us each: <= 4 s)
+MAX_MERGES = 1 << 21            # merges a SentencePiece vocabulary gives (a 262k one: ~0.3-0.5M)
+MAX_MERGE_CHARS = 1 << 24       # their text, which the tokenizer's JSON spells out
+
 
 def _warn(msg: str) -> None:
     sys.stderr.write(f"warning: {msg}\n")
@@ -28,6 +40,49 @@ def _warn(msg: str) -> None:
 def build_tokenizer_json(meta) -> bytes | None:
     """A `tokenizers` Tokenizer (JSON) equivalent to llama.cpp's for a GGUF's byte-level BPE ('gpt2')
     or SentencePiece ('llama') vocabulary, else None."""
+    from ..errors import StrataError
+
+    try:
+        return _build(meta)
+    except StrataError:
+        raise
+    except Exception as e:      # noqa: BLE001 - `tokenizers` on an untrusted vocabulary: any of its errors
+        raise ModelError(f"{meta.path}: tokenizer.ggml.* does not form a tokenizer "
+                         f"({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})") from None
+
+
+# an item kind _list checks -> (the test, its name in a message); bools are not numbers here
+_KIND = {str: (lambda x: isinstance(x, str), "a string"),
+         int: (lambda x: isinstance(x, int) and not isinstance(x, bool), "an integer"),
+         float: (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool), "a number")}
+
+
+def _list(meta, key: str, kind: type, n: int | None = None, default: list | None = None) -> list:
+    """Metadata `key` as a list of `kind` (int: ints, float: numbers), of `n` items where given (one per
+    token); `default` where the file has none (None: required)."""
+    v = meta.get(key, list, default=default, required=default is None)
+    ok, what = _KIND[kind]
+    bad = next((i for i, x in enumerate(v) if not ok(x)), None)
+    if bad is not None:
+        raise ModelError(f"{meta.path}: {key} item {bad} is {v[bad]!r:.60}, not {what}")
+    if n is not None and len(v) != n:
+        raise ModelError(f"{meta.path}: {key} holds {len(v)} items, but tokenizer.ggml.tokens holds {n} tokens; "
+                         "it should hold one per token")
+    return v
+
+
+def _tokens(meta) -> list[str]:
+    tokens = _list(meta, "tokenizer.ggml.tokens", str)
+    long = next((i for i, t in enumerate(tokens)
+                 if len(t) > MAX_TOKEN_BYTES // 4 and len(t.encode()) > MAX_TOKEN_BYTES), None)
+    if long is not None:
+        raise ModelError(f"{meta.path}: tokenizer.ggml.tokens item {long} is {len(tokens[long].encode())} bytes long, "
+                         f"more than the {MAX_TOKEN_BYTES} Strata rebuilds (real vocabularies' longest are a few "
+                         "hundred)")
+    return tokens
+
+
+def _build(meta) -> bytes | None:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     path = meta.path
@@ -35,10 +90,11 @@ def build_tokenizer_json(meta) -> bytes | None:
     if kind is None:
         return None
     if kind == "llama":
-        tokens = meta.get("tokenizer.ggml.tokens", list, required=True)
-        return _sentencepiece(meta, tokens, meta.get("tokenizer.ggml.token_type", list, default=[1] * len(tokens)))
+        tokens = _tokens(meta)
+        return _sentencepiece(meta, tokens, _list(meta, "tokenizer.ggml.token_type", int, len(tokens),
+                                                  default=[_NORMAL] * len(tokens)))
     if kind != "gpt2":
-        _warn(f"{path}: tokenizer.ggml.model {kind!r} is not rebuilt (byte-level BPE 'gpt2' and SentencePiece "
+        _warn(f"{path}: tokenizer.ggml.model {kind[:60]!r} is not rebuilt (byte-level BPE 'gpt2' and SentencePiece "
               "'llama' are); the plan has no tokenizer, use strata-run --input-ids")
         return None
     pre = meta.get("tokenizer.ggml.pre", str, default="default")   # llama.cpp's default regexes differ
@@ -52,17 +108,21 @@ def build_tokenizer_json(meta) -> bytes | None:
         pre_tok = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated"),
                                            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     else:
-        _warn(f"{path}: tokenizer.ggml.pre {pre!r} is not known here; the plan has no tokenizer, "
+        _warn(f"{path}: tokenizer.ggml.pre {pre[:60]!r} is not known here; the plan has no tokenizer, "
               "use strata-run --input-ids")
         return None
-    tokens = meta.get("tokenizer.ggml.tokens", list, required=True)
-    merges = meta.get("tokenizer.ggml.merges", list, required=True)
-    types = meta.get("tokenizer.ggml.token_type", list, default=[1] * len(tokens))
+    tokens = _tokens(meta)
+    merges = _list(meta, "tokenizer.ggml.merges", str)
+    types = _list(meta, "tokenizer.ggml.token_type", int, len(tokens), default=[_NORMAL] * len(tokens))
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    bad = next((i for i, p in enumerate(pairs) if len(p) != 2), None)
+    if bad is not None:
+        raise ModelError(f"{path}: tokenizer.ggml.merges item {bad} is {merges[bad]!r:.60}, not two tokens "
+                         "separated by a space")
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
     try:
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
         bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
                          ignore_merges=pre in _LLAMA3)
     except Exception as e:
@@ -105,19 +165,30 @@ def _sentencepiece(meta, tokens: list, types: list) -> bytes:
     from tokenizers import Tokenizer, decoders, models, normalizers
 
     path = meta.path
-    scores = meta.get("tokenizer.ggml.scores", list, required=True)
-    if len(scores) != len(tokens) or not all(isinstance(x, (int, float)) for x in scores):
-        raise ModelError(f"{path}: tokenizer.ggml.scores should hold one number per token")
+    scores = _list(meta, "tokenizer.ggml.scores", float, len(tokens))
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
-    merges = []
+    merges: list[tuple[str, str]] = []
+    searched = merge_chars = 0
     for i in sorted(range(len(tokens)), key=lambda i: -scores[i]):
         piece = tokens[i]
         if types[i] != _NORMAL or vocab[piece] != i:
             continue
-        local = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
-        merges.extend(sorted(local, key=lambda ab: (vocab[ab[0]], vocab[ab[1]])))
+        searched += len(piece)
+        if searched > MAX_SEARCH_CHARS:
+            raise ModelError(f"{path}: tokenizer.ggml.tokens: the SentencePiece pieces hold more than "
+                             f"{MAX_SEARCH_CHARS} characters, more than Strata rebuilds merges for (real "
+                             "vocabularies: a few million)")
+        # ids, so that each merge holds the vocabulary's own strings rather than fresh copies
+        local = sorted((vocab[piece[:k]], vocab[piece[k:]]) for k in range(1, len(piece))
+                       if piece[:k] in vocab and piece[k:] in vocab)
+        merges.extend((tokens[a], tokens[b]) for a, b in local)
+        merge_chars += len(local) * len(piece)
+        if len(merges) > MAX_MERGES or merge_chars > MAX_MERGE_CHARS:
+            raise ModelError(f"{path}: tokenizer.ggml.tokens: the SentencePiece pieces split into more than "
+                             f"{MAX_MERGES} merges ({MAX_MERGE_CHARS} characters), more than Strata rebuilds (a "
+                             "262k vocabulary gives ~0.5M)")
     unk = meta.get("tokenizer.ggml.unknown_token_id", int, default=-1)
     try:
         bpe = models.BPE(vocab=vocab, merges=merges, unk_token=tokens[unk] if 0 <= unk < len(tokens) else None,
