@@ -11,7 +11,9 @@
 A `Model` owns a Session and the BatchScheduler that strata-server runs (one generation loop for the
 server, the chat and this API): calls from several threads are batched together like concurrent
 requests. `m.session` and `m.engine` are those objects. Errors are StrataError subclasses
-(UsageError for a bad argument), raised in the caller's thread.
+(UsageError for a bad argument), raised in the caller's thread: the keyword arguments go through
+the server's request schema (runtime/request_schema.py), and a failure while a call's tokens are
+made (non-finite logits, the plan's tokenizer failing) ends that call with a StrataError.
 """
 
 from __future__ import annotations
@@ -22,25 +24,28 @@ from typing import Iterator
 
 from strata_compiler.errors import StrataError, UsageError
 
+from . import request_schema as schema
 from .sampler import Sampler, plan_sampling
 
 
 class Model:
     def __init__(self, plan_path: str | Path, *, backend: str = "auto", device: str = "auto",
                  ctx: int | None = None, max_batch: int = 4, prefill_chunk: int = 256):
-        from tokenizers import Tokenizer
-
-        from .batching import BatchScheduler
+        from .batching import BatchScheduler, check_options
         from .plan import load_plan
+        from .scheduler import load_tokenizer
         from .session import Session, default_ctx
 
         self.plan = load_plan(plan_path)
-        self.tokenizer = Tokenizer.from_str(self.plan.tokenizer_json.decode()) if self.plan.tokenizer_json else None
+        # a broken tokenizer section: token-id prompts still run; text says why it cannot
+        self.tokenizer, self._tokenizer_problem = load_tokenizer(self.plan)
         limit = int(self.plan.meta["model"].get("max_position") or 0)
         if ctx is None:
-            ctx = default_ctx(self.plan, max_batch + 1)     # the batch's rows and the prefill row
-        elif ctx < 1 or (limit and ctx > limit):
-            raise UsageError(f"ctx {ctx}: expected 1..{limit or 'the model context'}")
+            # the batch's rows and the prefill row
+            ctx = default_ctx(self.plan, schema.whole("max_batch", max_batch, 1, schema.MAX_BATCH) + 1)
+        else:
+            schema.whole("ctx", ctx, 1, limit or 1 << 31)
+        check_options(self.plan, ctx, max_batch, prefill_chunk)
         self.session = Session(self.plan, backend, device=device)
         self.engine = BatchScheduler(self.session, self.tokenizer, ctx, max_batch=max_batch, chunk=prefill_chunk)
         self.engine.start(warm=False)
@@ -60,27 +65,29 @@ class Model:
         sampling argument left None takes the plan's default (`self.sampling`, docs/sampling.md);
         temperature=0 is greedy."""
         from .chat import stop_ids
-        from .scheduler import Request
+        from .scheduler import QueueFull, Request
 
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise UsageError(f"max_tokens should be a whole number of at least 1, got {str(max_tokens)[:24]}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise UsageError(f"seed should be a non-negative whole number, got {str(seed)[:24]}")
+        g = schema.generation(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                              repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n, seed=seed,
+                              stop=stop, ignore_eos=ignore_eos)
+        if g.max_tokens is None:        # None is "not given" to the schema; here it has a default
+            schema.whole("max_tokens", None, 1, schema.MAX_TOKENS)
         ids = self._ids(prompt)
         room = self.engine.ctx - len(ids)
-        if max_tokens > room:
-            raise UsageError(f"max_tokens {max_tokens}: the prompt has {len(ids)} tokens and the context is "
+        if g.max_tokens > room:
+            raise UsageError(f"max_tokens {g.max_tokens}: the prompt has {len(ids)} tokens and the context is "
                              f"{self.engine.ctx}; " + (f"give max_tokens {room} or less" if room > 0 else
                                                         "shorten the prompt (or load the plan with a larger ctx)"))
-        if stop and self.tokenizer is None:
-            raise UsageError("stop strings need the plan's tokenizer")
-        sampler = Sampler.of(plan_sampling(self.plan.meta, temperature=temperature, top_p=top_p, top_k=top_k,
-                                           min_p=min_p, repetition_penalty=repetition_penalty,
-                                           repeat_last_n=repeat_last_n), seed)
+        if g.stop and self.tokenizer is None:
+            raise UsageError(f"stop strings need the plan's tokenizer{self._why_no_tokenizer()}")
+        sampler = Sampler.of(plan_sampling(self.plan.meta, **g.sampling()), 0 if g.seed is None else g.seed)
         events: queue.Queue = queue.Queue()
-        req = Request(ids, max_tokens, sampler, () if ignore_eos else stop_ids(self.plan), tuple(stop),
+        req = Request(ids, g.max_tokens, sampler, () if g.ignore_eos else stop_ids(self.plan), g.stop,
                       sink=events.put)
-        self.engine.submit(req)
+        try:
+            self.engine.submit(req)
+        except QueueFull as e:      # a full queue, or a model closed or whose generation thread stopped
+            raise StrataError(str(e)) from None
         try:
             while True:
                 kind, *rest = events.get()
@@ -105,6 +112,9 @@ class Model:
     def chat_stream(self, messages: list[dict], max_tokens: int = 256, **sampling) -> Iterator[str]:
         from .chat import render_chat
 
+        bad = schema.find_surrogate(messages, "messages")
+        if bad is not None:
+            raise UsageError(f"{bad}: a lone UTF-16 surrogate is not valid Unicode text")
         return self.stream(render_chat(self.plan, messages, add_generation_prompt=True), max_tokens, **sampling)
 
     # -- the rest ----------------------------------------------------------------------------------
@@ -114,19 +124,22 @@ class Model:
         """The sampling a call gets for the arguments it leaves out (strata_compiler.sampling.Sampling)."""
         return plan_sampling(self.plan.meta)
 
+    def _why_no_tokenizer(self) -> str:
+        return f" ({self.plan.path}: the tokenizer section is {self._tokenizer_problem})" \
+            if self._tokenizer_problem else ""
+
     def _ids(self, prompt: str | list[int]) -> list[int]:
         vocab = int(self.plan.meta["model"]["vocab_size"])
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise UsageError(f"{self.plan.path}: the plan has no tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt).ids
-        else:
-            ids = [int(t) for t in prompt]
+        if not isinstance(prompt, str):
+            return schema.prompt_ids(prompt, vocab)
+        schema.text("prompt", prompt)
+        if self.tokenizer is None:
+            raise UsageError(f"{self.plan.path}: the plan has no usable tokenizer{self._why_no_tokenizer()}; "
+                             f"pass token ids")
+        ids = self.tokenizer.encode(prompt).ids
         if not ids:
             raise UsageError("the prompt is empty")
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise UsageError(f"token id {min(ids) if min(ids) < 0 else max(ids)} is outside the vocabulary [0, {vocab})")
-        return ids
+        return schema.prompt_ids(ids, vocab)
 
     def close(self) -> None:
         """Stop the generation thread (what still runs is cancelled)."""

@@ -17,6 +17,12 @@ chosen on the device, and while every running sequence is greedy the next step i
 the last one's tokens reach the host: the host's share of a step (reading the tokens, the text,
 the events) overlaps the device's work. A sequence that ends has one step run past its end,
 dropped. A batch holding a sampled (non-greedy) sequence steps one at a time, sampling on the host.
+
+Each request's own steps (its text stream, prompt-cache lookup, prefill, the check that its logits
+are finite, sampling, detokenizing) are guarded: one that fails ends that request with an error
+event and the others go on; only a failed batch step fails every sequence it ran. A device step's
+logits are checked by their row sums (one small reduction launched with the step), read with its
+tokens.
 """
 
 from __future__ import annotations
@@ -28,10 +34,37 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from strata_compiler.errors import UsageError
+from strata_compiler.hwprofile import host_memory
 from strata_compiler.kv_cache import KVCache
 
 from .prompt_cache import PromptCache
-from .scheduler import Request, Scheduler, TextStream, batched_events
+from .request_schema import MAX_BATCH, MAX_CHUNK, whole
+from .scheduler import Request, Scheduler, TextStream, batched_events, caught, check_logits, describe
+
+
+def kv_capacity(ctx: int) -> int:
+    """Positions per KV row for a context of ctx: a multiple of 64, and room for a padded last prefill chunk."""
+    return -(-ctx // 64) * 64 + 64
+
+
+def kv_bytes(plan, ctx: int, max_batch: int) -> int:
+    """The f32 KV caches a BatchScheduler holds: max_batch rows and the prefill row."""
+    m = plan.meta["model"]
+    return 8 * m["n_layers"] * m["n_kv_heads"] * m["head_dim"] * kv_capacity(ctx) * (max_batch + 1)
+
+
+def check_options(plan, ctx: int, max_batch: int, chunk: int) -> None:
+    """One UsageError line for options a scheduler cannot run with: max_batch outside 1..MAX_BATCH,
+    a prefill chunk outside 1..MAX_CHUNK, a context below 1, or KV caches larger than the memory
+    this host has available (refused before anything is allocated)."""
+    whole("max_batch", max_batch, 1, MAX_BATCH)
+    whole("prefill_chunk", chunk, 1, MAX_CHUNK)
+    whole("ctx", ctx, 1, 1 << 31)
+    need, have = kv_bytes(plan, ctx, max_batch), host_memory()[1]
+    if need > have:
+        raise UsageError(f"max_batch {max_batch} and ctx {ctx}: the KV cache needs {need / 2**30:.1f} GiB and this "
+                         f"host has {have / 2**30:.1f} GiB available; give a smaller max_batch or ctx")
 
 
 @dataclass
@@ -45,6 +78,7 @@ class _Seq:
     last: int = -1          # the last sampled token: the next decode step's input
     tokens: list[int] = field(default_factory=list)    # prompt + the generated tokens stepped
     launched: int = -1      # the last device step (its launch count) that stepped this sequence
+    ended: bool = False     # its done event sent
 
 
 @dataclass
@@ -53,6 +87,7 @@ class _Step:
     seqs: list[tuple[int, _Seq]]        # (slot, sequence) of each row it steps
     tokens: object                      # device int32 [max_batch]: each row's greedy token
     logits: object                      # device f32 [rows, V]
+    sums: object                        # device f32 [rows]: each row's logits summed (finite: no NaN/Inf)
 
 
 class BatchScheduler(Scheduler):
@@ -60,12 +95,13 @@ class BatchScheduler(Scheduler):
 
     def __init__(self, session, tokenizer, ctx: int, max_batch: int = 8, queue_size: int = 64, chunk: int = 256,
                  prompt_cache: PromptCache | None = None):
+        check_options(session.plan, ctx, max_batch, chunk)
         super().__init__(session, tokenizer, ctx, queue_size)
         self.max_batch = max_batch
         self.chunk = chunk
         self.prompt_cache = prompt_cache
         m = self.plan.meta["model"]
-        self.capacity = -(-ctx // 64) * 64 + 64        # room for a padded last prefill chunk
+        self.capacity = kv_capacity(ctx)
         self.kv = KVCache(m["n_layers"], max_batch, m["n_kv_heads"], m["head_dim"], self.capacity)
         self.pre = KVCache(m["n_layers"], 1, m["n_kv_heads"], m["head_dim"], self.capacity)
         self.slots: list[_Seq | None] = [None] * max_batch
@@ -79,10 +115,10 @@ class BatchScheduler(Scheduler):
 
     # -- the surface -------------------------------------------------------------------------------
 
-    def abort(self) -> None:
-        super().abort()
+    def abort(self, why: str = "the server is shutting down", status: int = 503) -> None:
+        super().abort(why, status)
         for r in self._requests():
-            r.cancel("the server is shutting down")
+            r.cancel(why)
 
     def warm_up(self) -> None:
         """Build every program serving needs before the server says ready: each prefill length up
@@ -106,7 +142,9 @@ class BatchScheduler(Scheduler):
         while True:             # each batch size a decode step may run (_rows)
             if self.stepper is not None:
                 ids = np.zeros(self.max_batch, np.int32)
-                self.stepper.batch_step(self.kv, rows, ids, np.ones(self.max_batch, bool))[0].block_until_ready()
+                tokens, logits = self.stepper.batch_step(self.kv, rows, ids, np.ones(self.max_batch, bool))
+                tokens.block_until_ready()
+                logits.sum(axis=-1).block_until_ready()     # the finiteness check's reduction (_launch)
             else:       # twice: as the one-token prefill above (a mixed plan's one-program step)
                 self._decode_step(rows)
                 self._decode_step(rows)
@@ -148,6 +186,17 @@ class BatchScheduler(Scheduler):
             block = False
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:      # an exit: whatever this thread holds or is queued still gets its answer
+            self._stopping = True
+            why = f"the generation thread stopped ({describe(e)})"
+            for r in self._requests():
+                r.emit("error", why, 500)
+            super().abort(why, 500)
+            raise
+
+    def _serve(self) -> None:
         if self._exact_rows:    # the caches the host's kernels read, reserved beside the warm-up and first steps
             threading.Thread(target=lambda: self.kv.populate() and self.pre.populate(), daemon=True,
                              name="strata-kv-reserve").start()
@@ -170,8 +219,10 @@ class BatchScheduler(Scheduler):
                 if self._active():
                     with batched_events():
                         self._decode()
-            except Exception as e:      # noqa: BLE001 — the running requests fail, the server goes on
-                why = f"{e.__class__.__name__}: {e}"
+            except BaseException as e:  # a failed batch step: the requests it ran fail, the server goes on
+                if not caught(e):
+                    raise
+                why = describe(e)
                 for s in [*self.slots, self.filling]:
                     if s is not None:
                         s.req.emit("error", why, 500)
@@ -187,23 +238,42 @@ class BatchScheduler(Scheduler):
             return True
         return False
 
+    @staticmethod
+    def _failed(req: Request, step, *args) -> bool:
+        """step(*args), one of `req`'s own steps; True when it failed, which ends `req` alone (its
+        error event)."""
+        try:
+            step(*args)
+            return False
+        except BaseException as e:
+            if not caught(e):
+                raise
+            req.emit("error", describe(e), 500)
+            return True
+
     def _admit(self) -> None:
         """One prefill chunk of the sequence being admitted (taking the next waiting request when
         none is and a slot is free)."""
         if self.filling is None:
             if None not in self.slots:
                 return
-            while self.waiting:
+            while self.waiting and self.filling is None:
                 r = self.waiting.popleft()
                 if not self._cancelled(r):
-                    self._start(r)
-                    break
+                    self._failed(r, self._start, r)
             if self.filling is None:
                 return
         seq = self.filling
         if self._cancelled(seq.req):
             self.filling = None
             return
+        if self._failed(seq.req, self._prefill, seq):
+            self.filling = None
+            self.pre.length = 0
+
+    def _prefill(self, seq: _Seq) -> None:
+        """The next chunk of `seq`'s prompt; after the last one its first token, and its row moved
+        into a free slot of the batch."""
         prompt = seq.req.prompt
         end = min(seq.done + self.chunk, len(prompt))
         s = self.session
@@ -216,14 +286,14 @@ class BatchScheduler(Scheduler):
         self.filling = None
         if self.prompt_cache is not None:
             self.prompt_cache.store(prompt, self.pre, 0)
+        check_logits(logits, f"the prompt's last token (prefill, position {len(prompt) - 1})")
         tok = int(seq.req.sampler(logits, [prompt])[0])
         if self._emit(seq, tok):
             return
-        seq.slot = self.slots.index(None)
-        s.load_row(self.kv, seq.slot, self.pre)
-        seq.tokens = list(prompt)
-        seq.last = tok
-        self.slots[seq.slot] = seq
+        slot = self.slots.index(None)
+        s.load_row(self.kv, slot, self.pre)
+        seq.slot, seq.tokens, seq.last = slot, list(prompt), tok
+        self.slots[slot] = seq
 
     def _start(self, r: Request) -> None:
         self.stats["requests"] += 1
@@ -297,23 +367,37 @@ class BatchScheduler(Scheduler):
         self._clear_free_rows()
         logits = self._decode_step(self._rows())
         for seq in self._active():
-            self._deliver(seq, lambda seq=seq: int(seq.req.sampler(logits[seq.slot:seq.slot + 1], [seq.tokens])[0]))
+            self._deliver(seq, lambda seq=seq: self._sample(seq, logits[seq.slot:seq.slot + 1]))
+
+    @staticmethod
+    def _where(seq: _Seq) -> str:
+        """The step whose logits choose `seq`'s next token (NonFiniteLogits' wording)."""
+        return f"decode step {seq.n} (position {len(seq.tokens) - 1})"
+
+    def _sample(self, seq: _Seq, logits: np.ndarray) -> int:
+        """`seq`'s next token from its row of a step's logits f32[1, V], checked finite."""
+        check_logits(logits, self._where(seq))
+        return int(seq.req.sampler(logits, [seq.tokens])[0])
 
     def _deliver(self, seq: _Seq, pick) -> None:
         """A step's token for `seq` (pick(): it, once the id the step took is in the sequence's
-        history), or for a cancelled sequence its slot freed."""
+        history), or for a cancelled sequence its slot freed; a failure to pick, detokenize or
+        store it ends `seq` alone."""
         seq.tokens.append(seq.last)
         if seq.req.cancelled.is_set():
             self._cancelled(seq.req)
             self._free(seq)
             return
-        tok = pick()
-        if self._emit(seq, tok):
-            if self.prompt_cache is not None:
-                self.prompt_cache.store(seq.tokens, self.kv, seq.slot)
+        if self._failed(seq.req, self._take_token, seq, pick) or seq.ended:
             self._free(seq)
-        else:
+
+    def _take_token(self, seq: _Seq, pick) -> None:
+        tok = pick()
+        seq.ended = self._emit(seq, tok)
+        if not seq.ended:
             seq.last = tok
+        elif self.prompt_cache is not None:
+            self.prompt_cache.store(seq.tokens, self.kv, seq.slot)
 
     def _clear_free_rows(self) -> None:
         for i, s in enumerate(self.slots):
@@ -365,21 +449,24 @@ class BatchScheduler(Scheduler):
         self.stats["steps"] += 1
         self.stats["rows_stepped"] += rows
         self.launches += 1
-        return _Step(seqs, tokens, logits)
+        return _Step(seqs, tokens, logits, logits.sum(axis=-1))
 
     def _finish(self, step: _Step, sync: bool) -> None:
         """A launched step's tokens to its sequences (those still in their slots); sync: sampled
         sequences sample from its logits, and the next step takes every id from the host."""
         tokens = self.stepper.fetch(step.tokens)
+        finite = np.isfinite(self.stepper.fetch(step.sums))
         logits = None
         if sync:
             self.prev = None
             if not all(seq.req.sampler.plain_greedy for _, seq in step.seqs):
                 logits = self.stepper.fetch(step.logits)
+        if logits is None and not finite.all():     # a row to look at closely (_sample checks it)
+            logits = self.stepper.fetch(step.logits)
         for slot, seq in step.seqs:
             if self.slots[slot] is not seq:
                 continue            # ended or cancelled since: this row ran past its end
-            if seq.req.sampler.plain_greedy:
+            if seq.req.sampler.plain_greedy and finite[slot]:
                 self._deliver(seq, lambda slot=slot: int(tokens[slot]))
-            else:
-                self._deliver(seq, lambda slot=slot, seq=seq: int(seq.req.sampler(logits[slot:slot + 1], [seq.tokens])[0]))
+            else:       # sampled, or a row to check closely (greedy on the host is the device's argmax)
+                self._deliver(seq, lambda slot=slot, seq=seq: self._sample(seq, logits[slot:slot + 1]))

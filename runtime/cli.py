@@ -159,19 +159,15 @@ def _write(flag: str, path: Path, write) -> None:
 def _tokenizer(plan, needed: str | None):
     """The plan's tokenizer, or None. `needed` (the flag that needs it): a broken tokenizer section
     is an error; else (--input-ids) it is skipped with one warning and ids are printed."""
-    if plan.tokenizer_json is None:
-        return None
-    try:
-        from tokenizers import Tokenizer
+    from .scheduler import load_tokenizer
 
-        return Tokenizer.from_str(plan.tokenizer_json.decode())
-    except Exception as e:      # noqa: BLE001 - UnicodeDecodeError, the tokenizers library's parse errors
-        why = "not UTF-8" if isinstance(e, UnicodeDecodeError) else f"not a tokenizer.json: {str(e)[:120]}"
+    tokenizer, why = load_tokenizer(plan)       # its encode and decode fail as one TokenizerError line
+    if why is not None:
         if needed:
             raise PlanError(f"{plan.path}: the tokenizer section is {why}; {needed} needs it (recompile the plan "
-                            f"from a model folder with a valid tokenizer.json, or use --input-ids)") from None
+                            f"from a model folder with a valid tokenizer.json, or use --input-ids)")
         click.echo(f"strata-run: warning: {plan.path}: the tokenizer section is {why}; printing token ids", err=True)
-        return None
+    return tokenizer
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -20,7 +20,10 @@ from typing import Callable
 
 import numpy as np
 
+from strata_compiler.errors import PlanError, StrataError
+
 from .sampler import Sampler
+from .session import NonFiniteLogits, non_finite, non_finite_error
 
 
 class QueueFull(Exception):
@@ -33,6 +36,80 @@ class ShuttingDown(QueueFull):
     status = 503
 
 
+def caught(e: BaseException) -> bool:
+    """Whether `e` is a failure to report: an Exception, or a Rust panic raised through pyo3 (the
+    tokenizers library's PanicException derives from BaseException); not an exit or an interrupt."""
+    return isinstance(e, Exception) or type(e).__name__ == "PanicException"
+
+
+def describe(e: BaseException) -> str:
+    """One line for a failure: a StrataError's own message, else its class and message."""
+    if isinstance(e, StrataError):
+        return str(e)
+    text = str(e).strip().splitlines()
+    return f"{e.__class__.__name__}: {text[0][:300] if text else ''}".rstrip(": ")
+
+
+class TokenizerError(PlanError):
+    """The plan's tokenizer cannot be read, or failed on a text or on token ids."""
+
+
+class PlanTokenizer:
+    """The plan's tokenizer (a `tokenizers.Tokenizer`) with every failure one TokenizerError line."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name: str):       # the rest of the library's Tokenizer, as it is
+        return getattr(self.inner, name)
+
+    def encode(self, text: str):
+        try:
+            return self.inner.encode(text)
+        except BaseException as e:
+            if not caught(e):
+                raise
+            raise TokenizerError(f"the plan's tokenizer failed on this text ({describe(e)})") from None
+
+    def decode(self, ids: list[int]) -> str:
+        try:
+            return self.inner.decode(ids)
+        except BaseException as e:
+            if not caught(e):
+                raise
+            raise TokenizerError(f"the plan's tokenizer failed to decode token ids ({describe(e)})") from None
+
+
+def load_tokenizer(plan) -> tuple[PlanTokenizer | None, str | None]:
+    """(the plan's tokenizer, None), (None, None) for a plan without one, or (None, why it cannot
+    be read: "not UTF-8", "not a tokenizer.json: ...") for a broken tokenizer section."""
+    if plan.tokenizer_json is None:
+        return None, None
+    try:
+        from tokenizers import Tokenizer
+
+        return PlanTokenizer(Tokenizer.from_str(plan.tokenizer_json.decode())), None
+    except BaseException as e:
+        if not caught(e):
+            raise
+        return None, "not UTF-8" if isinstance(e, UnicodeDecodeError) else f"not a tokenizer.json: {describe(e)[:120]}"
+
+
+def check_logits(logits: np.ndarray, where: str) -> None:
+    """NonFiniteLogits naming `where` when logits f32[B, V] (a sequence's: B = 1) hold NaN or Inf.
+    The sums are checked first (one pass, no temporary); only a row whose sum is not finite (NaN,
+    Inf, or finite values that overflow it) is looked at closely."""
+    sums = logits.sum(axis=-1)
+    if np.isfinite(sums).all():
+        return
+    for b in np.flatnonzero(~np.isfinite(sums)):
+        what = non_finite(logits[b])
+        if what is not None:
+            raise NonFiniteLogits(non_finite_error(what, where), logits, np.zeros((len(logits), 0), np.int64))
+
+
 def sample_steps(session, logits: np.ndarray, sampler: Sampler, max_tokens: int, fed: list | None = None,
                  seen: list | None = None):
     """Tokens one by one from a Session whose last step gave `logits` f32[1, V]: sample one, yield
@@ -41,7 +118,10 @@ def sample_steps(session, logits: np.ndarray, sampler: Sampler, max_tokens: int,
     gets each stepped token appended, -1 while its step runs (a cache an interrupt leaves there
     is not to be trusted). `seen`: the tokens before these (the repetition penalty's history)."""
     seen = list(seen or [])
+    start = len(seen)
     for n in range(1, max_tokens + 1):
+        check_logits(logits, f"the prompt's last token (prefill, position {start - 1})" if n == 1 else
+                     f"decode step {n - 1} (position {start + n - 2})")
         tok = int(sampler(logits, [seen] if sampler.needs_history else None)[0])
         seen.append(tok)
         yield tok
@@ -56,7 +136,8 @@ def sample_steps(session, logits: np.ndarray, sampler: Sampler, max_tokens: int,
 class TextStream:
     """Token ids in, text out: incremental detokenization (a text is released only once the bytes
     of its last character are complete) and stop strings (text that might begin one is held back;
-    a stop string ends the stream, itself not included)."""
+    a stop string ends the stream, itself not included). Without a tokenizer (a plan whose section
+    is broken: token-id prompts only) the text is the ids, space-separated, as strata-run prints them."""
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()):
         self.tok = tokenizer
@@ -79,6 +160,8 @@ class TextStream:
     def push(self, tok: int) -> str:
         """Add one token; the text it releases (maybe empty). After a stop string, `stopped` is set."""
         self.ids.append(int(tok))
+        if self.tok is None:
+            return f" {int(tok)}" if len(self.ids) > self.read + 1 else str(int(tok))
         before = self.tok.decode(self.ids[self.prefix:self.read])
         now = self.tok.decode(self.ids[self.prefix:])
         if len(now) <= len(before) or now.endswith("\ufffd"):
@@ -99,7 +182,7 @@ class TextStream:
 
     def flush(self) -> str:
         """At the end of a stream: whatever is held back (an incomplete character as U+FFFD)."""
-        if self.stopped:
+        if self.stopped or self.tok is None:
             return ""
         tail = self.tok.decode(self.ids[self.prefix:])
         before = self.tok.decode(self.ids[self.prefix:self.read])
@@ -157,8 +240,12 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     why: str = "the request was cancelled"
     sink: Callable[[tuple], None] | None = None     # events to this instead (the Python API's queue)
+    ended: bool = False     # its "done" or "error" was sent: nothing follows it
 
     def emit(self, *event) -> None:
+        if self.ended:
+            return
+        self.ended = event[0] in ("done", "error")
         if self.sink is not None:
             self.sink(event)
         elif self.loop is not None:
@@ -196,6 +283,11 @@ class Scheduler:
     def plan(self):
         return self.session.plan
 
+    @property
+    def stopped(self) -> bool:
+        """Whether the thread was started and has ended (shutdown, or a failure it could not survive)."""
+        return self._thread.ident is not None and not self._thread.is_alive()
+
     def start(self, warm: bool = True) -> None:
         self._warm = warm
         self._thread.start()
@@ -203,6 +295,8 @@ class Scheduler:
     def submit(self, req: Request) -> None:
         if self._stopping:
             raise ShuttingDown("the server is shutting down")
+        if self.stopped:
+            raise ShuttingDown("the generation thread has stopped; restart the server")
         try:
             self.queue.put_nowait(req)
         except queue.Full:
@@ -211,11 +305,10 @@ class Scheduler:
     def stop_admitting(self) -> None:
         self._stopping = True
 
-    def abort(self) -> None:
+    def abort(self, why: str = "the server is shutting down", status: int = 503) -> None:
         """Cancel every waiting request (their clients get a 503 / an error event); a subclass
         cancels the running ones too."""
         self._stopping = True
-        why = "the server is shutting down"
         while True:
             try:
                 r = self.queue.get_nowait()
@@ -223,7 +316,7 @@ class Scheduler:
                 break
             if r is not None:
                 self.stats["cancelled"] += 1
-                r.emit("error", why, 503)
+                r.emit("error", why, status)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Abort what runs and waits, stop the thread."""

@@ -4,33 +4,44 @@
 `ctx`) and serves GET /health, GET /v1/models, POST /v1/completions and POST /v1/chat/completions,
 with `stream: true` as server-sent events. Errors come in OpenAI's shape,
 {"error": {"message", "type", "param", "code"}}, so the official client reads them unchanged.
+
+Every request field goes through runtime/request_schema.py (the Python API's schema too): a value
+that does not fit is a 400 naming the field. A request that fails once admitted (non-finite
+logits, the plan's tokenizer failing) gets a 500 error object, or an error event in its stream.
+The event loop never runs anything that may take long: tokenizing and the chat template (model-
+supplied input) run in daemon worker threads (_Workers), which the server's shutdown does not
+wait for.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import secrets
+import threading
 import time
 import uuid
 from typing import Any, Optional, Union
 
-from fastapi import Depends, FastAPI, Request as HTTPRequest
+from fastapi import Depends, FastAPI, HTTPException, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strata_compiler.errors import StrataError
 
 from . import chat as chat_mod    # the plan's chat template (jinja2, sandboxed) and stop ids
+from . import request_schema as schema
 from .sampler import Sampler, plan_sampling
-from .scheduler import QueueFull, Request
+from .scheduler import PlanTokenizer, QueueFull, Request, caught, describe
 
-MAX_STOP = 4            # stop strings per request, as OpenAI's API
-MAX_STOP_LEN = 256      # characters per stop string
 MAX_CHARS_PER_TOKEN = 64    # a text prompt longer than this many characters per context position is refused
-MAX_BODY = 16 << 20         # request bodies larger than this are refused (413) before they are read
+MAX_BODY = 16 << 20         # request bodies larger than this are refused (413), counted as they are read
+WORKER_THREADS = 4          # blocking calls (tokenizing; the chat template) running at once, of each kind
+WORKER_BACKLOG = 64         # ... waiting or running; beyond it a request is answered 503
 
 
 class APIError(Exception):
@@ -40,46 +51,78 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
+def _printable(text):
+    """A str that UTF-8 can carry (a lone surrogate echoed from a request becomes U+FFFD's "?")."""
+    return text.encode("utf-8", "replace").decode("utf-8") if isinstance(text, str) else text
+
+
 def _error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status)
+    return JSONResponse({"error": {"message": _printable(message), "type": type_, "param": _printable(param),
+                                   "code": code}}, status)
+
+
+def _invalid_field(e: schema.SchemaError) -> PydanticCustomError:
+    """A schema error as pydantic's: the 400 handler gives its message as it is, and its field as `param`."""
+    return PydanticCustomError("request_schema", "{message}", {"message": str(e), "param": e.field})
 
 
 class _Common(BaseModel):
-    """Fields both endpoints take. Unknown fields are refused (400), not silently ignored."""
+    """Fields both endpoints take. Unknown fields are refused (400), not silently ignored. The
+    generation fields (request_schema.FIELDS) are any JSON value here, checked by the schema."""
     model_config = ConfigDict(extra="forbid", strict=True)     # JSON types as written: no "yes" for true, no true for 1
     model: Optional[str] = None
-    max_tokens: Optional[int] = Field(None, ge=1)
-    # sampling: a field left out (or null) takes the plan's default (docs/sampling.md)
-    temperature: Optional[float] = Field(None, ge=0, le=2)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    seed: Optional[int] = Field(None, ge=0, lt=1 << 64)
-    stop: Optional[Union[str, list[str]]] = None
+    # max_tokens; sampling (a field left out, or null, takes the plan's default: docs/sampling.md):
+    # temperature, top_p, and vLLM's (llama-server's too) top_k (<= 0 off), min_p, repetition_penalty,
+    # repeat_last_n (llama-server's: the penalty's window, -1 every token seen); seed; stop; ignore_eos
+    # (vLLM's and llama-server's: run to max_tokens past an EOS)
+    max_tokens: Any = None
+    temperature: Any = None
+    top_p: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    repeat_last_n: Any = None
+    seed: Any = None
+    stop: Any = None
+    ignore_eos: Any = None
     n: int = 1
     stream: bool = False
     stream_options: Optional[dict[str, Any]] = None
     user: Optional[str] = None
-    ignore_eos: bool = False        # vLLM's and llama-server's extension: run to max_tokens past an EOS
-    # vLLM's sampling extensions (llama-server's too): top_k <= 0, min_p 0 and repetition_penalty 1 are
-    # off; repeat_last_n (llama-server's): the penalty's window, -1 every token seen
-    top_k: Optional[int] = Field(None, ge=-1, lt=1 << 31)
-    min_p: Optional[float] = Field(None, ge=0, le=1)
-    repetition_penalty: Optional[float] = Field(None, gt=0, le=10)
-    repeat_last_n: Optional[int] = Field(None, ge=-1, lt=1 << 31)
     # accepted at their neutral values only
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict[str, float]] = None
     logprobs: Optional[Union[bool, int]] = None
 
-    @field_validator("stop")
+    @model_validator(mode="before")
     @classmethod
-    def _stop(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings")
-        if any(len(s) > MAX_STOP_LEN for s in stops):
-            raise ValueError(f"a stop string is at most {MAX_STOP_LEN} characters")
-        return stops
+    def _unicode(cls, data):
+        """Text anywhere in the body (values and keys) is valid Unicode: no lone surrogate."""
+        where = schema.find_surrogate(data)
+        if where is not None:
+            raise _invalid_field(schema.SchemaError(where, f"{where}: a lone UTF-16 surrogate is not valid "
+                                                           f"Unicode text"))
+        return data
+
+    @field_validator(*schema.FIELDS)
+    @classmethod
+    def _generation(cls, v, info):
+        try:
+            return schema.check(info.field_name, v)
+        except schema.SchemaError as e:
+            raise _invalid_field(e) from None
+
+    @field_validator("model", "user")
+    @classmethod
+    def _name(cls, v, info):
+        try:
+            return None if v is None else schema.text(info.field_name, v, schema.MAX_NAME)
+        except schema.SchemaError as e:
+            raise _invalid_field(e) from None
+
+    def generation(self) -> schema.Generation:
+        return schema.generation(**{name: getattr(self, name) for name in schema.FIELDS})
 
     def check(self) -> None:
         if self.n != 1:
@@ -102,24 +145,114 @@ class CompletionBody(_Common):
 
 class ChatBody(_Common):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Any = None
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _max_completion(cls, v):
+        try:
+            return None if v is None else schema.whole("max_completion_tokens", v, 1, schema.MAX_TOKENS)
+        except schema.SchemaError as e:
+            raise _invalid_field(e) from None
 
 
 class _BodyLimit:
-    """Refuses (413) a request whose Content-Length is over MAX_BODY before it is read. Plain ASGI,
-    not Starlette's BaseHTTPMiddleware, which would put every streamed chunk through a task."""
+    """Refuses (413) a request body over MAX_BODY: at once where its Content-Length says so, else
+    (chunked transfer encoding) as soon as the bytes read pass it, counted in `receive`. Plain
+    ASGI, not Starlette's BaseHTTPMiddleware, which would put every streamed chunk through a task."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            size = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
-            if size.isdigit() and int(size) > MAX_BODY:
-                resp = _error(413, f"the request body has {size} bytes; at most {MAX_BODY} are read")
-                await resp(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        size = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
+        if size.isdigit() and int(size) > MAX_BODY:
+            resp = _error(413, f"the request body has {size} bytes; at most {MAX_BODY} are read")
+            await resp(scope, receive, send)
+            return
+        read = 0
+
+        async def counted():
+            nonlocal read
+            message = await receive()
+            if message["type"] == "http.request":
+                read += len(message.get("body", b""))
+                if read > MAX_BODY:     # FastAPI passes its own HTTPException through the body's parsing
+                    raise HTTPException(413, f"the request body is over {MAX_BODY} bytes; at most {MAX_BODY} "
+                                             f"are read")
+            return message
+
+        await self.app(scope, counted, send)
+
+
+class _Workers:
+    """Blocking calls run off the event loop: at most `threads` at once, in daemon threads, and at
+    most `backlog` waiting or running (more: 503). A call that never ends (a hostile chat template)
+    holds one thread, never the loop; `stop` (the server's shutdown) answers every request still
+    waiting on a call at once, and nothing waits for the threads at exit."""
+
+    def __init__(self, name: str, threads: int = WORKER_THREADS, backlog: int = WORKER_BACKLOG):
+        self.name, self.max_threads, self.backlog = name, threads, backlog
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.threads = self.pending = 0         # started; submitted and not finished
+        self.waiting: set[asyncio.Future] = set()
+        self.stopped = False
+
+    async def run(self, fn, *args):
+        if self.stopped:
+            raise APIError(503, "the server is shutting down", "server_error")
+        with self.lock:
+            if self.pending >= self.backlog:
+                raise APIError(503, f"{self.pending} requests are waiting for {self.name}; try again later",
+                               "server_error", code="busy")
+            self.pending += 1
+            spawn = self.threads < min(self.pending, self.max_threads)
+            self.threads += spawn
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.waiting.add(fut)
+        self.jobs.put((fn, args, loop, fut))
+        if spawn:
+            threading.Thread(target=self._work, name=f"strata-{self.name.split()[-1]}", daemon=True).start()
+        try:
+            return await fut
+        finally:
+            self.waiting.discard(fut)
+
+    def _work(self) -> None:
+        while True:
+            fn, args, loop, fut = self.jobs.get()
+            result = error = None
+            try:
+                result = fn(*args)
+            except BaseException as e:
+                if not caught(e):
+                    raise
+                error = e if isinstance(e, Exception) else RuntimeError(describe(e))
+            with self.lock:
+                self.pending -= 1
+            try:
+                loop.call_soon_threadsafe(_settle, fut, result, error)
+            except RuntimeError:        # that request's event loop has closed
+                pass
+
+    def stop(self) -> None:
+        self.stopped = True
+        for fut in list(self.waiting):
+            _settle(fut, None, APIError(503, "the server is shutting down", "server_error"))
+
+
+def _settle(fut: asyncio.Future, result, error) -> None:
+    if fut.done():          # the request stopped waiting (shutdown, or its client went away)
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
 
 
 def _usage(p: int, c: int) -> dict:
@@ -130,6 +263,16 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
     app = FastAPI(title="strata-server", docs_url=None, redoc_url=None, openapi_url=None)
     plan = engine.plan
     tok = engine.tokenizer
+    if tok is not None and not isinstance(tok, PlanTokenizer):
+        tok = PlanTokenizer(tok)        # its failures: one TokenizerError
+    encoder, renderer = _Workers("the tokenizer"), _Workers("the chat template")
+
+    def stop_waiting() -> None:
+        """At shutdown (on the event loop): requests waiting for a worker thread get a 503 now."""
+        encoder.stop()
+        renderer.stop()
+
+    app.state.stop_waiting = stop_waiting
     eos = tuple(chat_mod.stop_ids(plan))
     vocab = plan.meta["model"]["vocab_size"]
 
@@ -145,6 +288,8 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             return _error(400, f"the request body is not valid JSON ({msg})")
+        if first.get("type") == "request_schema":      # its message names the field
+            return _error(400, msg, param=first.get("ctx", {}).get("param"))
         where = ".".join(loc)
         return _error(400, f"{where}: {msg}" if where else msg, param=where or None)
 
@@ -156,9 +301,12 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
     async def _bug(_req, e: Exception):
         return _error(500, f"{e.__class__.__name__}: {e}", "server_error")
 
+    # bytes, not str: compare_digest refuses a non-ASCII str (a header is any bytes, read as latin-1)
+    wanted = None if api_key is None else f"Bearer {api_key}".encode("utf-8", "surrogateescape")
+
     async def auth(request: HTTPRequest):
-        if api_key is not None and not secrets.compare_digest(request.headers.get("authorization", ""),
-                                                              f"Bearer {api_key}"):
+        if wanted is not None and not secrets.compare_digest(
+                request.headers.get("authorization", "").encode("latin-1"), wanted):
             raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
                            "authentication_error", code="invalid_api_key")
 
@@ -170,6 +318,8 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
     async def health():
         if engine.warm_error:
             return JSONResponse({"status": "error", "message": engine.warm_error}, 500)
+        if getattr(engine, "stopped", False):
+            return JSONResponse({"status": "error", "message": "the generation thread has stopped"}, 500)
         if not engine.ready.is_set():
             return JSONResponse({"status": "loading"}, 503)
         return {"status": "ok"}
@@ -184,18 +334,24 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
         """The scheduler's counters and how many requests wait (not part of OpenAI's API)."""
         return {**engine.stats, "waiting": engine.queue.qsize(), "max_batch": engine.max_batch}
 
-    async def encode(text: str) -> list[int]:
+    def no_tokenizer(param: str) -> APIError:
+        return APIError(400, "the plan has no usable tokenizer: give the prompt as token ids", param=param)
+
+    async def encode(text: str, param: str = "prompt") -> list[int]:
         """Token ids of a text, tokenized off the event loop (other clients keep being served); a
         text longer than MAX_CHARS_PER_TOKEN per position of the context is refused unread."""
         if tok is None:
-            raise APIError(400, "the plan has no tokenizer: give the prompt as token ids", param="prompt")
+            raise no_tokenizer(param)
         if len(text) > MAX_CHARS_PER_TOKEN * engine.ctx:
             raise APIError(400, f"the prompt has {len(text)} characters: more than this model's context of "
-                                f"{engine.ctx} tokens can hold", param="prompt", code="context_length_exceeded")
-        return (await asyncio.to_thread(tok.encode, text)).ids
+                                f"{engine.ctx} tokens can hold", param=param, code="context_length_exceeded")
+        try:
+            return (await encoder.run(tok.encode, text)).ids
+        except StrataError as e:        # the plan's tokenizer failed on it (a regex that panics, say)
+            raise APIError(400, str(e), param=param) from None
 
     def make_request(body: _Common, ids: list[int], max_tokens: int | None, stop_ids) -> Request:
-        body.check()
+        gen = body.generation()
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         if any(not 0 <= i < vocab for i in ids):
@@ -211,14 +367,12 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
             raise APIError(400, f"this model's context is {engine.ctx} tokens; the prompt has {len(ids)} and "
                                 f"max_tokens is {max_tokens}: give {room} or less", param="max_tokens",
                            code="context_length_exceeded")
-        if body.stop and tok is None:
+        if gen.stop and tok is None:
             raise APIError(400, "stop strings need the plan's tokenizer", param="stop")
-        seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
-        sampling = plan_sampling(plan.meta, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                 min_p=body.min_p, repetition_penalty=body.repetition_penalty,
-                                 repeat_last_n=body.repeat_last_n)
-        req = Request(ids, max_tokens, Sampler.of(sampling, seed), () if body.ignore_eos else tuple(stop_ids),
-                      tuple(body.stop or ()))
+        seed = gen.seed if gen.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
+        sampling = plan_sampling(plan.meta, **gen.sampling())
+        req = Request(ids, max_tokens, Sampler.of(sampling, seed), () if gen.ignore_eos else tuple(stop_ids),
+                      gen.stop)
         req.loop = asyncio.get_running_loop()
         try:
             engine.submit(req)
@@ -238,7 +392,7 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
                     evs.append(req.events.get_nowait())
                 for ev in evs:
                     if ev[0] == "error":
-                        raise APIError(ev[2], ev[1], "server_error")
+                        raise APIError(ev[2], ev[1], "server_error" if ev[2] >= 500 else "invalid_request_error")
                 yield evs
                 if evs[-1][0] == "done":
                     return
@@ -302,7 +456,7 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
                                 out.append(f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': _usage(ev[2], ev[3])})}\n\n")
                     yield "".join(out)
             except APIError as e:
-                err = {"error": {"message": e.message, "type": e.type, "param": None, "code": None}}
+                err = {"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}}
                 yield f"data: {json.dumps(err)}\n\n"
             yield "data: [DONE]\n\n"
 
@@ -317,17 +471,21 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
             if len(p) != 1:
                 raise APIError(400, "one prompt per request (a list of one string at most)", param="prompt")
             p = p[0]
+        body.check()
         ids = await encode(p) if isinstance(p, str) else list(p)
         req = make_request(body, ids, body.max_tokens or 16, eos)      # 16: OpenAI's default
         return await respond(body, req, "completion", http)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat(body: ChatBody, http: HTTPRequest):
-        try:
-            text = chat_mod.render_chat(plan, body.messages, add_generation_prompt=True)
+        body.check()
+        if tok is None:
+            raise no_tokenizer("messages")
+        try:        # the template is model-supplied: it may take long, never on the event loop
+            text = await renderer.run(chat_mod.render_chat, plan, body.messages, True)
         except StrataError as e:
             raise APIError(400, str(e), param="messages") from None
-        ids = await encode(text)
+        ids = await encode(text, "messages")
         req = make_request(body, ids, body.max_completion_tokens or body.max_tokens, eos)
         return await respond(body, req, "chat", http)
 

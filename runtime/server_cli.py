@@ -11,6 +11,8 @@ import click
 from strata_compiler.cli_common import debug_option, run_cli
 from strata_compiler.errors import UsageError
 
+from .request_schema import MAX_BATCH, MAX_CHUNK
+
 KEEP_ALIVE_S = 30       # seconds an idle HTTP connection is kept (see main)
 _KEYS = {"host", "port", "ctx", "max_batch", "api_key", "backend", "device", "queue_size", "model_name",
          "prefill_chunk", "prompt_cache", "kv_cache_dir"}
@@ -52,9 +54,9 @@ def _read_config(ctx: click.Context, _param, path: Path | None):
               help="Context length per sequence (prompt + generated tokens); the KV cache holds --max-batch of "
                    "them. Default: the model's, as far as the KV cache of --max-batch of them fits in half the "
                    "memory available (the same as strata-run --chat and the Python API).")
-@click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True,
+@click.option("--max-batch", type=click.IntRange(1, MAX_BATCH), default=8, show_default=True,
               help="Sequences decoded together (each its own KV row of --ctx positions); more requests wait.")
-@click.option("--prefill-chunk", type=click.IntRange(1, 8192), default=256, show_default=True,
+@click.option("--prefill-chunk", type=click.IntRange(1, MAX_CHUNK), default=256, show_default=True,
               help="Prompt tokens prefilled between two decode steps: running streams wait at most one chunk.")
 @click.option("--prompt-cache", type=click.IntRange(min=0), default=1024, show_default=True, metavar="MIB",
               help="Host memory for the KV of prompts seen (a shared system prompt, earlier chat turns), "
@@ -89,20 +91,20 @@ def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_ba
     _Server = _server_class()
 
     from .plan import load_plan
-    from .batching import BatchScheduler
+    from .batching import BatchScheduler, kv_bytes
     from .prompt_cache import PromptCache
     from .server import make_app
     from .sampler import plan_sampling
+    from .scheduler import load_tokenizer
     from .session import Session, default_ctx
     from .sigbus import guard
 
     plan = load_plan(plan_path)
     guard(plan.weights_path)        # a weights file truncated under the server: one error line
-    tokenizer = None
-    if plan.tokenizer_json is not None:
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_str(plan.tokenizer_json.decode())
+    tokenizer, problem = load_tokenizer(plan)
+    if problem:         # as strata-run: token-id prompts are still served
+        click.echo(f"strata-server: warning: {plan.path}: the tokenizer section is {problem}; serving prompts "
+                   f"given as token ids only", err=True)
     limit = int(plan.meta["model"].get("max_position") or 0)
     if ctx is None:
         ctx = default_ctx(plan, max_batch + 1)      # the batch's rows and the prefill row
@@ -116,8 +118,7 @@ def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_ba
                             shape=(m["n_layers"], m["n_kv_heads"], m["head_dim"]))
     engine = BatchScheduler(session, tokenizer, ctx, max_batch=max_batch, queue_size=queue_size,
                             chunk=prefill_chunk, prompt_cache=cache)
-    m = plan.meta["model"]
-    kv_mib = 2 * 4 * m["n_layers"] * m["n_kv_heads"] * m["head_dim"] * engine.capacity * (max_batch + 1) / 2**20
+    kv_mib = kv_bytes(plan, ctx, max_batch) / 2**20
     click.echo(f"strata-server: {max_batch} sequences of up to {ctx} tokens; KV cache {kv_mib:.0f} MiB; "
                f"requests that name none sample with {plan_sampling(plan.meta).describe()}", err=True)
     name = model_name or (plan.path.parent.name if plan.path.name == "plan.bin" else plan.path.stem)
@@ -129,6 +130,7 @@ def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_ba
                             timeout_keep_alive=KEEP_ALIVE_S, lifespan="off")
     server = _Server(config)
     server.engine, server.grace = engine, config.timeout_graceful_shutdown
+    server.stop_waiting = app.state.stop_waiting
     engine.start(warm=True)     # builds the programs; /health says "loading" until it is done
     # uvicorn handles SIGINT/SIGTERM (a graceful shutdown), then re-raises the signal to the handler
     # that was there before it: a quiet one here, so that the process exits 0 without a traceback
@@ -157,6 +159,7 @@ def _server_class():
 
         async def shutdown(self, sockets=None):
             self.engine.stop_admitting()
+            self.stop_waiting()     # requests waiting for a worker thread (the chat template): 503 now
             asyncio.get_running_loop().call_later(max(self.grace - 1, 0.1), self.engine.abort)
             await super().shutdown(sockets)
 

@@ -316,16 +316,27 @@ class Session:
         return logits, new[:, :i]
 
 
+def non_finite(logits: np.ndarray) -> str | None:
+    """"NaN" or "Inf" where logits hold such a value (NaN named first), None where all are finite."""
+    if np.isfinite(logits).all():
+        return None
+    return "NaN" if np.isnan(logits).any() else "Inf"
+
+
+def non_finite_error(what: str, where: str) -> str:
+    """NonFiniteLogits' message (every entry point's: strata-run, the server, the API)."""
+    return (f"the model's logits are {what} at {where}: the plan's weights hold NaN/Inf or its activations "
+            f"overflow; recompile from a checkpoint with finite weights")
+
+
 def _check_finite(last: np.ndarray, i: int, logits: np.ndarray, new: np.ndarray) -> None:
     """NonFiniteLogits where the logits f32[B, V] that choose token i hold NaN or Inf."""
-    if np.isfinite(last).all():
+    if non_finite(last) is None:
         return
     b = int(np.flatnonzero(~np.isfinite(last).all(axis=-1))[0])
-    what = "NaN" if np.isnan(last[b]).any() else "Inf"
+    what = non_finite(last[b])
     where = "the prompt's last token (prefill)" if i == 0 else f"decode step {i}"
-    raise NonFiniteLogits(f"the model's logits are {what} at {where}, row {b}: the plan's weights hold NaN/Inf "
-                          f"or its activations overflow; recompile from a checkpoint with finite weights",
-                          logits, new)
+    raise NonFiniteLogits(non_finite_error(what, f"{where}, row {b}"), logits, new)
 
 
 FALLBACK_CTX = 4096     # the context of a plan that does not say its model's (meta model.max_position)

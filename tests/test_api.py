@@ -83,7 +83,7 @@ def test_bad_arguments_are_usage_errors(model):
             call()
     with pytest.raises(UsageError) as e:
         model.generate(PROMPT, max_tokens=-5)
-    assert str(e.value) == "max_tokens should be a whole number of at least 1, got -5"
+    assert str(e.value) == "max_tokens -5: expected a whole number 1 to 2147483647"
     with pytest.raises(UsageError) as e:
         model.generate(PROMPT, max_tokens=10 ** 7)
     assert f"give max_tokens {model.engine.ctx - len(model.tokenizer.encode(PROMPT).ids)} or less" in str(e.value)
