@@ -5,7 +5,7 @@ naming the field on the server and a UsageError from the API, never a 500, a raw
 tokenizer error, or a call that never returns. A failure once a request runs (NaN logits, a
 tokenizer whose regex panics in Rust) ends that request alone with an error (a 5xx / an SSE error
 event / a StrataError) and the scheduler keeps serving. The chat template renders off the event
-loop: under a template that runs for minutes /health answers within 100 ms and SIGTERM stops the
+loop: while a template renders for long /health answers within 100 ms and SIGTERM stops the
 server within 5 s. A chunked body is cut at the 16 MiB cap as it is read. Nothing here waits past
 10 s, and the server answers /health after each case. A hypothesis target fuzzes the HTTP surface
 in process.
@@ -48,7 +48,9 @@ from test_server import _free_port, _wait_ready  # noqa: E402
 KEY = "sk-hostile"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMIT_S = 10.0
-# runs for minutes in jinja2's sandbox (range is capped at 100,000 items, not the loops' product)
+# 10^10 iterations in jinja2's sandbox (range caps each loop at 100,000 items, not their product):
+# minutes, were it not for the renderer's budget (STRATA_TEMPLATE_TIMEOUT, 5 s), which this test
+# does not rely on: the server must stay responsive and stop on SIGTERM while it renders
 SLOW_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 
 
@@ -526,7 +528,7 @@ def test_a_slow_template_holds_neither_the_loop_nor_sigterm(tiny_int8_plan, tmp_
             assert worst < 0.1, f"/health took {worst * 1000:.0f} ms"
             r = c.post(base + "/v1/completions", headers=AUTH, json={"prompt": "hi", "max_tokens": 4, "temperature": 0})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-        assert slow.is_alive()          # still rendering
+        assert slow.is_alive()          # still rendering (the budget is 5 s)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
