@@ -3,7 +3,8 @@
 Issue 40's bar: no hostile input hangs past 10 s or grows past 1 GiB. A case runs as its own
 process (a command, or Python code), its address space capped by RLIMIT_AS (set in the child
 before exec, so a runaway allocation fails fast instead of swapping the box) and its wall time by
-a deadline; the parent reads the child's peak resident memory from wait4.
+a deadline; its peak resident memory comes from wait4 in a small prelude process that forked it
+(a process forked from pytest would count pytest's pages as its own).
 
     r = run_limited([sys.executable, "-m", "strata_compiler.cli", "compile", str(bad), "-o", str(out)])
     r.check()                       # within 10 s and 1 GiB resident
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -25,8 +27,27 @@ MAX_RSS = 1 << 30
 # the cap on address space, not resident memory: JAX alone maps ~1.5 GiB it never touches
 ADDRESS_SPACE = 6 << 30
 
-_PRELUDE = ("import os, resource, sys; n = int(sys.argv[1]); "
-            "resource.setrlimit(resource.RLIMIT_AS, (n, n)); os.execvp(sys.argv[2], sys.argv[2:])")
+# The child sets the limit, then forks the case and reports the case's own peak RSS (wait4) on a pipe:
+# a process's ru_maxrss counts the pages of the process it was forked from (pytest's), so the
+# case runs one fork away from a small interpreter.
+_PRELUDE = """import os, resource, signal, struct, sys
+n, fd = int(sys.argv[1]), int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_AS, (n, n))
+pid = os.fork()
+if pid == 0:
+    os.close(fd)
+    try:
+        os.execvp(sys.argv[3], sys.argv[3:])
+    finally:
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+os.write(fd, struct.pack("<q", usage.ru_maxrss * 1024))
+code = os.waitstatus_to_exitcode(status)
+if code < 0:                    # killed by a signal: die of it too, so the parent sees the same
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+os._exit(code)
+"""
 
 
 @dataclass
@@ -51,11 +72,16 @@ class Limited:
 def run_limited(argv: list, *, timeout: float = TIMEOUT_S, address_space: int = ADDRESS_SPACE,
                 input: bytes | None = None, env: dict | None = None, cwd=None) -> Limited:
     """Run `argv` with RLIMIT_AS = address_space, killed (its process group) after `timeout` s; its
-    peak resident memory comes from wait4 on it alone (not the maximum over every child so far)."""
+    peak resident memory comes from wait4 on it alone, reported by the prelude."""
     argv = [str(a) for a in argv]
     t0 = time.monotonic()
-    p = subprocess.Popen([sys.executable, "-c", _PRELUDE, str(address_space), *argv], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd, start_new_session=True)
+    rfd, wfd = os.pipe()
+    try:
+        p = subprocess.Popen([sys.executable, "-c", _PRELUDE, str(address_space), str(wfd), *argv],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
+                             start_new_session=True, pass_fds=(wfd,))
+    finally:
+        os.close(wfd)
     chunks: dict = {"out": [], "err": []}
 
     def drain(f, into):
@@ -71,23 +97,27 @@ def run_limited(argv: list, *, timeout: float = TIMEOUT_S, address_space: int = 
         p.stdin.close()
     except OSError:
         pass
-    timed_out, status, usage = False, 0, None
+    timed_out, status = False, 0
     while True:
-        pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+        pid, status = os.waitpid(p.pid, os.WNOHANG)
         if pid:
             break
         if time.monotonic() - t0 > timeout:
             timed_out = True
             os.killpg(p.pid, signal.SIGKILL)
-            _, status, usage = os.wait4(p.pid, 0)
+            _, status = os.waitpid(p.pid, 0)
             break
         time.sleep(0.01)
     seconds = time.monotonic() - t0
     p.returncode = os.waitstatus_to_exitcode(status)        # so Popen does not wait for it again
     for t in readers:
         t.join(5)
+    with os.fdopen(rfd, "rb") as f:
+        report = f.read(8)
+    # the case's own peak, as the prelude reported it (none when killed at the deadline)
+    rss = struct.unpack("<q", report)[0] if len(report) == 8 else 0
     return Limited(argv, None if timed_out else p.returncode, b"".join(chunks["out"]).decode(errors="replace"),
-                   b"".join(chunks["err"]).decode(errors="replace"), seconds, usage.ru_maxrss * 1024, timed_out)
+                   b"".join(chunks["err"]).decode(errors="replace"), seconds, rss, timed_out)
 
 
 def run_python(code: str, **kw) -> Limited:
