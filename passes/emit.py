@@ -4,16 +4,19 @@ weights.bin is a container (plan_format) with one 4 KiB-aligned section per stor
 named `<weight>:<array>` (e.g. `L0.attn.q_k_v:qs`), streamed one row block at a time so the
 compiler never holds a whole weight. plan.bin holds the metadata (JSON), the kernel-level IR
 (text) and the tokenizer, and names weights.bin with its size and body checksum. Both are
-written under temporary names and renamed into place together at the end; the same inputs give
-the same bytes. The metadata records a SHA-256 of every source tensor's values (computed as the
+written under temporary names and renamed into place together at the end (`swap_in`: a recompile
+leaves the old pair or the new, whatever interrupts it); the same inputs give the same bytes. The metadata records a SHA-256 of every source tensor's values (computed as the
 weights stream), so `--calib PLAN.bin` copies a plan's quantized arrays only when the checkpoint
 is the one that plan was compiled from.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import threading
 from collections import defaultdict
 from pathlib import Path
 from typing import Iterator
@@ -144,12 +147,59 @@ def emit(g: Graph, ctx: PassContext) -> Graph:
         with ContainerWriter(staged["plan.bin"], PLAN_MAGIC) as p:
             for name, data in sections:
                 p.add(name, data)
-        for name, path in staged.items():
-            os.replace(path, out / name)
+        swap_in(out, staged[WEIGHTS_FILE], staged["plan.bin"])
     finally:
         for path in staged.values():
             path.unlink(missing_ok=True)
     return g
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP that arrive inside the block take effect at its end (main thread
+    only: Python runs signal handlers there, so elsewhere there is nothing to hold)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = {s: signal.signal(s, lambda n, _f: got.append(n)) for s in held}
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+        if got:
+            signal.raise_signal(got[0])
+
+
+def swap_in(out: Path, weights: Path, plan: Path) -> None:
+    """Rename new weights and plan over the folder's pair so that it holds the old pair or the new,
+    never new weights beside the old plan: an interrupt waits for both renames; a failure of the
+    second puts the old weights back (kept under a second name, `weights.bin.old-PID`, until the
+    plan is in). A process killed between the renames leaves that name for the next compile into
+    the folder to restore (pipelines.output_folder)."""
+    keep = out / f"{WEIGHTS_FILE}.old-{os.getpid()}"
+    old = out / WEIGHTS_FILE
+    kept = False
+    if old.is_file() and not old.is_symlink() and (out / "plan.bin").is_file():
+        keep.unlink(missing_ok=True)
+        try:
+            os.link(old, keep)
+            kept = True
+        except OSError:         # a filesystem without hard links: the signals are still held
+            pass
+    with _signals_held():
+        try:
+            os.replace(weights, old)
+            try:
+                os.replace(plan, out / "plan.bin")
+            except BaseException:
+                if kept:
+                    os.replace(keep, old)
+                raise
+        finally:
+            keep.unlink(missing_ok=True)
 
 
 def _write_weights(g: Graph, ctx: PassContext, path: Path) -> list[tuple[str, bytes]]:

@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 from . import settings
 # Importing the pass modules registers them.
 from .backends.llvm_cpu import cpu_codegen  # noqa: F401
-from .errors import ModelError, UsageError
+from .errors import ModelError, StrataError, UsageError
 from .formats import check_group_size, get_format
 from .hwprofile import HardwareProfile
 from .ir import Graph
@@ -215,7 +215,7 @@ def check_tokenizer(data: bytes, where: str) -> None:
                          f"fix or re-download it") from None
 
 
-_STALE = re.compile(r"(?:plan|weights)\.bin\.tmp-(\d{1,9})(?:\.tmp-\d{1,9})?")
+_STALE = re.compile(r"(?:(?:plan|weights)\.bin\.tmp-(\d{1,9})(?:\.tmp-\d{1,9})?|weights\.bin\.old-(\d{1,9}))")
 
 
 @contextlib.contextmanager
@@ -269,14 +269,38 @@ def _remove_empty(folders: list[Path]) -> None:
             return
 
 
+def _restore_weights(out_dir: Path, kept: Path) -> bool:
+    """Whether `kept` (weights.bin.old-PID of a compile killed between emit's two renames) is the
+    weights plan.bin names while weights.bin is not; then it is put back as weights.bin."""
+    from .plan_format import PLAN_MAGIC, WEIGHTS_MAGIC, Container
+    from .untrusted import load_json
+
+    try:
+        with Container.open(out_dir / "plan.bin", PLAN_MAGIC, verify="full") as c:
+            ref = load_json(c.section("meta"))["weights"]
+        want = (int(ref["size"]), int(ref["checksum"]))
+        match = []
+        for p in (out_dir / "weights.bin", kept):
+            with Container.open(p, WEIGHTS_MAGIC, verify="none") as c:
+                match.append((c.total_size, c.body_checksum) == want)
+    except (OSError, StrataError, ValueError, KeyError, TypeError):
+        return False
+    if match != [False, True]:
+        return False
+    os.replace(kept, out_dir / "weights.bin")
+    return True
+
+
 def _remove_stale_temps(out_dir: Path) -> None:
     """Temporary plan/weights files whose compile is gone: with the folder locked no live compile
-    writes here, but a PID still running is left alone all the same (an older stratac's)."""
+    writes here, but a PID still running is left alone all the same (an older stratac's). The old
+    weights a compile killed between its two renames kept (`weights.bin.old-PID`) are put back
+    when they are what plan.bin names."""
     for p in out_dir.iterdir():
         m = _STALE.fullmatch(p.name)
         if not m or p.is_symlink() or not p.is_file():
             continue
-        pid = int(m.group(1))
+        pid = int(m.group(1) or m.group(2))
         if pid != os.getpid():
             try:
                 os.kill(pid, 0)
@@ -285,4 +309,6 @@ def _remove_stale_temps(out_dir: Path) -> None:
                 pass
             except PermissionError:
                 continue
+        if p.name.startswith("weights.bin.old-") and _restore_weights(out_dir, p):
+            continue
         p.unlink(missing_ok=True)

@@ -494,6 +494,74 @@ def test_failed_compile_keeps_the_previous_plan(capsys, tmp_path, models, model)
     load_plan(out)
 
 
+def _replace_then(action):
+    """os.replace (the module's: every caller's) that runs `action()` once weights.bin is renamed
+    in, the plan not yet."""
+    real = os.replace
+
+    def replace(a, b):
+        real(a, b)
+        if Path(b).name == "weights.bin":
+            action()
+    return replace
+
+
+def test_recompile_failing_between_the_renames_keeps_the_old_plan(capsys, tmp_path, models, monkeypatch):
+    """An exception after the new weights are in (the plan rename fails) puts the old weights back."""
+    import strata_compiler.passes.emit as emit_mod
+
+    out = tmp_path / "out"
+    compile_model(models["mixtral"], out, CompileOptions(quant="int4"))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = os.replace
+
+    def replace(a, b):
+        if Path(b).name == "plan.bin":
+            raise KeyboardInterrupt
+        real(a, b)
+    monkeypatch.setattr(emit_mod.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        compile_model(models["mixtral"], out, CompileOptions(quant="int8"))
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    load_plan(out)
+
+
+def test_recompile_ctrl_c_during_the_renames_waits_for_both(capsys, tmp_path, models, monkeypatch):
+    """SIGINT between the renames takes effect after both: the folder holds the new pair."""
+    import signal
+
+    import strata_compiler.passes.emit as emit_mod
+
+    out = tmp_path / "out"
+    compile_model(models["mixtral"], out, CompileOptions(quant="int4"))
+    monkeypatch.setattr(emit_mod.os, "replace", _replace_then(lambda: signal.raise_signal(signal.SIGINT)))
+    with pytest.raises(KeyboardInterrupt):
+        compile_model(models["mixtral"], out, CompileOptions(quant="int8"))
+    monkeypatch.undo()
+    assert load_plan(out).meta["options"]["quant"] == "int8"
+    assert sorted(p.name for p in out.iterdir()) == ["plan.bin", "weights.bin"]
+
+
+def test_compile_killed_between_the_renames_is_repaired_by_the_next(capsys, tmp_path, models, model):
+    """A compile killed (SIGKILL) after weights.bin was replaced leaves the old weights as
+    weights.bin.old-PID; the next compile into the folder puts them back, so even a failing one
+    leaves the old plan loadable."""
+    out, other = tmp_path / "out", tmp_path / "other"
+    compile_model(models["mixtral"], out, CompileOptions(quant="int4"))
+    compile_model(models["mixtral"], other, CompileOptions(quant="int8"))
+    old = (out / "weights.bin").read_bytes()
+    os.replace(out / "weights.bin", out / f"weights.bin.old-{_dead_pid()}")
+    shutil.copy(other / "weights.bin", out / "weights.bin")
+    with pytest.raises(Exception):
+        load_plan(out)
+    edit_tensor(model, "lm_head.weight", lambda a: np.where(a > 0.2, np.inf, a))
+    assert_one_line_error(cli(capsys, stratac, "compile", model, "-o", out), "lm_head.weight")
+    assert (out / "weights.bin").read_bytes() == old
+    assert sorted(p.name for p in out.iterdir()) == ["plan.bin", "weights.bin"]
+    load_plan(out)
+
+
 # ------------------------------------------------------------------------------------------------
 # progress: bytes of the checkpoint, ETA from the converting phase
 
