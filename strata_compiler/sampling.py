@@ -62,11 +62,15 @@ BOUNDS = {
 def check(name: str, value: object) -> int | float:
     """`value` as field `name`'s type, or ValueError saying what the field takes."""
     kind, lo, hi, lo_open, means = BOUNDS[name]
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-        and (kind is float or float(value).is_integer()) and (lo < value if lo_open else lo <= value) and value <= hi
+    # an int is compared as it is: one beyond a float's range (10**400 in a JSON file) has no float
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and (isinstance(value, int) or (math.isfinite(value) and (kind is float or value.is_integer()))) \
+        and (lo < value if lo_open else lo <= value) and value <= hi
     if not ok:
         span = f"{'above ' if lo_open else ''}{lo:g} to {hi:g}" if kind is float else f"a whole number {lo} to {hi}"
-        raise ValueError(f"{name} {str(value)[:24]}: expected {span} ({means})")
+        big = isinstance(value, int) and abs(value) > 1 << 64
+        shown = f"of {len(str(abs(value)))} digits" if big else str(value)[:24]
+        raise ValueError(f"{name} {shown}: expected {span} ({means})")
     return kind(value)
 
 

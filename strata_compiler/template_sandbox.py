@@ -9,6 +9,13 @@ waits at most `template_timeout` s for the answer, then kills the worker, and th
 starts a fresh one. The compiler checks a template with it (frontend/chat.py), the runtime renders
 every chat prompt with it (runtime/chat.py); both sit above this module.
 
+The sandbox is stricter than jinja2's in three ways that no real template notices: an unsafe
+attribute (`''.__class__`, `cycler.__init__`, `self._TemplateReference__context`, through `|attr`,
+`|map(attribute=...)` or `str.format` too) raises instead of rendering as an empty Undefined; a
+template that loads another file (`{% include %}`, `{% import %}`, `{% from %}`, `{% extends %}`:
+there is no loader) or assigns a private attribute of a namespace is refused before it renders;
+`range` beyond jinja2's MAX_RANGE is a SecurityError, like every other over-large argument.
+
 Every failure is one TemplateFailure line (a UsageError) whose `kind` says what went wrong.
 `render` may be called from any thread: one lock serializes the worker, and every wait on it has a
 deadline. The worker lives while this process does (it exits when its pipe closes).
@@ -34,10 +41,12 @@ from typing import Any
 
 from . import settings
 from .errors import UsageError
+from .untrusted import printable
 
 MAX_TEMPLATE_CHARS = 256 * 1024
 MAX_OUTPUT_CHARS = 32 * 1024 * 1024          # the rendered text
 MAX_SIZE_ARG = 1 << 20                       # an int argument to a call or a sizing filter (ljust, center, ...)
+MAX_RANGE = 100_000                          # jinja2.sandbox.MAX_RANGE: items of one range()
 MAX_REPLY_BYTES = 4 * MAX_OUTPUT_CHARS + (1 << 16)
 START_TIMEOUT_S = 30.0                       # the worker's start (imports) is not charged to a render
 TEMPLATE_CACHE = 8                           # compiled templates the worker keeps (one per plan in use)
@@ -45,8 +54,8 @@ TEMPLATE_CACHE = 8                           # compiled templates the worker kee
 
 class TemplateFailure(UsageError):
     """A template that did not render. kind: syntax (does not parse), raised (its raise_exception),
-    forbidden (the sandbox refused an operation), error (any other failure while rendering),
-    output (too long), time, memory (over the budget)."""
+    forbidden (the sandbox refused an operation), recursion (deeper than Python's stack allows),
+    error (any other failure while rendering), output (too long), time, memory (over the budget)."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)
@@ -72,6 +81,36 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: 
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+def _range(*args: int) -> range:
+    from jinja2.exceptions import SecurityError
+
+    r = range(*args)
+    if len(r) > MAX_RANGE:
+        raise SecurityError(f"a range of {len(r)} items is too large (at most {MAX_RANGE})")
+    return r
+
+
+# nodes that load another template: there is no loader, and a chat template must stand alone
+_LOADS = {"Include": "{% include %}", "Import": "{% import %}", "FromImport": "{% from ... import %}",
+          "Extends": "{% extends %}"}
+
+
+def _refuse_statically(ast) -> None:
+    """SecurityError for what `ast` (a parsed template) does that no render may: load another file,
+    or set a private attribute of a namespace (`{% set ns.__class__ = ... %}`)."""
+    from jinja2 import nodes
+    from jinja2.exceptions import SecurityError
+
+    for node in ast.find_all((nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends, nodes.NSRef)):
+        if isinstance(node, nodes.NSRef):
+            if node.attr.startswith("_"):
+                raise SecurityError(f"setting the private attribute {node.attr[:40]!r} of a namespace (line "
+                                    f"{node.lineno})")
+            continue
+        raise SecurityError(f"{_LOADS[type(node).__name__]} loads another file, which a chat template may not "
+                            f"(line {node.lineno})")
 
 
 def _bounded_filter(f):
@@ -124,6 +163,10 @@ def environment():
                 return left * right
             return super().call_binop(context, operator, left, right)
 
+        def unsafe_undefined(self, obj, attribute):
+            raise SecurityError(f"access to attribute {str(attribute)[:40]!r} of {type(obj).__name__!r} object "
+                                "is unsafe")
+
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's signature)
             for a in (*args, *kwargs.values()):
                 if isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_SIZE_ARG:
@@ -135,12 +178,14 @@ def environment():
         env.filters[name] = _bounded_filter(env.filters[name])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
+    env.globals["range"] = _range
     env.globals["strftime_now"] = _strftime_now
     return env
 
 
 def _one_line(e: BaseException) -> str:
-    return (" ".join(str(e).split()) or e.__class__.__name__)[:300]
+    """The error as one line of printable text (a template's own message may hold anything)."""
+    return printable(" ".join(str(e).split()) or e.__class__.__name__)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -155,12 +200,16 @@ def _render_job(env, cache: dict, job: dict) -> tuple[dict, list[bytes]]:
     try:
         compiled = cache.get(text)
         if compiled is None:
-            compiled = env.from_string(text)
+            ast = env.parse(text)
+            _refuse_statically(ast)
+            compiled = env.from_string(ast)
             cache[text] = compiled
             while len(cache) > TEMPLATE_CACHE:
                 del cache[next(iter(cache))]
     except MemoryError:
         return {"ok": False, "kind": "memory"}, []
+    except SecurityError as e:
+        return {"ok": False, "kind": "forbidden", "message": _one_line(e)}, []
     except TemplateSyntaxError as e:
         return {"ok": False, "kind": "syntax", "message": f"{_one_line(e.message or e)} (line {e.lineno})"}, []
     except Exception as e:     # RecursionError on deep nesting, Python's compiler refusing the code, ...
@@ -182,6 +231,8 @@ def _render_job(env, cache: dict, job: dict) -> tuple[dict, list[bytes]]:
         return {"ok": False, "kind": "forbidden", "message": _one_line(e)}, []
     except TemplateError as e:
         return {"ok": False, "kind": "error", "message": _one_line(e)}, []
+    except RecursionError as e:
+        return {"ok": False, "kind": "recursion", "message": f"RecursionError: {_one_line(e)}"}, []
     except Exception as e:     # the template's own fault: TypeError, ZeroDivisionError, RecursionError, ...
         return {"ok": False, "kind": "error", "message": f"{e.__class__.__name__}: {_one_line(e)}"}, []
     return {"ok": True}, parts
@@ -389,6 +440,7 @@ def render(template: str, context: dict, name: str = "the chat template") -> str
         "raised": f"{name} failed: {detail}",
         "forbidden": f"{name} did something the sandbox forbids ({detail})",
         "error": f"{name} failed: {detail}",
+        "recursion": f"{name} recursed deeper than the renderer allows ({detail}); refusing it",
         "output": f"{name} produced more than {MAX_OUTPUT_CHARS} characters; refusing it",
         "memory": (f"{name} stopped its renderer, which {header['ended']}: most likely" if "ended" in header
                    else f"{name}") + f" used more than its memory budget of {memory} MiB (setting "

@@ -5,7 +5,10 @@ block forever on a FIFO, read a device, follow a symlink out of a plan's folder 
 or let a deeply nested or out-of-range JSON document escape as a RecursionError or an infinity.
 Every file Strata reads as input opens through `open_regular`, every such JSON parses through
 `load_json`; their errors are OSError / ValueError subclasses, so the callers' existing handlers
-turn them into their one-line StrataError naming the file.
+turn them into their one-line StrataError naming the file. A JSON document is bounded before it is
+parsed (its values, counted as commas and brackets: `[[],[],...]` costs 64 bytes of Python objects
+per 3 bytes of text) and may not name a key twice (which value a reader takes differs between
+readers; json.dumps never writes one).
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ import stat
 from typing import BinaryIO
 
 MAX_JSON_DEPTH = 64   # deepest nesting of any JSON Strata reads (tokenizer.json: ~6; meta, configs: ~4)
+# values of one document, counted before parsing as its commas and opening brackets (an overcount:
+# those inside strings count too). A safetensors header is ~6 a tensor, an added token of
+# tokenizer_config.json ~7, a plan's meta ~1 a source tensor; 2M values cost at most ~250 MB, 2 s.
+MAX_JSON_ITEMS = 1 << 21
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -118,27 +125,46 @@ def _no_constant(name: str) -> float:
 
 
 def _check_depth(obj: object, max_depth: int) -> None:
-    stack = [(obj, 1)]
-    while stack:
-        o, d = stack.pop()
-        if d > max_depth:
+    level, depth = [obj], 1         # one level at a time: ~0.1 us a value
+    while level:
+        if depth > max_depth:
             raise JSONLimitError(f"nested deeper than {max_depth} levels")
-        children = o.values() if isinstance(o, dict) else o
-        stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
+        below: list = []
+        for o in level:
+            below += [c for c in (o.values() if o.__class__ is dict else o) if c.__class__ in _CONTAINERS]
+        level, depth = below, depth + 1
 
 
-_DECODERS = {False: json.JSONDecoder(parse_float=_finite_float, parse_constant=_no_constant),
-             True: json.JSONDecoder(parse_float=_finite_float, parse_constant=float)}   # made once: cheap calls
+_CONTAINERS = (dict, list)
+
+
+def _unique_keys(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise JSONLimitError(f"key {printable(key, 60)!r} appears twice in one object")
+    return out
+
+
+_DECODERS = {False: json.JSONDecoder(parse_float=_finite_float, parse_constant=_no_constant,
+                                     object_pairs_hook=_unique_keys),
+             True: json.JSONDecoder(parse_float=_finite_float, parse_constant=float,
+                                    object_pairs_hook=_unique_keys)}   # made once: cheap calls
 
 
 def load_json(data: str | bytes | bytearray | memoryview, *, max_depth: int = MAX_JSON_DEPTH,
               allow_nonfinite: bool = False) -> object:
-    """json.loads for untrusted text: nesting at most `max_depth` deep; numbers that overflow a
-    float (`1e400`) refused, and NaN/Infinity too unless `allow_nonfinite`. Raises ValueError
-    (json.JSONDecodeError for bad syntax, UnicodeDecodeError for bad bytes, JSONLimitError)."""
+    """json.loads for untrusted text: nesting at most `max_depth` deep, at most MAX_JSON_ITEMS
+    values, each key once per object; numbers that overflow a float (`1e400`) refused, and
+    NaN/Infinity too unless `allow_nonfinite`. Raises ValueError (json.JSONDecodeError for bad
+    syntax, UnicodeDecodeError for bad bytes, JSONLimitError)."""
     if not isinstance(data, str):
         data = bytes(data)
         data = data.decode(json.detect_encoding(data), "surrogatepass")   # as json.loads does
+    items = data.count(",") + data.count("[") + data.count("{")
+    if items > MAX_JSON_ITEMS:
+        raise JSONLimitError(f"holds more than {MAX_JSON_ITEMS} values ({items} commas and brackets)")
     try:
         obj = _DECODERS[allow_nonfinite].decode(data)
     except RecursionError:

@@ -212,9 +212,14 @@ def test_hostile_or_broken_template_is_one_usage_error(template):
 
 def test_sandbox_keeps_input_and_hides_internals():
     msgs = [{"role": "user", "content": "hi"}]
-    meta = {"chat": {"template": "{{ ''.__class__ }}|{{ messages | tojson }}|{{ eos_token }}", "eos_token": "<e>"}}
-    assert render_chat(meta, msgs) == '|[{"role": "user", "content": "hi"}]|<e>'
+    meta = {"chat": {"template": "{{ messages | tojson }}|{{ eos_token }}", "eos_token": "<e>"}}
+    assert render_chat(meta, msgs) == '[{"role": "user", "content": "hi"}]|<e>'
     assert msgs == [{"role": "user", "content": "hi"}]
+    # an internal attribute is refused outright (jinja2's sandbox would render it as empty)
+    meta["chat"]["template"] = "{{ ''.__class__ }}|{{ eos_token }}"
+    with pytest.raises(UsageError, match="forbids.*__class__") as e:
+        render_chat(meta, msgs)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("messages, why", [

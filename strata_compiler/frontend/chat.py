@@ -20,17 +20,19 @@ token strings of the bos/eos ids.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..errors import ModelError
 from ..template_sandbox import TemplateFailure, render
-from .hf import read_json_object
+from ..untrusted import read_regular
+from .hf import MAX_TOKEN_IDS, read_json_object
 
 MAX_TEMPLATE_BYTES = 256 * 1024     # real templates are a few KiB; the largest known are ~20 KiB
 MAX_TOKEN_CHARS = 256
 # Failures that no conversation avoids; a template's raise_exception or a type error may depend on
 # the messages (some refuse a system role), so those send the check on to the next conversation.
-REFUSED = ("syntax", "forbidden", "output", "time", "memory")
+REFUSED = ("syntax", "forbidden", "recursion", "output", "time", "memory")
 CHECK_CONVERSATIONS = (
     [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hello!"}],
     [{"role": "user", "content": "Hello!"}],
@@ -92,6 +94,8 @@ def _ids(value: object, where: str, vocab: int) -> list[int]:
     if value is None:
         return []
     items = value if isinstance(value, list) else [value]
+    if len(items) > MAX_TOKEN_IDS:
+        raise ModelError(f"{where}: lists {len(items)} token ids; at most {MAX_TOKEN_IDS} are accepted")
     for v in items:
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab:
             raise ModelError(f"{where}: should be a token id or a list of token ids in [0, {vocab}), got {v!r}"[:300])
@@ -104,16 +108,17 @@ def hf_chat(model_dir: Path, config_eos: tuple[int, ...], vocab: int) -> dict:
     tc = read_json_object(tc_path) or {}
     template = check_template(tc.get("chat_template"), f"{tc_path}: field 'chat_template'")
     jinja = model_dir / "chat_template.jinja"
-    if template is None and jinja.is_file():
-        if jinja.stat().st_size > MAX_TEMPLATE_BYTES:
-            raise ModelError(f"{jinja}: the chat template is larger than {MAX_TEMPLATE_BYTES // 1024} KiB; refusing it")
-        try:
-            text = jinja.read_bytes().decode("utf-8")
+    if template is None and os.path.lexists(jinja):
+        try:   # a FIFO would block, /proc/self/pagemap (st_size 0) read for ever
+            text = read_regular(jinja, MAX_TEMPLATE_BYTES).decode("utf-8")
+        except OSError as e:
+            raise ModelError(f"{jinja}: cannot read as a chat template of at most {MAX_TEMPLATE_BYTES // 1024} KiB "
+                             f"({e.strerror or e})") from None
         except UnicodeDecodeError:
             raise ModelError(f"{jinja}: not UTF-8 text") from None
         template = check_template(text, str(jinja))
     cj_path = model_dir / "chat_template.json"
-    if template is None and cj_path.is_file():
+    if template is None:
         template = check_template((read_json_object(cj_path) or {}).get("chat_template"), f"{cj_path}: field 'chat_template'")
     gc_path = model_dir / "generation_config.json"
     gen_eos = _ids((read_json_object(gc_path) or {}).get("eos_token_id"), f"{gc_path}: field 'eos_token_id'", vocab)

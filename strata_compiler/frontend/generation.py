@@ -7,12 +7,13 @@ chose nothing (its own default), and Strata's default is to sample.
 GGUF: llama.cpp's `general.sampling.temp`, `.top_k`, `.top_p`, `.min_p`, `.penalty_repeat` and
 `.penalty_last_n` (gguf-py's Keys.General.SAMPLING_*), in llama.cpp's sense: a temperature <= 0 is
 greedy, a top-k <= 0 off, a window of -1 every token seen. Only what the file gives is stored; a
-value of the wrong type or out of range is one ModelError naming the file and the field (files are
-untrusted input).
+value of the wrong type, out of range or not finite (NaN, -inf) is one ModelError naming the file
+and the field (files are untrusted input).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +63,10 @@ def gguf_sampling(path: Path, reader: Any) -> dict | None:
         except Exception:       # noqa: BLE001 - gguf's parse errors on a corrupt field
             raise ModelError(f"{where} cannot be read; the file is corrupt") from None
         if isinstance(v, float) or isinstance(v, np.floating):
-            v = float(str(np.float32(v)))   # stored as f32: 0.95 reads back 0.949999988; take the shortest f32 decimal
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            with np.errstate(over="ignore"):    # an f64 beyond f32 becomes inf, which _checked refuses
+                v = float(str(np.float32(v)))   # stored as f32: 0.95 reads back 0.949999988; the shortest f32 decimal
+        if isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and math.isfinite(v):
             if name == "temperature" or name == "top_k":
-                v = max(v, 0)               # llama.cpp: <= 0 is greedy / off
+                v = max(v, 0)               # llama.cpp: <= 0 is greedy / off (-inf and NaN are refused)
         out[name] = _checked(name, v, where)
     return {"source": "GGUF general.sampling", **out} if out else None

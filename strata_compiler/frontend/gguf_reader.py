@@ -83,7 +83,9 @@ _EXPERT_STACKS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.w
 NATIVE = {("Q4_0", "int4", 32): "int4", ("Q8_0", "int8", 32): "int8", ("Q4_1", "int4a", 32): "int4a"}
 # bytes of a block's scales ahead of its codes: Q4_0 / Q8_0 d (f16), Q4_1 d and m (f16 each)
 _SCALE_BYTES = {"int4": 2, "int8": 2, "int4a": 4}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+# the layer index in ASCII digits without leading zeros: blk.00.x, blk.\u0660.x or blk.\uff10.x (which int()
+# reads as 0 too) would be a second tensor under blk.0.x's key, replacing it
+_BLOCK_RE = re.compile(r"blk\.(0|[1-9][0-9]{0,8})\.(.+)", re.ASCII)
 # the store's keys in all: one per tensor, and one per expert of each stacked tensor (DeepSeek-V3 has
 # ~45k, Kimi K2 ~70k); a file of a few bytes per expert could otherwise ask for millions
 MAX_STORE_KEYS = 1 << 18
@@ -284,15 +286,16 @@ def _config(meta: _Meta, store: GGUFTensorStore, arch: str, hf_arch: str) -> Mod
     n_layers = meta.get(a + "block_count", int, required=True)
     n_heads = meta.get(a + "attention.head_count", int, required=True)
     n_kv = meta.get(a + "attention.head_count_kv", int, default=n_heads)
-    head_dim = meta.get(a + "attention.key_length", int, default=hidden // max(n_heads, 1))
+    for key, v, hi in (("block_count", n_layers, MAX_LAYERS), ("embedding_length", hidden, MAX_DIM),
+                       ("attention.head_count", n_heads, MAX_HEADS), ("attention.head_count_kv", n_kv, MAX_HEADS)):
+        in_range(path, a + key, v, 1, hi)   # before anything is sized by them
+    head_dim = meta.get(a + "attention.key_length", int, default=hidden // n_heads)
     if meta.get(a + "attention.value_length", int, default=head_dim) != head_dim:
         raise ModelError(f"{path}: {a}attention.value_length differs from key_length; not supported")
-    if min(hidden, n_layers, n_heads, n_kv, head_dim) <= 0 or n_heads % n_kv or head_dim % 2:
+    if head_dim <= 0 or n_heads % n_kv or head_dim % 2:
         raise ModelError(f"{path}: inconsistent attention sizes (embedding_length={hidden}, "
                          f"head_count={n_heads}, head_count_kv={n_kv}, head_dim={head_dim})")
-    for key, v, hi in (("block_count", n_layers, MAX_LAYERS), ("embedding_length", hidden, MAX_DIM),
-                       ("attention.head_count", n_heads, MAX_HEADS), ("attention.key_length", head_dim, MAX_DIM)):
-        in_range(path, a + key, v, 1, hi)   # before anything is sized by them
+    in_range(path, a + "attention.key_length", head_dim, 1, MAX_DIM)
     n_experts = in_range(path, a + "expert_count", meta.get(a + "expert_count", int, default=0), 0, MAX_EXPERTS)
     top_k = 0
     if n_experts:
@@ -321,13 +324,11 @@ def _config(meta: _Meta, store: GGUFTensorStore, arch: str, hf_arch: str) -> Mod
         raise ModelError(f"{path}: the file has expert tensors but no {a}expert_count")
     norm_default = hf_arch in ("mixtral", "qwen3_moe")     # llama.cpp's choice for each architecture
     clip = meta.get(a + "attention.clamp_kqv", float, default=0.0)
+    in_range(path, a + "vocab_size", vocab, 1, MAX_DIM)
+    _check_special_ids(meta, vocab)
     eos = [meta.get(f"tokenizer.ggml.{k}_token_id", int, default=-1) for k in ("eos", "eot", "eom")]
     eos_ids = tuple(dict.fromkeys(e for e in eos if e >= 0))
-    in_range(path, a + "vocab_size", vocab, 1, MAX_DIM)
     bos = meta.get("tokenizer.ggml.bos_token_id", int, default=-1)
-    for key, v in [("tokenizer.ggml.bos_token_id", bos)] + [("tokenizer.ggml.eos_token_id", e) for e in eos_ids]:
-        if v != -1:
-            in_range(path, key, v, 0, vocab - 1)
     qkv_bias = "model.layers.0.self_attn.q_proj.bias" in store
     return ModelConfig(
         arch=hf_arch, architecture=_HF_CLASS[hf_arch], vocab_size=vocab, hidden_size=hidden,
@@ -347,6 +348,20 @@ def _config(meta: _Meta, store: GGUFTensorStore, arch: str, hf_arch: str) -> Mod
         eos_token_ids=eos_ids,
         bos_token_id=bos,
     )
+
+
+_SPECIAL_ID = re.compile(r"tokenizer\.ggml\.\w+_token_id")
+
+
+def _check_special_ids(meta: _Meta, vocab: int) -> None:
+    """Every `tokenizer.ggml.*_token_id` (bos, eos, eot, unknown, padding, fim_*, ...): an integer, -1
+    (none) or a token of the vocabulary. gguf-py writes no other; one outside would be a stop id that
+    never matches, or an index past the token strings."""
+    for key, v in meta.fields.items():
+        if _SPECIAL_ID.fullmatch(key):
+            v = meta.get(key, int)
+            if v != -1:
+                in_range(meta.path, key, v, 0, vocab - 1)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -21,12 +21,15 @@ import numpy as np
 
 from ..errors import ModelError
 from ..formats import bf16_bits_to_f32
-from ..untrusted import JSONLimitError, is_count, load_json, open_regular, read_regular
+from ..untrusted import JSONLimitError, is_count, load_json, open_regular, printable, read_regular
 
 _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
-_MAX_HEADER = 100 * 1024 * 1024
+_MAX_HEADER = 100 * 1024 * 1024     # safetensors' own cap; its values are capped by load_json too
 _MAX_INDEX = 64 * 1024 * 1024       # model.safetensors.index.json: one line per tensor
 _MAX_RANK = 8
+# tensors of a checkpoint, all shards together: DeepSeek-V3 has ~91k (weights and their scales),
+# Kimi K2 ~70k weights; each costs ~10 us and ~300 bytes to check and hold (as GGUF's MAX_STORE_KEYS)
+MAX_TENSORS = 1 << 18
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +61,9 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
         raise ModelError(f"{path}: safetensors header is not valid JSON; the file is corrupt") from None
     if not isinstance(header, dict):
         raise ModelError(f"{path}: safetensors header is not a JSON object")
+    if len(header) > MAX_TENSORS:
+        raise ModelError(f"{path}: safetensors header lists {len(header)} tensors, more than the {MAX_TENSORS} "
+                         "Strata reads in a checkpoint; the file is corrupt")
     base = 8 + n
     out = {}
     for key, v in header.items():
@@ -67,16 +73,31 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
         offsets = v.get("data_offsets") if isinstance(v, dict) else None
         if (not isinstance(shape, list) or len(shape) > _MAX_RANK or not all(map(is_count, shape))
                 or not isinstance(offsets, list) or len(offsets) != 2 or not all(map(is_count, offsets))):
-            raise ModelError(f"{path}: malformed header entry for tensor {key[:200]!r} (needs integer 'shape' and "
-                             "two integer 'data_offsets'); the file is corrupt")
+            raise ModelError(f"{path}: malformed header entry for tensor {printable(key, 200)!r} (needs integer "
+                             "'shape' and two integer 'data_offsets'); the file is corrupt")
         dtype, shape, (b, e) = v.get("dtype"), tuple(shape), offsets
         if not isinstance(dtype, str) or dtype not in _DTYPES:
-            raise ModelError(f"{path}: tensor {key} has dtype {str(dtype)[:20]}; Strata reads F32, F16 and BF16 weights")
+            raise ModelError(f"{path}: tensor {printable(key, 200)} has dtype {printable(str(dtype), 20)}; Strata "
+                             "reads F32, F16 and BF16 weights")
         nbytes = _DTYPES[dtype].itemsize * math.prod(shape)   # Python ints: no overflow
         if not (0 <= b <= e) or e - b != nbytes or base + e > size:
-            raise ModelError(f"{path}: tensor {key} data lies outside the file or has the wrong size; the file is truncated or corrupt")
+            raise ModelError(f"{path}: tensor {printable(key, 200)} data lies outside the file or has the wrong size; "
+                             "the file is truncated or corrupt")
         out[key] = TensorInfo(key, path, dtype, shape, base + b, nbytes)
+    _check_disjoint(path, out.values(), base)
     return out
+
+
+def _check_disjoint(path: Path, infos, base: int) -> None:
+    """No two tensors share bytes: the format forbids it (safetensors' own loader refuses such a
+    file), and a header that points many tensors at the same bytes would pass one tensor off as
+    several, or make a small file compile to a plan many times its size."""
+    end, last = base, None
+    for t in sorted((t for t in infos if t.nbytes), key=lambda t: t.offset):
+        if t.offset < end:
+            raise ModelError(f"{path}: tensors {printable(last.key, 120)} and {printable(t.key, 120)} share bytes "
+                             f"{t.offset - base}..{min(end, t.offset + t.nbytes) - base} of the data; the file is corrupt")
+        end, last = t.offset + t.nbytes, t
 
 
 class TensorStore:
@@ -96,6 +117,8 @@ class TensorStore:
                     raise TypeError
             except OSError as e:
                 raise ModelError(f"{index}: cannot read ({e.strerror or e})") from None
+            except JSONLimitError as e:
+                raise ModelError(f"{index}: {e}; fix or re-download it") from None
             except (ValueError, KeyError, TypeError, AttributeError):
                 raise ModelError(f"{index}: not a valid safetensors index (needs a 'weight_map' object of tensor -> shard file name)") from None
         elif (model_dir / "model.safetensors").exists():
@@ -110,6 +133,9 @@ class TensorStore:
             if not path.exists():
                 raise ModelError(f"{path}: missing weight shard (listed in model.safetensors.index.json)")
             infos.update(_read_header(path))
+            if len(infos) > MAX_TENSORS:
+                raise ModelError(f"{path}: the checkpoint's shards list more than {MAX_TENSORS} tensors, more than "
+                                 "Strata reads (no model it compiles has that many)")
         return cls(infos)
 
     def __contains__(self, key: str) -> bool:
