@@ -7,14 +7,15 @@ PLAN_DIR is a plan whose MoE layers are whole (not split, no cache): the all-CPU
 benchmarks/placement_bench.py, say. It decodes --tokens greedy tokens after a 32-token random
 prompt on the llvm backend and records, per token and layer, the experts the router chose and
 the experts the runtime's lookahead would predict (the layer's router applied to the residual
-stream entering the layer, normed as the router's input is: runtime/expert_swaps.py _lookahead).
+stream entering the layer, normed as the router's input is).
 
 The first --calib tokens stand in for calibration: their routing frequencies pick the static
 split's GPU experts (the hottest --slots-frac of each layer) and give the cache's prior. The
 remaining tokens are replayed through runtime/expert_cache.py's ExpertCache itself, per token:
-the prefetch of the predicted experts (up to N copies a layer), then the routing (hits and
-misses), then the reactive swaps after the step. No copy is timed: this measures what a policy
-keeps resident and how many expert copies it asks for, which is the same on any machine; what a
+a simulated prefetch of the predicted experts (up to N copies a layer: `simulate_prefetch`; the
+runtime's own prefetch was deleted in issue 41 after it cost more than it saved on the H200), then
+the routing (hits and misses), then the reactive swaps after the step. No copy is timed: this
+measures what a policy keeps resident and how many expert copies it asks for, which is the same on any machine; what a
 copy costs against a CPU miss is the GPU run's business (placement_bench.py's hot-cache rows).
 """
 
@@ -105,6 +106,25 @@ def record(plan_dir: Path, tokens: int, seed: int = 0, sequences: int = 1
     return chosen, pred, expert_bytes, ids, calib
 
 
+def simulate_prefetch(c, predicted: np.ndarray, n: int) -> int:
+    """Swap up to `n` predicted, non-resident experts into cache c ahead of the step, each only
+    over a victim (a resident the prediction does not name) it would outscore after the step (its
+    score plus the step's count and recency bonus; LRU admits always). Returns the copies."""
+    margin = np.inf if c.policy == "lru" else 1.0 + c.recency
+    copies = 0
+    for e in sorted(np.flatnonzero(predicted & (c.nonresident != 0)).tolist(), key=lambda e: -c.score[e]):
+        free = [i for i, r in enumerate(c.slots) if not predicted[r]]
+        if copies >= n or not free:
+            break
+        slot = min(free, key=lambda i: c.score[c.slots[i]])
+        if not c.score[e] + margin > c.score[c.slots[slot]]:
+            break           # the best candidate against the weakest victim: no other pair passes
+        c.nonresident[c.slots[slot]], c.nonresident[e] = 1.0, 0.0
+        c.slots[slot] = e
+        copies += 1
+    return copies
+
+
 def replay(chosen: np.ndarray, pred: np.ndarray, hot: np.ndarray, prior: np.ndarray | None,
            prefetch: int, swaps: int = 1, **cache_kw) -> tuple[float, float]:
     """(hit rate, expert copies per layer per token) of ExpertCache on the trace."""
@@ -113,13 +133,11 @@ def replay(chosen: np.ndarray, pred: np.ndarray, hot: np.ndarray, prior: np.ndar
     T, L, E = chosen.shape
     caches = [ExpertCache(f"L{i}", E, hot[i].astype(np.int32), max_swaps=swaps,
                           prior=None if prior is None else prior[i], **cache_kw) for i in range(L)]
-    for c in caches:
-        c.max_prefetch = prefetch
     copies = 0
     for t in range(T):
         for i, c in enumerate(caches):
             if prefetch:
-                copies += len(c.prefetch(pred[t, i]))
+                copies += simulate_prefetch(c, pred[t, i], prefetch)
             c.observe(chosen[t, i][None, :].astype(np.float32))
         for c in caches:
             copies += len(c.plan_swaps())

@@ -25,13 +25,12 @@ Variants, each compiled from the same folder at --quant with the same calibratio
                  N the most that fits the budget B (llama.cpp's -ngl)
   strata-B       --target HW --gpu-mem (the dense weights + B% of the expert bytes + the KV reserve)
   cache-B        the same with --expert-cache: the split layers' GPU shares become expert caches
-                 (swaps and, as strata-run --prefetch, prefetch at run time; hit rate, prefetch
-                 accuracy, bytes copied); at the smallest budget also with prefetch off, the
-                 caches off, and on the CPU alone (what the no-GPU fallback runs), for the
+                 (swaps at run time; hit rate, bytes copied); at the smallest budget also with
+                 the caches off, and on the CPU alone (what the no-GPU fallback runs), for the
                  greedy-tokens check
   hot-B, hot-cache-B  (smallest budget) `--place-strategy hot-experts`: the dense parts and every
                  layer's most used experts on the GPU (each layer split), static and with
-                 `--expert-cache` (and the latter without prefetch): the issue-7 cache measured on a
+                 `--expert-cache`: the issue-7 cache measured on a
                  layout that has something to cache, whatever the cost model would choose
   cache-B/cpu-misses  (smallest budget) cache-B with its misses computed on the CPU
                  (strata-run --miss-path cpu) instead of read by the GPU in place
@@ -127,7 +126,7 @@ def peak_rss() -> int:
 
 
 def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, info: dict | None = None,
-                prefetch: bool = True, trace_out: Path | None = None, backend: str = "auto",
+                trace_out: Path | None = None, backend: str = "auto",
                 device: str = "auto", expert_cache: bool = True, miss_path: str = "auto",
                 multi_gpu: str = "mesh", checks: list | None = None, check_new: int = 0,
                 forced: list[int] | None = None, ref_logits: str | None = None) -> tuple[float, list[int]]:
@@ -144,7 +143,7 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, in
     from strata_compiler.runtime.sampler import Sampler
     from strata_compiler.runtime.session import Session
 
-    s = Session(load_plan(plan_dir, verify_weights="none"), backend, device=device, prefetch=prefetch,
+    s = Session(load_plan(plan_dir, verify_weights="none"), backend, device=device,
                 expert_cache=expert_cache, multi_gpu=multi_gpu, miss_path=miss_path)
     times, tokens = [], []
     for r in range(repeats + 1 + (trace_out is not None)):
@@ -200,9 +199,7 @@ def decode_rate(plan_dir: Path, prompt: np.ndarray, n_new: int, repeats: int, in
         caches = swaps.caches if swaps is not None else []
         hits = sum(c.hits for c, *_ in caches)
         miss = sum(c.misses for c, *_ in caches)
-        pred = sum(c.pf_predicted for c, *_ in caches)
         info.update(hit_rate=hits / (hits + miss) if hits + miss else None,
-                    prefetch_accuracy=sum(c.pf_correct for c, *_ in caches) / pred if pred else None,
                     cache_bytes=sum(c.bytes_moved for c, *_ in caches),
                     peak_rss=peak_rss())
     return (n_new - 1) / statistics.median(times), tokens
@@ -329,7 +326,7 @@ def main() -> int:
         v = json.loads(a.variant)
         tps, toks = decode_rate(a.rate_only, prompt, a.n_new, a.repeats, info=info, device=a.device,
                                 trace_out=a.trace_out, backend=v.get("backend", "auto"),
-                                prefetch=v.get("prefetch", True), expert_cache=v.get("expert_cache", True),
+                                expert_cache=v.get("expert_cache", True),
                                 miss_path=v.get("miss_path", "auto"), checks=v.get("checks"), check_new=v.get("check_new", 0),
                                 forced=v.get("forced"), ref_logits=v.get("ref_logits"))
         print(json.dumps({"tok_s": tps, "tokens": toks, "info": info}))
@@ -395,8 +392,7 @@ def main() -> int:
                     "--expert-cache")
         if b < 100:
             variants[f"cache-{b}"] = {"dir": out, "gpu_bytes": pl["gpu_bytes"]}
-            if b == min(int(x) for x in a.budgets.split(",")):     # the same plan: prefetch off, cache off,
-                variants[f"cache-{b}/no-prefetch"] = {"dir": out, "gpu_bytes": pl["gpu_bytes"], "prefetch": False}
+            if b == min(int(x) for x in a.budgets.split(",")):     # the same plan: cache off,
                 variants[f"cache-{b}/no-cache"] = {"dir": out, "gpu_bytes": pl["gpu_bytes"], "expert_cache": False}
                 variants[f"cache-{b}/no-gpu"] = {"dir": out, "gpu_bytes": 0, "backend": "llvm"}  # the fallback
                 variants[f"cache-{b}/cpu-misses"] = {"dir": out, "gpu_bytes": pl["gpu_bytes"], "miss_path": "cpu"}
@@ -415,9 +411,6 @@ def main() -> int:
                 if want(name):
                     hp = json.loads((out / "dump" / "placement.json").read_text())
                     variants[name] = {"dir": out, "gpu_bytes": hp["gpu_bytes"], "predicted": hp["predicted_tok_s"]}
-            if want(f"hot-cache-{b}"):
-                variants[f"hot-cache-{b}/no-prefetch"] = dict(variants[f"hot-cache-{b}"], prefetch=False)
-                variants[f"hot-cache-{b}/no-prefetch"].pop("predicted")
         if b >= 100:            # every layer fits: the same as strata-100's own -ngl candidate
             n = 0
         out = a.work_dir / f"ngl-{b}"
@@ -490,7 +483,7 @@ def main() -> int:
             r = subprocess.run([sys.executable, __file__, "--rate-only", str(v["dir"]), "--n-new", str(a.n_new),
                                 "--repeats", str(a.repeats), "--prompt", ",".join(map(str, prompt[0].tolist()))]
                                + (["--trace-out", str(tr)] if tr else []) + ["--device", a.device]
-                               + ["--variant", json.dumps({**{k: v[k] for k in ("backend", "prefetch", "expert_cache",
+                               + ["--variant", json.dumps({**{k: v[k] for k in ("backend", "expert_cache",
                                                                                 "miss_path") if k in v},
                                                            **(extras if first else {})})],
                                capture_output=True, text=True, env=env)
@@ -504,7 +497,7 @@ def main() -> int:
         else:
             tps, toks = decode_rate(v["dir"], prompt, a.n_new, a.repeats, info=v, trace_out=tr,
                                     backend=v.get("backend", "auto"), device=a.device,
-                                    prefetch=v.get("prefetch", True), expert_cache=v.get("expert_cache", True),
+                                    expert_cache=v.get("expert_cache", True),
                                     miss_path=v.get("miss_path", "auto"), **(extras if first else {}))
         v.setdefault("tok_s_rounds", []).append(tps)
         v["tok_s"] = statistics.median(v["tok_s_rounds"])
@@ -532,17 +525,17 @@ def main() -> int:
         log(f"{name}{rtag}: {tps:.1f} tok/s ({time.time() - t0:.0f} s){busy}")
         if first and name in a.profile.split(","):
             profile_decode(v["dir"], prompt, a.n_new, backend=v.get("backend", "auto"), device=a.device,
-                           prefetch=v.get("prefetch", True), expert_cache=v.get("expert_cache", True))
+                           expert_cache=v.get("expert_cache", True))
         save_json()
     print(f"\nmodel {dims}, {a.quant}; experts {experts_b / 2**30:.2f} GiB, rest {rest_b / 2**30:.2f} GiB; "
           f"router skew {a.router_skew}: top 25% of experts take {top:.0%} of routings"
           + (f"; {a.topics} topics (strength {','.join(map(str, a.topic_strength)) if a.topic_strength else 'default'})"
              if a.topics else ""))
     print(f"{'variant':24} {'GPU GiB':>8} {'measured tok/s':>15} {'predicted':>10} {'pred/meas':>9} "
-          f"{'same tokens':>11} {'hit rate':>8} {'prefetch':>8} {'copied MiB':>10} {'logit dev':>9} {'checks':>6}")
+          f"{'same tokens':>11} {'hit rate':>8} {'copied MiB':>10} {'logit dev':>9} {'checks':>6}")
     for name, v in variants.items():
         pred = v.get("predicted")
-        hr, pa = v.get("hit_rate"), v.get("prefetch_accuracy")
+        hr = v.get("hit_rate")
         same = "yes" if v["same_tokens"] else f"{v['same_prefix']}/{a.n_new}"
         if v.get("gap_at_divergence") is not None:      # gpu-all's own margin at the step that differs
             same += f" ({v['gap_at_divergence']:.3f})"
@@ -550,7 +543,7 @@ def main() -> int:
         chk = f"{v['check_same']}/{len(checks)}" if "check_same" in v else "-"
         print(f"{name:24} {v['gpu_bytes'] / 2**30:8.2f} {v['tok_s']:15.1f} {pred or float('nan'):10.1f} "
               f"{(pred / v['tok_s']) if pred else float('nan'):9.2f} {same:>11} "
-              f"{'-' if hr is None else f'{hr:.1%}':>8} {'-' if pa is None else f'{pa:.1%}':>8} "
+              f"{'-' if hr is None else f'{hr:.1%}':>8} "
               f"{v.get('cache_bytes', 0) / 2**20:10.1f} {dev:9.4f} {chk:>6}")
     if "disk-half" in variants:
         v = variants["disk-half"]
@@ -567,7 +560,7 @@ def main() -> int:
             cch = variants.get(f"cache-{b}{sfx}", {}).get("tok_s")
             parts = ([f"strata / ktransformers x{s['tok_s'] / k:.2f}"] if k else []) + \
                 ([f"strata / ngl x{s['tok_s'] / g:.2f}"] if g else []) + \
-                ([f"cache+prefetch / static strata x{cch / s['tok_s']:.2f}"] if cch else [])
+                ([f"cache / static strata x{cch / s['tok_s']:.2f}"] if cch else [])
             print(f"budget {b}%{sfx}: " + ", ".join(parts) + f"  (choice: {s['choice']})")
             if not sfx:
                 print("   predicted candidates: " + ", ".join(f"{c} {t:.0f}" for c, t in s["candidates"].items()))

@@ -13,8 +13,7 @@ per-call overhead swamps calls of a few µs):
   fetch wait    a CPU kernel's GPU operand: waiting for the partition that makes it
   fetch copy    ... and its device->host copy
   llvm          the CPU partitions' kernels (and their Python glue)
-  cache copy    expert-cache copies into GPU slots (swaps after a miss, prefetches)
-  prefetch      the prefetch's prediction (the next layer's router on the host), without its copies
+  cache copy    expert-cache copies into GPU slots (swaps after a miss)
   other         the rest of the step (the runtime's loop, sampling glue, expert-cache work)
 
 with the number of calls per token of each, and the values that cross per token (count, bytes).
@@ -40,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout, installed or not
 
-CATS = ("xla call", "xla stage", "fetch wait", "fetch copy", "llvm", "cache copy", "prefetch", "other")
+CATS = ("xla call", "xla stage", "fetch wait", "fetch copy", "llvm", "cache copy", "other")
 
 
 class Meter:
@@ -90,7 +89,6 @@ def instrument(m: Meter):
     from strata_compiler.runtime.expert_swaps import ExpertSwaps
 
     patch(ExpertSwaps, "_copy_in", timed("cache copy", ("xla stage", "fetch wait", "fetch copy")))
-    patch(ExpertSwaps, "prefetch_from", timed("prefetch", ("cache copy", "fetch wait", "fetch copy")))
 
     def undo():
         for obj, name, orig in reversed(saved):
@@ -140,12 +138,11 @@ def fused_summary(tl: list) -> str:
             f"{work:.0f} us x {len(rows[0]['enter'])}, gap between host calls {gaps:.0f} us, last call to done {tail:.0f} us")
 
 
-def measure(plan_dir: Path, n_new: int, device: str, ref: list | None = None, host_trace: int = 0,
-            prefetch: bool = True) -> dict:
+def measure(plan_dir: Path, n_new: int, device: str, ref: list | None = None, host_trace: int = 0) -> dict:
     from strata_compiler.runtime.plan import load_plan
     from strata_compiler.runtime.session import Session
 
-    s = Session(load_plan(plan_dir, verify_weights="none"), "auto", device=device, prefetch=prefetch)
+    s = Session(load_plan(plan_dir, verify_weights="none"), "auto", device=device)
     m = Meter()
     undo = instrument(m)
     rng = np.random.default_rng(0)
@@ -211,9 +208,6 @@ def main() -> int:
                          "event (XLA's dispatch and thunks, CUDA API calls), top 30, in us per step")
     ap.add_argument("--ab", help="VAR=V1,V2,... (or VAR=V1|V2|... for values holding commas): run each plan "
                                  "once per value of this environment variable")
-    ap.add_argument("--prefetch", default="on", choices=["on", "off", "both"],
-                    help="an expert cache's prefetch (plans compiled with --expert-cache): on, off, or each plan "
-                         "run both ways (where the prefetch's time goes: compare the host calls' work and gaps)")
     a = ap.parse_args()
     import os
 
@@ -227,22 +221,18 @@ def main() -> int:
             return 2
         values = vals.split("|") if "|" in vals else vals.split(",")     # '|' for values holding commas
     rows = []
-    prefetch = {"on": [True], "off": [False], "both": [True, False]}[a.prefetch]
     for p in a.plans:
         ref = None
-        for v, pf in ((v, pf) for pf in prefetch for v in values):
+        for v in values:
             if var is not None:
                 os.environ[var] = v
             try:
-                r = measure(p, a.n_new, a.device, ref, a.host_trace, prefetch=pf)
+                r = measure(p, a.n_new, a.device, ref, a.host_trace)
             except StrataError as e:
                 print(f"error: {p}: {e}", file=sys.stderr)
                 return 2
             if var is not None:
                 r["name"] = f"{p.name} {var}={v}"
-            if a.prefetch == "both":
-                r["name"] += " prefetch" if pf else " no-prefetch"
-            if var is not None or a.prefetch == "both":
                 ref = ref or r["logits"]
             rows.append(r)
             report(r)

@@ -219,12 +219,6 @@ def _tokenizer(plan, needed: str | None):
 @click.option("--expert-cache/--no-expert-cache", default=True, show_default=True,
               help="Swap experts into the GPU slots of layers compiled with --expert-cache as routing shifts "
                    "(off: the plan's split stays static).")
-@click.option("--prefetch/--no-prefetch", default=False, show_default=True,
-              help="With an expert cache: predict each cached layer's experts by applying its router to the "
-                   "hidden state entering the layer, and start their copies before the layer runs. Off by "
-                   "default: it has cost more than it saved in every measured run. "
-                   "With --miss-path gpu only a cached layer that follows a CPU partition predicts (the others "
-                   "have no host call to start copies from).")
 @click.option("--miss-path", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               help="With an expert cache: where a missed expert computes. gpu: the GPU reads its weights from "
                    "host memory in place (page-locked, over PCIe) and the whole layer runs on the GPU, no host "
@@ -254,7 +248,7 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
                repeat_penalty: float | None, repeat_last_n: int | None, seed: int,
                ignore_eos: bool, stop_strings: tuple[str, ...], echo: bool, logits_out: Path | None,
                tokens_out: Path | None, prefill_chunk: int | None, backend: str, device: str, trace_out: Path | None, stats: bool,
-               expert_cache: bool, prefetch: bool, miss_path: str, cache_policy: str, multi_gpu: str,
+               expert_cache: bool, miss_path: str, cache_policy: str, multi_gpu: str,
                coordinator: str | None,
                num_processes: int | None, process_id: int | None, chat: bool, system_prompt: str | None,
                debug: bool) -> None:
@@ -297,7 +291,7 @@ def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | No
          repeat_penalty: float | None, repeat_last_n: int | None, seed: int,
          ignore_eos: bool, stop_strings: tuple[str, ...], echo: bool, logits_out: Path | None,
          tokens_out: Path | None, prefill_chunk: int | None, backend: str, device: str, trace_out: Path | None,
-         stats: bool, expert_cache: bool, prefetch: bool, miss_path: str, cache_policy: str, multi_gpu: str,
+         stats: bool, expert_cache: bool, miss_path: str, cache_policy: str, multi_gpu: str,
          coordinator: str | None, num_processes: int | None, process_id: int | None, chat: bool,
          system_prompt: str | None, **_flags) -> None:
     """strata-run after its flags were checked: start up, generate, report (Ctrl-C: `ctrl`)."""
@@ -326,7 +320,7 @@ def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | No
 
     def start() -> Session:
         return Session(plan, backend, device=device, expert_cache=expert_cache, cache_policy=cache_policy,
-                       prefetch=prefetch, multi_gpu=multi_gpu, miss_path=miss_path)
+                       multi_gpu=multi_gpu, miss_path=miss_path)
 
     if chat:
         from .chat_cli import start_chat

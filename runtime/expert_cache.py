@@ -26,12 +26,6 @@ import numpy as np
 
 from strata_compiler import settings, trace
 
-# the prefetch's idle back-off (ExpertCache.prefetch_outcome): predictions in a row that admit no
-# copy before a layer's prediction pauses, and the longest pause in steps
-PF_IDLE = 4
-PF_BACKOFF_MAX = 64
-
-
 @dataclass
 class ExpertCache:
     key: str
@@ -53,23 +47,11 @@ class ExpertCache:
     misses: int = 0
     swaps: int = 0
     bytes_moved: int = 0
-    max_prefetch: int = 1             # copies per layer per step started by the prediction
-    predicted: np.ndarray | None = None   # experts the lookahead router predicted for this step
-    pf_predicted: int = 0
-    pf_correct: int = 0
-    prefetches: int = 0
     budget_skips: int = 0             # steps whose copies for this layer the copy budget left out
     miss_path: str = "cpu"            # where a miss computes: the host share on the CPU, or "gpu" (read in place)
     expert_bytes: int = 0             # one expert's stored bytes (what a miss read in place moves)
     prior: np.ndarray | None = None   # f64[E]: calibrated chance each expert is chosen (seeds the scores)
     _chosen: np.ndarray | None = None
-    # the prefetch's idle back-off (prefetch_outcome; the `prefetch_backoff` setting)
-    backoff: bool = field(default_factory=lambda: settings.get("prefetch_backoff"))
-    pf_wait: int = 0                  # steps the prediction still sits out (0: it runs)
-    pf_paused: int = 0                # layer-steps it sat out
-    pf_idle: int = 0
-    pf_backoff: int = 1
-    _pf_step: tuple[bool, int] = (False, 0)   # this step's prediction: (made, copies it admitted)
 
     def __post_init__(self) -> None:
         E = self.n_experts
@@ -86,37 +68,16 @@ class ExpertCache:
         # i64[E]: routings per expert that native programs counted (pool.py MASK) since `fold`
         self.counts = np.zeros(E, np.int64)
         self.score = np.ascontiguousarray(self.score, np.float64)
-        # a native prefetch's (runtime/native_prefetch.py) prediction and counters since `fold`:
-        # [copies allowed this step, prefetches, bytes copied, prediction made, budget skips, copy error]
-        self.native_pred = np.zeros(E, np.uint8)
-        self.native_stats = np.zeros(6, np.int64)
 
     def observe(self, combine: np.ndarray) -> None:
         """The routing weights of a step, [M, E] (nonzero for the chosen experts): count hits
         and misses, remember what was chosen for the swap decision."""
         chosen = np.asarray(combine).reshape(-1, self.n_experts) != 0
-        self._take_native_prediction()
         self._count(chosen.sum(axis=0))
-
-    def _take_native_prediction(self) -> None:
-        """A native prefetch's prediction for this step, as `prefetch` would have left it."""
-        if self.native_stats[3]:
-            self.predicted = self.native_pred.astype(bool)
-            self.native_stats[3] = 0
-            self._pf_step = (True, self._pf_step[1] + int(self.native_stats[1]))
 
     def fold(self) -> None:
         """What native programs counted (`counts`, routings per expert, under the mask the step
-        ran with: residency changes only between host calls) as `observe` would have it, after a
-        native prefetch's prediction and counters (`native_pred`, `native_stats`)."""
-        st = self.native_stats
-        self._take_native_prediction()
-        if st[1] or st[2] or st[4]:
-            self.prefetches += int(st[1])
-            self.bytes_moved += int(st[2])
-            self.budget_skips += int(st[4])
-            st[1:3] = 0
-            st[4] = 0
+        ran with: residency changes only between host calls) as `observe` would have it."""
         if self.counts.any():
             c = self.counts.copy()
             self.counts[:] = 0
@@ -133,86 +94,16 @@ class ExpertCache:
                                  miss=np.flatnonzero(~resident & (per_expert > 0)).tolist())
         used = per_expert > 0
         self._chosen = used if self._chosen is None else (self._chosen | used)
-        if self.predicted is not None:           # how good was the lookahead?
-            self.pf_predicted += int(self.predicted.sum())
-            self.pf_correct += int((self.predicted & used).sum())
-            self.predicted = None
-
-    def admit_margin(self) -> float:
-        """What a predicted expert's score gains if the step uses it (its count, its recency
-        bonus): the prefetch admits it only over a victim it would outscore after the step, the
-        rule the reactive swap applies then. So the prefetch makes the swaps the policy would make
-        anyway, one step early (the step hits), and never evicts an expert the policy keeps for a
-        one-off prediction (without the rule the prefetch copies several times the bytes of the
-        reactive swaps for little more hit rate). LRU admits always (the newest use outranks all)."""
-        return np.inf if self.policy == "lru" else 1.0 + self.recency
-
-    def prefetch(self, predicted: np.ndarray) -> list[tuple[int, int]]:
-        """The lookahead: the experts the next layer's router picks from this layer's hidden
-        state (bool[E]). Swaps in up to `max_prefetch` predicted experts that are not resident,
-        evicting the lowest-scoring residents the prediction does not name, where the expert
-        would outscore its victim after the step (`admit_margin`)."""
-        if self.pf_wait:                # paused by the idle back-off (prefetch_outcome)
-            self.budget_skips += 1
-            return []
-        self.predicted = predicted.copy()
-        out = []
-        want = [int(e) for e in np.flatnonzero(predicted & (self.nonresident != 0))]
-        margin = self.admit_margin()
-        for e in sorted(want, key=lambda e: -self.score[e]):
-            if len(out) >= self.max_prefetch:
-                break
-            free = [i for i, r in enumerate(self.slots) if not predicted[r]]
-            if not free:
-                break
-            slot = min(free, key=lambda i: self.score[self.slots[i]])
-            if not self.score[e] + margin > self.score[self.slots[slot]]:
-                break       # the best candidate against the weakest victim: no other pair passes
-            out.append((slot, e))
-            self.nonresident[self.slots[slot]] = 1.0
-            self.nonresident[e] = 0.0
-            self.slots[slot] = e
-            self.prefetches += 1
-        self._pf_step = (True, self._pf_step[1] + len(out))
-        return out
-
-    def prefetch_outcome(self, predicted: bool, copies: int) -> None:
-        """After a step, the prefetch's idle back-off: PF_IDLE predictions in a row that admitted
-        no copy pause the layer's prediction for `pf_backoff` steps (then 2x, up to
-        PF_BACKOFF_MAX; back to 1 once a prediction copies). A prediction is the router's GEMV on
-        the host call's critical path, spent every step even where the admission rule lets
-        nothing through, as at high hit rates. While paused, `pf_wait` > 0: the native prefetch
-        is not allowed to run (native_stats[0] = 0, counted as a budget skip) nor the Python one."""
-        if self.pf_wait:
-            self.pf_wait -= 1
-            self.pf_paused += 1
-            return
-        if not predicted or not self.backoff:
-            return
-        if copies:
-            self.pf_idle, self.pf_backoff = 0, 1
-            return
-        self.pf_idle += 1
-        if self.pf_idle >= PF_IDLE:
-            self.pf_wait, self.pf_idle = self.pf_backoff, 0
-            self.pf_backoff = min(2 * self.pf_backoff, PF_BACKOFF_MAX)
-
-    def _end_prefetch_step(self) -> None:
-        made, copies = self._pf_step
-        self._pf_step = (False, 0)
-        self.prefetch_outcome(made, copies)
 
     def plan_swaps(self, max_swaps: int | None = None) -> list[tuple[int, int]]:
         """(slot, expert) copies to make now (at most `max_swaps`, default self.max_swaps: 0 only
         updates the scores), and the bookkeeping as if they were made."""
         limit = self.max_swaps if max_swaps is None else max_swaps
         self.fold()
-        self._end_prefetch_step()
         used = self._chosen if self._chosen is not None else np.zeros(self.n_experts, bool)
         self._chosen = None
         self.step += 1
         self.last_used[used] = self.step
-        # in place: a native prefetch (runtime/native_prefetch.py) reads the scores by address
         if self.policy == "lru":
             self.score[:] = self.last_used
         else:
@@ -254,22 +145,14 @@ def stats_lines(residency) -> list[str]:
     moved = sum(c.bytes_moved for c in mine)
     slots = sum(len(c.slots) for c in mine)
     rate = hits / (hits + misses) if hits + misses else 0.0
-    pred = sum(c.pf_predicted for c in mine)
-    good = sum(c.pf_correct for c in mine)
-    pf = sum(c.prefetches for c in mine)
     skips = sum(c.budget_skips for c in mine)
-    paused = sum(c.pf_paused for c in mine)
     in_place = [c for c in mine if c.miss_path == "gpu"]
     mapped = ([f"  misses: read by the GPU from host memory in place (--miss-path gpu): "
                f"{sum(c.misses for c in in_place)} experts, {sum(c.misses * c.expert_bytes for c in in_place)} B "
                f"host->device"] if in_place else [])
     return [f"  expert cache: {len(mine)} layers, {slots} GPU slots; hit rate {rate:.1%} "
-            f"({hits} hits, {misses} misses); {swaps} experts swapped in after a miss, {pf} prefetched; "
-            f"{moved} B copied host->device; {skips} layer-steps' copies left out by the copy budget "
-            f"or the prefetch's idle back-off",
-            f"  prefetch: the next layer's router on this layer's hidden state named {pred} experts, "
-            f"{good} were chosen (accuracy {good / pred if pred else 0.0:.1%}); paused {paused} layer-steps "
-            f"after predictions that admitted no copy"] + mapped
+            f"({hits} hits, {misses} misses); {swaps} experts swapped in after a miss; "
+            f"{moved} B copied host->device; {skips} layer-steps' copies left out by the copy budget"] + mapped
 
 
 class CacheGroup:
@@ -278,12 +161,11 @@ class CacheGroup:
     after a step — hits and misses from what the native programs counted, the scores, one swap
     per layer — runs as a few whole-array operations instead of ~25 small NumPy calls per layer.
     Rows of a C-contiguous array keep their
-    addresses, which the native programs and prefetch read; every update is in place.
+    addresses, which the native programs read; every update is in place.
 
-    `after_step` does what ExpertCache.plan_swaps does on each cache (with what a native prefetch
-    counted: its predictions and copies), and gives the same swaps, scores and counts
-    (tests/test_expert_cache.py replays both); it returns None where that needs the per-cache
-    path: a trace is on, a Python `observe` or prefetch left something to fold, more than one
+    `after_step` does what ExpertCache.plan_swaps does on each cache, and gives the same swaps,
+    scores and counts (tests/test_expert_cache.py replays both); it returns None where that needs
+    the per-cache path: a trace is on, a Python `observe` left something to fold, more than one
     swap a layer is allowed, or the policy is LRU."""
 
     def __init__(self, caches: list[ExpertCache]) -> None:
@@ -293,7 +175,7 @@ class CacheGroup:
                       and c.recency == c0.recency and c.swap_margin == c0.swap_margin for c in caches)
         if not self.ok:
             return
-        for attr in ("score", "last_used", "nonresident", "counts", "native_pred", "native_stats"):
+        for attr in ("score", "last_used", "nonresident", "counts"):
             big = np.ascontiguousarray(np.stack([getattr(c, attr) for c in caches]))
             setattr(self, attr, big)
             for i, c in enumerate(caches):
@@ -316,26 +198,12 @@ class CacheGroup:
         (decode ahead: a step dispatched before the swaps after the one before it)."""
         cs = self.caches
         if not self.ok or (trace.ACTIVE is not None and trace.ACTIVE.full) or any(
-                c._chosen is not None or c.predicted is not None or c.max_swaps != 1 for c in cs):
+                c._chosen is not None or c.max_swaps != 1 for c in cs):
             return None
         self.steps += 1
         counts = self.counts.copy()
         self.counts[:] = 0
         used = counts > 0
-        st = self.native_stats         # a native prefetch's: [allowed, prefetches, bytes, predicted, skips, error]
-        if st[:, 1:5].any():
-            made = st[:, 3] != 0
-            pred = (self.native_pred != 0) & made[:, None]
-            for c, n, ok, row in zip(cs, pred.sum(1).tolist(), (pred & used).sum(1).tolist(), st[:, 1:5].tolist()):
-                c.prefetches += row[0]
-                c.bytes_moved += row[1]
-                c.budget_skips += row[3]
-                c.pf_predicted += n
-                c.pf_correct += ok
-                c._pf_step = (bool(row[2]), row[0])
-            st[:, 1:5] = 0
-        for c in cs:
-            c._end_prefetch_step()
         res = self.nonresident == 0
         hits = np.where(res if resident is None else resident, counts, 0).sum(1).tolist()
         total = counts.sum(1).tolist()

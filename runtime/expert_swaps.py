@@ -2,9 +2,7 @@
 
 Each cached layer's ExpertCache (runtime/expert_cache.py) decides after a step which missed
 experts to swap in; `ExpertSwaps` copies them into the GPU share's slots from the host share's
-weights. With the prefetch on, the next cached layer's router applied to the hidden state that
-enters its layer (`lookahead`) predicts its experts, and their copies start before the layer runs
-(from Python here, or natively inside a fused step's host call: runtime/native_prefetch.py).
+weights between steps.
 
 Every copy counts against a copy budget: at most COPY_SHARE of a step's own time (a moving
 average), so a router without temporal locality cannot make the cache much slower than the
@@ -13,7 +11,6 @@ static split.
 
 from __future__ import annotations
 
-import ctypes
 import time
 
 import numpy as np
@@ -33,8 +30,6 @@ class ExpertSwaps:
     def __init__(self, mixed) -> None:
         self.m = mixed
         self.caches: list = []      # (ExpertCache, xla executor, GPU share node, host share node) per cached layer
-        self.lookahead: dict = {}   # node id -> the caches whose prefetch its value triggers
-        self.prefetch = False       # Session.prefetch (strata-run --prefetch)
         self.async_swaps = False    # slot copies queued without waiting, from page-locked host weights
         self.cache_group = None     # expert_cache.CacheGroup: the caches' bookkeeping as whole arrays
         self.pinned_bytes = 0
@@ -46,7 +41,7 @@ class ExpertSwaps:
         self._step_s = 0.0          # moving average of a step's time (without its copies)
         self._copy_s = 0.0          # copy seconds spent this step (budget: copy_share * _step_s)
 
-    def enable(self, max_swaps: int | None, policy: str, prefetch: bool) -> int:
+    def enable(self, max_swaps: int | None, policy: str) -> int:
         """Live caches for the plan's cached layers (a GPU share on xla, the whole layer on the
         CPU); returns how many. At most `max_swaps` swaps a layer after each step (default: the
         `cache_swaps` setting; 0: the slots stay as planned and only the counts run)."""
@@ -54,16 +49,13 @@ class ExpertSwaps:
         if max_swaps is None:
             max_swaps = settings.get("cache_swaps")
         m.residency.caches.clear()
-        self.caches, self.lookahead, self._count_rows = [], {}, {}
-        self.prefetch = prefetch
+        self.caches, self._count_rows = [], {}
         # with fused decode steps the cached layers' host weights are page-locked and their slot
         # copies queued without waiting (the step reading the slots waits); partition by
         # partition each copy waits
         self.async_swaps = m.fused is not None
-        per_layer = settings.get("prefetch_per_layer")
         pinned = []
         part_of = {nid: (kind, exe) for kind, exe, ids in m.parts for nid in ids}
-        index = {nid: i for i, (_, _, ids) in enumerate(m.parts) for nid in ids}
         for n in g.nodes:
             key = n.attr("cache", "") if n.op is Op.MOE_FFN else ""
             if not key or not n.attr("experts", ()) or part_of[n.id][0] != "xla":
@@ -76,7 +68,6 @@ class ExpertSwaps:
             c = expert_cache.ExpertCache(key, E, np.array(n.attr("experts")[:xla.slots_of[n.id]], np.int32),
                                          max_swaps=max_swaps, policy=policy,
                                          prior=np.array(prior, np.float64) if len(prior) == E else None)
-            c.max_prefetch = per_layer
             if self.async_swaps:
                 pinned += [a for role, _ in n.weights for a in self.host_arrays(host.weight(role)).values()]
             m.residency.caches[key] = c
@@ -86,15 +77,6 @@ class ExpertSwaps:
                 c.miss_path = "gpu"
             c.expert_bytes = sum(v.nbytes for role, _ in n.weights
                                  for v in self.host_arrays(host.weight(role)).values()) // E
-            trig = self._lookahead(n)
-            # a copy must land before the layer's shares run: only a hidden state from an earlier
-            # partition can trigger it (inside one partition the shares would see a half-made swap)
-            if trig is not None and index[trig[0]] < index[n.id] and index[trig[0]] < index[host.id]:
-                self.lookahead.setdefault(trig[0], []).append((c, xla, n, host) + trig[1:])
-                kind, exe = part_of[trig[0]]
-                if kind in ("xla", "llvm") and trig[0] not in exe.outputs:
-                    exe.outputs.append(trig[0])     # its partition hands the hidden state out too (set
-                                                    # before the first step: jit traces outputs then)
         if pinned and getattr(m.weights, "disk_tier", None) is None:   # (disk-tier pages must stay evictable)
             self.pinned_bytes = cuda_rt.pin(pinned)
         # the caches' bookkeeping after each step as whole-array operations (ExpertCache rows of a
@@ -116,32 +98,6 @@ class ExpertSwaps:
             return self.m.weights.resident_arrays(name)
         return self.m.weights.arrays(name)
 
-    def _lookahead(self, n):
-        """(trigger node, router weight, router bias, norm weight, eps, k) for the prefetch of
-        cached layer n: its router applied to the residual stream entering its layer (the input
-        of the attention's output projection's residual), normed as the router's input is."""
-        g, weights = self.m.g, self.m.weights
-        r = g.node(n.args[1])
-        while r.op is Op.TRANSFER:
-            r = g.node(r.args[0])
-        if r.op is not Op.ROUTE:
-            return None
-        lin = g.node(r.args[0])
-        if lin.op is not Op.LINEAR or lin.attr("prologue", "none") != "none":
-            return None
-        norm = g.node(lin.args[0])
-        if norm.op is not Op.RMS_NORM or norm.attr("group", 0):
-            return None
-        o = g.node(norm.args[0])
-        if o.op is not Op.LINEAR or len(o.args) != 2:
-            return None
-        trig = o.args[1]
-        while g.node(trig).op is Op.TRANSFER:
-            trig = g.node(trig).args[0]
-        w = weights.get(lin.weight("w"))
-        b = weights.get(lin.weight("b")) if lin.weight("b") else None
-        return (trig, w, b, weights.get(norm.weight("w")), float(norm.attr("eps")), int(r.attr("k")))
-
     # -- a step's copies -------------------------------------------------------------------------
 
     def begin_step(self) -> None:
@@ -160,33 +116,12 @@ class ExpertSwaps:
             return False
         return True
 
-    def prefetch_from(self, nid: int, env: dict, in_program: bool = False, stream: int | None = None) -> None:
-        """The copies the lookahead of value `nid` predicts; `in_program`: from a host call of a
-        running fused step, whose later kernels read the slots (`stream`: the program's)."""
-        for c, xla, gpu_node, host, w, b, nw, eps, k in self.lookahead.get(nid, ()):
-            if c.pf_wait:                   # paused by the idle back-off: no router GEMV either
-                c.budget_skips += 1
-                continue
-            if not self._copy_ok(c):
-                continue
-            h = cuda_rt.fetch(env[nid]).astype(np.float32, copy=False).reshape(-1, w.shape[1])
-            x = h / np.sqrt((h * h).mean(-1, keepdims=True) + eps) * nw
-            logits = x @ w.T + (0 if b is None else b)
-            top = np.argpartition(-logits, min(k, logits.shape[1]) - 1, axis=-1)[:, :k]
-            pred = np.zeros(c.n_experts, bool)
-            pred[top.reshape(-1)] = True
-            for slot, e in c.prefetch(pred):
-                self._copy_in(c, xla, gpu_node, host, slot, e, f"prefetch expert {e}", in_program, stream)
-
-    def _copy_in(self, c, xla, gpu_node, host, slot: int, e: int, label: str, in_program: bool = False,
-                 stream: int | None = None) -> None:
+    def _copy_in(self, c, xla, gpu_node, host, slot: int, e: int, label: str) -> None:
         """Expert e's stored rows (from the host node's whole-layer weights) into GPU slot `slot`."""
         t0 = time.perf_counter()
-        bulk = not in_program and self.async_swaps and xla.on_gpu and cuda_rt.bulk_ok()
+        bulk = self.async_swaps and xla.on_gpu and cuda_rt.bulk_ok()
         plan = self.copy_plan(c, xla, gpu_node, host) if bulk else ()
-        if in_program:
-            moved = self._copy_rows(c, xla, gpu_node, host, slot, e, stream)
-        elif bulk and all(raw for *_, raw in plan):
+        if bulk and all(raw for *_, raw in plan):
             moved = 0           # raw copies on the bulk stream; the next step lands them (land_slot_copies)
             for _name, _arr, cur, dst, rb, src, _raw in plan:
                 cuda_rt.copy_bulk(dst + slot * rb, src[e].ctypes.data, rb, cur)
@@ -203,7 +138,7 @@ class ExpertSwaps:
             trace.ACTIVE.transfer("h2d", moved, dt, name=label)
 
     def copy_plan(self, c, xla, gpu_node, host) -> list[tuple]:
-        """Cache c's in-step copies, per weight array of its GPU share: (param name, array name,
+        """Cache c's raw copies, per weight array of its GPU share: (param name, array name,
         the device array, its address, bytes per slot, the host array, whether a stored row
         copies as it is), worked out again when the device arrays changed."""
         plan = self._copy_plans.get(c.key)
@@ -218,27 +153,6 @@ class ExpertSwaps:
                     plan.append((name, arr, cur, cur.unsafe_buffer_pointer(), rb, src, raw))
             self._copy_plans[c.key] = plan
         return plan
-
-    def _copy_rows(self, c, xla, gpu_node, host, slot: int, e: int, stream: int | None) -> int:
-        """Expert e into slot `slot` from inside a running fused step, whose later kernels read the
-        slot: raw copies into the GPU share's own buffers, from addresses worked out once per cache
-        (rebuilding the weights' arrays per copy would cost more than the copy on the step's
-        critical path). Queued on `stream` on a GPU (from pageable memory the data is staged
-        before the call returns); written at once on JAX's CPU platform. Returns the bytes copied."""
-        plan = self.copy_plan(c, xla, gpu_node, host)
-        moved = 0
-        for _name, _arr, cur, dst, rb, src, raw in plan:
-            row = src[e] if raw else np.ascontiguousarray(src[e], dtype=cur.dtype)
-            if row.nbytes != rb:
-                raise ValueError(f"expert cache {c.key}: a stored row of {row.nbytes} B for a slot of {rb} B")
-            if xla.on_gpu:
-                if stream is None:
-                    raise RuntimeError("an in-step expert copy on a GPU needs the program's stream")
-                cuda_rt.copy_async(dst + slot * rb, row.ctypes.data, rb, stream)
-            else:
-                ctypes.memmove(dst + slot * rb, row.ctypes.data, rb)
-            moved += rb
-        return moved
 
     # -- after a step ----------------------------------------------------------------------------
 

@@ -6,19 +6,16 @@ queues the copies of the results that later GPU partitions read.
 
 The work is native where the partition needs no per-step Python (`_needs_python`): its segment
 program (pool.py `strata_run_program`) called from the handler with no callback and no GIL, an
-expert cache's mask and counts read and written by the program itself, and the prefetch its
-result triggers run as native code after it (runtime/native_prefetch.py). A partition whose
+expert cache's mask and counts read and written by the program itself. A partition whose
 first GPU-made input is the result of the MoE share that ends the partition before it runs as two
 calls around that share (`splits`): the first hands the layer's CPU side to the pool's runner
 thread and returns, so the CPU computes its experts while the GPU computes its own; the second
 waits for them and runs the combine. Elsewhere the work is a Python callback, as it is for every
-call while the MoE phases are timed, experts stream from disk, or a traced step's prefetch runs
-(its copies go into the trace).
+call while the MoE phases are timed or experts stream from disk.
 """
 
 from __future__ import annotations
 
-import ctypes
 import time
 
 import numpy as np
@@ -39,15 +36,12 @@ class FusedCalls:
         self.error = None           # an exception raised inside a callback (re-raised after the step)
         self.ran = False            # a host call has run (a failure after that is not one of building)
         self._splits = None
-        self._maps_of: dict = {}    # CPU partition -> the expert caches whose slot maps its call returns
-        self._maps_out: dict = {}   # ... and their host buffers
         self._works: list = []      # the calls' Python work functions (python_work holds them weakly)
         # [this step's flag for the native calls (0 native, 1 Python, 2 native with time stamps:
         #  `begin`), the pool's chunk count]
         self.cells = np.zeros(2, np.int64)
         self.native: set[int] = set()       # CPU partitions whose host calls run natively
         self._progs: dict = {}              # (partition, B) -> _native_progs
-        self.prefetches: dict = {}          # (partition, B) -> its native prefetch (native_prefetch.py)
         # their records while the step's `timeline` is on: [on, count, capacity, (partition, TSC in, TSC out)...]
         self.records = np.zeros(3 + 3 * 4096, np.int64)
         self.records[2] = 4096
@@ -55,36 +49,29 @@ class FusedCalls:
     # -- the step ------------------------------------------------------------------------------
 
     def begin(self, input_ids: np.ndarray, cache) -> None:
-        """Before a step of batch B = len(input_ids): the host state its calls share, and whether
-        they run natively (0), as Python (1: the MoE phase timer, a disk tier, a traced step's
-        Python prefetch) or natively with time stamps between ops (2: tracing)."""
+        """Before a step: the host state its calls share, and whether
+        they run natively (0), as Python (1: the MoE phase timer, a disk tier) or natively with
+        time stamps between ops (2: tracing)."""
         from strata_compiler import trace
         from strata_compiler.backends.llvm_cpu import executor as lx
         from strata_compiler.backends.llvm_cpu.executor import IN_FRAME
         from strata_compiler.backends.llvm_cpu.pool import get_pool
 
-        B = input_ids.shape[0]
         # GPU-made inputs arrive in the frame buffers themselves (the host calls copy them there)
         self.env = {a: IN_FRAME for ins in self.f.dev_in.values() for a in ins}
-        prefetches = [pf for (_, b), pf in self.prefetches.items() if b == B]
-        self.cells[0] = 1 if lx.PHASE_NS is not None or getattr(self.m.weights, "disk_tier", None) is not None or \
-            (prefetches and trace.ACTIVE is not None) else 2 if trace.ACTIVE is not None else 0
-        for pf in prefetches:
-            pf.refresh()
+        self.cells[0] = 1 if lx.PHASE_NS is not None or getattr(self.m.weights, "disk_tier", None) is not None \
+            else 2 if trace.ACTIVE is not None else 0
         pool = get_pool()
         self.cells[1] = pool.n_threads * pool.split
         self.cur = (input_ids, cache)
         self.error = None
 
     def end(self, B: int) -> None:
-        """After a step: an exception a call raised, or a native prefetch's failed copy."""
+        """After a step: an exception a call raised."""
         self.cur = None
         if self.error is not None:
             e, self.error = self.error, None
             raise e
-        for (_, b), pf in self.prefetches.items():
-            if b == B:
-                pf.check()
 
     def call(self, i: int, B: int, after: bool, part: str | None = None):
         """CPU partition i's host call (`part`: "start" / "finish" of a split one, else None)."""
@@ -99,16 +86,10 @@ class FusedCalls:
             dev_in = self.f.dev_in[i] if part is None else split[1] if part == "start" else split[2]
             ins = [frame.out(self.g.node(a)) for a in dev_in]
             outs = [] if part == "start" else [frame.out(self.g.node(o)) for o in self.f.dev_out[i]]
-            if part != "start":
-                # the slot maps this call's prefetch may change go back with its results
-                maps = self.slot_maps(i)
-                self._maps_of[i] = [self.m.residency.get(n.attr("cache")) for n in maps]
-                self._maps_out[i] = [np.zeros(self.f.n_slots[n.id], np.int32) for n in maps]
-                outs += self._maps_out[i]
             work = self._work(i, part)
             self._works.append(work)    # the handler holds it weakly: a dropped session is freed
             addr, _keep = python_work(work, weak=True)
-            addr = self._native_work(i, B, frame, addr, part, self._maps_out.get(i) if part != "start" else None)
+            addr = self._native_work(i, B, frame, addr, part)
             platform = "cpu" if self.f.device.platform == "cpu" else "gpu"
             hc = self.calls[key] = HostCall(ins, outs, addr, platform=platform, after=after,
                                             wake=exe.pool.wake_address)
@@ -116,21 +97,6 @@ class FusedCalls:
         return hc
 
     # -- what each call runs -------------------------------------------------------------------
-
-    def triggers(self, i: int) -> list[int]:
-        """Values of CPU partition i that trigger an expert cache's prefetch (ExpertSwaps
-        `lookahead`): on the host in its host call, so the copies can start there. Empty while
-        the prefetch is off (set by the session before the first step)."""
-        swaps = self.m.swaps
-        if not swaps.prefetch:
-            return []
-        ids = set(self.m.parts[i][2])
-        return [nid for nid in swaps.lookahead if nid in ids]
-
-    def slot_maps(self, i: int) -> list:
-        """The GPU shares whose slot maps CPU partition i's host call hands back (those its
-        prefetch may change), in order."""
-        return [gpu_node for nid in self.triggers(i) for _c, _x, gpu_node, *_ in self.m.swaps.lookahead[nid]]
 
     def splits(self) -> dict:
         """CPU partitions that run in two host calls around a GPU expert share: partition i whose
@@ -159,7 +125,6 @@ class FusedCalls:
     def _work(self, i: int, part: str | None = None):
         """CPU partition i's host call work in Python (the fallback of a native call)."""
         exe = self.m.parts[i][1]
-        triggers = self.triggers(i)
         split = self.splits().get(i)
         lo, hi = 0, None
         if part == "start":
@@ -167,7 +132,7 @@ class FusedCalls:
         elif part == "finish":
             lo = split[3]
 
-        def run(stream) -> None:
+        def run(_stream) -> None:
             if self.error is not None:
                 return
             self.ran = True
@@ -177,19 +142,13 @@ class FusedCalls:
             try:
                 ids, cache = self.cur
                 exe.run_segment(self.env, ids, cache, lo, hi)
-                if part != "start":
-                    for nid in triggers:        # the next cached layers' copies
-                        self.m.swaps.prefetch_from(nid, self.env, in_program=True, stream=stream)
-                    for buf, c in zip(self._maps_out.get(i, ()), self._maps_of.get(i, ())):
-                        buf[:] = c.slots
             except BaseException as e:    # noqa: BLE001 - nothing may cross the native frame
                 self.error = e
             if tl is not None:
                 tl.append(("leave", i, time.perf_counter_ns()))
         return run
 
-    def _native_work(self, i: int, B: int, frame, fallback: int, part: str | None = None,
-                     maps: list | None = None) -> int:
+    def _native_work(self, i: int, B: int, frame, fallback: int, part: str | None = None) -> int:
         """CPU partition i's host call work without Python where it can be: its segment program
         (backends/llvm_cpu/executor.py) called straight from the handler. Only for a partition
         whose inputs all come from the GPU (the handler copies them into its frame), whose results
@@ -206,58 +165,21 @@ class FusedCalls:
 
         prog, traced, _rec, _lo = progs[part]
         run = exe.pool.run_program_address
-        before = after = 0
+        before = 0
         if part == "start":
             run = exe.pool.async_addresses[0]
         elif part == "finish":
             before = exe.pool.async_addresses[1]
-        if part != "start" and self.triggers(i):       # the prefetch its result triggers, natively
-            pf = self.prefetches[i, B] = self._native_prefetch(i, frame, maps or [])
-            after = pf.address
         self.native.add(i)
         return native_work(run, prog.ctypes.data, len(prog), self.cells.ctypes.data + 8, self.cells.ctypes.data,
                            fallback, timeline=self.records.ctypes.data, tag=i, before=before,
-                           traced=(traced.ctypes.data, len(traced)), after=after)
-
-    def _prefetch_entries(self, i: int):
-        """The lookahead entries CPU partition i's results trigger, with each cache's copy plan:
-        [(trigger, lookahead entry, plan)], or None where one cannot run natively (a copy that
-        converts its rows)."""
-        out = []
-        swaps = self.m.swaps
-        for nid in self.triggers(i):
-            for ent in swaps.lookahead[nid]:
-                plan = swaps.copy_plan(*ent[:4])
-                if not all(raw for *_, raw in plan):
-                    return None
-                out.append((nid, ent, plan))
-        return out
-
-    def _native_prefetch(self, i: int, frame, maps: list):
-        """Partition i's prefetch as native code (runtime/native_prefetch.py), its slot maps
-        written into `maps` (the host call's results)."""
-        from strata_compiler.backends.xla import cuda_rt
-
-        from .native_prefetch import Entry, Prefetch
-
-        entries = []
-        for (nid, (c, xla, gpu_node, host, w, b, nw, eps, k), plan), buf in zip(self._prefetch_entries(i), maps):
-            srcs = [(src.ctypes.data, src.strides[0], rb) for _n, _a, _cur, _dst, rb, src, _raw in plan]
-            dst_of = [lambda xla=xla, name=name, arr=arr: xla.params[name][arr] for name, arr, *_ in plan]
-            entries.append(Entry(h=frame.out(self.g.node(nid)), w=w, b=b, nw=nw, eps=eps, k=k, c=c, srcs=srcs,
-                                 dst_of=dst_of, maps_out=buf))
-        if self.f.device.platform == "cpu":
-            return Prefetch(entries)
-        return Prefetch(entries, ctypes.cast(cuda_rt.lib().cudaMemcpyAsync, ctypes.c_void_p).value)
+                           traced=(traced.ctypes.data, len(traced)))
 
     def _needs_python(self, i: int) -> bool:
-        """Whether CPU partition i's host calls need Python work every step: a prefetch that
-        cannot run natively; an input that the handler does not copy (another CPU partition's
-        value, the token ids); or a result that another CPU partition or the step's outputs read
-        (from the Python env)."""
+        """Whether CPU partition i's host calls need Python work every step: an input that the
+        handler does not copy (another CPU partition's value, the token ids); or a result that
+        another CPU partition or the step's outputs read (from the Python env)."""
         exe = self.m.parts[i][1]
-        if self.triggers(i) and self._prefetch_entries(i) is None:
-            return True
         ins = [a for a in exe.inputs if self.g.node(a).op is not Op.INPUT_IDS]
         users = self.g.users()
         part_of = self.f.part_of

@@ -16,9 +16,7 @@ steps of plans whose xla partitions share one device, with no reference partitio
 CPU partition at all where expert caches read their misses in place, `--miss-path gpu`: a
 program without host calls, which `launch` / `finish` may also run ahead of the host). Prefill
 and the first decode step (which sets up the frames and caches) run partition by partition.
-Expert caches swap between steps; their prefetch runs inside the host call of the CPU partition
-that makes the triggering hidden state, which hands back the changed slot maps as results of its
-own (a prefetch triggered by a GPU partition's value does not run in a fused step).
+Expert caches swap between steps.
 """
 
 from __future__ import annotations
@@ -80,7 +78,6 @@ class FusedStep:
         self._ahead_stage = [None, None]    # launch's staging, one per step in flight
         self._ahead_parity = 0
         self._stage = None
-        self._private = False       # the CPU platform's cached GPU shares copied (run)
         self._counted: dict = {}    # B -> the xla partitions whose COUNTS results the step returns, in order
         self.steps = 0
         self.timeline: list | None = None   # benchmarks: (event, partition, perf_counter_ns) when a list
@@ -196,8 +193,6 @@ class FusedStep:
                 res = call(i, "finish" if i in splits else None, env.__getitem__)
                 for o, r in zip(self.dev_out[i], res):
                     env[o] = r
-                for n, r in zip(self.calls.slot_maps(i), res[len(self.dev_out[i]):]):
-                    slots[n.id] = r         # the later GPU share reads the map after the prefetch
         token = tok[0]
         self._counted[B] = [i for i, _ in counts]
         return tuple(env[o] for o in self._xla_outs) + tuple(v for _, v in counts) + (token,), ks, vs
@@ -210,17 +205,6 @@ class FusedStep:
         B = input_ids.shape[0]
         m = self.m
         pos = np.asarray(cache.positions(1), np.int32)     # (a full cache: a clear error)
-        if not self._private and self.device.platform == "cpu":
-            # in-step prefetches write the GPU shares' weights in place (ExpertSwaps._copy_rows): on
-            # JAX's CPU platform an array put there from the plan's read-only mapping may alias it
-            import jax.numpy as jnp
-
-            for kind, exe, _ in m.parts:
-                for n in exe.cached if kind == "xla" else ():
-                    for _, name in n.weights:
-                        exe.params[name] = {a: jnp.array(v, copy=True) for a, v in exe.params[name].items()}
-                        exe.params_version += 1
-            self._private = True
         tree = self._params_now()[2]
         fn = self._fn.get(B)
         if fn is None:

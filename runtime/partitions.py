@@ -38,9 +38,7 @@ MIXED_POOL_SPLIT = 4
 def partitions(g: Graph, mesh: bool = False, cache_cuts: bool = True) -> list[tuple[str, list[int]]]:
     """(backend, node ids) for each maximal run of consecutive nodes bound to one backend (and,
     for xla, one GPU, unless `mesh`: then one run spans the GPUs); an expert cache's GPU share
-    starts a partition of its own (unless not `cache_cuts`: misses read in place, no prefetch), so
-    that expert copies started by the prefetch (after the partition before it) land before it
-    reads its slots."""
+    starts a partition of its own (unless not `cache_cuts`: misses read in place)."""
     out: list[tuple[str, list[int]]] = []
     for (b, _), grp in groupby(g.nodes, key=lambda n: (n.backend, n.device if n.backend == "xla" and not mesh
                                                        else "")):
@@ -235,10 +233,10 @@ class MixedExecutor:
                       f"{slots[n.id]} of {len(n.attr('experts'))} slots", file=sys.stderr)
         return exe
 
-    def enable_expert_cache(self, max_swaps: int | None = None, policy: str = "hybrid", prefetch: bool = False) -> int:
+    def enable_expert_cache(self, max_swaps: int | None = None, policy: str = "hybrid") -> int:
         """Live GPU expert caches for the plan's cached layers (runtime/expert_swaps.py); returns
-        how many. `prefetch`: start expert copies from the next layer's router on this layer's state."""
-        return self.swaps.enable(max_swaps, policy, prefetch)
+        how many."""
+        return self.swaps.enable(max_swaps, policy)
 
     def load_row(self, cache, slot: int, src, row: int = 0) -> None:
         """Row `row` of cache `src` (a sequence prefilled on its own, by this executor) into row
@@ -386,7 +384,6 @@ class MixedExecutor:
 
             spin, yld = self._spin
             set_spin(spin_us=spin, yield_us=yld, caller_spin_us=spin)
-        lookahead = self.swaps.lookahead if self.swaps.prefetch else {}
         for i, (kind, exe, ids) in enumerate(self.parts):
             if i in streamed:       # this CPU partition on the GPU; the next one's weights copied meanwhile
                 nxt = next((j for j in order if j > i), None)
@@ -408,9 +405,6 @@ class MixedExecutor:
                         v.copy_to_host_async()
             else:
                 exe.run_segment(env, input_ids, cache)
-            for nid in ids if lookahead else ():    # start the next cached layers' copies early
-                if nid in lookahead and nid in env:
-                    self.swaps.prefetch_from(nid, env)
         # the outputs first: once they are there the step has finished reading the expert slots
         # that the swaps after it rewrite
         out = {o: _fetch(env[o], B, T, last_only) for o in self.g.outputs}

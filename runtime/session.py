@@ -98,8 +98,6 @@ class Session:
     timings: Timings = field(default_factory=Timings)
     expert_cache: bool = True   # live GPU expert caches for the plan's cached layers (mixed runs)
     cache_policy: str = "hybrid"
-    prefetch: bool = False      # start expert copies from the next layer's router on this layer's state
-                                # (off by default: it has cost more than it saved when measured)
     multi_gpu: str = "mesh"     # a striped plan on several GPUs: one sharded computation, or "host"-driven
     miss_path: str = "auto"     # expert caches' misses: "cpu" (the plan's host share), "gpu" (read in place), auto
 
@@ -148,7 +146,7 @@ class Session:
         else:
             self.executor = make_executor(self.backend, self.graph, self.plan.weights, device=self.device)
         if mixed and self.expert_cache:
-            self.executor.enable_expert_cache(policy=self.cache_policy, prefetch=self.prefetch)
+            self.executor.enable_expert_cache(policy=self.cache_policy)
         self.cache: KVCache | None = None
 
     def _miss_path(self, mixed: bool) -> str:

@@ -158,10 +158,6 @@ SETTINGS: tuple[Setting, ...] = (
        minimum=0),
     _s("cache_swaps", "int", 1, "runtime", "expert cache: copies per cached layer per step after a miss (0 keeps the planned slots)",
        minimum=0),
-    _s("prefetch_per_layer", "int", 1, "runtime", "expert cache: copies per layer per step the prefetch may start",
-       minimum=0),
-    _s("prefetch_backoff", "bool", True, "runtime",
-       "expert cache: pause a layer's prediction (1, 2, 4 ... 64 steps) after 4 in a row admitted no copy"),
     _s("xla_executables", "bool", True, "xla",
        "keep each compiled JAX program of a plan in the cache directory, so a later process runs it without "
        "tracing or compiling it (backends/xla/aot.py)"),

@@ -240,13 +240,13 @@ def test_device_benchmarks_smoke(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "placement_bench.py"), "--tiny", "--work-dir",
                         str(tmp_path / "pb"), "--hw", str(hw), "--device", "cpu", "--n-new", "6", "--repeats", "1",
                         "--rounds", "2", "--in-process", "--check-prompts", "2", "--check-new", "4",
-                        "--only", "strata-25,ngl-25,cache-25/no-prefetch,cache-25/cpu-misses,disk-half,"
+                        "--only", "strata-25,ngl-25,cache-25/no-cache,cache-25/cpu-misses,disk-half,"
                         "hot-cache-25,ngl-25@STRATA_POOL_SPLIT=2",
                         "--json", str(tmp_path / "pb.json"), "--disk"],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "pb.json").read_text())["variants"]
-    assert set(res) == {"gpu-all", "strata-25", "ngl-25", "cache-25/no-prefetch", "cache-25/cpu-misses",
+    assert set(res) == {"gpu-all", "strata-25", "ngl-25", "cache-25/no-cache", "cache-25/cpu-misses",
                         "disk-half", "hot-cache-25", "ngl-25@STRATA_POOL_SPLIT=2"}
     assert res["ngl-25@STRATA_POOL_SPLIT=2"]["env"] == {"STRATA_POOL_SPLIT": "2"}     # its own process, that env
     # --rounds 2: every variant measured twice in turn, its figure the median of the two
@@ -260,7 +260,7 @@ def test_device_benchmarks_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     best = r.stdout.split("best:")[1].splitlines()
     assert {ln.split()[0] for ln in best[1:] if ln.strip()} == {"ngl-25", "strata-25"}
-    assert 0 < res["hot-cache-25"]["hit_rate"] <= 1 and res["hot-cache-25"]["prefetch_accuracy"] is not None
+    assert 0 < res["hot-cache-25"]["hit_rate"] <= 1 and res["cache-25/no-cache"]["hit_rate"] is None
     assert all(v["tok_s"] > 0 and v["same_tokens"] for v in res.values())
     # the tokens check (2 more prompts, in-process and own-process variants alike) and the logit
     # deviation from gpu-all along its tokens
@@ -319,12 +319,12 @@ def test_device_benchmarks_smoke(tmp_path):
     last = r.stdout.splitlines()[-2:]
     assert last[0].startswith("strata-25 STRATA_HAND_OFF_SPIN_US=30") and "logits max |diff| 0, argmax equal 4/4" in last[1]
     assert "fused step: dispatch" in r.stdout
-    # a cached plan with its prefetch on, then off (rows side by side)
+    # a cached plan: its swaps' copies timed
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "switch_breakdown.py"),
-                        str(tmp_path / "pb" / "hot-cache-25"), "--device", "cpu", "--n-new", "5", "--prefetch", "both"],
+                        str(tmp_path / "pb" / "hot-cache-25"), "--device", "cpu", "--n-new", "5"],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert [ln.split()[1] for ln in r.stdout.splitlines()[-2:]] == ["prefetch", "no-prefetch"]
+    assert r.stdout.splitlines()[-1].split()[0] == "hot-cache-25"
     for script, args in (("host_call_bench.py", ["--layers", "2", "--hidden", "64", "--reps", "3"]),
                          ("dispatch_args.py", ["--counts", "1,3", "--reps", "3"])):
         r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True,

@@ -61,58 +61,6 @@ def test_lru_policy_evicts_the_least_recently_used():
     assert c.plan_swaps() == [(0, 2)]          # expert 0 was never used: its slot goes
 
 
-def test_prefetch_admits_only_what_the_step_would_swap_in():
-    """The prefetch evicts a resident only for a predicted expert that would outscore it after
-    the step (score + count + recency bonus): a one-off prediction of a cold expert leaves the
-    hot residents alone; a warm one replaces the coldest resident; LRU admits always."""
-    prior = np.array([0.9, 0.8, 0.05, 0.05, 0.1, 0.0])
-    c = ExpertCache("L0", 6, np.array([0, 4], np.int32), prior=prior, recency=0.5)
-    pred = np.array([0, 0, 1, 0, 0, 0], bool)       # cold 2 (score 5) against 4 (10): 5 + 1.5 < 10
-    assert c.admit_margin() == 1.5
-    assert c.prefetch(pred) == [] and sorted(c.slots) == [0, 4] and c.prefetches == 0
-    c.score[2] = 9.0                                  # warm: 9 + 1.5 > 10, the coldest resident goes
-    assert c.prefetch(pred) == [(1, 2)] and sorted(c.slots) == [0, 2] and c.nonresident[4] == 1
-    pred = np.array([0, 0, 1, 0, 0, 1], bool)       # 5 (score 0) against 2 (9, predicted) and 0
-    assert c.prefetch(pred) == []                     # 0's 90 is out of reach; 2 is predicted: kept
-    lru = ExpertCache("L0", 6, np.array([0, 4], np.int32), prior=prior, policy="lru")
-    assert lru.prefetch(np.array([0, 0, 0, 0, 0, 1], bool)) == [(0, 5)]
-
-
-def test_prefetch_backs_off_while_its_predictions_admit_nothing(monkeypatch):
-    """PF_IDLE predictions in a row that copy nothing pause the layer's prediction for 1 step, then
-    2, 4, ... (up to PF_BACKOFF_MAX); a prediction that copies resets the back-off; paused steps
-    make no prediction (none counted for the accuracy) and count as skips.
-    STRATA_PREFETCH_BACKOFF=0 never pauses."""
-    from strata_compiler.runtime import expert_cache as ec
-
-    def run(c, steps, pred):
-        made = []
-        for _ in range(steps):
-            before = c.pf_predicted
-            c.prefetch(pred)
-            c.counts[:] = pred
-            c.plan_swaps(max_swaps=0)
-            made.append(c.pf_predicted > before)
-        return made
-
-    resident = np.array([1, 1, 0, 0, 0, 0], bool)       # predicts what is resident: nothing to copy
-    c = ExpertCache("L0", 6, np.array([0, 1], np.int32))
-    made = run(c, 4 + 1 + 4 + 2 + 4 + 4, resident)
-    assert made == [True] * 4 + [False] + [True] * 4 + [False] * 2 + [True] * 4 + [False] * 4
-    assert c.pf_paused == 7 and c.budget_skips == 7 and c.pf_backoff == 8
-    c.pf_backoff = ec.PF_BACKOFF_MAX
-    run(c, 4, resident)
-    assert c.pf_wait == ec.PF_BACKOFF_MAX and c.pf_backoff == ec.PF_BACKOFF_MAX
-    # a prediction that copies resets the back-off (expert 4's prior outscores resident 1)
-    c = ExpertCache("L0", 6, np.array([0, 1], np.int32), prior=np.array([0.1, 0.1, 0, 0, 0.5, 0]))
-    assert run(c, 5, resident) == [True] * 4 + [False] and c.pf_backoff == 2
-    run(c, 1, np.array([1, 0, 0, 0, 1, 0], bool))
-    assert c.prefetches == 1 and (c.pf_idle, c.pf_backoff) == (0, 1) and 4 in c.slots
-    monkeypatch.setenv("STRATA_PREFETCH_BACKOFF", "0")
-    off = ExpertCache("L0", 6, np.array([0, 1], np.int32))
-    assert all(run(off, 20, resident)) and off.pf_paused == 0
-
-
 def test_calibrated_prior_keeps_hot_experts_against_one_off_misses():
     """Scores start at prior / (1 - decay): a miss of a cold expert does not evict a hot resident
     that this step did not use; without the prior (every score 0) it does."""
@@ -150,20 +98,14 @@ def test_cache_group_makes_the_swaps_each_cache_would():
             counts = np.bincount(rng.choice(E, size=k, replace=False, p=p[i]), minlength=E)
             solo[i].counts[:] = counts
             grouped[i].counts[:] = counts
-            if t % 2 and i % 2:         # what a native prefetch leaves: its prediction and counters
-                pred = np.bincount(rng.choice(E, size=k, replace=False, p=p[i]), minlength=E).astype(np.uint8)
-                for c in (solo[i], grouped[i]):
-                    c.native_pred[:] = pred
-                    c.native_stats[1:5] = (1, 1000, 1, t % 3)
         want = [(i, s, e) for i, c in enumerate(solo) for s, e in c.plan_swaps()]
         got = group.after_step()
         assert [(grouped.index(c), s, e) for c, s, e, _ in got] == want
         swaps += len(want)
-    assert swaps > 10 and grouped[1].pf_predicted > 0 and grouped[1].pf_correct > 0
+    assert swaps > 10
     for a, b in zip(solo, grouped):
         assert (a.hits, a.misses, a.swaps, a.step) == (b.hits, b.misses, b.swaps, b.step)
-        assert (a.prefetches, a.bytes_moved, a.budget_skips, a.pf_predicted, a.pf_correct) == \
-            (b.prefetches, b.bytes_moved, b.budget_skips, b.pf_predicted, b.pf_correct)
+        assert (a.bytes_moved, a.budget_skips) == (b.bytes_moved, b.budget_skips)
         np.testing.assert_array_equal(a.slots, b.slots)
         np.testing.assert_allclose(a.score, b.score, rtol=1e-12)
         np.testing.assert_array_equal(a.last_used, b.last_used)
@@ -246,22 +188,19 @@ def test_every_decode_step_matches_with_swaps(model, tmp_path, monkeypatch, batc
     plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
     runs = {}
     prompt = np.concatenate([ids, ids[:, ::-1]])[:batch]
-    for on in ((True, True), (True, False), (False, False)):     # (cache, prefetch)
-        s = Session(plan, "auto", device="cpu", expert_cache=on[0], prefetch=on[1])
+    for on in (True, False):
+        s = Session(plan, "auto", device="cpu", expert_cache=on)
         s.reset(batch, 64)
         out = [s.step(prompt)[:, -1]]
         rng = np.random.default_rng(0)
         for _ in range(10):       # random tokens: routing moves around, the cache swaps
             out.append(s.step(rng.integers(0, m.config.vocab_size, (batch, 1)))[:, -1])
         runs[on] = (np.concatenate(out), s)
-    b = runs[False, False][0]
-    for mode in ((True, True), (True, False)):
-        assert np.abs(runs[mode][0] - b).max() / b.std() <= 1e-5, mode
-    caches = runs[True, False][1].executor.swaps.caches
+    b = runs[False][0]
+    assert np.abs(runs[True][0] - b).max() / b.std() <= 1e-5
+    caches = runs[True][1].executor.swaps.caches
     assert caches and sum(c.swaps for c, *_ in caches) > 0
-    assert runs[True, False][1].executor.swaps.cache_group.steps >= 9      # the whole-array bookkeeping ran
-    caches = runs[True, True][1].executor.swaps.caches
-    assert sum(c.prefetches for c, *_ in caches) > 0 and sum(c.pf_predicted for c, *_ in caches) > 0
+    assert runs[True][1].executor.swaps.cache_group.steps >= 9      # the whole-array bookkeeping ran
 
 
 def test_queued_swaps_keep_the_logits(model, tmp_path, monkeypatch):
@@ -287,14 +226,10 @@ def test_queued_swaps_keep_the_logits(model, tmp_path, monkeypatch):
         assert s.executor.swaps.async_swaps and s.executor.swaps.pinned_bytes == 0
         s.executor.swaps.async_swaps = queued
         out[queued] = decode(s)
-        assert sum(c.swaps + c.prefetches for c, *_ in s.executor.swaps.caches) > 0
+        assert sum(c.swaps for c, *_ in s.executor.swaps.caches) > 0
     np.testing.assert_array_equal(out[True], out[False])
-    monkeypatch.setenv("STRATA_PREFETCH_PER_LAYER", "4")       # more prefetches a layer: the same logits
-    s = Session(plan, "auto", device="cpu")
-    assert {c.max_prefetch for c, *_ in s.executor.swaps.caches} == {4}
-    assert np.abs(decode(s) - out[False]).max() / out[False].std() <= 1e-5
-    monkeypatch.setenv("STRATA_PREFETCH_PER_LAYER", "many")
-    with pytest.raises(UsageError, match="STRATA_PREFETCH_PER_LAYER"):
+    monkeypatch.setenv("STRATA_CACHE_SWAPS", "many")
+    with pytest.raises(UsageError, match="STRATA_CACHE_SWAPS"):
         Session(plan, "auto", device="cpu")
 
 
@@ -308,7 +243,7 @@ def test_copy_budget_caps_swaps_and_keeps_the_logits(model, tmp_path, monkeypatc
     plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
     out = {}
     for on in (True, False):
-        s = Session(plan, "auto", device="cpu", expert_cache=on, prefetch=on)
+        s = Session(plan, "auto", device="cpu", expert_cache=on)
         if on:
             s.executor.swaps.copy_share = 0.0
         s.reset(1, 64)
@@ -317,7 +252,7 @@ def test_copy_budget_caps_swaps_and_keeps_the_logits(model, tmp_path, monkeypatc
         moved = []
         for _ in range(8):
             steps.append(s.step(rng.integers(0, m.config.vocab_size, (1, 1)))[:, -1])
-            moved.append(sum(c.swaps + c.prefetches for c, *_ in s.executor.swaps.caches))
+            moved.append(sum(c.swaps for c, *_ in s.executor.swaps.caches))
         out[on] = (np.concatenate(steps), s, moved)
     caches = out[True][1].executor.swaps.caches
     assert caches and sum(c.budget_skips for c, *_ in caches) > 0

@@ -140,8 +140,7 @@ def model(tmp_path_factory):
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_fused_decode_steps_equal_the_partition_runtime(model, tmp_path, monkeypatch, batch):
-    """A split plan with live expert caches (slot maps change between steps and, by the prefetch,
-    inside them): every decode step
+    """A split plan with live expert caches (slot maps change between steps): every decode step
     of the fused program gives the partition runtime's logits (to float rounding: XLA may fuse
     across what were partition boundaries) and the same greedy tokens."""
     from strata_compiler.runtime.session import Session
@@ -150,9 +149,9 @@ def test_fused_decode_steps_equal_the_partition_runtime(model, tmp_path, monkeyp
     plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
     prompt = np.concatenate([ids, ids[:, ::-1]])[:batch]
     runs = {}
-    monkeypatch.setenv("STRATA_SWAP_MARGIN", "0")     # swaps at the first edge: prefetches get admitted
+    monkeypatch.setenv("STRATA_SWAP_MARGIN", "0")     # swaps at the first edge
     for fused in ("1", "0"):
-        s = Session(plan, "auto", device="cpu", prefetch=True)
+        s = Session(plan, "auto", device="cpu")
         assert s.executor.fused is not None
         if fused == "0":
             partition_by_partition(s)
@@ -162,20 +161,15 @@ def test_fused_decode_steps_equal_the_partition_runtime(model, tmp_path, monkeyp
         rng = np.random.default_rng(1)
         for t in range(8):
             out.append(s.step(rng.integers(0, m.config.vocab_size, (batch, 1)))[:, -1])
-            if t == 0:
-                before = sum(c.prefetches for c, *_ in s.executor.swaps.caches)
-        runs[fused] = (np.concatenate(out), s, before)
+        runs[fused] = (np.concatenate(out), s)
     a, b = runs["1"][0], runs["0"][0]
     assert np.abs(a - b).max() / b.std() <= 1e-5
     np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
     s = runs["1"][1]
     assert s.executor.fused.steps == 7          # the first decode step runs partition by partition
     assert sum(c.swaps for c, *_ in s.executor.swaps.caches) > 0     # experts moved between fused steps
-    # the prefetch runs inside the host calls (here: the embedding's), as often as partition by
-    # partition, and the GPU shares read the slot maps it changed
-    pf = {k: sum(c.prefetches for c, *_ in r[1].executor.swaps.caches) for k, r in runs.items()}
-    assert pf["1"] == pf["0"] and pf["1"] > runs["1"][2]
-    assert s.executor.swaps._copy_plans         # in-step copies took the raw path (addresses worked out once)
+    sw = {k: [(c.swaps, c.hits, c.misses) for c, *_ in r[1].executor.swaps.caches] for k, r in runs.items()}
+    assert sw["1"] == sw["0"]                   # the same swaps, hits and misses either way
 
 
 def test_a_failing_cpu_partition_raises_after_the_step(model, tmp_path, monkeypatch):
@@ -337,8 +331,8 @@ def test_cpu_partitions_run_as_native_programs_with_the_same_logits(model, tmp_p
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_cached_layers_without_prefetch_run_natively_and_overlap(model, tmp_path, monkeypatch, batch):
-    """With the prefetch off, a cached layer's CPU side needs no per-step Python: its program masks
+def test_cached_layers_run_natively_and_overlap(model, tmp_path, monkeypatch, batch):
+    """A cached layer's CPU side needs no per-step Python: its program masks
     the routing weights by the live cache (pool.py MASK) and counts the routings per expert, so its
     host calls run natively, split around the GPU share and overlapped. Logits, swaps, hits and
     misses equal those of Python host calls (op by op, as while the MoE phases are timed)."""
@@ -350,7 +344,7 @@ def test_cached_layers_without_prefetch_run_natively_and_overlap(model, tmp_path
     runs = {}
     for native in (True, False):
         monkeypatch.setattr(lx, "PHASE_NS", None if native else {})
-        s = Session(plan, "auto", device="cpu", prefetch=False)
+        s = Session(plan, "auto", device="cpu")
         s.executor.swaps.copy_share = 1e9       # no copy budget: the same swaps in both runs, whatever the timing
         s.reset(batch, 64)
         rng = np.random.default_rng(1)
@@ -366,74 +360,10 @@ def test_cached_layers_without_prefetch_run_natively_and_overlap(model, tmp_path
     assert cached_splits and cached_splits <= f.calls.native
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_native_prefetch_equals_the_python_one(tmp_path, monkeypatch, batch):
-    """A cached layer's prefetch (router, choice of copies, copies, slot maps) runs as native code
-    after its host call's program, so every CPU partition's call is native and the cached splits
-    overlap. The logits, and the prefetches, swaps, hits, misses, prediction counts, bytes copied
-    and the idle back-off's pauses (where a paused native prefetch still hands back the slot
-    maps), equal those of the Python prefetch (the host calls' Python work, as while the MoE
-    phases are timed)."""
-    from benchmarks.placement_bench import TINY
-    from benchmarks.placement_bench import build_model as synthetic
-    from strata_compiler.backends.llvm_cpu import executor as lx
-    from strata_compiler.runtime.session import Session
-    from test_place import _compile, budget_decides, fake_profile, gpu_mem_for, probe_placement
-
-    # the benchmarks' tiny 4-layer model, every layer split with its hottest experts a cache on
-    # the GPU: each later layer's prefetch is triggered by the layer before's result, in a CPU
-    # partition that needs no other Python
-    d = synthetic(tmp_path, TINY, 0.5)
-    budget_decides(monkeypatch)
-    hw = fake_profile(tmp_path / "hw.json")
-    probe = probe_placement(d, tmp_path, hw)
-    calib = Path(__file__).resolve().parents[1] / "examples" / "models" / "tiny-moe" / "calib.txt"
-    _compile(d, tmp_path / "hot", hw, gpu_mem_for(probe, probe["gpu_bytes"] * 0.5), "--place-strategy", "hot-experts",
-             "--expert-cache", "--calib", str(calib), "--calib-tokens", "64", "--no-imatrix")
-    plan = load_plan(tmp_path / "hot")
-    ids = np.arange(1, 7)[None] * 37 % TINY["vocab"]
-    runs = {}
-    for native in (True, False):
-        monkeypatch.setattr(lx, "PHASE_NS", None if native else {})
-        s = Session(plan, "auto", device="cpu", prefetch=True)
-        s.executor.swaps.copy_share = 1e9
-        s.reset(batch, 64)
-        rng = np.random.default_rng(1)
-        prompt = np.concatenate([ids, ids[:, ::-1]])[:batch]
-        out = [s.step(prompt)[:, -1]] + [s.step(rng.integers(0, TINY["vocab"], (batch, 1)))[:, -1]
-                                         for _ in range(8)]
-        caches = [c for c, *_ in s.executor.swaps.caches]
-        if native:       # a traced step takes the Python path (its copies go into the trace)
-            from strata_compiler import trace
-
-            trace.ACTIVE = trace.Tracer()
-            try:
-                out.append(s.step(rng.integers(0, TINY["vocab"], (batch, 1)))[:, -1])
-            finally:
-                trace.ACTIVE = None
-            assert s.executor.fused.calls.cells[0] == 1
-        else:
-            out.append(s.step(rng.integers(0, TINY["vocab"], (batch, 1)))[:, -1])
-        for c in caches:
-            c.fold()
-        if native:       # its bookkeeping ran as whole arrays (expert_cache.CacheGroup), the
-            assert s.executor.swaps.cache_group.steps >= 6        # Python prefetch's cache by cache
-        runs[native] = (np.concatenate(out), [(c.prefetches, c.swaps, c.hits, c.misses, c.pf_predicted, c.pf_correct,
-                                               c.bytes_moved, c.pf_paused, c.slots.tolist()) for c in caches],
-                        s.executor.fused)
-    (a, stats_a, f), (b, stats_b, _) = runs[True], runs[False]
-    assert np.abs(a - b).max() / b.std() <= 1e-5
-    assert stats_a == stats_b and sum(st[0] for st in stats_a) > 0
-    assert sum(st[7] for st in stats_a) > 0      # the idle back-off paused predictions, in both alike
-    assert f.calls.prefetches and {i for i, _ in f.calls.prefetches} <= f.calls.native
-    cached_splits = {i for i, sp in f.calls.splits().items() if sp[0].attr("cache", "")}
-    assert cached_splits and cached_splits <= f.calls.native
-
-
 def test_a_dropped_session_is_freed(model, tmp_path, monkeypatch):
-    """Host call handlers and native prefetches live as long as XLA keeps their targets, the
-    process; they hold the fused step's work weakly, so a session dropped after decoding through
-    an expert cache with prefetch frees its executor (and the weights it holds)."""
+    """Host call handlers live as long as XLA keeps their targets, the process; they hold the
+    fused step's work weakly, so a session dropped after decoding through an expert cache frees
+    its executor (and the weights it holds)."""
     import gc
     import weakref
 
@@ -441,7 +371,7 @@ def test_a_dropped_session_is_freed(model, tmp_path, monkeypatch):
 
     d, m, ids = model
     plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
-    s = Session(plan, "auto", device="cpu", prefetch=True)
+    s = Session(plan, "auto", device="cpu")
     s.reset(1, 32)
     tok = int(s.step(ids)[0, -1].argmax())
     for _ in range(3):

@@ -29,8 +29,8 @@ def test_defaults_and_parsing(monkeypatch):
     assert settings.get("hand_off_spin_us") == (250.0, 250.0)
     monkeypatch.setenv("STRATA_HAND_OFF_SPIN_US", "0,1000")
     assert settings.get("hand_off_spin_us") == (0.0, 1000.0)
-    monkeypatch.setenv("STRATA_PREFETCH_BACKOFF", "off")
-    assert settings.get("prefetch_backoff") is False
+    monkeypatch.setenv("STRATA_XLA_EXECUTABLES", "off")
+    assert settings.get("xla_executables") is False
     monkeypatch.setenv("STRATA_CPU_ACT", "F32")
     assert settings.get("cpu_act") == "f32"
 
@@ -47,7 +47,7 @@ def test_every_default_parses_from_its_own_text():
 @pytest.mark.parametrize("name,raw", [
     ("pallas_tune", "3,4,4,4"), ("pallas_tune", "32,4"), ("num_threads", "0"), ("num_threads", "x"),
     ("hand_off_spin_us", "-1"), ("hand_off_spin_us", "1,2,3"), ("swap_margin", "nan"),
-    ("prefetch_backoff", "maybe"), ("cpu_act", "f16"), ("pallas_gemm_tune", "64,128,4,3,3"),
+    ("xla_executables", "maybe"), ("cpu_act", "f16"), ("pallas_gemm_tune", "64,128,4,3,3"),
     ("pallas_flash_tune", "128,64,8,0"),
 ])
 def test_bad_values_are_one_line_naming_the_variable(monkeypatch, name, raw):

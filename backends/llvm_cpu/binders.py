@@ -298,7 +298,7 @@ def _bind_moe(exe: LLVMExecutor, n: Node):
 
             def masked_native(step):
                 """The routing weights of the experts the GPU does not hold (the live cache's mask,
-                read as the program runs: its swaps and prefetch change it in place), counted per
+                read as the program runs: its swaps change it between steps), counted per
                 expert into the cache's counts (ExpertCache.fold turns them into hits, misses and
                 what the swaps learn from); looked up when the program is built, after the
                 session registered its caches."""

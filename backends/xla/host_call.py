@@ -13,7 +13,7 @@ reaches it, the handler, on XLA's thread:
    of the program and nothing else;
 2. calls ``work(arg, stream)``, a native function (a CPU share, native_work.ll, or a ctypes
    callback into Python, which takes the GIL itself); copies the work queues on `stream` land
-   before the program's next kernels (the expert cache's in-step prefetch);
+   before the program's next kernels;
 3. queues the copies of the host result buffers into the result buffers on the same stream, so
    the program's next kernels see them; from pageable memory the call stages the data before it
    returns, so the host buffers may be rewritten by the next call.
@@ -152,14 +152,12 @@ class HostCall:
 
 
 def native_work(run_program: int, prog: int, n: int, maxc: int, flag: int, fallback: int,
-                timeline: int = 0, tag: int = 0, before: int = 0, traced: tuple[int, int] = (0, 0),
-                after: int = 0) -> int:
+                timeline: int = 0, tag: int = 0, before: int = 0, traced: tuple[int, int] = (0, 0)) -> int:
     """A work function that runs a CPU partition's segment program without Python
     (native_work.ll): while the int64 at `flag` is 0, ``before()`` when given (pool.py
     `strata_async_wait`: the part of the partition a runner thread computes), then
     ``run_program(prog, n, *maxc)`` (pool.py `strata_run_program`, or `strata_async_start` to hand
-    it to the runner; `maxc` points at the chunk count the pool would cut), then ``after(stream)``
-    when given (runtime/native_prefetch.py: the expert cache's prefetch); while it is 2, the same
+    it to the runner; `maxc` points at the chunk count the pool would cut); while it is 2, the same
     with `traced` = (program, n) in its place (time stamps between its ops, for traces);
     otherwise the work function at `fallback` (the Python one). With `timeline` (an int64
     buffer: [on, count, capacity, then (tag, TSC at entry, TSC at exit) per call]) and its first
@@ -171,7 +169,7 @@ def native_work(run_program: int, prog: int, n: int, maxc: int, flag: int, fallb
 
     name = f"strata_native_work_{next(_IDS)}"
     ir = _WORK_IR.substitute(name=name, flag=flag, prog=prog, n=n, traced=traced[0], traced_n=traced[1],
-                             fallback=fallback, maxc=maxc, before=before, run_program=run_program, after=after,
+                             fallback=fallback, maxc=maxc, before=before, run_program=run_program,
                              timeline=timeline, tag=tag)
     mod, tm = optimize(ir, Target.host())
     ee = llvm.create_mcjit_compiler(mod, tm)

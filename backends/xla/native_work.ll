@@ -4,8 +4,7 @@
 ;
 ; While the int64 at ${flag} is 0: before() (pool.py strata_async_wait: the part a runner thread
 ; computed), run_program(prog, n, *maxc) (pool.py strata_run_program, or strata_async_start to
-; hand the program to the runner), after(stream) (runtime/native_prefetch.py: the expert cache's
-; prefetch). While it is 2, the same with the traced program (time stamps between its ops) in
+; hand the program to the runner). While it is 2, the same with the traced program (time stamps between its ops) in
 ; its place. Otherwise the Python work at ${fallback}. With a timeline buffer ([on, count,
 ; capacity, then (tag, TSC at entry, TSC at exit) per call]) whose first word is set, each
 ; native call appends its record.
@@ -35,10 +34,6 @@ before:
 run:
   %pp = inttoptr i64 %p to ptr
   call void inttoptr (i64 ${run_program} to ptr)(ptr %pp, i64 %pn, i64 %m)
-  %hasafter = icmp ne i64 ${after}, 0
-  br i1 %hasafter, label %after, label %ran
-after:
-  call void inttoptr (i64 ${after} to ptr)(ptr %stream)
   br label %ran
 ran:
   %t1 = call i64 @llvm.readcyclecounter()
