@@ -23,6 +23,7 @@ import numpy as np
 
 from strata_compiler import settings, trace
 from strata_compiler.backends.xla import cuda_rt
+from strata_compiler.execution import Caps, Executor
 from strata_compiler.experts import Residency, mesh_devices
 from strata_compiler.ir import Graph, Op
 from strata_compiler.prefill_streaming import plan_stream_tokens
@@ -81,7 +82,7 @@ def _fetch(v, B: int, T: int, last_only: bool) -> np.ndarray:
     return out[:, T - 1:T] if last_only else out
 
 
-class MixedExecutor:
+class MixedExecutor(Executor):
     def __init__(self, graph: Graph, weights, device: str = "auto", shrink_caches: bool = False,
                  multi_gpu: str = "mesh", miss_path: str = "cpu") -> None:
         """multi_gpu: a striped plan over several GPUs runs as one sharded computation ("mesh",
@@ -321,18 +322,13 @@ class MixedExecutor:
 
         return ahead.run(launch, finish, n, tok.shape[0], stop_ids, done, after, close)
 
-    fetches_last = True     # run(last_only=True): only the last token's outputs cross to the host
-
-    @property
-    def prefills_on_gpu(self) -> bool:
-        """Whether a prefill step runs on a GPU: some partition does (the CPU's experts streamed to
-        it, or not: Session gives the step more tokens either way)."""
-        return any(kind == "xla" and exe.on_gpu for kind, exe, _ in self.parts)
-
-    @property
-    def flash_prefill(self) -> bool:
-        """Whether every GPU partition's prefill attention runs as the flash kernel."""
-        return self.prefills_on_gpu and all(exe.flash_prefill for kind, exe, _ in self.parts if kind == "xla")
+    def caps(self) -> Caps:
+        """Only the last token's outputs cross to the host; a prefill step runs on a GPU where some
+        partition does (the CPU's experts streamed to it, or not: Session gives the step more
+        tokens either way), with flash attention where every GPU partition's is."""
+        xla = [exe.caps() for kind, exe, _ in self.parts if kind == "xla"]
+        gpu = any(c.prefills_on_gpu for c in xla)
+        return Caps(fetches_last=True, prefills_on_gpu=gpu, flash_prefill=gpu and all(c.flash_prefill for c in xla))
 
     def run(self, input_ids: np.ndarray, cache, last_only: bool = False) -> dict[int, np.ndarray]:
         """One step of ids i64[B, T]: the outputs [B, T, ...], or [B, 1, ...] of the last token with

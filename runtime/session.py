@@ -179,17 +179,12 @@ class Session:
     def load_row(self, cache: KVCache, slot: int, src: KVCache, row: int = 0) -> None:
         """Row `row` of `src` (a sequence prefilled in a cache of its own) into row `slot` of `cache`,
         wherever this session's executor keeps their layers (host arrays, a device)."""
-        fn = getattr(self.executor, "load_row", None)
-        if fn is not None:
-            fn(cache, slot, src, row)
-        else:
-            cache.load_row(slot, src, row)
+        self.executor.load_row(cache, slot, src, row)
 
     def batch_stepper(self):
         """The executor whose `batch_step` runs the server's decode steps (a whole plan on one xla
         device, no disk tier: steps launched before the last one's tokens are on the host), else None."""
-        can = getattr(self.executor, "can_batch_step", None)
-        return self.executor if self.disk is None and can is not None and can() else None
+        return self.executor if self.disk is None and self.executor.can_batch_step() else None
 
     @staticmethod
     def capacity_for(T: int, max_new_tokens: int, chunk: int | None = None) -> int:
@@ -204,9 +199,10 @@ class Session:
         """Prompt tokens per prefill step: PREFILL_CHUNK, or where the executor prefills on a GPU
         GPU_PREFILL_CHUNK (its attention the flash kernel), else up to that while a step's attention
         scores fit GPU_SCORES_BYTES."""
-        if not getattr(self.executor, "prefills_on_gpu", False):
+        caps = self.executor.caps()
+        if not caps.prefills_on_gpu:
             return PREFILL_CHUNK
-        if getattr(self.executor, "flash_prefill", False):
+        if caps.flash_prefill:
             return GPU_PREFILL_CHUNK            # its attention keeps no scores in memory
         heads = max((int(n.attr("n_heads")) for n in self.plan.graph.nodes if n.has_attr("n_heads")), default=1)
         chunk = GPU_PREFILL_CHUNK
@@ -222,13 +218,12 @@ class Session:
         vocab = self.plan.meta["model"]["vocab_size"]
         if ids.size and (ids.min() < 0 or ids.max() >= vocab):
             raise UsageError(f"token id {int(ids.max() if ids.max() >= vocab else ids.min())} is outside the vocabulary [0, {vocab})")
-        kw = {"last_only": True} if last_only and getattr(self.executor, "fetches_last", False) else {}
         if trace.ACTIVE is None:
-            out = self.executor.run(ids, self.cache, **kw)
+            out = self.executor.run(ids, self.cache, last_only=last_only)
         else:
             with trace.ACTIVE.span("prefill" if ids.shape[1] > 1 else "decode", "step", cat="step",
                                    batch=int(ids.shape[0]), tokens=int(ids.shape[1])):
-                out = self.executor.run(ids, self.cache, **kw)
+                out = self.executor.run(ids, self.cache, last_only=last_only)
         if self.disk is not None:       # the disk tier's pages leave the process after each step
             self.disk.release()
         out = out[self.plan.graph.outputs[0]]
@@ -238,8 +233,7 @@ class Session:
         """Whether the rest of a generation decodes ahead (MixedExecutor.decode_ahead): greedy with
         no repetition penalty, no disk tier, and a plan whose decode step is one program without
         host calls."""
-        can = getattr(self.executor, "can_decode_ahead", None)
-        return sampler.plain_greedy and self.disk is None and can is not None and can(B, self.cache)
+        return sampler.plain_greedy and self.disk is None and self.executor.can_decode_ahead(B, self.cache)
 
     def generate(self, prompt: np.ndarray, max_new_tokens: int, sampler: Sampler, stop_ids: tuple[int, ...] = (),
                  prefill_chunk: int | None = None, keep_logits: bool = True,

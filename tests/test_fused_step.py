@@ -393,7 +393,7 @@ def test_last_only_steps_give_the_last_tokens_logits(model, tmp_path, monkeypatc
     plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
     for backend in ("auto", "xla"):
         full, last = Session(plan, backend, device="cpu"), Session(plan, backend, device="cpu")
-        assert getattr(full.executor, "fetches_last", False)
+        assert full.executor.caps().fetches_last
         for s in (full, last):
             s.reset(ids.shape[0], 64)
         a, b = full.step(ids), last.step(ids, last_only=True)

@@ -87,13 +87,17 @@ def test_prefill_steps_are_larger_on_a_gpu(tiny_int8_plan):
     s = sm.Session(load_plan(tiny_int8_plan), "llvm")
     assert s.default_chunk(1, 8192, 16) == sm.PREFILL_CHUNK
 
-    class OnGpu:
-        prefills_on_gpu = True
-        flash_prefill = True
+    from strata_compiler.execution import Caps, Executor
+
+    class OnGpu(Executor):
+        flash = True
+
+        def caps(self):
+            return Caps(prefills_on_gpu=True, flash_prefill=self.flash)
 
     s.executor = OnGpu()
     assert s.default_chunk(2, 1 << 15, 16) == sm.GPU_PREFILL_CHUNK      # flash: no scores to bound
-    OnGpu.flash_prefill = False
+    OnGpu.flash = False
     assert s.default_chunk(1, 8192, 16) == sm.GPU_PREFILL_CHUNK
     heads = max(int(n.attr("n_heads")) for n in s.plan.graph.nodes if n.has_attr("n_heads"))
     cap = s.capacity_for(8192, 16, 2048)

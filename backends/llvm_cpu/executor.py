@@ -22,6 +22,7 @@ import numpy as np
 
 from strata_compiler import settings
 from strata_compiler.errors import BackendError
+from strata_compiler.execution import Executor
 from strata_compiler.experts import Residency
 from strata_compiler.ir import Graph, Node, Op
 from strata_compiler import trace
@@ -52,7 +53,7 @@ def hugepages_available() -> bool:
     return "[always]" in mode or "[madvise]" in mode
 
 
-class LLVMExecutor:
+class LLVMExecutor(Executor):
     def __init__(self, graph: Graph, weights, target: Target | None = None, act: str | None = None,
                  lib: "KernelLibrary | SourceCollector | None" = None, nodes: list[int] | None = None,
                  residency: Residency | None = None, fetch_into: Callable | None = None) -> None:
@@ -206,7 +207,7 @@ class LLVMExecutor:
             if trace.ACTIVE is not None:
                 trace.ACTIVE.transfer("d2h", dst.nbytes, time.perf_counter() - t0, name="wait + copy")
 
-    def run(self, input_ids: np.ndarray, cache: KVCache) -> dict[int, np.ndarray]:
+    def run(self, input_ids: np.ndarray, cache: KVCache, last_only: bool = False) -> dict[int, np.ndarray]:
         B, T = input_ids.shape
         env: dict = {}
         set_spin()      # the default wait of idle workers (a mixed plan earlier may have shortened it)

@@ -14,6 +14,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from strata_compiler.errors import BackendError
+from strata_compiler.execution import Executor
 from strata_compiler.experts import Residency, nonresident_mask
 from strata_compiler.ir import Graph, Node, Op
 from strata_compiler.kv_cache import KVCache
@@ -103,7 +104,7 @@ def moe_ffn(x: np.ndarray, combine: np.ndarray, gate_up: Callable[[int], tuple[n
     return y.reshape(B, T, D)
 
 
-class ReferenceExecutor:
+class ReferenceExecutor(Executor):
     """Runs one step (prefill chunk or decode) of a tensor- or kernel-level graph.
 
     An `observer` (the calibration probe's recorder) is shown the input of every matrix
@@ -126,7 +127,7 @@ class ReferenceExecutor:
             if n.op not in _HANDLERS:
                 raise BackendError(f"reference backend has no kernel for op {n.op.value}")
 
-    def run(self, input_ids: np.ndarray, cache: KVCache) -> dict[int, np.ndarray]:
+    def run(self, input_ids: np.ndarray, cache: KVCache, last_only: bool = False) -> dict[int, np.ndarray]:
         # overflow in a broken plan's numbers is reported once, as non-finite logits (runtime),
         # not as NumPy's warnings on stderr
         with np.errstate(all="ignore"):

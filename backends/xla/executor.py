@@ -15,6 +15,7 @@ import numpy as np
 
 from strata_compiler import settings
 from strata_compiler.errors import BackendError, UsageError
+from strata_compiler.execution import Caps, Executor
 from strata_compiler.ir import Graph, Node, Op
 
 from strata_compiler import trace
@@ -25,7 +26,8 @@ from . import aot, cuda_rt, pallas_flash
 from .decoding import DecodeSteps
 from .dequant import _jnp
 from .device import _jax, device as pick_device, on_device, zeros_all  # noqa: F401 - on_device: also imported from here
-from .lowering import OPS, _Ctx, routers_after
+from .context import _Ctx
+from .lowering import OPS, routers_after
 from .rows import HostSlice, PaddedRows, _pad_rows, fetch_last
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -48,7 +50,7 @@ class GPUOutOfMemory(BackendError):
     """The device could not hold a partition's weights."""
 
 
-class XLAExecutor(DecodeSteps):
+class XLAExecutor(DecodeSteps, Executor):
     """Runs the nodes of `graph` (all, or the ids in `nodes`) as one jitted JAX function."""
 
     def __init__(self, graph: Graph, weights, nodes: list[int] | None = None, device_kind: str = "auto",
@@ -498,19 +500,14 @@ class XLAExecutor(DecodeSteps):
             return outs
         return {o: PaddedRows(v, B, T, T_pad) if o >= 0 else v for o, v in outs.items()}
 
-    fetches_last = True     # run(last_only=True): only the last token's outputs cross to the host
-
-    @property
-    def prefills_on_gpu(self) -> bool:
-        """Whether a prefill step runs on a GPU (Session gives it larger steps)."""
-        return self.on_gpu
-
-    @property
-    def flash_prefill(self) -> bool:
-        """Whether this partition's prefill attention runs as the flash kernel on a GPU (no
-        [step, cache] scores in memory: Session need not shorten long prompts' steps for them)."""
-        return self.on_gpu and all(pallas_flash.supported(True, n.attr("n_heads"), n.attr("n_kv_heads"), n.attr("head_dim"))
-                                   for n in self.nodes if n.has_attr("n_heads"))
+    def caps(self) -> Caps:
+        """Only the last token's outputs cross to the host; on a GPU a prefill step runs there,
+        its attention the flash kernel where every layer's shape has one (no [step, cache] scores
+        in memory: Session need not shorten long prompts' steps for them)."""
+        flash = self.on_gpu and all(pallas_flash.supported(True, n.attr("n_heads"), n.attr("n_kv_heads"),
+                                                           n.attr("head_dim"))
+                                    for n in self.nodes if n.has_attr("n_heads"))
+        return Caps(fetches_last=True, prefills_on_gpu=self.on_gpu, flash_prefill=flash)
 
     def run(self, input_ids: np.ndarray, cache, last_only: bool = False) -> dict[int, np.ndarray]:
         """Whole-plan execution (every node on this executor); with `last_only` the outputs of the

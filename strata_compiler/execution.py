@@ -1,0 +1,59 @@
+"""The execution contract: what the runtime may ask of an executor, whatever the backend.
+
+Every executor of a whole plan (the reference, llvm and xla backends' and the runtime's mixed one)
+derives from `Executor`: one `run` signature, and the optional abilities as methods whose
+defaults say "not here", so the runtime asks `executor.caps()` and calls methods instead of
+probing attributes. `Caps` is fixed once the executor is built (its device and partitions are).
+The core defines the contract; backends implement it; the runtime drives it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .kv_cache import KVCache
+
+
+@dataclass(frozen=True, slots=True)
+class Caps:
+    """What an executor does beyond running a step on the host's arrays."""
+    # run(last_only=True) brings only the last token's outputs to the host
+    fetches_last: bool = False
+    # a prefill step runs on a GPU: the session gives it longer steps
+    prefills_on_gpu: bool = False
+    # ... and its attention is the flash kernel (no [step, cache] scores in memory)
+    flash_prefill: bool = False
+
+
+class Executor:
+    """Base of every whole-plan executor. `run` is the one required method; the rest are the
+    optional abilities, answered "no" (or done on the host) here."""
+
+    def caps(self) -> Caps:
+        return Caps()
+
+    def run(self, input_ids: np.ndarray, cache: KVCache, last_only: bool = False) -> dict[int, np.ndarray]:
+        """One step of ids i64[B, T] at the cache's position: every output [B, T, ...], or with
+        `last_only` and `caps().fetches_last` the last token's [B, 1, ...] (without it the caller
+        slices)."""
+        raise NotImplementedError
+
+    def load_row(self, cache: KVCache, slot: int, src: KVCache, row: int = 0) -> None:
+        """Row `row` of `src` (a sequence prefilled in a cache of its own) into row `slot` of
+        `cache`, wherever the executor keeps their layers; here, host arrays."""
+        cache.load_row(slot, src, row)
+
+    def can_decode_ahead(self, B: int, cache: KVCache) -> bool:
+        """Whether `decode_ahead` may run the next greedy decode steps of batch B."""
+        return False
+
+    def decode_ahead(self, tok: np.ndarray, cache: KVCache, n: int, stop_ids=(), done=None) -> np.ndarray:
+        raise NotImplementedError(f"{type(self).__name__} does not decode ahead (check can_decode_ahead)")
+
+    def can_batch_step(self) -> bool:
+        """Whether `batch_step` may run the server's continuous-batching decode steps."""
+        return False
