@@ -131,8 +131,11 @@ class Model:
     def _ids(self, prompt: str | list[int]) -> list[int]:
         vocab = int(self.plan.meta["model"]["vocab_size"])
         if not isinstance(prompt, str):
-            return schema.prompt_ids(prompt, vocab)
+            return schema.prompt_ids(prompt, vocab, self.engine.ctx)
         schema.text("prompt", prompt)
+        if len(prompt) > schema.MAX_CHARS_PER_TOKEN * self.engine.ctx:     # as the server: refused unread
+            raise UsageError(f"the prompt has {len(prompt)} characters: more than this model's context of "
+                             f"{self.engine.ctx} tokens can hold; shorten it")
         if self.tokenizer is None:
             raise UsageError(f"{self.plan.path}: the plan has no usable tokenizer{self._why_no_tokenizer()}; "
                              f"pass token ids")

@@ -10,6 +10,7 @@ plan's recommended defaults are held to). Text must be valid Unicode: a lone sur
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from dataclasses import dataclass, fields
 from typing import Any
@@ -24,6 +25,7 @@ MAX_STOP_LEN = 256          # characters per stop string
 MAX_SEED = (1 << 64) - 1
 MAX_TOKENS = (1 << 31) - 1  # a sanity cap on max_tokens; the context bounds it further
 MAX_NAME = 256              # characters of a model or user name (the model's is echoed in answers)
+MAX_CHARS_PER_TOKEN = 64    # a text prompt longer than this many characters per context position is refused unread
 
 
 class SchemaError(UsageError):
@@ -79,14 +81,20 @@ def surrogate_at(s: str) -> int | None:
 
 def find_surrogate(value: Any, path: str = "") -> str | None:
     """The dotted path of the first string (a value or an object key) in a JSON-like value that holds
-    a lone surrogate; None when there is none. Iterative: a deeply nested body costs no recursion."""
-    stack = [(path, value)]
+    a lone surrogate; None when there is none. Iterative: a deeply nested body costs no recursion;
+    each list or dict is visited once, so one that holds itself (a Python caller's) ends the walk."""
+    stack, seen = [(path, value)], set()
     while stack:
         where, v = stack.pop()
         if isinstance(v, str):
             if surrogate_at(v) is not None:
                 return where or "body"
-        elif isinstance(v, dict):
+            continue
+        if isinstance(v, (dict, list, tuple)):
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+        if isinstance(v, dict):
             for k, x in v.items():
                 key = str(k)
                 if surrogate_at(key) is not None:
@@ -174,11 +182,19 @@ def generation(**given: Any) -> Generation:
     return Generation(**{name: check(name, value) for name, value in given.items()})
 
 
-def prompt_ids(value: Any, vocab: int) -> list[int]:
-    """A prompt given as token ids: a non-empty sequence of whole numbers in [0, vocab)."""
+def prompt_ids(value: Any, vocab: int, limit: int | None = None) -> list[int]:
+    """A prompt given as token ids: a non-empty sequence of whole numbers in [0, vocab), of at most
+    `limit` ids (the context) where given: a longer one (a huge range, an endless generator) is
+    refused after reading limit + 1 of them, never made into a list."""
     if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
         raise SchemaError("prompt", f"prompt: expected text or a list of token ids, got {type(value).__name__}")
-    ids = list(value)
+    if limit is None:
+        ids = list(value)
+    else:
+        ids = list(itertools.islice(value, limit + 1))
+        if len(ids) > limit:
+            raise SchemaError("prompt", f"prompt: more than {limit} token ids, more than the context of {limit} "
+                                        f"holds; shorten it")
     if not ids:
         raise SchemaError("prompt", "prompt: the prompt is empty")
     for t in ids:

@@ -38,10 +38,11 @@ from . import request_schema as schema
 from .sampler import Sampler, plan_sampling
 from .scheduler import PlanTokenizer, QueueFull, Request, caught, describe
 
-MAX_CHARS_PER_TOKEN = 64    # a text prompt longer than this many characters per context position is refused
+MAX_CHARS_PER_TOKEN = schema.MAX_CHARS_PER_TOKEN    # a longer text prompt is refused unread
 MAX_BODY = 16 << 20         # request bodies larger than this are refused (413), counted as they are read
 WORKER_THREADS = 4          # blocking calls (tokenizing; the chat template) running at once, of each kind
 WORKER_BACKLOG = 64         # ... waiting or running; beyond it a request is answered 503
+BODY_IDLE_S = 30.0          # a request body that sends no bytes for this long is answered 408 (slowloris)
 
 
 class APIError(Exception):
@@ -132,8 +133,13 @@ class _Common(BaseModel):
                 raise APIError(400, f"{name} is not supported (only 0)", param=name)
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
-        if self.logprobs:
+        # completions' logprobs=0 asks for the chosen tokens' log probabilities: refused too, not ignored
+        if self.logprobs is not None and self.logprobs is not False:
             raise APIError(400, "logprobs are not supported", param="logprobs")
+        usage = (self.stream_options or {}).get("include_usage")
+        if usage is not None and not isinstance(usage, bool):
+            raise APIError(400, f"stream_options.include_usage: expected true or false, got {type(usage).__name__}",
+                           param="stream_options.include_usage")
 
 
 class CompletionBody(_Common):
@@ -158,7 +164,8 @@ class ChatBody(_Common):
 
 class _BodyLimit:
     """Refuses (413) a request body over MAX_BODY: at once where its Content-Length says so, else
-    (chunked transfer encoding) as soon as the bytes read pass it, counted in `receive`. Plain
+    (chunked transfer encoding) as soon as the bytes read pass it, counted in `receive`; and (408)
+    one whose bytes stop arriving for BODY_IDLE_S before it is whole. Plain
     ASGI, not Starlette's BaseHTTPMiddleware, which would put every streamed chunk through a task."""
 
     def __init__(self, app):
@@ -173,12 +180,19 @@ class _BodyLimit:
             resp = _error(413, f"the request body has {size} bytes; at most {MAX_BODY} are read")
             await resp(scope, receive, send)
             return
-        read = 0
+        read, whole = 0, False
 
         async def counted():
-            nonlocal read
-            message = await receive()
+            nonlocal read, whole
+            if whole:       # the body is in: what follows is the wait for a disconnect, however long
+                return await receive()
+            try:            # a client that stops sending its body holds a connection: not for ever
+                message = await asyncio.wait_for(receive(), BODY_IDLE_S)
+            except asyncio.TimeoutError:
+                raise HTTPException(408, f"the request body stopped arriving ({read} bytes in, none for "
+                                         f"{BODY_IDLE_S:g} s); send it whole") from None
             if message["type"] == "http.request":
+                whole = not message.get("more_body", False)
                 read += len(message.get("body", b""))
                 if read > MAX_BODY:     # FastAPI passes its own HTTPException through the body's parsing
                     raise HTTPException(413, f"the request body is over {MAX_BODY} bytes; at most {MAX_BODY} "
@@ -255,6 +269,25 @@ def _settle(fut: asyncio.Future, result, error) -> None:
         fut.set_result(result)
 
 
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = _printable(key[:64])
+        self.where = f"key {self.key!r}" if key.isprintable() else "a key"
+
+
+def _unique_pairs(pairs: list) -> dict:
+    """json.loads' object_pairs_hook: the object, unless a key appears twice (_DuplicateKey)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return out
+
+
 def _usage(p: int, c: int) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
@@ -310,7 +343,19 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
             raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
                            "authentication_error", code="invalid_api_key")
 
+    async def unique_keys(request: HTTPRequest):
+        """A body that names a key twice in one object is refused: json.loads keeps the last, so a
+        proxy or log that reads the first would see another request than the one served."""
+        try:
+            json.loads(await request.body(), object_pairs_hook=_unique_pairs)
+        except _DuplicateKey as e:
+            raise APIError(400, f"the request body names {e.where} twice in one object; send each field once",
+                           param=e.key) from None
+        except (ValueError, RecursionError):     # FastAPI's own parsing has answered for these
+            pass
+
     guarded = [Depends(auth)]
+    posted = [Depends(auth), Depends(unique_keys)]
 
     app.add_middleware(_BodyLimit)
 
@@ -462,9 +507,9 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    @app.post("/v1/completions", dependencies=guarded)
+    @app.post("/v1/completions", dependencies=posted)
     async def completions(body: CompletionBody, http: HTTPRequest):
-        if body.echo or body.suffix or (body.best_of or 1) != 1:
+        if body.echo or body.suffix or body.best_of not in (None, 1):
             raise APIError(400, "echo, suffix and best_of are not supported")
         p = body.prompt
         if isinstance(p, list) and p and isinstance(p[0], str):
@@ -476,7 +521,7 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
         req = make_request(body, ids, body.max_tokens or 16, eos)      # 16: OpenAI's default
         return await respond(body, req, "completion", http)
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    @app.post("/v1/chat/completions", dependencies=posted)
     async def chat(body: ChatBody, http: HTTPRequest):
         body.check()
         if tok is None:

@@ -393,14 +393,20 @@ os.register_at_fork(after_in_child=_after_fork)
 atexit.register(_at_exit)
 
 
-def render(template: str, context: dict, name: str = "the chat template") -> str:
+def render(template: str, context: dict, name: str = "the chat template", timeout: float | None = None) -> str:
     """`template` rendered with `context` (JSON-able values) in the worker, within the budget of
-    the settings `template_timeout` and `template_memory`. Raises TemplateFailure, one line that
-    begins with `name`, on anything wrong; the worker is replaced after a timeout or a crash."""
+    the settings `template_timeout` and `template_memory` (`timeout`: seconds, less than the
+    setting, where the caller has spent part of its budget on earlier renders). Raises
+    TemplateFailure, one line that begins with `name`, on anything wrong; the worker is replaced
+    after a timeout or a crash."""
     global _WORKER
     if not isinstance(template, str) or len(template) > MAX_TEMPLATE_CHARS:
         raise TemplateFailure("syntax", f"{name} is not a string of at most {MAX_TEMPLATE_CHARS // 1024} KiB")
-    timeout, memory = float(settings.get("template_timeout")), int(settings.get("template_memory"))
+    budget, memory = float(settings.get("template_timeout")), int(settings.get("template_memory"))
+    timeout = budget if timeout is None else min(budget, timeout)
+    if timeout <= 0:
+        raise TemplateFailure("time", f"{name} took longer than {budget:g} s to render (the budget: setting "
+                                      f"template_timeout, STRATA_TEMPLATE_TIMEOUT); refusing it")
     request = json.dumps({"template": template, "context": context, "cpu_s": timeout},
                          ensure_ascii=False).encode("utf-8", "surrogatepass")
     with _LOCK:

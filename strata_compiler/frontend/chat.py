@@ -21,8 +21,10 @@ token strings of the bos/eos ids.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
+from .. import settings
 from ..errors import ModelError
 from ..template_sandbox import TemplateFailure, render
 from ..untrusted import read_regular
@@ -65,12 +67,20 @@ def check_template(value: object, where: str) -> str | None:
 def check_renders(template: str, where: str) -> None:
     """ModelError unless `template` parses and renders CHECK_CONVERSATIONS within the sandbox's
     budget: the first that renders must give a non-empty prompt; a conversation the template
-    itself refuses (raise_exception, an error of its own) moves on to the next."""
+    itself refuses (raise_exception, an error of its own) moves on to the next. The conversations
+    share one budget of template_timeout seconds: a template that spends nearly all of it on one
+    conversation, then refuses it, does not get the whole budget again for the next."""
+    budget = float(settings.get("template_timeout"))
+    deadline = time.monotonic() + budget
     for messages in CHECK_CONVERSATIONS:
         try:
             text = render(template, {"messages": messages, "add_generation_prompt": True, "bos_token": "",
-                                     "eos_token": ""})
+                                     "eos_token": ""}, timeout=deadline - time.monotonic())
         except TemplateFailure as e:
+            if e.kind == "time":
+                raise ModelError(f"{where}: the chat template took longer than {budget:g} s in all to render the "
+                                 f"check conversations (the budget: setting template_timeout, "
+                                 f"STRATA_TEMPLATE_TIMEOUT); refusing it") from None
             if e.kind in REFUSED:
                 raise ModelError(f"{where}: {e}") from None
             continue

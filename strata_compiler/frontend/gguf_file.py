@@ -167,7 +167,21 @@ def read_gguf(path: Path) -> GGUFFile:
             raise cur.fail(f"tensor {name} data lies outside the file (bytes {offset}..{offset + nbytes} after the "
                            f"data start {data_offset}, file size {size}); {_CORRUPT}")
         placed[name] = GGUFTensor(name, ggml_type, shape, data_offset + offset, nbytes)
+    _refuse_overlaps(cur, placed)
     return GGUFFile(path, version, alignment, data_offset, metadata, placed, buf)
+
+
+def _refuse_overlaps(cur: _Cursor, tensors: dict[str, GGUFTensor]) -> None:
+    """No two tensors share a byte: llama.cpp writes each after the last (and refuses a file whose
+    offsets say otherwise), so one that overlaps another would silently be read as the other's
+    bytes (two weights made one by a crafted directory)."""
+    end, last = 0, None
+    for t in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
+        if last is not None and t.offset < end:
+            raise cur.fail(f"tensors {last.name} and {t.name} share bytes {t.offset}..{min(end, t.offset + t.nbytes)} "
+                           f"of the file (each tensor has its own bytes); {_CORRUPT}")
+        if t.offset + t.nbytes > end:
+            end, last = t.offset + t.nbytes, t
 
 
 def _read_metadata(cur: _Cursor, n_kv: int) -> dict[str, Any]:

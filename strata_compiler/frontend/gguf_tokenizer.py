@@ -10,6 +10,7 @@ MAX_MERGE_CHARS. Any failure of the rebuild is one ModelError naming the file an
 
 from __future__ import annotations
 
+import math
 import sys
 
 from ..errors import ModelError
@@ -24,6 +25,7 @@ _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _QWEN2 = ("qwen2",)     # Qwen2/Qwen3 (and their MoE) files: llama3's split with single digits
 _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4      # tokenizer.ggml.token_type values
+_TOKEN_TYPES = range(0, 7)      # llama.cpp's: undefined, normal, unknown, control, user-defined, unused, byte
 
 # Real vocabularies' longest tokens are runs of spaces or newlines of a few hundred bytes (SmolLM2's:
 # 162); 1024 bounds a piece's split search at ~0.25 ms.
@@ -71,6 +73,17 @@ def _list(meta, key: str, kind: type, n: int | None = None, default: list | None
     return v
 
 
+def _token_types(meta, n: int) -> list[int]:
+    """tokenizer.ggml.token_type: one of llama.cpp's types (0..6) per token; another value would be
+    silently taken as neither normal nor special (the token left out of merges and added tokens)."""
+    types = _list(meta, "tokenizer.ggml.token_type", int, n, default=[_NORMAL] * n)
+    bad = next((i for i, t in enumerate(types) if t not in _TOKEN_TYPES), None)
+    if bad is not None:
+        raise ModelError(f"{meta.path}: tokenizer.ggml.token_type item {bad} is {types[bad]}, not a token type "
+                         f"(llama.cpp's are {_TOKEN_TYPES.start}..{_TOKEN_TYPES.stop - 1}); re-convert the model")
+    return types
+
+
 def _tokens(meta) -> list[str]:
     tokens = _list(meta, "tokenizer.ggml.tokens", str)
     long = next((i for i, t in enumerate(tokens)
@@ -91,8 +104,7 @@ def _build(meta) -> bytes | None:
         return None
     if kind == "llama":
         tokens = _tokens(meta)
-        return _sentencepiece(meta, tokens, _list(meta, "tokenizer.ggml.token_type", int, len(tokens),
-                                                  default=[_NORMAL] * len(tokens)))
+        return _sentencepiece(meta, tokens, _token_types(meta, len(tokens)))
     if kind != "gpt2":
         _warn(f"{path}: tokenizer.ggml.model {kind[:60]!r} is not rebuilt (byte-level BPE 'gpt2' and SentencePiece "
               "'llama' are); the plan has no tokenizer, use strata-run --input-ids")
@@ -113,7 +125,7 @@ def _build(meta) -> bytes | None:
         return None
     tokens = _tokens(meta)
     merges = _list(meta, "tokenizer.ggml.merges", str)
-    types = _list(meta, "tokenizer.ggml.token_type", int, len(tokens), default=[_NORMAL] * len(tokens))
+    types = _token_types(meta, len(tokens))
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     bad = next((i for i, p in enumerate(pairs) if len(p) != 2), None)
     if bad is not None:
@@ -166,6 +178,9 @@ def _sentencepiece(meta, tokens: list, types: list) -> bytes:
 
     path = meta.path
     scores = _list(meta, "tokenizer.ggml.scores", float, len(tokens))
+    bad = next((i for i, x in enumerate(scores) if math.isnan(x)), None)
+    if bad is not None:     # NaN sorts nowhere: the merges' ranks would be arbitrary, the tokenizer wrong
+        raise ModelError(f"{path}: tokenizer.ggml.scores item {bad} is NaN, not a score; re-convert the model")
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
