@@ -29,7 +29,6 @@ import secrets
 import stat
 import struct
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -233,30 +232,33 @@ class PromptCache:
         if self.dir is None:
             return 0
         try:
-            os.close(_open_folder(self.dir))        # checked again: it may have changed while serving
+            dfd = _open_folder(self.dir)        # checked again: it may have changed while serving
         except UsageError as err:
             _warn(f"prompt cache not saved: {err}")
             return 0
         n = 0
-        for key, e in self.entries.items():
-            if e.saved:
-                continue
-            try:
-                fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".", suffix=".tmp")     # O_EXCL, 0600
+        try:        # every write is relative to the folder checked (a path swapped meanwhile is not followed)
+            for key, e in self.entries.items():
+                if e.saved:
+                    continue
                 try:
-                    with os.fdopen(fd, "wb") as f:
-                        f.writelines(self._encode(e))
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.replace(tmp, self.dir / _file_name(key))
-                except BaseException:
-                    os.unlink(tmp)
-                    raise
-            except OSError as err:
-                _warn(f"prompt cache not saved in {printable(str(self.dir))}: {err.strerror or err}")
-                break
-            e.saved = True
-            n += 1
+                    fd, tmp = _temp_file(dfd, ".tmp")
+                    try:
+                        with os.fdopen(fd, "wb") as f:
+                            f.writelines(self._encode(e))
+                            f.flush()
+                            os.fsync(f.fileno())
+                        os.replace(tmp, _file_name(key), src_dir_fd=dfd, dst_dir_fd=dfd)
+                    except BaseException:
+                        _unlink(dfd, tmp)
+                        raise
+                except OSError as err:
+                    _warn(f"prompt cache not saved in {printable(str(self.dir))}: {err.strerror or err}")
+                    break
+                e.saved = True
+                n += 1
+        finally:
+            os.close(dfd)
         return n
 
     def _encode(self, e: _Entry) -> list[bytes]:
@@ -421,6 +423,15 @@ def _open_folder(directory: Path) -> int:
     can change the server's answers. UsageError naming the folder and the fix otherwise."""
     where = f"prompt cache folder {printable(str(directory))}"
     try:
+        link = os.lstat(directory)
+    except OSError:
+        link = None
+    if link is not None and stat.S_ISLNK(link.st_mode) and link.st_uid != os.geteuid():
+        # whoever owns the link chooses, at any moment, which of our folders the server writes and
+        # deletes *.kv files in (in /tmp, anyone): the folder must be reached through our own names
+        raise UsageError(f"{where}: it is a symbolic link owned by uid {link.st_uid}, not by this user, who could "
+                         f"point it at any folder of ours; give the folder itself")
+    try:
         directory.parent.mkdir(parents=True, exist_ok=True)
         directory.mkdir(mode=0o700)
     except FileExistsError:
@@ -458,7 +469,7 @@ def _folder_key(dfd: int, directory: Path) -> bytes:
             f, st = _open_regular(dfd, KEY_FILE)
         except FileNotFoundError:
             try:
-                _make_key(directory)
+                _make_key(dfd)
             except OSError as err:
                 raise UsageError(f"prompt cache key {path}: cannot make it ({err.strerror or err})") from None
             continue
@@ -477,18 +488,30 @@ def _folder_key(dfd: int, directory: Path) -> bytes:
     raise UsageError(f"prompt cache key {path}: it vanished while being made")
 
 
-def _make_key(directory: Path) -> None:
-    """KEY_FILE made whole or not at all: written to a temp file (O_EXCL, 0600), then hard-linked
-    to its name, which never replaces a file or follows a symlink there (a server starting beside
-    this one may have made it first: theirs is kept)."""
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".key-")
+def _temp_file(dfd: int, suffix: str) -> tuple[int, str]:
+    """A fresh file in the folder `dfd` (O_EXCL, O_NOFOLLOW, mode 600): its fd and name."""
+    for _ in range(100):
+        name = f".{secrets.token_hex(8)}{suffix}"
+        try:
+            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                           dir_fd=dfd), name
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no fresh temporary name")
+
+
+def _make_key(dfd: int) -> None:
+    """KEY_FILE made whole or not at all in the folder `dfd`: written to a temp file (O_EXCL, 0600),
+    then hard-linked to its name, which never replaces a file or follows a symlink there (a server
+    starting beside this one may have made it first: theirs is kept)."""
+    fd, tmp = _temp_file(dfd, ".key")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(secrets.token_bytes(KEY_BYTES))
             f.flush()
             os.fsync(f.fileno())
-        os.link(tmp, directory / KEY_FILE)
+        os.link(tmp, KEY_FILE, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
     except FileExistsError:
         pass
     finally:
-        os.unlink(tmp)
+        _unlink(dfd, tmp)

@@ -215,3 +215,46 @@ def test_a_body_that_stops_arriving_is_a_408(tiny_int8_plan, monkeypatch):
         srv.should_exit = True
         th.join(10)
         engine.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------
+# the prompt-cache folder
+
+
+def test_a_cache_folder_reached_through_another_users_symlink_is_refused(tmp_path, monkeypatch):
+    import hashlib
+    import os
+
+    import numpy as np
+
+    from strata_compiler.runtime import prompt_cache
+    from strata_compiler.runtime.prompt_cache import PromptCache
+
+    plan = hashlib.sha256(b"a plan.bin").hexdigest()
+    ours = tmp_path / "ours"            # a folder of ours, mode 700, that the link's owner points at
+    PromptCache(1 << 20, plan, ours, shape=(2, 2, 4))
+    link = tmp_path / "kv"
+    link.symlink_to(ours)
+    real_lstat = os.lstat
+
+    def lstat(path, *a, **kw):           # the link as another user's (tests may run as root)
+        st = real_lstat(path, *a, **kw)
+        if os.fspath(path) == os.fspath(link):
+            return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, os.geteuid() + 1, *st[5:]))
+        return st
+
+    monkeypatch.setattr(prompt_cache.os, "lstat", lstat)
+    with pytest.raises(UsageError, match="it is a symbolic link owned by uid .*give the folder itself"):
+        PromptCache(1 << 20, plan, link, shape=(2, 2, 4))
+    monkeypatch.undo()
+    pc = PromptCache(1 << 20, plan, link, shape=(2, 2, 4))     # our own link is followed, as before
+
+    class Cache:
+        k = [np.ones((1, 2, 16, 4), np.float32)] * 2
+        v = [np.ones((1, 2, 16, 4), np.float32)] * 2
+        lengths = np.array([16])
+
+    pc.store(np.arange(16), Cache(), 0)
+    assert pc.save() == 1
+    assert sorted(p.suffix for p in ours.iterdir()) == [".key", ".kv"]     # hmac.key and the entry, no temp left
+    assert len(PromptCache(1 << 20, plan, ours, shape=(2, 2, 4)).entries) == 1
