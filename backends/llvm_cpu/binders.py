@@ -6,7 +6,7 @@ per step shape; the step function launches them (and carries its segment-program
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -21,13 +21,10 @@ from .codegen.common import float_slot
 from .codegen.dot import needs_q8
 from .codegen.linear import LinearSpec, generate as linear_gen
 from .codegen.moe import MoESpec, down as moe_down_gen, gate_up as moe_gate_up_gen, h_stride, pairs as moe_pairs_gen
-from .frame import COPY, GATHER, MASK, ONE, SET, Frame, Kernel, Step, ld, ins, step_fn
-
-if TYPE_CHECKING:
-    from .executor import LLVMExecutor
+from .frame import COPY, GATHER, MASK, ONE, SET, ExecutorView, Frame, Kernel, Step, ld, ins, step_fn
 
 #: Node -> (Frame -> step function)
-Binder = Callable[["LLVMExecutor", Node], Callable[[Frame], Callable[[Step], None]]]
+Binder = Callable[[ExecutorView, Node], Callable[[Frame], Callable[[Step], None]]]
 
 
 def _no_clock() -> int:
@@ -56,11 +53,11 @@ def _src(frame: Frame, n: Node, i: int = 0) -> np.ndarray:
     return frame.out(frame.exe.g.node(n.args[i]))
 
 
-def _bind_input(exe: LLVMExecutor, n: Node):
+def _bind_input(exe: ExecutorView, n: Node):
     return lambda frame: step_fn(lambda step: None, lambda step: [])
 
 
-def _bind_embed(exe: LLVMExecutor, n: Node):
+def _bind_embed(exe: ExecutorView, n: Node):
     spec = exe.g.weight(n.weight("table"))
     if spec.fmt != "f32":   # a quantized table: gather the stored rows, decode them with formats.py
         from strata_compiler.formats import get_format
@@ -81,13 +78,13 @@ def _bind_embed(exe: LLVMExecutor, n: Node):
     return prepare
 
 
-def _norm_args(exe: LLVMExecutor, C: int, group: int, weight: str, eps: float):
+def _norm_args(exe: ExecutorView, C: int, group: int, weight: str, eps: float):
     w, _ = exe.weight(weight)
     k = Kernel(exe.lib, ew.rms_norm(C, group, exe.target))
     return lambda x, y: k.args(x=x, w=w, y=y, ldx=ld(x), ldy=ld(y), eps=float_slot(eps))
 
 
-def _bind_rms_norm(exe: LLVMExecutor, n: Node):
+def _bind_rms_norm(exe: ExecutorView, n: Node):
     C = n.type.shape[-1]
     mk = _norm_args(exe, C, n.attr("group", 0), n.weight("w"), n.attr("eps"))
 
@@ -97,7 +94,7 @@ def _bind_rms_norm(exe: LLVMExecutor, n: Node):
     return prepare
 
 
-def _bind_linear(exe: LLVMExecutor, n: Node):
+def _bind_linear(exe: ExecutorView, n: Node):
     spec_w = exe.g.weight(n.weight("w"))
     fmt, G = spec_w.fmt, spec_w.group_size
     K = spec_w.shape[1]
@@ -164,7 +161,7 @@ def _bind_linear(exe: LLVMExecutor, n: Node):
     return prepare
 
 
-def _bind_attention(exe: LLVMExecutor, n: Node):
+def _bind_attention(exe: ExecutorView, n: Node):
     H, KV, hd = n.attr("n_heads"), n.attr("n_kv_heads"), n.attr("head_dim")
     prep = Kernel(exe.lib, attn_gen.attn_prep(H, KV, hd, n.attr("qk_norm"), n.has_attr("clip_qkv"), exe.target))
     core = Kernel(exe.lib, attn_gen.attn_core(H, KV, hd, exe.target))
@@ -198,7 +195,7 @@ def _bind_attention(exe: LLVMExecutor, n: Node):
     return prepare
 
 
-def _bind_moe(exe: LLVMExecutor, n: Node):
+def _bind_moe(exe: ExecutorView, n: Node):
     if n.weight("gate_up") is None:
         raise BackendError(f"moe_ffn %{n.id} has separate gate and up weights; the llvm backend needs the fused "
                            f"gate_up of the fuse pass — recompile the plan")
@@ -404,7 +401,7 @@ def _amx_tiles(frame: Frame, n: Node, kernels: list, hs: tuple, I: int, D: int, 
     return run
 
 
-def _bind_route(exe: LLVMExecutor, n: Node):
+def _bind_route(exe: ExecutorView, n: Node):
     E = n.type.shape[-1]
     k = Kernel(exe.lib, ew.route(E, n.attr("k"), bool(n.attr("norm")), exe.target))
 
@@ -416,7 +413,7 @@ def _bind_route(exe: LLVMExecutor, n: Node):
 
 
 def _bind_binary(op: str):
-    def bind(exe: LLVMExecutor, n: Node):
+    def bind(exe: ExecutorView, n: Node):
         C = n.type.shape[-1]
         a_cols, b_cols = (exe.g.node(a).type.shape[-1] for a in n.args)
         swap = a_cols != C                               # the kernel broadcasts its second operand
@@ -433,7 +430,7 @@ def _bind_binary(op: str):
 
 
 def _bind_unary(op: str):
-    def bind(exe: LLVMExecutor, n: Node):
+    def bind(exe: ExecutorView, n: Node):
         C = n.type.shape[-1]
         k = Kernel(exe.lib, ew.unary(op, C, exe.target))
 
@@ -445,7 +442,7 @@ def _bind_unary(op: str):
     return bind
 
 
-def _bind_transfer(exe: LLVMExecutor, n: Node):
+def _bind_transfer(exe: ExecutorView, n: Node):
     """An activation arriving from another device: its operand was copied into place already."""
     def prepare(frame: Frame):
         dst, src = frame.out(n), _src(frame, n)
@@ -455,7 +452,7 @@ def _bind_transfer(exe: LLVMExecutor, n: Node):
     return prepare
 
 
-def _bind_slice(exe: LLVMExecutor, n: Node):
+def _bind_slice(exe: ExecutorView, n: Node):
     start, stop = n.attr("start"), n.attr("stop")
     k = Kernel(exe.lib, ew.slice_copy(start, stop, exe.target))
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
-from strata_compiler.ir import Node
+from strata_compiler.ir import Graph, Node
 from strata_compiler.kv_cache import KVCache
 
 from .codegen import elementwise as ew
@@ -21,8 +21,10 @@ from .codegen.common import KernelSource
 from .codegen.dot import Q8_BLOCK
 
 if TYPE_CHECKING:
-    from .executor import LLVMExecutor, SourceCollector
-    from .jit import KernelLibrary
+    from strata_compiler.experts import Residency
+
+    from .pool import ThreadPool
+    from .target import Target
 
 # Segment programs: each op's step function may carry `native(step) -> [instruction]` (built once
 # per step shape) and `pre(step)` (Python run before the program every step: per-step argument
@@ -42,10 +44,35 @@ def step_fn(run: Callable, native: Callable | None, pre: Callable | None = None)
     return run
 
 
+class KernelAddresses(Protocol):
+    """Where a kernel's address comes from: jit.py's KernelLibrary (compiles it), or executor.py's
+    SourceCollector (only lists the kernels a graph needs)."""
+
+    def address(self, ir_text: str, name: str) -> int: ...
+
+
+class ExecutorView(Protocol):
+    """What binders (binders.py), frames and quantizers read of the executor they work for
+    (executor.py's LLVMExecutor, which imports them: declared here, they need not import it)."""
+
+    g: Graph
+    w: object                   # the plan's weights (runtime/plan.py), or a test's stand-in
+    lib: KernelAddresses
+    target: Target
+    pool: ThreadPool
+    act: str                    # activations: "q16", "q8" or "f32"
+    planes: int                 # planes of int8 codes per activation block
+    residency: Residency        # a mixed run's live expert caches
+
+    def weight(self, name: str | None) -> tuple[np.ndarray | None, np.ndarray | None]: ...
+
+    def q8(self, K: int, fmt: str = "", group_size: int = 0) -> Q8: ...
+
+
 class Kernel:
     """A compiled kernel and the positions of its argument slots."""
 
-    def __init__(self, lib: "KernelLibrary | SourceCollector", src: KernelSource) -> None:
+    def __init__(self, lib: KernelAddresses, src: KernelSource) -> None:
         self.src = src
         self.addr = lib.address(src.ir, src.name)
         self.index = {p: i for i, p in enumerate(src.params)}
@@ -105,7 +132,7 @@ IN_FRAME = object()
 class Frame:
     """Buffers for one step shape (M tokens): plan-memory's slots for node results, shared scratch."""
 
-    def __init__(self, exe: "LLVMExecutor", M: int) -> None:
+    def __init__(self, exe: ExecutorView, M: int) -> None:
         self.M = M
         self.exe = exe
         self.slots: dict[int, np.ndarray] = {}
@@ -142,14 +169,10 @@ class Step:
         return self.B * self.T
 
 
-Op_ = Callable[[Step], None]
-Binder = Callable[["LLVMExecutor", Node], Callable[[Frame], Op_]]
-
-
 class Q8:
     """Quantizes f32 rows of width K to q8 blocks (int8 data, f32 scales, i32 block sums)."""
 
-    def __init__(self, exe: "LLVMExecutor", K: int, pairs: bool = False, planes: int = 1) -> None:
+    def __init__(self, exe: ExecutorView, K: int, pairs: bool = False, planes: int = 1) -> None:
         self.K, self.pairs, self.planes = K, pairs, planes
         self.ng = -(-K // Q8_BLOCK)
         self.kernel = Kernel(exe.lib, ew.quantize_q8(K, exe.target, pairs, planes))

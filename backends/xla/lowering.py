@@ -9,7 +9,7 @@ k experts per token, S = cache capacity.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -17,42 +17,10 @@ from strata_compiler.ir import Graph, Node, Op
 from strata_compiler.rope import rope_inv_freq
 
 from . import pallas_attn, pallas_dense, pallas_flash
-from .dequant import MATVEC_ROWS, _jnp, dequantize, matvec, silu
+from .context import _Ctx
+from .dequant import MATVEC_ROWS, dequantize, matvec, silu
 from .moe import moe_ffn
 from .pallas_quant import fusable_norm
-
-if TYPE_CHECKING:
-    from .executor import XLAExecutor
-
-
-class _Ctx:
-    """What the traced ops see: parameters, each row's position (int32 [B]), cache, compute dtype."""
-
-    def __init__(self, exe: XLAExecutor, params, ks, vs, ids, pos, B, T):
-        self.exe, self.params, self.ks, self.vs = exe, params, ks, vs
-        self.ids, self.pos, self.B, self.T = ids, pos, B, T
-        self.topk: dict[int, tuple] = {}      # route node id -> (weights, expert ids), [M, k] each
-        self.logits: dict[int, tuple] = {}    # route node id -> (router logits [M, E], k, renormalise, partials)
-        self.norms: dict[int, tuple] = {}     # rms_norm node id -> (weight, eps, its input): for fusing
-        self.partials: dict[int, object] = {}  # router node id -> its logits as an o projection's epilogue left them
-        self.counts: dict[int, object] = {}    # cached GPU share id -> routings per expert this step (int32 [E])
-        self.jnp = _jnp()
-        import jax
-
-        self.jax = jax
-
-    def w(self, n: Node, role: str, dtype=None):
-        name = n.weight(role)
-        if name is None:
-            return None
-        spec = self.exe.g.weight(name)
-        return dequantize(self.jnp, spec, self.params[name], dtype or self.exe.compute_dtype(spec))
-
-    def matmul(self, x, w):
-        """x [..., K] @ w[N, K]^T with f32 accumulation."""
-        jnp = self.jnp
-        prec = self.jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
-        return jnp.einsum("...k,nk->...n", x.astype(w.dtype), w, precision=prec, preferred_element_type=jnp.float32)
 
 
 def _embed(c, n: Node, a):

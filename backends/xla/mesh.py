@@ -29,9 +29,9 @@ import numpy as np
 from strata_compiler.ir import Graph, Node
 from strata_compiler.experts import Residency, share_groups
 
+from .context import _Ctx
 from .device import _jax, device as pick_device
 from .executor import XLAExecutor
-from .lowering import _Ctx
 from .moe import moe_core
 
 

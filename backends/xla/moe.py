@@ -9,16 +9,12 @@ Legend: M tokens, D hidden, E experts, k experts per token, I expert intermediat
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from strata_compiler.ir import Node
 
 from . import pallas_gemm, pallas_moe
+from .context import _Ctx
 from .dequant import MATVEC_ROWS, dequantize, matvec, silu
 from .pallas_quant import fusable_norm
-
-if TYPE_CHECKING:
-    from .lowering import _Ctx
 
 SLICE_PAIRS = 16   # up to this many (token, expert) pairs, the XLA path slices experts one by one
 
