@@ -37,10 +37,10 @@ from benchmarks.common import log  # noqa: E402
 
 def calibrate(model_dir: Path, calib: Path, tokens: int, ctx_len: int, tokenizer: Path | None):
     """(tensor graph, PassContext) after lower, fuse, calibrate and cluster-experts."""
+    from strata_compiler.driver import DEFAULT
     from strata_compiler.frontend.hf import build_graph
     from strata_compiler.frontend.safetensors_reader import TensorStore
     from strata_compiler.pass_manager import CompileOptions, PassContext, run_pipeline
-    from strata_compiler.pipelines import DEFAULT
 
     tok = tokenizer or model_dir / "tokenizer.json"
     if not tok.exists():

@@ -39,10 +39,10 @@ PAIRS = {"first layers on gpu (-ngl)": "ngl-{b}", "dense on gpu, experts on cpu"
 
 def graph_at_place(model: Path, calib_plan: Path, quant: str):
     """(graph, context) right before the place pass, as `stratac compile` makes them."""
+    from strata_compiler.driver import DEFAULT, cpu_backend
     from strata_compiler.frontend.hf import build_graph
     from strata_compiler.frontend.safetensors_reader import TensorStore
     from strata_compiler.pass_manager import CompileOptions, PassContext, run_pipeline
-    from strata_compiler.pipelines import DEFAULT, cpu_backend
     from strata_compiler.runtime.plan import load_plan
 
     store = TensorStore.open(model)

@@ -235,7 +235,7 @@ def calibrate(g: Graph, ctx: PassContext) -> Graph:
         plan = ctx.calib_plan
         if plan is None:
             raise PassError(f"--calib {opts.calib}: a plan is loaded by the compile driver "
-                            f"(pipelines.compile_model) into the pass context's calib_plan")
+                            f"(driver.compile_model) into the pass context's calib_plan")
         calib = calibration_from_plan(plan, g)
         ctx.analyses.calibration = calib
         if _donor(plan, g, ctx.store):

@@ -178,7 +178,7 @@ def swap_in(out: Path, weights: Path, plan: Path) -> None:
     never new weights beside the old plan: an interrupt waits for both renames; a failure of the
     second puts the old weights back (kept under a second name, `weights.bin.old-PID`, until the
     plan is in). A process killed between the renames leaves that name for the next compile into
-    the folder to restore (pipelines.output_folder)."""
+    the folder to restore (driver.output_folder)."""
     keep = out / f"{WEIGHTS_FILE}.old-{os.getpid()}"
     old = out / WEIGHTS_FILE
     kept = False

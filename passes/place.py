@@ -525,7 +525,7 @@ def place_pass(g: Graph, ctx: PassContext) -> Graph:
     if hw is None:      # the compile driver reads the profile (and measures `--target auto`)
         if opts.target == "auto":
             raise PassError("place: --target auto needs the profile the compile driver measures "
-                            "(pipelines.compile_model) in the pass context's `hardware`")
+                            "(driver.compile_model) in the pass context's `hardware`")
         hw = HardwareProfile.from_json(Path(opts.target))
     hw = override(hw, gpu_mem=opts.gpu_mem or None, host_mem=opts.host_mem or None)
     calib = ctx.analyses.calibration

@@ -9,18 +9,6 @@ import signal
 import sys
 
 
-def process_seconds() -> float | None:
-    """Seconds since this process started, from /proc (Linux); None elsewhere."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _interrupted(_sig, _frame) -> None:
     sys.stderr.write("error: interrupted\n")
     sys.stderr.flush()

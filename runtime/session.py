@@ -15,7 +15,7 @@ from strata_compiler.errors import PlanError, UsageError
 from strata_compiler.hwprofile import host_memory
 
 from strata_compiler import trace
-from strata_compiler.runtime.entry import process_seconds
+from strata_compiler.runtime.process_clock import process_seconds
 from strata_compiler.kv_cache import KVCache
 from .plan import Plan
 from .sampler import Sampler

@@ -14,10 +14,10 @@ from typing import Callable, Iterator
 import click
 
 from .cli_common import debug_option, run_cli
+from .driver import DEFAULT
 from .errors import UsageError
 from .formats import FORMATS, get_format
 from .pass_manager import PASSES, CompileOptions, DumpConfig
-from .pipelines import DEFAULT
 from .placement_text import prefill_lines
 
 
@@ -118,7 +118,7 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
 
     \b
     Pipeline: """
-    from .pipelines import compile_model
+    from .driver import compile_model
 
     dump = None
     if dump_dir is None and dump_after != "all":
@@ -460,7 +460,7 @@ def open_reference(ref: Path, kind: str, backend: str, *, say: Callable[[str], N
     if kind == "plan":
         yield load_plan(ref)
         return
-    from .pipelines import compile_model
+    from .driver import compile_model
 
     with tempfile.TemporaryDirectory(prefix="strata-eval-ref-") as tmp:
         if say:

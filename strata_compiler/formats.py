@@ -279,7 +279,7 @@ def _unpack_planes(qs: np.ndarray, bits: int, group_size: int) -> np.ndarray:
 
 # The multiple of which each grouped format's group size must be: int3 and int2 pack bit planes
 # of G/8 and G/4 bytes; fp8 takes multiples of 8 as `stratac compile --help` documents; the
-# others hold pairs of values (nibbles). Checked before a compile starts (pipelines.check_options).
+# others hold pairs of values (nibbles). Checked before a compile starts (driver.check_options).
 GROUP_MULTIPLE = {"int8": 2, "int4": 2, "int4a": 2, "int3": 8, "int2": 4, "fp8": 8}
 
 

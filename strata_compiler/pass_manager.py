@@ -1,7 +1,7 @@
 """Pass registry, pass context and the pass manager (timing, verification, dumps).
 
 A pass is a named function `(Graph, PassContext) -> Graph`. The manager runs a pipeline (a list
-of names, see pipelines.py), verifies the IR after every pass that changed it, times each pass,
+of names, see driver.py), verifies the IR after every pass that changed it, times each pass,
 and with a dump directory writes `NNN.<level>.<pass>.txt` + `.dot` and `index.json`.
 """
 
@@ -77,7 +77,7 @@ class PassContext:
     analyses: Analyses = field(default_factory=Analyses)
     progress: Callable[[str], None] | None = None        # called with each pass's name
     progress_bytes: Callable[[int, int], None] | None = None  # (bytes, of total): as emit reads the checkpoint
-    # inputs the compile driver (pipelines.compile_model) reads or measures for the passes
+    # inputs the compile driver (driver.compile_model) reads or measures for the passes
     hardware: HardwareProfile | None = None   # --target: the profile read, or measured for `auto` (place)
     calib_plan: object | None = None          # --calib PLAN.bin: that plan, loaded (calibrate reuses its statistics)
 

@@ -16,10 +16,10 @@ import pytest
 
 from strata_compiler.cli import stratac
 from strata_compiler.cli_common import run_cli
+from strata_compiler.driver import compile_model
 from strata_compiler.errors import ModelError, UsageError
 from strata_compiler.frontend.chat import MAX_TEMPLATE_BYTES, hf_chat
 from strata_compiler.pass_manager import CompileOptions
-from strata_compiler.pipelines import compile_model
 from strata_compiler.runtime.chat import render_chat, stop_ids
 from strata_compiler.runtime.plan import load_plan
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from strata_compiler.cli_common import run_cli
+from strata_compiler.driver import DEFAULT, compile_model
 from strata_compiler.frontend.hf import build_graph
 from strata_compiler.frontend.safetensors_reader import TensorStore
 from strata_compiler.ir import Op
@@ -18,7 +19,6 @@ from strata_compiler.ir_text import parse_graph, print_graph
 from strata_compiler.pass_manager import CompileOptions, DumpConfig, PassContext, run_pipeline
 from strata_compiler.passes import cluster_experts as ce
 from strata_compiler.passes.calibrate import Calibration, Recorder, _F32Weights
-from strata_compiler.pipelines import DEFAULT, compile_model
 from strata_compiler.runtime.cli import strata_run
 from strata_compiler.runtime.plan import load_plan
 from test_calibrate import demo  # noqa: F401  (fixture)

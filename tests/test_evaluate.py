@@ -19,10 +19,10 @@ import pytest
 
 from strata_compiler.cli import open_reference, stratac
 from strata_compiler.cli_common import run_cli
+from strata_compiler.driver import compile_model
 from strata_compiler.errors import UsageError
 from strata_compiler.formats import get_format
 from strata_compiler.pass_manager import CompileOptions
-from strata_compiler.pipelines import compile_model
 from strata_compiler.runtime.evaluate import REQUIRED_KEYS, evaluate, make_chunks, plan_tokenizer, weight_stats
 from strata_compiler.runtime.plan import load_plan
 from strata_compiler.runtime.session import Session

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from hf_models import build_model, clear_prompts, hf_greedy, hf_logits, load_model
+from strata_compiler.driver import DEFAULT, compile_model
 from strata_compiler.errors import IRError
 from strata_compiler.ir import Level, Op
 from strata_compiler.ir_text import parse_graph, print_graph
 from strata_compiler.pass_manager import PASSES, CompileOptions, register
 from strata_compiler.experts import moe_key
 from strata_compiler.passes.expert_split import Share, split_experts
-from strata_compiler.pipelines import DEFAULT, compile_model
 from strata_compiler.verify import verify
 from test_e2e_transformers import run_plan
 

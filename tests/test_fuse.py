@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import strata_compiler.pipelines  # noqa: F401  (registers the passes)
+import strata_compiler.driver  # noqa: F401  (registers the passes)
 from hf_models import ARCHS, build_model
 from strata_compiler.backends.reference.executor import ReferenceExecutor
 from strata_compiler.frontend.hf import build_graph

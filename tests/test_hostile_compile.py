@@ -28,10 +28,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from strata_compiler.cli import CompileProgress, stratac
+from strata_compiler.driver import compile_model
 from strata_compiler.errors import UsageError
 from strata_compiler.formats import FORMATS
 from strata_compiler.pass_manager import CompileOptions
-from strata_compiler.pipelines import compile_model
 from strata_compiler.runtime.plan import load_plan
 from test_cli_errors import _rewrite_meta, _write_tokenizer, assert_one_line_error, cli
 
@@ -430,7 +430,7 @@ def test_two_compiles_at_once_one_refused(tmp_path, models):
     """Two real compiles into one folder, the second started while the first is in emit (held
     there until the second has finished): the second is refused, the first writes its plan."""
     out, started, go = tmp_path / "out", tmp_path / "started", tmp_path / "go"
-    hold = (f"import pathlib, time; import strata_compiler.pipelines; from strata_compiler.passes import emit; "
+    hold = (f"import pathlib, time; import strata_compiler.driver; from strata_compiler.passes import emit; "
             f"w = emit._write_weights\n"
             f"def slow(*a):\n"
             f"    pathlib.Path({str(started)!r}).touch()\n"

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-import strata_compiler.pipelines  # noqa: F401  (registers the passes)
+import strata_compiler.driver  # noqa: F401  (registers the passes)
 from strata_compiler.errors import IRError
 from strata_compiler.frontend.hf import build_graph
 from strata_compiler.ir import DType, Graph, Level, Node, Op, TensorType, WeightSpec, f32, make_attrs

@@ -1,9 +1,11 @@
 """The layers of ARCHITECTURE.md, enforced: every import in product code points down.
 
-core (strata_compiler/) <- frontend <- passes;  core <- backends <- runtime.  The test reads
-every product file's syntax tree, so an import inside a function counts as much as one at the
-top, and relative imports are resolved. It fails on a forbidden import (printed as
-`file:line module -> module`) and on a cycle between packages.
+core (strata_compiler/) <- frontend <- passes;  core <- backends <- runtime;  every layer <- entry
+(the `stratac` CLI and the compile driver).  The test reads every product file's syntax tree, so
+an import inside a function (or under `if TYPE_CHECKING:`) counts as much as one at the top, and
+relative imports are resolved (`from . import x` to the module x). It fails on a forbidden import
+(printed as `file:line module -> module`), on a cycle between packages and on a cycle between
+modules.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ ALLOWED = {
     "passes": {"core", "frontend"},
     "backends": {"core"},
     "runtime": {"core", "backends"},
+    "entry": {"core", "frontend", "passes", "backends", "runtime"},
 }
 
-# The exemptions: the entry points above every layer, the `stratac` CLI and the pipeline assembly
-# (the pass list and the compile driver: frontend in, hardware probe and --calib plan for the
-# passes). `strata-run`'s CLI (runtime/cli.py) keeps to the runtime's rules and needs none.
-ENTRY_POINTS = {f"{NS}.cli", f"{NS}.pipelines"}
+# The entry layer, above every other and imported by none: the `stratac` CLI and the compile driver
+# it runs (the pass list; the frontend in, the hardware probe and the --calib plan for the passes).
+# Their files sit in strata_compiler/, so they are named here. `strata-run`'s and `strata-server`'s
+# CLIs (runtime/cli.py, runtime/server_cli.py) keep to the runtime's rules.
+ENTRY_POINTS = {f"{NS}.cli", f"{NS}.driver"}
 
 # The one import across the rules: the calibration probe runs the model on the reference backend.
 EXCEPTIONS = {(f"{NS}.passes.calibrate", f"{NS}.backends.reference")}
@@ -67,6 +71,8 @@ def layer(mod: str) -> str | None:
     """The layer of an internal module name; None for anything outside the product."""
     if mod != NS and not mod.startswith(NS + "."):
         return None
+    if mod in ENTRY_POINTS:
+        return "entry"
     for sub in ("frontend", "passes", "backends", "runtime"):
         if mod == f"{NS}.{sub}" or mod.startswith(f"{NS}.{sub}."):
             return sub
@@ -124,11 +130,8 @@ def _allowed(src: str, dst: str) -> bool:
 
 
 def _edges():
-    """(module, line, imported internal module) over product code, entry points left out; one per
-    line and target."""
+    """(module, line, imported internal module) over product code; one per line and target."""
     for mod in sorted(MODULES):
-        if mod in ENTRY_POINTS:
-            continue
         for line, dst in sorted(set(imports(mod))):
             if layer(dst) is not None:
                 yield mod, line, dst
@@ -142,6 +145,7 @@ def test_every_product_module_is_found():
     assert f"{NS}.ir" in MODULES and f"{NS}.passes.emit" in MODULES
     assert f"{NS}.backends.reference.executor" in MODULES and f"{NS}.runtime.session" in MODULES
     assert layer(f"{NS}.frontend.hf") == "frontend" and layer(f"{NS}.plan_format") == "core"
+    assert layer(f"{NS}.driver") == "entry"
     assert all(m in MODULES for m in ENTRY_POINTS)
 
 
@@ -158,11 +162,14 @@ def test_finds_every_kind_of_import():
 def test_the_rules():
     ok = [("ir", "errors"), ("frontend.hf", "ir"), ("passes.place", "frontend.hf"), ("passes.emit", "plan_format"),
           ("passes.calibrate", "backends.reference.executor"), ("backends.xla.host_call", "backends.llvm_cpu.jit"),
-          ("backends.probe", "backends.xla.device"), ("runtime.session", "backends.xla.executor")]
+          ("backends.probe", "backends.xla.device"), ("runtime.session", "backends.xla.executor"),
+          ("cli", "driver"), ("driver", "passes.emit"), ("driver", "frontend.hf"), ("cli", "runtime.plan")]
     bad = [("ir", "passes.emit"), ("frontend.hf", "passes.emit"), ("passes.laq", "backends.reference.executor"),
            ("passes.emit", "runtime.plan"), ("backends.xla.executor", "runtime.session"),
            ("backends.llvm_cpu.executor", "backends.xla.cuda_rt"), ("backends.reference.executor", "passes.emit"),
-           ("runtime.session", "passes.emit"), ("runtime.session", "frontend.hf")]
+           ("runtime.session", "passes.emit"), ("runtime.session", "frontend.hf"),
+           ("ir", "driver"), ("pass_manager", "cli"), ("passes.emit", "driver"), ("runtime.session", "driver"),
+           ("backends.probe", "cli")]
     assert all(_allowed(f"{NS}.{a}", f"{NS}.{b}") for a, b in ok)
     assert not any(_allowed(f"{NS}.{a}", f"{NS}.{b}") for a, b in bad)
 
@@ -196,3 +203,40 @@ def test_no_cycle_between_packages():
             msg += [f"    {where[e]}" for e in sorted(g.subgraph(scc).edges)]
     if msg:
         pytest.fail("import cycles between packages:\n" + "\n".join(msg), pytrace=False)
+
+
+def module_cycles(edges) -> list[str]:
+    """The cycles of the module graph of `edges` ((module, where, imported module)): per strongly
+    connected component of more than one module, a line naming them and one per import inside it.
+    An import counts towards the module it names (a package: its __init__.py); the parent packages
+    Python initialises first do not count (a package's __init__.py may name its own modules)."""
+    g = nx.DiGraph()
+    where = {}
+    for src, at, dst in edges:
+        if src != dst:
+            g.add_edge(src, dst)
+            where.setdefault((src, dst), f"{at} {src} -> {dst}")
+    msg = []
+    for scc in sorted(nx.strongly_connected_components(g), key=min):
+        if len(scc) > 1:
+            msg.append("cycle among " + ", ".join(sorted(scc)) + ":")
+            msg += [f"    {where[e]}" for e in sorted(g.subgraph(scc).edges)]
+    return msg
+
+
+def test_finds_a_module_cycle():
+    edges = [("a.x", "x.py:3", "a.y"), ("a.y", "y.py:9", "a.z"), ("a.z", "z.py:2", "a.x"), ("a.z", "z.py:4", "a.w"),
+             ("a.w", "w.py:1", "a.w")]
+    assert module_cycles(edges) == ["cycle among a.x, a.y, a.z:", "    x.py:3 a.x -> a.y",
+                                    "    y.py:9 a.y -> a.z", "    z.py:2 a.z -> a.x"]
+    assert module_cycles(edges[1:]) == []
+
+
+def test_no_cycle_between_modules():
+    """No product module imports itself through others, an import only for annotations included:
+    a cycle ties its modules into one and makes their import order matter. To break one, move what
+    both need into a module below them, or declare there (a Protocol) what the lower module uses of
+    the upper one and let the upper one pass itself in."""
+    msg = module_cycles((src, _where(src, line), dst) for src, line, dst in _edges() if dst in MODULES)
+    if msg:
+        pytest.fail("import cycles between modules:\n" + "\n".join(msg), pytrace=False)

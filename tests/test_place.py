@@ -194,7 +194,7 @@ def test_target_profile_without_gpu_places_everything_on_the_cpu(model, tmp_path
 
 
 def test_target_auto_measures_this_machine_once(model, tmp_path, monkeypatch):
-    """--target auto: the compile driver (pipelines.hardware) measures the machine with the full
+    """--target auto: the compile driver (driver.hardware) measures the machine with the full
     probe (backends/probe.py) and caches the profile per host in Strata's cache dir; the next
     compile reads it back, and a quick profile found there is measured again."""
     import dataclasses

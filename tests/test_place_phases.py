@@ -12,10 +12,10 @@ import pytest
 from strata_compiler import hwprofile as hwp
 from strata_compiler.cli import stratac
 from strata_compiler.cli_common import run_cli
+from strata_compiler.driver import compile_model
 from strata_compiler.ir import Op
 from strata_compiler.pass_manager import CompileOptions, PassContext
 from strata_compiler.passes import place, place_phases
-from strata_compiler.pipelines import compile_model
 from strata_compiler.prefill_streaming import plan_stream_tokens
 from strata_compiler.runtime.plan import load_plan
 from test_place import fake_profile

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import strata_compiler.pipelines  # noqa: F401  (registers the passes)
+import strata_compiler.driver  # noqa: F401  (registers the passes)
 from strata_compiler.frontend.hf import build_graph
 from strata_compiler.ir import DType, Graph, Level, Node, Op, TensorType, f32
 from strata_compiler.pass_manager import PASSES, CompileOptions, PassContext, run_pipeline

@@ -1,6 +1,6 @@
 """`cpu-codegen`: generate the LLVM IR of every CPU kernel, compile it into the kernel cache.
 
-The llvm backend's own pass (registered with the pass manager; strata_compiler/pipelines.py puts
+The llvm backend's own pass (registered with the pass manager; strata_compiler/driver.py puts
 it in the pipeline): passes describe work and never reach into a backend, so the one step of the
 compile that needs the backend's code generator lives with it. The kernels are specialised to each
 op's shapes and weight format. Compiling them here, for the compiling host, means the first

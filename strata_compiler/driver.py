@@ -1,13 +1,13 @@
-"""The pipeline assembly: the compile pipeline, each pass one line, and the driver behind
+"""The compile driver: the compile pipeline, each pass one line, and what runs it behind
 `stratac compile` (model folder -> plan directory). The manager verifies the IR after every pass.
 
-An entry point, above the layers (tests/test_layering.py): it registers the passes and the llvm
-backend's own `cpu-codegen` pass, reads the model through a frontend, and gives the passes what
-only other layers can make, in the pass context: the hardware profile of `--target` (measured by
-the backends' probe for `auto`) and the plan behind `--calib PLAN.bin` (read by the runtime's
-plan loader). Everything a compile can check is checked before the passes run: the flags, the
-config (frontend), the tokenizer (parsed), and the output folder, which the compile holds
-locked and leaves as it was when it fails.
+In the entry layer with the `stratac` CLI, above every other layer and imported by none
+(tests/test_layering.py): it registers the passes and the llvm backend's own `cpu-codegen` pass,
+reads the model through a frontend, and gives the passes what only other layers can make, in the
+pass context: the hardware profile of `--target` (measured by the backends' probe for `auto`) and
+the plan behind `--calib PLAN.bin` (read by the runtime's plan loader). Everything a compile can
+check is checked before the passes run: the flags, the config (frontend), the tokenizer (parsed),
+and the output folder, which the compile holds locked and leaves as it was when it fails.
 """
 
 from __future__ import annotations
