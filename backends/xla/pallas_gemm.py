@@ -119,9 +119,8 @@ def _tile_dot(g: _Geo, x_ref, q_ref, s_ref, e, r0, n0, g0, BM: int, BN: int, GB:
         smask = jnp.broadcast_to(smask, (BN, GB))
     qmask = None if smask is None else jnp.broadcast_to(smask[:, :, None], (BN, GB, g.H))
     q = _load(q_ref.at[e, ns, gs, :], qmask)                                  # [BN, GB, H]
-    if g.paired:                                                              # [BN, GB, 1] each
-        s2 = _load(s_ref.at[e, ns, gs, :], None if smask is None else jnp.broadcast_to(smask[:, :, None], (BN, GB, 2)))
-        s, mn = s2[:, :, 0:1].astype(jnp.float32), s2[:, :, 1:2].astype(jnp.float32)
+    if g.paired:    # [BN, GB, 1] each, two strided loads: Triton cannot slice a loaded [.., 2] block
+        s, mn = (_load(s_ref.at[e, ns, gs, jnp.int32(i)], smask).astype(jnp.float32)[:, :, None] for i in (0, 1))
     else:
         s = _load(s_ref.at[e, ns, gs], smask).astype(jnp.float32)[:, :, None]
     dims = (((1,), (1,)), ((), ()))

@@ -75,7 +75,8 @@ def _expert_rows(p: _Proj, w_refs, e, start, row0, BN: int, limit: int, span: in
     hit = s >= 0
     qa, da = _rows_load(p, qs_slot, sc_slot, jnp.maximum(s, 0), start, row0, BN, limit, span, on=hit)
     qb, db = _rows_load(p, qs_ref, sc_ref, e, start, row0, BN, limit, span, on=~hit)
-    return jnp.where(hit, qa, qb), jnp.where(hit, da, db)
+    d = tuple(jnp.where(hit, a, b) for a, b in zip(da, db)) if p.paired else jnp.where(hit, da, db)
+    return jnp.where(hit, qa, qb), d
 
 
 def _ranks(x):

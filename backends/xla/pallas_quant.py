@@ -307,17 +307,19 @@ def _rows_load(p: _Proj, qs_ref, sc_ref, e, start, row0, BN: int, limit: int, sp
         ok = (rows < limit)[:, None] & (jnp.arange(p.NGP) < p.ng)[None, :]     # [BN, NGP]
         if on is not None:
             ok = ok & on
-        smask = jnp.broadcast_to(ok[:, :, None], (BN, p.NGP, 2)) if p.paired else ok
+        smask = ok
         qmask = jnp.broadcast_to(ok[:, :, None], (BN, p.NGP, p.QW))
     rs, gs = pl.ds(start + row0, BN), pl.ds(0, p.NGP)
-    sc = sc_ref.at[e, rs, gs, :] if p.paired else sc_ref.at[e, rs, gs]
-    return _load(qs_ref.at[e, rs, gs, :], qmask), _load(sc, smask).astype(jnp.float32)
+    q = _load(qs_ref.at[e, rs, gs, :], qmask)
+    if p.paired:    # scale and min as two strided loads: Triton cannot slice a loaded [.., 2] block
+        return q, tuple(_load(sc_ref.at[e, rs, gs, jnp.int32(i)], smask).astype(jnp.float32) for i in (0, 1))
+    return q, _load(sc_ref.at[e, rs, gs], smask).astype(jnp.float32)
 
 
 def _rows_apply(p: _Proj, w, xs, interpret: bool = False):
     """f32[BN]: the rows `w` (from `_rows_load`) dequantized, times the activation parts xs."""
     q, d = w
     s = _dequant_dot(p, q, tuple(x[None] for x in xs), interpret)
-    if p.paired:                                                                 # d: [BN, NGP, (scale, min)]
-        return (s[0] * d[..., 0] + s[1] * d[..., 1]).sum(axis=-1)
+    if p.paired:                                                                 # d: (scale, min) [BN, NGP] each
+        return (s[0] * d[0] + s[1] * d[1]).sum(axis=-1)
     return (s * d).sum(axis=-1)                                                  # masked: d == 0
