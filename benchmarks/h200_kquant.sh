@@ -54,6 +54,8 @@ if [ "${PHASE:-1}" = 1 ]; then
   wait
   log "bf16 GGUF: $(ls -l $W/mx-bf16.gguf 2>&1); llama.cpp build: $(tail -1 $W/build.out 2>&1)"
 elif [ "${PHASE:-1}" = 2 ]; then
+  # Strata reads GGUF metadata types through the gguf package; the device's Python lacks it: llama.cpp's copy
+  export PYTHONPATH=$LC/gguf-py${PYTHONPATH:+:$PYTHONPATH}
   while ! grep -q "build rc" $W/build.out 2>/dev/null && [ $(left) -gt 400 ]; do sleep 5; done
   log "$(tail -1 $W/build.out)"
   for q in Q4_0 Q4_K_M; do
