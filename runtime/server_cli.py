@@ -88,6 +88,8 @@ def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_ba
         start_in_background()
     import uvicorn
 
+    from .http_protocol import HeadDeadlineProtocol
+
     _Server = _server_class()
 
     from .plan import load_plan
@@ -127,7 +129,7 @@ def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_ba
     # client then closes an idle connection before the server does, never reusing one the server is
     # closing at that moment (a request that fails before the server sees it)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=KEEP_ALIVE_S, lifespan="off")
+                            timeout_keep_alive=KEEP_ALIVE_S, lifespan="off", http=HeadDeadlineProtocol)
     server = _Server(config)
     server.engine, server.grace = engine, config.timeout_graceful_shutdown
     server.stop_waiting = app.state.stop_waiting

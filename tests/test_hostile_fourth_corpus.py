@@ -258,3 +258,42 @@ def test_a_cache_folder_reached_through_another_users_symlink_is_refused(tmp_pat
     assert pc.save() == 1
     assert sorted(p.suffix for p in ours.iterdir()) == [".key", ".kv"]     # hmac.key and the entry, no temp left
     assert len(PromptCache(1 << 20, plan, ours, shape=(2, 2, 4)).entries) == 1
+
+
+def test_a_request_head_that_never_completes_is_closed(tiny_int8_plan, monkeypatch):
+    """Slowloris: a connection that sends nothing, or a request line and headers a byte at a time,
+    is closed HEAD_S after it started (uvicorn alone kept both for ever); a whole request on a
+    kept-alive connection is still served, and so is its next one."""
+    uvicorn = pytest.importorskip("uvicorn")
+    from strata_compiler.runtime import http_protocol, server
+    from test_server import _free_port
+
+    monkeypatch.setattr(http_protocol, "HEAD_S", 1.0)
+    engine = _engine(tiny_int8_plan)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(server.make_app(engine, api_key="k"), port=port, log_level="error",
+                                        lifespan="off", http=http_protocol.HeadDeadlineProtocol))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not srv.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        silent = socket.create_connection(("127.0.0.1", port), timeout=10)
+        slow = socket.create_connection(("127.0.0.1", port), timeout=10)
+        t0 = time.monotonic()
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        for s in (silent, slow):
+            assert s.recv(4096) == b""          # closed by the server, nothing answered
+        assert time.monotonic() - t0 < 5
+        silent.close()
+        slow.close()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:     # keep-alive: two requests
+            for _ in range(2):
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                answer = s.recv(4096)
+                assert answer.startswith(b"HTTP/1.1 200"), answer[:100]
+                time.sleep(1.5)                 # longer than HEAD_S between requests: the idle wait is keep-alive's
+    finally:
+        srv.should_exit = True
+        th.join(10)
