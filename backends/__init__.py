@@ -41,9 +41,9 @@ def resolve_backend(name: str) -> str:
             raise BackendError(f"--backend llvm: {why}")
         return name
     if name == "xla":
-        from .xla.device import _jax
+        from .xla.device import load_jax
 
-        _jax()
+        load_jax()
         return name
     raise BackendError(f"--backend {name}: unknown backend; choose one of reference, llvm, xla, auto")
 

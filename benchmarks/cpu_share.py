@@ -95,7 +95,7 @@ def main() -> int:
         if not moes:
             continue
         # whether the segment runs as one program
-        as_program = exe._program(frame, exe.frames[1][1], lx.Step(1, 1, s.cache), 0, len(exe.nodes)) is not None
+        as_program = exe.host_program(frame, exe.frames[1][1], lx.Step(1, 1, s.cache), 0, len(exe.nodes)) is not None
         def segment_ns(k: int) -> list[int]:
             seg = []
             for _ in range(a.reps + 5):

@@ -126,7 +126,7 @@ class ExpertSwaps:
             for _name, _arr, cur, dst, rb, src, _raw in plan:
                 cuda_rt.copy_bulk(dst + slot * rb, src[e].ctypes.data, rb, cur)
                 moved += rb
-            xla._bulk_pending = True
+            xla.slot_copies_queued()
         else:
             rows = {role: {a: v[e] for a, v in self.host_arrays(host.weight(role)).items()}
                     for role, _ in gpu_node.weights}

@@ -204,10 +204,10 @@ class FusedCalls:
             _, ops = exe.frames[B]
             step = Step(B, 1, None)
             cuts = {None: (0, len(ops))} if split is None else {"start": (0, split[3]), "finish": (split[3], len(ops))}
-            progs = {k: exe._program(frame, ops, step, lo, hi) for k, (lo, hi) in cuts.items()}
+            progs = {k: exe.host_program(frame, ops, step, lo, hi) for k, (lo, hi) in cuts.items()}
             if all(p is not None and not p[1] for p in progs.values()) and any(len(p[0]) for p in progs.values()):
                 # part -> (program, the same with time stamps, its stamps, index of its first op)
-                out = {k: (p[0],) + exe._program(frame, ops, step, *cuts[k], traced=True)[::2] + (cuts[k][0],)
+                out = {k: (p[0],) + exe.host_program(frame, ops, step, *cuts[k], traced=True)[::2] + (cuts[k][0],)
                        for k, p in progs.items()}
         self._progs[key] = out
         return out
@@ -216,9 +216,9 @@ class FusedCalls:
 
     def clock(self) -> tuple:
         """Turn the native calls' records on: (TSC now, perf_counter_ns now, TSC ticks per us)."""
-        from strata_compiler.backends.llvm_cpu.pool import _get_native
+        from strata_compiler.backends.llvm_cpu.pool import native_runtime
 
-        nat = _get_native()
+        nat = native_runtime()
         self.records[0], self.records[1] = 1, 0
         return nat.rdtsc(), time.perf_counter_ns(), nat.ticks_per_us
 

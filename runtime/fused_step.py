@@ -4,7 +4,7 @@ Partition by partition (runtime/partitions.py), a step dispatches one jitted cal
 partition and moves every value that crosses devices through Python. Here the whole decode step
 is traced into one program for the GPU:
 
-* each xla partition's traced body (`XLAExecutor._flat`) is inlined, in plan order;
+* each xla partition's traced body (`XLAExecutor.traced_body`) is inlined, in plan order;
 * each llvm partition becomes a host call (runtime/fused_calls.py), which runs the partition's
   kernels on the host between the GPU's kernels, natively where it can;
 * the step's token ids, each row's cache position and the expert caches' slot maps go in as
@@ -103,7 +103,7 @@ class FusedStep:
         for kind, exe, _ in self.m.parts:
             if kind == "llvm" and B not in exe.frames:
                 return False
-            if kind == "xla" and ((B, 1) not in exe._out_keys
+            if kind == "xla" and ((B, 1) not in exe.out_keys
                                   or (exe.layers and not on_device(cache.k[exe.layers[0]]))):
                 return False
         return True
@@ -181,8 +181,8 @@ class FusedStep:
                         args, tok[0] = jax.lax.optimization_barrier((args, tok[0]))     # the share after it
                         return args
                     hooks = {splits[i + 1][0].id: before_share}
-                flat, kt, vt = exe._flat(params[i], pk, pv, ext, ids, B, 1, pos, hooks)
-                for key, v in zip(exe._out_keys[B, 1], flat):
+                flat, kt, vt = exe.traced_body(params[i], pk, pv, ext, ids, B, 1, pos, hooks)
+                for key, v in zip(exe.out_keys[B, 1], flat):
                     if key == COUNTS:       # the expert caches' routings (--miss-path gpu): results of the step
                         counts.append((i, v))
                     else:

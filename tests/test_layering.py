@@ -240,3 +240,62 @@ def test_no_cycle_between_modules():
     msg = module_cycles((src, _where(src, line), dst) for src, line, dst in _edges() if dst in MODULES)
     if msg:
         pytest.fail("import cycles between modules:\n" + "\n".join(msg), pytrace=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# private members stay in their package
+
+
+def _package(mod: str) -> str:
+    """The unit that owns a private name: a backend, the backends' package level, or a layer."""
+    return f"backends.{backend_of(mod)}" if backend_of(mod) else (layer(mod) or mod)
+
+
+def private_crossings(sources: dict[str, str]) -> list[str]:
+    """`obj._name` (obj not self/cls) and `from m import _name` where `_name` is defined (a def,
+    a class, a module-level or `self.` assignment) only in other packages than the one using it.
+    sources: module name -> its text."""
+    trees = {m: ast.parse(s) for m, s in sources.items()}
+    owners: dict[str, set] = {}
+    for m, tree in trees.items():
+        for n in ast.walk(tree):
+            names = []
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [n.name]
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and \
+                    isinstance(n.value, ast.Name) and n.value.id == "self":
+                names = [n.attr]
+            elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+                names = [t.id for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)]
+            for name in names:
+                if name.startswith("_") and not name.startswith("__"):
+                    owners.setdefault(name, set()).add(_package(m))
+    out = []
+    for m, tree in trees.items():
+        mine = _package(m)
+        for n in ast.walk(tree):
+            used = []
+            if isinstance(n, ast.Attribute) and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")):
+                used = [n.attr]
+            elif isinstance(n, ast.ImportFrom):
+                used = [a.name for a in n.names]
+            for name in used:
+                if name.startswith("_") and not name.startswith("__") and owners.get(name) \
+                        and mine not in owners[name]:
+                    out.append(f"{m}:{n.lineno} uses {name} of {sorted(owners[name])}")
+    return out
+
+
+def test_finds_a_private_crossing():
+    found = private_crossings({f"{NS}.backends.xla.executor": "class X:\n    def _flat(self):\n        pass\n",
+                               f"{NS}.runtime.fused_step": "def f(exe):\n    return exe._flat()\n",
+                               f"{NS}.runtime.session": "class S:\n    def g(self):\n        return self._flat\n"})
+    assert found == [f"{NS}.runtime.fused_step:2 uses _flat of ['backends.xla']"]
+
+
+def test_no_private_member_crosses_a_package():
+    """The runtime drives backends through their public surface (strata_compiler/execution.py and
+    each backend's public methods), never their private members; nor does one backend or layer
+    reach into another's."""
+    found = private_crossings({m: p.read_text() for m, p in MODULES.items()})
+    assert not found, "\n".join(found)

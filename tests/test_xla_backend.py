@@ -111,7 +111,7 @@ def test_layer_partitions_of_one_shape_compile_once(tmp_path):
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     names = [e.name for e in (tmp_path / "cache" / "xla").iterdir()]
-    entries = [e for e in names if e.startswith("jit__flat")]
+    entries = [e for e in names if e.startswith("jit_traced_body")]
     # prefill and decode shapes of: the first partition (embedding), the middle layers' (all
     # alike), the last one (its layer and the head); decode steps after the first run as one
     # program (runtime/fused_step.py), one entry more

@@ -141,7 +141,7 @@ class LLVMExecutor(Executor):
         prog = None
         if trace.ACTIVE is None and PHASE_NS is None and getattr(self.w, "disk_tier", None) is None \
                 and all(env.get(i) is IN_FRAME for f in self._fetch_vals[lo:hi] for i in f):
-            prog = self._program(frame, ops, step, lo, hi)
+            prog = self.host_program(frame, ops, step, lo, hi)
         if prog is not None:             # the whole range as one native call
             for f in prog[1]:
                 f(step)
@@ -162,7 +162,7 @@ class LLVMExecutor(Executor):
             for o in self.outputs:
                 env[o] = frame.out(self.g.node(o)).copy()
 
-    def _program(self, frame: Frame, ops: list, step: Step, lo: int, hi: int, traced: bool = False):
+    def host_program(self, frame: Frame, ops: list, step: Step, lo: int, hi: int, traced: bool = False):
         """(instructions int64[n, 10], pre-step functions) of ops [lo, hi) for this step shape, or
         None where an op has no native form (made once per shape and range). `traced`: the same
         program with a TSC instruction before the first op and after each, into a third item

@@ -147,7 +147,7 @@ _native: _Native | None = None
 _native_lock = threading.Lock()
 
 
-def _get_native() -> _Native:
+def native_runtime() -> _Native:
     global _native
     if _native is None:
         with _native_lock:
@@ -180,7 +180,7 @@ def set_spin(spin_us: float = _DEFAULT_SPIN_US, yield_us: float = _DEFAULT_YIELD
     global _spin_now
     if (spin_us, yield_us, caller_spin_us) == _spin_now:
         return
-    nat = _get_native()
+    nat = native_runtime()
     tk = nat.ticks_per_us
     nat.set_spin_ticks(int(spin_us * tk), int(yield_us * tk), int(caller_spin_us * tk))
     _spin_now = (spin_us, yield_us, caller_spin_us)
@@ -199,7 +199,7 @@ class ThreadPool:
         self.n_threads = n
         self.split = pool_split()
         self._want_workers = n - 1
-        self._nat = _get_native()
+        self._nat = native_runtime()
         with self._nat.lock:
             self._nat.ensure_workers(n - 1)
 

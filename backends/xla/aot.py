@@ -37,7 +37,7 @@ from pathlib import Path
 
 from strata_compiler import settings
 
-from .device import _jax
+from .device import load_jax
 
 MAGIC = b"STRATA-XLA-EXECUTABLE-1\n"
 MAX_HEADER = 1 << 20
@@ -170,7 +170,7 @@ class Program:
 
     def __init__(self, name: str, fn, scope: str, static_argnums=(), donate_argnums=(),
                  meta_of=None, restore=None) -> None:
-        jax = _jax()
+        jax = load_jax()
         self.name = name
         self.jit = jax.jit(fn, static_argnums=static_argnums, donate_argnums=donate_argnums)
         self.static = tuple(static_argnums)
@@ -185,7 +185,7 @@ class Program:
         return self.jit.lower(*args)
 
     def __call__(self, *args):
-        jax = _jax()
+        jax = load_jax()
         dyn = tuple(a for i, a in enumerate(args) if i not in self.static)
         static = tuple(args[i] for i in self.static)
         first = dyn[0] if dyn else None
@@ -223,7 +223,7 @@ class Program:
             return lowered.compile()
 
     def _key(self, sig: str) -> str:
-        jax = _jax()
+        jax = load_jax()
         import jaxlib
 
         vals = {s: repr(settings.get(s)) for s in settings.names()}
@@ -240,7 +240,7 @@ class Program:
         path = self._path(key)
         if path is None or not path.is_file():
             return None
-        got = _read_entry(path, key, _jax().tree_util.tree_structure((dyn, {})))
+        got = _read_entry(path, key, load_jax().tree_util.tree_structure((dyn, {})))
         return None if got is None else self._restored(got, static, path)
 
     def _restored(self, got, static: tuple, path: Path):
@@ -269,7 +269,7 @@ class Program:
             if len(lines) != len(want) or lines[:2] != want[:2] or lines[3:] != want[3:] or "in" not in head:
                 continue
             try:
-                in_tree = _jax().tree_util.tree_structure((_from_spec(head["in"]), {}))
+                in_tree = load_jax().tree_util.tree_structure((_from_spec(head["in"]), {}))
             except (ValueError, TypeError):
                 continue
             self._pending[lines[2]] = (key, in_tree, _loader().submit(_read_entry, path, key, in_tree))
@@ -281,7 +281,7 @@ class Program:
             return None
         key, in_tree, fut = entry
         got = fut.result()
-        if got is None or key != self._key(sig) or in_tree != _jax().tree_util.tree_structure((dyn, {})):
+        if got is None or key != self._key(sig) or in_tree != load_jax().tree_util.tree_structure((dyn, {})):
             return None
         return self._restored(got, static, self._path(key))
 
@@ -346,7 +346,7 @@ def _read_entry(path: Path, key: str, in_tree):
             raise ValueError("payload checksum mismatch")
         if not _scan_globals(payload):
             raise ValueError("the payload names a global outside JAX's and NumPy's types")
-        jax = _jax()
+        jax = load_jax()
         from jax.experimental import serialize_executable as se
 
         out_tree = jax.tree_util.tree_structure(_from_spec(head["out"]))

@@ -12,13 +12,13 @@ from strata_compiler.errors import BackendError, UsageError
 
 from . import cuda_rt
 from .dequant import _jnp
-from .device import _jax, on_device
+from .device import load_jax, on_device
 
 
 class DecodeSteps:
     def _decode_loop(self, params, ks, vs, tok, pos, n):
         """n greedy decode steps in one XLA computation: the token never leaves the device."""
-        jax, jnp = _jax(), _jnp()
+        jax, jnp = load_jax(), _jnp()
         B = tok.shape[0]
 
         def body(i, carry):
@@ -35,7 +35,7 @@ class DecodeSteps:
         each row from its own position.
 
         Returns i64[B, n]. Whole-plan executors only."""
-        jax, jnp = _jax(), _jnp()
+        jax, jnp = load_jax(), _jnp()
         if len(self.nodes) != len(self.g.nodes):
             raise BackendError("greedy_decode runs whole plans on one device")
         if cache.length + n > cache.capacity:
@@ -74,7 +74,7 @@ class DecodeSteps:
         the device (backends/ahead.py). The tokens, int64 [B, <= n]."""
         from strata_compiler.backends import ahead
 
-        jax = _jax()
+        jax = load_jax()
         if cache.length + n > cache.capacity:
             raise UsageError(f"sequence of {cache.length + n} tokens exceeds the KV cache capacity {cache.capacity}")
         fn = self._ahead_fn
@@ -123,7 +123,7 @@ class DecodeSteps:
         chose for it on the device (`prev`, the tokens this returned then), so the host can launch
         a step before it knows the last one's tokens. host_tok int32 and use_host bool [cache rows].
         Returns (tokens int32 [cache rows], logits f32 [rows, V]), device values."""
-        jax = _jax()
+        jax = load_jax()
         if cache.length + 1 > cache.capacity:
             raise UsageError(f"sequence of {cache.length + 1} tokens exceeds the KV cache capacity {cache.capacity}")
         if self.layers and not on_device(cache.k[self.layers[0]]):

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from strata_compiler.errors import BackendError
 
-from .device import _jax
+from .device import load_jax
 
 
 def _jnp():
-    _jax()
+    load_jax()
     import jax.numpy as jnp
 
     return jnp

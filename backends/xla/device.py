@@ -13,7 +13,7 @@ from strata_compiler.errors import BackendError
 
 
 @functools.cache
-def _jax():
+def load_jax():
     # JAX's GPU client reserves 75 % of the device's memory at its first allocation unless told
     # not to: on a 141 GB H200 that alone is ~1.4 s of a fresh process's first token. Its pool
     # grows as needed instead (the `gpu_preallocate` setting restores JAX's default).
@@ -32,7 +32,7 @@ def _jax():
 def on_device(a) -> bool:
     """Whether a KV cache array is a JAX array, not a host NumPy one (`hasattr(a, "device")` cannot
     tell: NumPy 2's arrays have a `device` too)."""
-    return isinstance(a, _jax().Array)
+    return isinstance(a, load_jax().Array)
 
 
 def zeros_all(specs, device) -> list:
@@ -47,7 +47,7 @@ def zeros_all(specs, device) -> list:
 
 @functools.cache
 def _zeros_all_fn(specs: tuple, device):
-    jax = _jax()
+    jax = load_jax()
     import jax.numpy as jnp
 
     return jax.jit(lambda: tuple(jnp.zeros(s, d) for s, d in specs),
@@ -77,7 +77,7 @@ _started: list = []
 def start_in_background() -> None:
     """Import JAX and bring its GPU backend up on a daemon thread (once), where the driver sees a
     CUDA GPU: a run bound for the xla backend reads its plan meanwhile instead of waiting first.
-    Later calls of `_jax`/`gpus` wait for it (the import lock, the backend's own lock)."""
+    Later calls of `load_jax`/`gpus` wait for it (the import lock, the backend's own lock)."""
     if _started:
         return
     import threading
@@ -95,7 +95,7 @@ def start_in_background() -> None:
 
 
 def gpus() -> list:
-    jax = _jax()
+    jax = load_jax()
     try:
         return [d for d in jax.devices() if d.platform in ("gpu", "cuda", "rocm")]
     except RuntimeError:
@@ -110,7 +110,7 @@ def device(kind: str = "auto", index: int = 0):
     """The device for xla partitions: a GPU when present (or required), else JAX's CPU; `index`
     picks among several (a plan's gpu:N). JAX's CPU platform stands in with as many devices as
     XLA_FLAGS=--xla_force_host_platform_device_count gives it."""
-    jax = _jax()
+    jax = load_jax()
     if kind in ("auto", "gpu"):
         g = gpus()
         if g:

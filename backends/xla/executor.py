@@ -25,7 +25,7 @@ from strata_compiler.verify import check_token_ids
 from . import aot, cuda_rt, pallas_flash
 from .decoding import DecodeSteps
 from .dequant import _jnp
-from .device import _jax, device as pick_device, on_device, zeros_all  # noqa: F401 - on_device: also imported from here
+from .device import load_jax, device as pick_device, on_device, zeros_all  # noqa: F401 - on_device: also imported from here
 from .context import _Ctx
 from .lowering import OPS, routers_after
 from .rows import HostSlice, PaddedRows, _pad_rows, fetch_last
@@ -120,9 +120,9 @@ class XLAExecutor(DecodeSteps, Executor):
         self.param_bytes = sum(v.nbytes for arrs in host.values() for v in arrs.values())
         self.host_params = host if stream else None
         self.kv_dtype = jnp.float32
-        self._out_keys: dict[tuple[int, int], tuple] = {}     # (B, T) -> the result keys of _flat's first tuple
-        self._fn = self._program("forward", self._flat, static_argnums=(5, 6), donate_argnums=(1, 2),
-                                 meta_of=lambda st: list(self._out_keys[st]), restore=self._restore_keys)
+        self.out_keys: dict[tuple[int, int], tuple] = {}     # (B, T) -> the result keys of traced_body's first tuple
+        self._fn = self._program("forward", self.traced_body, static_argnums=(5, 6), donate_argnums=(1, 2),
+                                 meta_of=lambda st: list(self.out_keys[st]), restore=self._restore_keys)
         self._ahead_fn = self._program("ahead", self._ahead_step, donate_argnums=(1, 2))
         if nodes is None:       # a whole plan's executor: its stored programs load while its weights go up
             for prog in (self._fn, self._ahead_fn):
@@ -150,7 +150,7 @@ class XLAExecutor(DecodeSteps, Executor):
         if (type(self) is not XLAExecutor or self.host_params is not None or self.mapped_host
                 or not (self.on_gpu or self.executables_on_cpu)):
             kw.pop("meta_of", None), kw.pop("restore", None)
-            return _jax().jit(fn, **kw)
+            return load_jax().jit(fn, **kw)
         return aot.Program(name, fn, self._scope, **kw)
 
     def _scope(self) -> str:
@@ -171,7 +171,7 @@ class XLAExecutor(DecodeSteps, Executor):
         """The result keys of a forward program loaded rather than traced (aot.Program)."""
         if not isinstance(meta, list) or not all(isinstance(k, int) and not isinstance(k, bool) for k in meta):
             raise ValueError("bad result keys")
-        self._out_keys[static] = tuple(meta)
+        self.out_keys[static] = tuple(meta)
 
     pool = None         # a streamed partition's WeightPool (streaming.py), where raw copies run
     _pool_set = None    # the pool set its weights are in, until its call has been launched
@@ -200,7 +200,7 @@ class XLAExecutor(DecodeSteps, Executor):
         """The weights' stored arrays (by weight, then array name) on the device: on a CUDA GPU by
         raw copies from several threads into arrays allocated there (JAX's device_put of a
         mapped file goes one array at a time through one thread's staging copy)."""
-        jax = _jax()
+        jax = load_jax()
         if cuda_rt.mode == "cuda" and self.on_gpu and type(self) is XLAExecutor and self.host_params is None:
             flat = [(name, a, np.ascontiguousarray(v)) for name, arrs in host.items() for a, v in arrs.items()]
             dst = zeros_all([(v.shape, v.dtype) for _, _, v in flat], self.device)
@@ -246,13 +246,13 @@ class XLAExecutor(DecodeSteps, Executor):
             outs[PACKED] = c.jnp.concatenate([outs[o].reshape(-1).astype(c.jnp.float32) for o in self.packed])
         return outs, ks, vs
 
-    def _flat(self, params, ks, vs, ext, ids, B, T, pos, hooks: dict | None = None):
-        """_forward with its results as tuples (in _out_keys[B, T] and self.layers order), not dicts
+    def traced_body(self, params, ks, vs, ext, ids, B, T, pos, hooks: dict | None = None):
+        """_forward with its results as tuples (in out_keys[B, T] and self.layers order), not dicts
         keyed by node ids and layers: result keys are written into the lowered module, so
         structurally equal partitions (one per layer in a split plan) lower to the same module and
         compile once, through the persistent cache."""
         outs, ks, vs = self._forward(params, ks, vs, ext, ids, B, T, pos, hooks)
-        self._out_keys[B, T] = tuple(outs)
+        self.out_keys[B, T] = tuple(outs)
         return tuple(outs.values()), tuple(ks[l] for l in self.layers), tuple(vs[l] for l in self.layers)
 
     def pack_for_host(self, node_ids, tokens: int = 1) -> None:
@@ -269,7 +269,7 @@ class XLAExecutor(DecodeSteps, Executor):
         `slot` of node `node_id`'s weights, in place on the device. Returns the bytes copied.
         wait=False: raw copies return once queued (cuda_rt bulk stream); this partition's next
         call waits for them. (A running fused step's copies: MixedExecutor._copy_rows.)"""
-        jax = _jax()
+        jax = load_jax()
         if not hasattr(self, "_put_row"):
             self._put_row = jax.jit(lambda a, r, i: a.at[i].set(r), donate_argnums=0)
         n = self.g.node(node_id)
@@ -294,6 +294,11 @@ class XLAExecutor(DecodeSteps, Executor):
                 moved += host.nbytes
         return moved
 
+    def slot_copies_queued(self) -> None:
+        """Raw copies into this partition's expert slots were queued on the bulk stream (by the
+        runtime's expert cache): land_slot_copies waits for them."""
+        self._bulk_pending = True
+
     def land_slot_copies(self) -> None:
         """Wait for the expert-slot copies set_slot(wait=False) queued: before anything reads the
         weights (this partition's next call, or a fused step's program)."""
@@ -304,7 +309,7 @@ class XLAExecutor(DecodeSteps, Executor):
     def new_cache(self, cache) -> None:
         """Put this partition's layers of the cache on the device: zeros for an empty cache, else
         the host arrays (rows loaded on the host: KVCache.load_row)."""
-        jax, jnp = _jax(), _jnp()
+        jax, jnp = load_jax(), _jnp()
         home = self._home()
         if cache.length:
             for layer in self.layers:
@@ -322,7 +327,7 @@ class XLAExecutor(DecodeSteps, Executor):
 
     def _zeros_sharding(self):
         """Where new_cache's zeros live: this partition's device (or a mesh's sharding)."""
-        jax = _jax()
+        jax = load_jax()
         home = self._home()
         return home if isinstance(home, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(home)
 
@@ -331,7 +336,7 @@ class XLAExecutor(DecodeSteps, Executor):
         the host) into row `slot` of `cache`, for this partition's layers, on the device (one
         jitted copy per shape, the destination donated); the slot's length becomes the row's.
         Layers of other partitions are left to them (MixedExecutor.load_row)."""
-        jax = _jax()
+        jax = load_jax()
         n = int(src.lengths[row])
         if n > cache.capacity:
             raise UsageError(f"a sequence of {n} tokens does not fit a KV cache of {cache.capacity}")
@@ -398,9 +403,9 @@ class XLAExecutor(DecodeSteps, Executor):
             # host values on the device first: an input is then a device array whichever partition
             # made it (a CPU one, or one streamed to the GPU), and a program compiled for one serves both
             home = self._home()
-            ext = {i: _jax().device_put(v, home) if isinstance(v, np.ndarray) else v for i, v in ext.items()}
+            ext = {i: load_jax().device_put(v, home) if isinstance(v, np.ndarray) else v for i, v in ext.items()}
         flat, kt, vt = self._fn(self.params, ks, vs, ext, ids_arg, B, T_pad, pos_arg)
-        outs = dict(zip(self._out_keys[B, T_pad], flat))
+        outs = dict(zip(self.out_keys[B, T_pad], flat))
         # the expert caches' routings of this call (--miss-path gpu), for MixedExecutor to fold
         self.step_counts = outs.pop(COUNTS, None)
         if self._pool_set is not None:      # the set is refilled once this call has finished reading it
@@ -441,7 +446,7 @@ class XLAExecutor(DecodeSteps, Executor):
         ext = {i: env[i] for i in self.inputs if self.g.node(i).op is not Op.INPUT_IDS}
         if T_pad != T:
             ext = {i: _pad_rows(v, B, T, T_pad) for i, v in ext.items()}
-        jax = _jax()
+        jax = load_jax()
         for i, v in ext.items():     # results of another GPU's partition: a device-to-device copy
             if not isinstance(v, np.ndarray) and self.device not in v.devices():
                 ext[i] = jax.device_put(v, self.device)

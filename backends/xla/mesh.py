@@ -30,7 +30,7 @@ from strata_compiler.ir import Graph, Node
 from strata_compiler.experts import Residency, share_groups
 
 from .context import _Ctx
-from .device import _jax, device as pick_device
+from .device import load_jax, device as pick_device
 from .executor import XLAExecutor
 from .moe import moe_core
 
@@ -40,7 +40,7 @@ class MeshXLAExecutor(XLAExecutor):
 
     def __init__(self, graph: Graph, weights, nodes: list[int], n_devices: int, device_kind: str = "auto",
                  residency: Residency | None = None) -> None:
-        jax = _jax()
+        jax = load_jax()
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
         self.n_devices = n_devices
@@ -63,7 +63,7 @@ class MeshXLAExecutor(XLAExecutor):
     def _place_params(self, host: dict[str, dict[str, np.ndarray]]) -> dict:
         """The dense weights replicated; each group's shares stacked [N, Emax, ...] (share k on
         device k, padded with zero experts) and sharded, with each slot's model expert id (-1: pad)."""
-        jax = _jax()
+        jax = load_jax()
         grouped = {w for grp in self.groups for m in grp for _, w in m.weights}
         params = super()._place_params({name: arrs for name, arrs in host.items() if name not in grouped})
         for gi, grp in enumerate(self.groups):
@@ -92,7 +92,7 @@ class MeshXLAExecutor(XLAExecutor):
         (`_host_args`)."""
         if self.processes == 1:
             return super().run_segment(env, input_ids, cache)
-        jax = _jax()
+        jax = load_jax()
         local = dict(env)
         for i in self.inputs:
             v = local.get(i)
@@ -104,7 +104,7 @@ class MeshXLAExecutor(XLAExecutor):
     def _host_args(self, ids: np.ndarray, pos: np.ndarray) -> tuple:
         if self.processes == 1:
             return ids, pos
-        return tuple(_jax().device_put((ids, pos), self.replicated))
+        return tuple(load_jax().device_put((ids, pos), self.replicated))
 
     def _value(self, c: _Ctx, n: Node, args: list):
         """A share group's first node computes the whole group over the mesh; the others give 0

@@ -11,7 +11,7 @@ import numpy as np
 from strata_compiler.errors import BackendError
 
 from . import cuda_rt
-from .device import _jax
+from .device import load_jax
 
 
 class HostSlice:
@@ -73,7 +73,7 @@ def fetch_last(v, B: int, T_pad: int, T: int) -> np.ndarray:
     device by one program per padded shape (a slice at T - 1 would compile one per prompt length)."""
     fn = _LAST.get("fn")
     if fn is None:
-        jax = _jax()
+        jax = load_jax()
         fn = _LAST["fn"] = jax.jit(
             lambda x, i, B: jax.lax.dynamic_slice_in_dim(x.reshape(B, -1, *x.shape[1:]), i, 1, axis=1),
             static_argnums=2)

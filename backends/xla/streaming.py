@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import cuda_rt
-from .device import _jax, zeros_all
+from .device import load_jax, zeros_all
 
 
 class WeightPool:
@@ -29,7 +29,7 @@ class WeightPool:
     def fill(self, host: dict[str, dict[str, np.ndarray]]) -> tuple[dict, tuple]:
         """Queue copies of `host` (by weight, then array; C-contiguous) into the next set of its
         layout. Returns (the params dict over that set, the set's key for `guard`)."""
-        jax = _jax()
+        jax = load_jax()
         items = [(name, a, np.ascontiguousarray(v)) for name in sorted(host) for a, v in sorted(host[name].items())]
         layout = tuple((v.shape, v.dtype.str) for _, _, v in items)
         sets = self.sets.get(layout)
