@@ -297,7 +297,7 @@ def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | No
     """strata-run after its flags were checked: start up, generate, report (Ctrl-C: `ctrl`)."""
     from .plan import load_plan
     from .sampler import Sampler, plan_sampling
-    from .session import Interrupted, NonFiniteLogits, Session, check_room
+    from .session import Session, check_room
     from .sigbus import guard
 
     lead = True
@@ -330,6 +330,42 @@ def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | No
         start_chat(plan, session, tokenizer, sampler, max_new_tokens, system_prompt,
                    ignore_eos)
         return
+    ids = _prompt_ids(plan, tokenizer, prompt, input_ids)
+    check_room(plan, *ids.shape, max_new_tokens, keep_logits=bool(logits_out))
+    session = start()
+    from .chat import stop_ids
+
+    stop = () if ignore_eos else stop_ids(plan)   # config.json's and generation_config.json's EOS ids
+    from strata_compiler import trace
+
+    tracer = trace.Tracer(full=bool(trace_out)) if (trace_out or stats) else None
+    trace.ACTIVE = tracer
+    if stop_strings and (tokenizer is None or ids.shape[0] != 1):
+        raise UsageError("--stop needs the plan's tokenizer and one sequence (a --prompt, or --input-ids of one row)")
+    # one sequence with a tokenizer: its text streams to stdout as the tokens are made
+    out = _Streamer(tokenizer, ids, stop_strings, echo) if tokenizer is not None and ids.shape[0] == 1 and lead \
+        else None
+    t_run = time.perf_counter()
+    logits, new, stopped = _generate(ctrl, session, ids, max_new_tokens, sampler, stop, prefill_chunk,
+                                     bool(logits_out), out)
+    t_run = time.perf_counter() - t_run
+    # another host of a multi-host run reports nothing (process 0 does); a stop before the first
+    # token leaves nothing to keep
+    kept = lead and (stopped is None or new.shape[1] > 0)
+    if kept:
+        _keep(tokenizer, ids, new, logits, tokens_out, logits_out, trace_out, tracer,
+              None if stopped is not None else lambda: _report(session, ids, stats, tracer, t_run, sampling),
+              out, echo)
+    if isinstance(stopped, KeyboardInterrupt):
+        saved = [f for f, v in (("--tokens-out", tokens_out), ("--logits-out", logits_out)) if v and kept]
+        raise RunInterrupted(f"interrupted (Ctrl-C) after {new.shape[1]} new tokens"
+                             + (f"; {' and '.join(saved)} saved with them" if saved else ""))
+    if stopped is not None:
+        raise stopped
+
+
+def _prompt_ids(plan, tokenizer, prompt: str | None, input_ids: Path | None) -> np.ndarray:
+    """The prompt's ids, int64 [B, T], from --prompt or --input-ids: a user's mistake is one error line."""
     if prompt is not None:
         if tokenizer is None:
             raise UsageError(f"{plan.path}: the plan has no tokenizer (the model folder had no tokenizer.json); use --input-ids")
@@ -346,25 +382,20 @@ def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | No
         if ids.min() < 0 or ids.max() >= vocab:
             bad = int(ids.min() if ids.min() < 0 else ids.max())
             raise UsageError(f"--input-ids {input_ids}: token id {bad} is outside the vocabulary [0, {vocab})")
-    check_room(plan, *ids.shape, max_new_tokens, keep_logits=bool(logits_out))
-    session = start()
-    from .chat import stop_ids
+    return ids
 
-    stop = () if ignore_eos else stop_ids(plan)   # config.json's and generation_config.json's EOS ids
+
+def _generate(ctrl: _CtrlC, session, ids: np.ndarray, max_new_tokens: int, sampler, stop, prefill_chunk: int | None,
+              keep_logits: bool, out: "_Streamer | None") -> tuple[np.ndarray | None, np.ndarray, BaseException | None]:
+    """Session.generate -> (logits, new, stopped): an early stop is returned, not raised, so its output is kept."""
     from strata_compiler import trace
 
-    tracer = trace.Tracer(full=bool(trace_out)) if (trace_out or stats) else None
-    trace.ACTIVE = tracer
-    if stop_strings and (tokenizer is None or ids.shape[0] != 1):
-        raise UsageError("--stop needs the plan's tokenizer and one sequence (a --prompt, or --input-ids of one row)")
-    # one sequence with a tokenizer: its text streams to stdout as the tokens are made
-    out = _Streamer(tokenizer, ids, stop_strings, echo) if tokenizer is not None and ids.shape[0] == 1 and lead \
-        else None
-    t_run = time.perf_counter()
+    from .session import Interrupted, NonFiniteLogits
+
     stopped: BaseException | None = None
     try:
         logits, new = session.generate(ids, max_new_tokens, sampler, stop,
-                                       prefill_chunk=prefill_chunk, keep_logits=bool(logits_out),
+                                       prefill_chunk=prefill_chunk, keep_logits=keep_logits,
                                        on_token=lambda i, t: ctrl.on_token(i) or (out is not None and out.push(i, t)))
     except (Interrupted, NonFiniteLogits) as e:     # what was made before it is printed and saved
         if e.logits is None:
@@ -375,20 +406,7 @@ def _run(ctrl: _CtrlC, plan_path: Path, prompt: str | None, input_ids: Path | No
     finally:
         trace.ACTIVE = None
         ctrl.decoding = True        # the outputs: a Ctrl-C now stops their writing cleanly, no forced exit
-    t_run = time.perf_counter() - t_run
-    # another host of a multi-host run reports nothing (process 0 does); a stop before the first
-    # token leaves nothing to keep
-    kept = lead and (stopped is None or new.shape[1] > 0)
-    if kept:
-        _keep(tokenizer, ids, new, logits, tokens_out, logits_out, trace_out, tracer,
-              None if stopped is not None else lambda: _report(session, ids, stats, tracer, t_run, sampling),
-              out, echo)
-    if isinstance(stopped, KeyboardInterrupt):
-        saved = [f for f, v in (("--tokens-out", tokens_out), ("--logits-out", logits_out)) if v and kept]
-        raise RunInterrupted(f"interrupted (Ctrl-C) after {new.shape[1]} new tokens"
-                             + (f"; {' and '.join(saved)} saved with them" if saved else ""))
-    if stopped is not None:
-        raise stopped
+    return logits, new, stopped
 
 
 class _Streamer:
