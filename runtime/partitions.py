@@ -106,27 +106,7 @@ class MixedExecutor(Executor):
         # expert-cache slots that fit the GPU, decided once for all xla partitions
         self._slots = self._gpu_plan(device, shrink_caches) if any(b == "xla" for b, _ in parts) else {}
         for backend, ids in parts:
-            if backend == "xla" and self.mesh:      # every xla partition on the mesh (values stay global)
-                from strata_compiler.backends.xla.mesh import MeshXLAExecutor
-
-                self.parts.append(("xla", MeshXLAExecutor(graph, weights, ids, self.mesh, device,
-                                                            residency=self.residency), ids))
-            elif backend == "xla":
-                if _processes() > 1:
-                    from strata_compiler.errors import UsageError
-
-                    raise UsageError("several hosts run a plan striped over all their GPUs as one mesh; this plan "
-                                     "has GPU partitions on single GPUs: compile it with --gpus N --gpu-mode stripe")
-                self.parts.append(("xla", self._xla(ids, device, shrink_caches), ids))
-            elif backend == "llvm":
-                from strata_compiler.backends.llvm_cpu.executor import LLVMExecutor
-
-                self.parts.append(("llvm", LLVMExecutor(graph, weights, nodes=ids, residency=self.residency,
-                                                          fetch_into=cuda_rt.fetch_into), ids))
-            else:
-                from strata_compiler.backends.reference.executor import ReferenceExecutor
-
-                self.parts.append(("reference", ReferenceExecutor(graph, weights, residency=self.residency), ids))
+            self.parts.append((*self._executor(backend, ids, device, shrink_caches), ids))
         kinds = {k for k, _, _ in self.parts}
         if "llvm" in kinds and "xla" in kinds:
             from strata_compiler.backends.llvm_cpu.pool import get_pool, pool_split
@@ -135,16 +115,7 @@ class MixedExecutor(Executor):
         # the GPU results each partition hands to a later CPU partition: their device->host copies
         # start as soon as the partition is dispatched, all at once, instead of one by one when
         # the CPU reads them (each a wait of its own)
-        part_of = {nid: i for i, (_, _, ids) in enumerate(self.parts) for nid in ids}
-        self.to_host: dict[int, set[int]] = {}
-        read_by: dict[int, set[str]] = {}       # xla result -> the kinds of partition that read it
-        for i, (kind, _, ids) in enumerate(self.parts):
-            for nid in ids:
-                for a in graph.node(nid).args:
-                    if self.parts[part_of[a]][0] == "xla" and part_of[a] != i:
-                        read_by.setdefault(a, set()).add(kind)
-                        if kind != "xla":
-                            self.to_host.setdefault(part_of[a], set()).add(a)
+        self.to_host, read_by = self._xla_reads()
         self.hand_off = "xla" in kinds and "llvm" in kinds
         # long prefills: CPU partitions whose weights go to the GPU for the step (_streamed)
         self._device_kind = device
@@ -171,6 +142,43 @@ class MixedExecutor(Executor):
 
         if FusedStep.applies(self):
             self.fused = FusedStep(self)
+
+    def _executor(self, backend: str, ids: list[int], device: str, shrink_caches: bool) -> tuple[str, Executor]:
+        """(kind, executor) of one partition: its backend's executor, which runs those nodes its own way."""
+        graph, weights = self.g, self.weights
+        if backend == "xla" and self.mesh:      # every xla partition on the mesh (values stay global)
+            from strata_compiler.backends.xla.mesh import MeshXLAExecutor
+
+            return "xla", MeshXLAExecutor(graph, weights, ids, self.mesh, device, residency=self.residency)
+        if backend == "xla":
+            if _processes() > 1:
+                from strata_compiler.errors import UsageError
+
+                raise UsageError("several hosts run a plan striped over all their GPUs as one mesh; this plan "
+                                 "has GPU partitions on single GPUs: compile it with --gpus N --gpu-mode stripe")
+            return "xla", self._xla(ids, device, shrink_caches)
+        if backend == "llvm":
+            from strata_compiler.backends.llvm_cpu.executor import LLVMExecutor
+
+            return "llvm", LLVMExecutor(graph, weights, nodes=ids, residency=self.residency,
+                                        fetch_into=cuda_rt.fetch_into)
+        from strata_compiler.backends.reference.executor import ReferenceExecutor
+
+        return "reference", ReferenceExecutor(graph, weights, residency=self.residency)
+
+    def _xla_reads(self) -> tuple[dict[int, set[int]], dict[int, set[str]]]:
+        """(to_host, read_by): each partition's GPU results a later CPU partition reads, and who reads each."""
+        part_of = {nid: i for i, (_, _, ids) in enumerate(self.parts) for nid in ids}
+        to_host: dict[int, set[int]] = {}
+        read_by: dict[int, set[str]] = {}
+        for i, (kind, _, ids) in enumerate(self.parts):
+            for nid in ids:
+                for a in self.g.node(nid).args:
+                    if self.parts[part_of[a]][0] == "xla" and part_of[a] != i:
+                        read_by.setdefault(a, set()).add(kind)
+                        if kind != "xla":
+                            to_host.setdefault(part_of[a], set()).add(a)
+        return to_host, read_by
 
     def _gpu_plan(self, device: str, shrink: bool) -> dict[int, int]:
         """Slots per expert-cache GPU share so that the xla partitions' weights fit the device's
