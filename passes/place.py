@@ -515,6 +515,38 @@ def _number_gpus(g: Graph, gpus: int, mode: str) -> Graph:
     return g.with_(nodes=tuple(replace(n, device=index(n)) for n in g.nodes))
 
 
+def _disk_units(units: list[Unit], gpu: set[str], host_bytes: int, host_cap: int) -> list[str]:
+    """The CPU experts, coldest first, that go to the disk tier so that the rest fits `--host-mem`."""
+    disk = []
+    if host_bytes > host_cap:
+        over = host_bytes - host_cap
+        for u in sorted((u for u in units if u.expert and u.name not in gpu), key=lambda u: u.prob):
+            if over <= 0:
+                break
+            disk.append(u.name)
+            over -= u.gpu_bytes
+    return disk
+
+
+def _per_layer_summary(units: list[Unit], seconds: dict[int, float], gpu: set[str], disk: list[str],
+                       hw: HardwareProfile) -> dict:
+    """The placement summary's `per_layer` (-1: the embedding, last: the head), what `stratac inspect` shows."""
+    n_layers = max((u.layer for u in units), default=0)
+    return {str(k): {"seconds": v,
+                     "gpu_expert_ids": sorted(u.expert[1] for u in units if u.expert and u.layer == k
+                                              and u.name in gpu),
+                     "disk_expert_ids": sorted(u.expert[1] for u in units if u.expert and u.layer == k
+                                               and u.name in disk),
+                     "seconds_all_cpu": sum(u.cpu_s for u in units if u.layer == k),
+                     "seconds_all_gpu": (sum(u.gpu_s for u in units if u.layer == k)
+                                         if hw.gpu is not None else None),
+                     "gpu_experts": sum(1 for u in units if u.expert and u.layer == k and u.name in gpu),
+                     "experts": sum(1 for u in units if u.expert and u.layer == k),
+                     "core": "gpu" if ({-1: "embed", n_layers: "head"}.get(k, f"L{k}.core")
+                                        in gpu) else "cpu"}
+            for k, v in sorted(seconds.items())}
+
+
 @register("place", Level.TENSOR)
 def place_pass(g: Graph, ctx: PassContext) -> Graph:
     """With --target: a device per op and per expert from the cost model (GPU budget, profile)."""
@@ -535,7 +567,6 @@ def place_pass(g: Graph, ctx: PassContext) -> Graph:
     gpu_mem = hw.gpu.memory_bytes if hw.gpu is not None else 0
     budget = max(0, int(gpu_mem * opts.gpus * (1 - GPU_RESERVE)) - kv) if hw.gpu is not None else 0
     choice, pred, tried = solve(g, units, unit_of, hw, budget, opts.place_strategy)
-    n_layers = max((u.layer for u in units), default=0)
     if opts.gpus > 1 and opts.expert_cache:
         raise UsageError("--gpus > 1 and --expert-cache conflict: the expert cache works on one GPU for now")
     first_mode = "layer" if opts.gpu_mode == "auto" else opts.gpu_mode
@@ -556,14 +587,7 @@ def place_pass(g: Graph, ctx: PassContext) -> Graph:
     gpu_bytes = sum(u.gpu_bytes for u in units if u.name in choice.gpu_units)
     host_bytes = sum(u.gpu_bytes for u in units if u.name not in choice.gpu_units)
     host_cap = hw.host.ram_available_bytes
-    disk = []
-    if host_bytes > host_cap:   # coldest CPU experts go to the disk tier until the rest fits
-        over = host_bytes - host_cap
-        for u in sorted((u for u in units if u.expert and u.name not in choice.gpu_units), key=lambda u: u.prob):
-            if over <= 0:
-                break
-            disk.append(u.name)
-            over -= u.gpu_bytes
+    disk = _disk_units(units, choice.gpu_units, host_bytes, host_cap)
     pf = _Timeline(g, units, unit_of, hw, prefill_tokens=opts.plan_prompt).predict(choice.gpu_units)
     summary = {
         "predicted_tok_s": round(pred["tok_s"], 2), "choice": choice.label,
@@ -572,19 +596,7 @@ def place_pass(g: Graph, ctx: PassContext) -> Graph:
         "gpu_budget_bytes": budget, "kv_bytes": kv, "gpu_bytes": gpu_bytes,
         "host_bytes": host_bytes - sum(u.gpu_bytes for u in units if u.name in disk),
         "disk_bytes": sum(u.gpu_bytes for u in units if u.name in disk), "disk_units": disk,
-        "per_layer": {str(k): {"seconds": v,
-                               "gpu_expert_ids": sorted(u.expert[1] for u in units if u.expert and u.layer == k
-                                                        and u.name in choice.gpu_units),
-                               "disk_expert_ids": sorted(u.expert[1] for u in units if u.expert and u.layer == k
-                                                         and u.name in disk),
-                               "seconds_all_cpu": sum(u.cpu_s for u in units if u.layer == k),
-                               "seconds_all_gpu": (sum(u.gpu_s for u in units if u.layer == k)
-                                                   if hw.gpu is not None else None),
-                               "gpu_experts": sum(1 for u in units if u.expert and u.layer == k and u.name in choice.gpu_units),
-                               "experts": sum(1 for u in units if u.expert and u.layer == k),
-                               "core": "gpu" if ({-1: "embed", n_layers: "head"}.get(k, f"L{k}.core")
-                                                  in choice.gpu_units) else "cpu"}
-                      for k, v in sorted(pred["per_layer"].items())},
+        "per_layer": _per_layer_summary(units, pred["per_layer"], choice.gpu_units, disk, hw),
         "profile": {"cpu": hw.host.cpu, "gpu": hw.gpu and hw.gpu.name, "gpu_mem": gpu_mem, "host_mem": host_cap},
     }
     if modes:
