@@ -330,17 +330,7 @@ def measure_gpu(dev, sizes: ProbeSizes, say: Callable[[str], None], notes: list[
 
     say(f"gpu: host <-> device copies ({host.nbytes / 2**20:.0f} MiB)")
     h2d = host.nbytes / _median_seconds(lambda: sync(jax.device_put(host, dev)), reps)
-    h2d_pinned = None
-    try:
-        from jax.sharding import SingleDeviceSharding
-
-        pinned = sync(jax.device_put(host, SingleDeviceSharding(dev, memory_kind="pinned_host")))
-        on_dev = SingleDeviceSharding(dev, memory_kind="device")
-        h2d_pinned = host.nbytes / _median_seconds(lambda: sync(jax.device_put(pinned, on_dev)), reps)
-        del pinned
-    except Exception as e:      # noqa: BLE001 - any failure of this optional API only loses the figure
-        msg = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
-        notes.append(f"gpu: no pinned host->device figure (JAX: {type(e).__name__}{': ' + msg if msg else ''})")
+    h2d_pinned = _pinned_h2d(dev, host, reps, notes)
     times = []
     for i in range(reps + 1):
         y = sync(scale(x))          # a fresh array each time: device_get caches the host copy on it
@@ -349,6 +339,32 @@ def measure_gpu(dev, sizes: ProbeSizes, say: Callable[[str], None], notes: list[
         times.append(time.perf_counter() - t0)
         del y
     d2h = host.nbytes / statistics.median(times[1:])
+    part_s = _partition_seconds(dev, reps, say)
+    return GpuProfile(name=name, memory_bytes=memory, copy_bandwidth=copy_bw, gemv=gemv, matmul_flops=mm_flops,
+                      h2d_pageable=h2d, h2d_pinned=h2d_pinned, d2h=d2h, partition_seconds=part_s)
+
+
+def _pinned_h2d(dev, host: np.ndarray, reps: int, notes: list[str]) -> float | None:
+    """Host -> device bytes/s from pinned host memory; None with a note where JAX lacks `pinned_host`."""
+    import jax
+
+    sync = jax.block_until_ready
+    try:
+        from jax.sharding import SingleDeviceSharding
+
+        pinned = sync(jax.device_put(host, SingleDeviceSharding(dev, memory_kind="pinned_host")))
+        on_dev = SingleDeviceSharding(dev, memory_kind="device")
+        return host.nbytes / _median_seconds(lambda: sync(jax.device_put(pinned, on_dev)), reps)
+    except Exception as e:      # noqa: BLE001 - any failure of this optional API only loses the figure
+        msg = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
+        notes.append(f"gpu: no pinned host->device figure (JAX: {type(e).__name__}{': ' + msg if msg else ''})")
+        return None
+
+
+def _partition_seconds(dev, reps: int, say: Callable[[str], None]) -> float:
+    """Seconds of a tiny jitted call with its copies in and out: the fixed cost of each partition switch."""
+    import jax
+
     tiny = jax.jit(lambda x, pos: (x * 2.0 + 1.0, pos + 1))
     xin = np.ones((1, 2048), np.float32)
     from .xla import cuda_rt
@@ -361,12 +377,9 @@ def measure_gpu(dev, sizes: ProbeSizes, say: Callable[[str], None], notes: list[
             y = tiny(st.stage(0, xin), st.stage(1, np.asarray(3, np.int32)))[0]
             st.guard = y
             cuda_rt.fetch_into(y, xout)
-        part_s = _median_seconds(trip, max(20, reps), warmup=3)
-    else:
-        say("gpu: partition round trip (a tiny jitted call, NumPy in and out)")
-        part_s = _median_seconds(lambda: np.asarray(tiny(xin, np.int32(3))[0]), max(20, reps), warmup=3)
-    return GpuProfile(name=name, memory_bytes=memory, copy_bandwidth=copy_bw, gemv=gemv, matmul_flops=mm_flops,
-                      h2d_pageable=h2d, h2d_pinned=h2d_pinned, d2h=d2h, partition_seconds=part_s)
+        return _median_seconds(trip, max(20, reps), warmup=3)
+    say("gpu: partition round trip (a tiny jitted call, NumPy in and out)")
+    return _median_seconds(lambda: np.asarray(tiny(xin, np.int32(3))[0]), max(20, reps), warmup=3)
 
 
 # -- disk ----------------------------------------------------------------------------------------
