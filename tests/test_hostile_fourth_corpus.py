@@ -292,6 +292,10 @@ def test_a_request_head_that_never_completes_is_closed(tiny_int8_plan, monkeypat
             for _ in range(2):
                 s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
                 answer = s.recv(4096)
+                while not answer.endswith(b"}"):     # the head and the body may come in two segments
+                    more = s.recv(4096)
+                    assert more, answer
+                    answer += more
                 assert answer.startswith(b"HTTP/1.1 200"), answer[:100]
                 time.sleep(1.5)                 # longer than HEAD_S between requests: the idle wait is keep-alive's
     finally:
