@@ -244,10 +244,7 @@ class PromptCache:
                 try:
                     fd, tmp = _temp_file(dfd, ".tmp")
                     try:
-                        with os.fdopen(fd, "wb") as f:
-                            f.writelines(self._encode(e))
-                            f.flush()
-                            os.fsync(f.fileno())
+                        _write_synced(fd, self._encode(e))
                         os.replace(tmp, _file_name(key), src_dir_fd=dfd, dst_dir_fd=dfd)
                     except BaseException:
                         _unlink(dfd, tmp)
@@ -500,16 +497,21 @@ def _temp_file(dfd: int, suffix: str) -> tuple[int, str]:
     raise FileExistsError(errno.EEXIST, "no fresh temporary name")
 
 
+def _write_synced(fd: int, chunks) -> None:
+    """The chunks into the new file `fd` (closed after), on the disk before it is renamed or linked."""
+    with os.fdopen(fd, "wb") as f:
+        f.writelines(chunks)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _make_key(dfd: int) -> None:
     """KEY_FILE made whole or not at all in the folder `dfd`: written to a temp file (O_EXCL, 0600),
     then hard-linked to its name, which never replaces a file or follows a symlink there (a server
     starting beside this one may have made it first: theirs is kept)."""
     fd, tmp = _temp_file(dfd, ".key")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(secrets.token_bytes(KEY_BYTES))
-            f.flush()
-            os.fsync(f.fileno())
+        _write_synced(fd, [secrets.token_bytes(KEY_BYTES)])
         os.link(tmp, KEY_FILE, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
     except FileExistsError:
         pass

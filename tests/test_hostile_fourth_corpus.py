@@ -9,6 +9,7 @@ one clear error (400/408 on the server), never a hang or silently wrong behaviou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import struct
@@ -180,40 +181,49 @@ def test_options_that_would_be_silently_ignored_are_a_400(app, body, param):
     assert ok.status_code == 200
 
 
-def test_a_body_that_stops_arriving_is_a_408(tiny_int8_plan, monkeypatch):
-    uvicorn = pytest.importorskip("uvicorn")
-    from strata_compiler.runtime import server
+@contextlib.contextmanager
+def _serving(uvicorn, asgi, **config):
+    """`asgi` served by uvicorn on a thread of this process; yields its port, stops it after."""
     from test_server import _free_port
 
-    monkeypatch.setattr(server, "BODY_IDLE_S", 1.0)
-    engine = _engine(tiny_int8_plan)
     port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(server.make_app(engine, api_key="k"), port=port, log_level="error",
-                                        lifespan="off"))
+    srv = uvicorn.Server(uvicorn.Config(asgi, port=port, log_level="error", lifespan="off", **config))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()
     try:
         deadline = time.monotonic() + 10
         while not srv.started and time.monotonic() < deadline:
             time.sleep(0.05)
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
-                      b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
-            t0 = time.monotonic()
-            answer = s.recv(4096)
-            assert time.monotonic() - t0 < 5
-            while b"}}" not in answer and time.monotonic() - t0 < 5:
-                answer += s.recv(4096)
-        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
-        assert b"the request body stopped arriving" in answer
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:     # a whole body is served
-            body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\nConnection: close\r\n"
-                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+        yield port
     finally:
         srv.should_exit = True
         th.join(10)
+
+
+def test_a_body_that_stops_arriving_is_a_408(tiny_int8_plan, monkeypatch):
+    uvicorn = pytest.importorskip("uvicorn")
+    from strata_compiler.runtime import server
+
+    monkeypatch.setattr(server, "BODY_IDLE_S", 1.0)
+    engine = _engine(tiny_int8_plan)
+    try:
+        with _serving(uvicorn, server.make_app(engine, api_key="k")) as port:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+                t0 = time.monotonic()
+                answer = s.recv(4096)
+                assert time.monotonic() - t0 < 5
+                while b"}}" not in answer and time.monotonic() - t0 < 5:
+                    answer += s.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            assert b"the request body stopped arriving" in answer
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:     # a whole body is served
+                body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\nConnection: close\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+                assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    finally:
         engine.shutdown()
 
 
@@ -266,19 +276,10 @@ def test_a_request_head_that_never_completes_is_closed(tiny_int8_plan, monkeypat
     kept-alive connection is still served, and so is its next one."""
     uvicorn = pytest.importorskip("uvicorn")
     from strata_compiler.runtime import http_protocol, server
-    from test_server import _free_port
 
     monkeypatch.setattr(http_protocol, "HEAD_S", 1.0)
     engine = _engine(tiny_int8_plan)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(server.make_app(engine, api_key="k"), port=port, log_level="error",
-                                        lifespan="off", http=http_protocol.HeadDeadlineProtocol))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not srv.started and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with _serving(uvicorn, server.make_app(engine, api_key="k"), http=http_protocol.HeadDeadlineProtocol) as port:
         silent = socket.create_connection(("127.0.0.1", port), timeout=10)
         slow = socket.create_connection(("127.0.0.1", port), timeout=10)
         t0 = time.monotonic()
@@ -298,6 +299,3 @@ def test_a_request_head_that_never_completes_is_closed(tiny_int8_plan, monkeypat
                     answer += more
                 assert answer.startswith(b"HTTP/1.1 200"), answer[:100]
                 time.sleep(1.5)                 # longer than HEAD_S between requests: the idle wait is keep-alive's
-    finally:
-        srv.should_exit = True
-        th.join(10)
