@@ -8,6 +8,7 @@
 #           model is made and converted to a bf16 GGUF (llama.cpp's converter needs no build); Strata's
 #           Q4_0 side runs meanwhile from `--quant int4` of the same weights (Q4_0 bit for bit, quantizer
 #           included: tests/test_gguf_moe.py), decode (3 fresh runs) and prefill 512 (median of 3)
+#           (SAMPLING=0 leaves out the sampling cost)
 #   PHASE=2 (right after, the same warm machine): llama.cpp's Q4_0 and Q4_K_M of the bf16 file,
 #           Strata compiles the Q4_K_M file and measures it, llama-bench on both files, then N
 #           requests batched against the same N in turn (benchmarks/batch_vs_serial.py)
@@ -48,9 +49,11 @@ if [ "${PHASE:-1}" = 1 ]; then
   decode "strata Q4_0 decode" $W/p-Q4_0 --temperature 0
   timeout $(( $(left) - 10 )) python3 benchmarks/gpu_prefill.py $W/p-Q4_0 --label Q4_0 --lens 512 --repeats 3 \
     2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
+  if [ "${SAMPLING:-1}" = 1 ]; then
   log "sampling's cost: greedy against the chat defaults (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat penalty 1.1)"
   decode "greedy" $W/p-Q4_0 --temperature 0
   decode "sampled" $W/p-Q4_0
+  fi
   wait
   log "bf16 GGUF: $(ls -l $W/mx-bf16.gguf 2>&1); llama.cpp build: $(tail -1 $W/build.out 2>&1)"
 elif [ "${PHASE:-1}" = 2 ]; then
