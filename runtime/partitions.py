@@ -267,18 +267,20 @@ class MixedExecutor(Executor):
                     dst[layer][slot, :, :n] = np.asarray(s[layer][row, :, :n])
         cache.lengths[slot] = n
 
-    def can_decode_ahead(self, B: int, cache) -> bool:
-        """Whether the next decode steps of batch B can run ahead (`decode_ahead`): a fused program
-        with no host call that has run once, the caches' bookkeeping as one CacheGroup with a swap
-        a layer, no trace file (`--stats` alone: each step one span, backends/ahead.py)."""
+    def can_decode_ahead(self, B: int, cache, sampling=None) -> bool:
+        """Whether the next greedy decode steps of batch B can run ahead (`decode_ahead`; sampled
+        ones sample on the host): a fused program with no host call that has run once, the caches'
+        bookkeeping as one CacheGroup with a swap a layer, no trace file (`--stats` alone: each
+        step one span, backends/ahead.py)."""
         from strata_compiler.backends import ahead
 
         f, sw = self.fused, self.swaps
-        return (f is not None and not ahead.traced_fully() and f.ahead_ok() and f.ready(B, cache)
+        return (sampling is None and f is not None and not ahead.traced_fully() and f.ahead_ok() and f.ready(B, cache)
                 and (not sw.caches or (sw.cache_group is not None and sw.cache_group.ok
                                        and all(c.max_swaps == 1 for c, *_ in sw.caches))))
 
-    def decode_ahead(self, tok: np.ndarray, cache, n: int, stop_ids=(), done: np.ndarray | None = None) -> np.ndarray:
+    def decode_ahead(self, tok: np.ndarray, cache, n: int, stop_ids=(), done: np.ndarray | None = None,
+                     sampling=None) -> np.ndarray:
         """Greedy decode of n steps from the tokens `tok` (int64 [B]), each step dispatched before
         the one before it has finished (backends/ahead.py): its ids are that step's greedy token on
         the device. The tokens of the n steps, int64 [B, <= n].

@@ -182,19 +182,17 @@ class Sampler:
 
     def _prefix(self, x: np.ndarray, ids: np.ndarray, k: int, w: np.ndarray | None, Z: float) -> np.ndarray:
         """The kept prefix of `ids` (a row's candidates in id order, holding that prefix) in order of
-        logit x: at most k long (0: any), the shortest whose weights `w` (one per id; None: no
-        top-p) reach top_p x Z."""
+        logit x, ties by id (equal logits straddling a cut: the lowest ids; backends/xla/sampling.py
+        orders them alike): at most k long (0: any), the shortest whose weights `w` (one per id;
+        None: no top-p) reach top_p x Z."""
         n = len(ids)
-        if w is None and not (k and n > k):
+        if w is None and not k:
             return ids
-        order = np.argsort(-x[ids])             # by probability; a tie at the cut is settled by id below
+        order = np.argsort(-x[ids], kind="stable")     # by probability, ties by id (as on the device)
         ids = ids[order]
         if k:
             n = min(n, k)
         if w is not None:
             cum = np.cumsum(w[order[:n]], dtype=np.float64)
             n = min(n, int(np.searchsorted(cum, self.top_p * Z)) + 1)
-        if n < len(ids) and x[ids[n - 1]] == x[ids[n]]:     # equal logits straddle the cut: the lowest ids
-            v = x[ids[n - 1]]
-            ids = np.concatenate([ids[x[ids] > v], np.sort(ids[x[ids] == v])])
         return ids[:n]

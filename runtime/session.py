@@ -12,6 +12,7 @@ import numpy as np
 
 from strata_compiler.backends import make_executor, resolve_backend
 from strata_compiler.errors import PlanError, UsageError
+from strata_compiler.execution import AheadSampling
 from strata_compiler.hwprofile import host_memory
 
 from strata_compiler import trace
@@ -230,10 +231,27 @@ class Session:
         return out[:, -1:] if last_only else out
 
     def _ahead(self, sampler: Sampler, B: int) -> bool:
-        """Whether the rest of a generation decodes ahead (MixedExecutor.decode_ahead): greedy with
-        no repetition penalty, no disk tier, and a plan whose decode step is one program without
-        host calls."""
-        return sampler.plain_greedy and self.disk is None and self.executor.can_decode_ahead(B, self.cache)
+        """Whether the rest of a generation decodes ahead (decode_ahead): no disk tier, a plan whose
+        decode step is one program without host calls, and plain greedy or a sampling the executor
+        chooses tokens by where it computes them."""
+        settings = None if sampler.plain_greedy else sampler.settings
+        return self.disk is None and self.executor.can_decode_ahead(B, self.cache, settings)
+
+    @staticmethod
+    def _ahead_sampling(sampler: Sampler, seen: np.ndarray, n: int) -> AheadSampling | None:
+        """What decode_ahead needs to sample n steps as `sampler` would after the tokens `seen`
+        i64[B, T] (None: plain greedy): its uniforms, drawn from its generator, and each row's
+        window of the tokens seen last."""
+        if sampler.plain_greedy:
+            return None
+        B = seen.shape[0]
+        w = sampler.repeat_last_n if sampler.needs_history else 0
+        hist = np.full((B, w), -1, np.int64)
+        if w:
+            last = seen[:, -w:]
+            hist[:, w - last.shape[1]:] = last
+        u = np.zeros((n, B)) if sampler.greedy else sampler.rng.random((n, B))     # as n calls of B draws
+        return AheadSampling(sampler.settings, u, hist)
 
     def generate(self, prompt: np.ndarray, max_new_tokens: int, sampler: Sampler, stop_ids: tuple[int, ...] = (),
                  prefill_chunk: int | None = None, keep_logits: bool = True,
@@ -290,7 +308,9 @@ class Session:
                 if self._ahead(sampler, B):     # the rest with each step dispatched before the last one ends
                     rest = new[:, :0]
                     try:
-                        rest = self.executor.decode_ahead(tok, self.cache, max_new_tokens - i, stop_ids, done)
+                        n = max_new_tokens - i
+                        how = self._ahead_sampling(sampler, np.concatenate([prompt, new[:, :i]], axis=1), n)
+                        rest = self.executor.decode_ahead(tok, self.cache, n, stop_ids, done, sampling=how)
                     except KeyboardInterrupt as e:      # the steps that finished stay (backends/ahead.py)
                         rest = getattr(e, "tokens", rest)
                         raise

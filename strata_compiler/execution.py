@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from .kv_cache import KVCache
+    from .sampling import Sampling
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,17 @@ class Caps:
     prefills_on_gpu: bool = False
     # ... and its attention is the flash kernel (no [step, cache] scores in memory)
     flash_prefill: bool = False
+
+
+@dataclass(frozen=True)
+class AheadSampling:
+    """How decode_ahead chooses tokens when not plain greedy: the settings (runtime/sampler.py's
+    rules), one uniform draw per step and row from the host's generator (f64 [n, B], so a seed
+    gives the same stream as sampling on the host) and each row's last tokens seen, oldest first
+    (i64 [B, W], -1 where fewer; W = the repetition penalty's window, 0 without one)."""
+    settings: Sampling
+    uniforms: np.ndarray
+    history: np.ndarray
 
 
 class Executor:
@@ -47,11 +59,13 @@ class Executor:
         `cache`, wherever the executor keeps their layers; here, host arrays."""
         cache.load_row(slot, src, row)
 
-    def can_decode_ahead(self, B: int, cache: KVCache) -> bool:
-        """Whether `decode_ahead` may run the next greedy decode steps of batch B."""
+    def can_decode_ahead(self, B: int, cache: KVCache, sampling: Sampling | None = None) -> bool:
+        """Whether `decode_ahead` may run the next decode steps of batch B: greedy (sampling None),
+        else choosing tokens by `sampling` where it computes them."""
         return False
 
-    def decode_ahead(self, tok: np.ndarray, cache: KVCache, n: int, stop_ids=(), done=None) -> np.ndarray:
+    def decode_ahead(self, tok: np.ndarray, cache: KVCache, n: int, stop_ids=(), done=None,
+                     sampling: AheadSampling | None = None) -> np.ndarray:
         raise NotImplementedError(f"{type(self).__name__} does not decode ahead (check can_decode_ahead)")
 
     def can_batch_step(self) -> bool:

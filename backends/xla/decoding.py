@@ -11,6 +11,7 @@ import numpy as np
 from strata_compiler.errors import BackendError, UsageError
 
 from . import cuda_rt
+from . import sampling as device_sampling
 from .dequant import _jnp
 from .device import load_jax, on_device
 
@@ -51,13 +52,19 @@ class DecodeSteps:
         cache.advance(n)
         return np.asarray(out).astype(np.int64)
 
-    def can_decode_ahead(self, B: int, cache) -> bool:
+    def can_decode_ahead(self, B: int, cache, sampling=None) -> bool:
         """Whether a whole plan's next decode steps can run ahead (backends/ahead.py): on this
-        executor alone, its cache on the device, no trace file."""
+        executor alone, its cache on the device, no trace file; a sampling its tokens are chosen
+        by on the device (sampling.supported)."""
         from strata_compiler.backends import ahead
 
         return (len(self.nodes) == len(self.g.nodes) and not self.cached
-                and not ahead.traced_fully() and (not self.layers or on_device(cache.k[self.layers[0]])))
+                and not ahead.traced_fully() and (not self.layers or on_device(cache.k[self.layers[0]]))
+                and (sampling is None or device_sampling.supported(sampling, self._vocab())))
+
+    def _vocab(self) -> int:
+        """The logits' width (the plan's first output's last dimension)."""
+        return int(self.g.node(self.g.outputs[0]).type.shape[-1])
 
     def _ahead_step(self, params, ks, vs, tok, pos):
         """A decode step that also chooses its greedy token and the next positions (each row's
@@ -68,26 +75,53 @@ class DecodeSteps:
         nxt = jnp.argmax(res[self.g.outputs[0]].reshape(B, -1), axis=-1).astype(jnp.int32)
         return nxt, pos + 1, ks, vs
 
-    def decode_ahead(self, tok: np.ndarray, cache, n: int, stop_ids=(), done: np.ndarray | None = None) -> np.ndarray:
-        """Greedy decode of n steps from the tokens `tok` (int64 [B]) of a whole plan, each step
-        dispatched before the one before has finished, its ids and position that step's results on
-        the device (backends/ahead.py). The tokens, int64 [B, <= n]."""
+    def _sampled_step(self, params, ks, vs, tok, pos, hist, i, U, kn, k, is_greedy):
+        """_ahead_step choosing its token by the sampling of `kn` (backends/xla/sampling.py) with
+        uniforms U[i] and the window hist, which it returns with the token added; i + 1."""
+        B = tok.shape[0]
+        res, ks, vs = self._forward(params, ks, vs, {}, tok[:, None], B, 1, pos)
+        nxt = device_sampling.choose(res[self.g.outputs[0]].reshape(B, -1), hist, U[i], kn, k, is_greedy)
+        return nxt, pos + 1, device_sampling.remember(hist, nxt), i + 1, ks, vs
+
+    def _ahead_program(self, sampling):
+        """The jitted step decode_ahead launches, and the device values its first launch takes
+        after (ids, positions) — its state, which each step returns — and the constants every
+        launch takes: none for greedy, else state (window, step) and constants (uniforms, knobs)."""
+        if sampling is None:
+            return self._ahead_fn, (), ()
+        jax, jnp = load_jax(), _jnp()
+        key = device_sampling.static(sampling.settings)
+        progs = self.__dict__.setdefault("_sampled_fns", {})
+        if key not in progs:
+            progs[key] = jax.jit(self._sampled_step, static_argnums=(9, 10), donate_argnums=(1, 2))
+        fn = progs[key]
+        state = (np.asarray(sampling.history, np.int32), np.int32(0))
+        const = (np.asarray(sampling.uniforms, np.float32), device_sampling.knobs(sampling.settings))
+        return (lambda *a: fn(*a, *key)), tuple(map(jnp.asarray, state)), tuple(map(jnp.asarray, const))
+
+    def decode_ahead(self, tok: np.ndarray, cache, n: int, stop_ids=(), done: np.ndarray | None = None,
+                     sampling=None) -> np.ndarray:
+        """n decode steps from the tokens `tok` (int64 [B]) of a whole plan, each step dispatched
+        before the one before has finished, its ids and position that step's results on the device
+        (backends/ahead.py); greedy, or chosen on the device by `sampling` (AheadSampling). The
+        tokens, int64 [B, <= n]."""
         from strata_compiler.backends import ahead
 
         jax = load_jax()
         if cache.length + n > cache.capacity:
             raise UsageError(f"sequence of {cache.length + n} tokens exceeds the KV cache capacity {cache.capacity}")
-        fn = self._ahead_fn
-        first = (np.asarray(tok, np.int32).reshape(-1), np.asarray(cache.positions(1), np.int32))
+        fn, state0, const = self._ahead_program(sampling)
+        first = (np.asarray(tok, np.int32).reshape(-1), np.asarray(cache.positions(1), np.int32), *state0)
 
         def launch(prev):
             ks = {l: cache.k[l] for l in self.layers}
             vs = {l: cache.v[l] for l in self.layers}
-            t, pos, ks, vs = fn(self.params, ks, vs, *(first if prev is None else prev))
+            t, pos, *rest = fn(self.params, ks, vs, *(first if prev is None else prev), *const)
+            ks, vs = rest[-2], rest[-1]
             for l in self.layers:
                 cache.k[l], cache.v[l] = ks[l], vs[l]
             cache.advance(1)
-            return t, pos
+            return (t, pos, *rest[:-2])
 
         def finish(step, use: bool) -> np.ndarray:
             return np.asarray(cuda_rt.fetch(jax.block_until_ready(step[0]))).astype(np.int64)

@@ -1,0 +1,95 @@
+"""Sampling on the device: runtime/sampler.py's choice of a token as one traced function, so that a
+sampled decode step chooses its token where its logits are and the next step is dispatched before
+the host has seen it (decode_ahead), as greedy decoding does. Without it the host fetches each
+step's logits, samples and launches the next step while the device idles.
+
+The same rules as the host's: a repetition penalty on each row's last W tokens seen, temperature,
+top-k, top-p measured against the whole vocabulary's mass, min-p; the kept tokens in order of logit
+(ties by id); one uniform per row and step, drawn by the host's generator. A seed gives the host's
+tokens but for float rounding (sums in f32 here, f64 there). Top-k bounds the sort: without one, or
+with more than MAX_K, a generation samples on the host.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from strata_compiler.sampling import Sampling
+
+from .dequant import _jnp
+from .device import load_jax
+
+MAX_K = 1024        # top-k candidates sorted on the device
+MAX_WINDOW = 4096   # tokens of the repetition penalty's window kept on the device
+_TINY_T = 1.0 / float(np.finfo(np.float32).max)     # below it 1 / T is not a finite f32 (greedy)
+
+
+def greedy(s: Sampling) -> bool:
+    return s.temperature < _TINY_T
+
+
+def penalised(s: Sampling) -> bool:
+    return s.repetition_penalty != 1.0 and s.repeat_last_n != 0
+
+
+def supported(s: Sampling, vocab: int) -> bool:
+    """Whether `choose` computes this sampling: a bounded penalty window, and greedy or a top-k of
+    at most MAX_K (below the vocabulary)."""
+    if penalised(s) and not 0 < s.repeat_last_n <= MAX_WINDOW:
+        return False
+    return greedy(s) or 0 < s.top_k <= min(MAX_K, vocab - 1)
+
+
+def window(s: Sampling) -> int:
+    """Tokens of history the device keeps per row: the penalty's window, 0 without a penalty."""
+    return s.repeat_last_n if penalised(s) else 0
+
+
+def knobs(s: Sampling) -> np.ndarray:
+    """The traced settings, f32 [4]: penalty, 1 / temperature, top-p, min-p's offset below the top
+    logit (temperature x log min-p; -inf when off), each as the host computes it."""
+    if greedy(s):
+        return np.array([s.repetition_penalty, 1.0, 1.0, -np.inf], np.float32)
+    off = np.float32(s.temperature * math.log(s.min_p)) if s.min_p > 0 else -np.inf
+    return np.array([s.repetition_penalty, np.float32(1.0 / s.temperature), s.top_p, off], np.float32)
+
+
+def static(s: Sampling) -> tuple[int, bool]:
+    """What shapes the traced function: (top-k, greedy)."""
+    return (0 if greedy(s) else s.top_k), greedy(s)
+
+
+def choose(x, hist, u, kn, k: int, is_greedy: bool):
+    """Tokens int32 [B] from logits x f32 [B, V]: hist int32 [B, W] the tokens each row saw last
+    (-1 none), u f32 [B] the uniforms, kn `knobs`; k and is_greedy static."""
+    jax, jnp = load_jax(), _jnp()
+    B, V = x.shape
+    x = x.astype(jnp.float32)
+    if hist.shape[1]:
+        ok = (hist >= 0) & (hist < V)
+        seen = jnp.zeros((B, V), jnp.int8).at[jnp.arange(B)[:, None], jnp.where(ok, hist, 0)].max(
+            ok.astype(jnp.int8))
+        x = jnp.where(seen > 0, jnp.where(x > 0, x / kn[0], x * kn[0]), x)
+    if is_greedy:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    inv_t, top_p, floor = kn[1], kn[2], kn[3]
+    m = jnp.max(x, axis=-1, keepdims=True)
+    vals, ids = jax.lax.top_k(x, k)                 # by logit, ties by id
+    w = jnp.exp((vals - m) * inv_t)
+    n = jnp.sum(vals >= m + floor, axis=-1)        # min-p: a prefix of the sorted candidates
+    z = jnp.sum(jnp.exp((x - m) * inv_t), axis=-1)
+    reach = jnp.sum(jnp.cumsum(w, axis=-1) < (top_p * z)[:, None], axis=-1) + 1
+    n = jnp.minimum(n, jnp.where(top_p < 1, reach, k))
+    c = jnp.cumsum(jnp.where(jnp.arange(k)[None, :] < n[:, None], w, 0.0), axis=-1)
+    j = jnp.minimum(jnp.sum(c <= (u * c[:, -1])[:, None], axis=-1), n - 1)
+    return jnp.take_along_axis(ids, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def remember(hist, tok):
+    """The window after token `tok` int32 [B]: the oldest dropped."""
+    jnp = _jnp()
+    if not hist.shape[1]:
+        return hist
+    return jnp.concatenate([hist[:, 1:], tok[:, None].astype(hist.dtype)], axis=1)

@@ -1,0 +1,71 @@
+"""backends/xla/sampling.py: the device's choice of a token is the host sampler's (runtime/sampler.py)
+for the same seed, and a sampled generation on the xla backend decodes ahead with it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from strata_compiler.backends.xla import sampling as ds
+from strata_compiler.runtime.plan import load_plan
+from strata_compiler.runtime.sampler import Sampler
+from strata_compiler.runtime.session import Session
+from strata_compiler.sampling import Sampling
+
+SETTINGS = [
+    Sampling(),                                                     # the chat defaults
+    Sampling(repetition_penalty=1.3, repeat_last_n=16),
+    Sampling(top_p=1.0), Sampling(min_p=0.0), Sampling(top_k=5, temperature=1.5),
+    Sampling(temperature=0.0, repetition_penalty=1.2, repeat_last_n=8),     # greedy with a penalty
+]
+
+
+@pytest.mark.parametrize("st", SETTINGS, ids=lambda s: s.describe())
+def test_device_choice_is_the_host_samplers(st):
+    """Random logits with ties and a penalty window: the same token for every row and seed."""
+    import jax
+    import jax.numpy as jnp
+
+    B, V = 4, 2000
+    fn = jax.jit(ds.choose, static_argnums=(4, 5))
+    k, greedy = ds.static(st)
+    W = ds.window(st)
+    for seed in range(40):
+        r = np.random.default_rng(seed)
+        x = np.round(r.standard_normal((B, V)) * 3, 1).astype(np.float32)     # rounded: many equal logits
+        hist = r.integers(-1, V, (B, W))
+        host = Sampler.of(st, seed=seed)
+        want = host(x.copy(), [row[row >= 0] for row in hist] if W else None)
+        u = np.zeros(B) if host.greedy else np.random.default_rng(seed).random(B)
+        got = fn(jnp.asarray(x), jnp.asarray(hist, jnp.int32), jnp.asarray(u, jnp.float32),
+                 jnp.asarray(ds.knobs(st)), k, greedy)
+        assert np.asarray(got).tolist() == want.tolist(), (seed, st)
+
+
+def test_supported_bounds_the_sort_and_the_window():
+    assert ds.supported(Sampling(), 32000)
+    assert ds.supported(Sampling(temperature=0.0, top_k=0), 32000)        # greedy needs no sort
+    assert not ds.supported(Sampling(top_k=0), 32000)                     # the whole vocabulary
+    assert not ds.supported(Sampling(top_k=ds.MAX_K + 1), 32000)
+    assert not ds.supported(Sampling(top_k=40), 40)                       # top-k >= V is off
+    assert not ds.supported(Sampling(repeat_last_n=-1), 32000)           # every token seen
+    assert ds.supported(Sampling(repeat_last_n=-1, repetition_penalty=1.0), 32000)
+
+
+@pytest.mark.parametrize("st", [Sampling(), Sampling(temperature=0.0, repetition_penalty=1.3, repeat_last_n=4)],
+                         ids=["chat defaults", "greedy with a penalty"])
+def test_sampled_generation_decodes_ahead_with_the_host_samplers_tokens(tiny_f32_plan, monkeypatch, st):
+    """The xla executor decodes a sampled generation ahead, and its tokens are those of the same
+    seed sampled on the host step by step."""
+    plan = load_plan(tiny_f32_plan)
+    ids = np.array([[5, 17, 300, 42, 7, 99]], np.int64)
+    s = Session(plan, "xla")
+    calls = []
+    real = type(s.executor).decode_ahead
+    monkeypatch.setattr(type(s.executor), "decode_ahead",
+                        lambda self, *a, **k: calls.append(k.get("sampling")) or real(self, *a, **k))
+    _, ahead = s.generate(ids, 12, Sampler.of(st, seed=3), keep_logits=False)
+    assert len(calls) == 1 and calls[0] is not None
+    monkeypatch.setattr(type(s.executor), "can_decode_ahead", lambda self, *a, **k: False)
+    _, host = Session(plan, "xla").generate(ids, 12, Sampler.of(st, seed=3), keep_logits=False)
+    assert ahead.tolist() == host.tolist()
