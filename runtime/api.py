@@ -40,13 +40,13 @@ class Model:
         # a broken tokenizer section: token-id prompts still run; text says why it cannot
         self.tokenizer, self._tokenizer_problem = load_tokenizer(self.plan)
         limit = int(self.plan.meta["model"].get("max_position") or 0)
-        if ctx is None:
-            # the batch's rows and the prefill row
-            ctx = default_ctx(self.plan, schema.whole("max_batch", max_batch, 1, schema.MAX_BATCH) + 1)
-        else:
+        rows = schema.whole("max_batch", max_batch, 1, schema.MAX_BATCH) + 1    # the batch's and the prefill row
+        if ctx is not None:
             schema.whole("ctx", ctx, 1, limit or 1 << 31)
-        check_options(self.plan, ctx, max_batch, prefill_chunk)
+        check_options(self.plan, ctx or 1, max_batch, prefill_chunk)    # before anything is loaded
         self.session = Session(self.plan, backend, device=device)
+        if ctx is None:     # in the memory left where the cache lives (default_ctx: it fits)
+            ctx = default_ctx(self.plan, rows, self.session.executor.kv_room())
         self.engine = BatchScheduler(self.session, self.tokenizer, ctx, max_batch=max_batch, chunk=prefill_chunk)
         self.engine.start(warm=False)
         self.engine.ready.wait()

@@ -166,7 +166,7 @@ def start_chat(plan, session, tokenizer, sampler: Sampler, max_new_tokens: int, 
     if not has_template(plan):
         raise UsageError(NO_TEMPLATE.split(", or send")[0])
     if ctx is None:
-        ctx = default_ctx(plan, 1)
+        ctx = default_ctx(plan, 1, session.executor.kv_room())
     if max_new_tokens < 1 or max_new_tokens >= ctx:
         raise UsageError(f"-n {max_new_tokens}: a chat answer needs between 1 and {ctx - 1} tokens "
                          f"(the context is {ctx})")

@@ -267,6 +267,12 @@ class MixedExecutor(Executor):
                     dst[layer][slot, :, :n] = np.asarray(s[layer][row, :, :n])
         cache.lengths[slot] = n
 
+    def kv_room(self) -> int | None:
+        """The least room on the GPUs of the partitions that hold KV layers (None: none does)."""
+        rooms = [r for kind, exe, _ in self.parts if kind == "xla" and exe.layers
+                 for r in (exe.kv_room(),) if r is not None]
+        return min(rooms, default=None)
+
     def can_decode_ahead(self, B: int, cache, sampling=None) -> bool:
         """Whether the next greedy decode steps of batch B can run ahead (`decode_ahead`; sampled
         ones sample on the host): a fused program with no host call that has run once, the caches'

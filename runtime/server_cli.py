@@ -108,11 +108,11 @@ def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_ba
         click.echo(f"strata-server: warning: {plan.path}: the tokenizer section is {problem}; serving prompts "
                    f"given as token ids only", err=True)
     limit = int(plan.meta["model"].get("max_position") or 0)
-    if ctx is None:
-        ctx = default_ctx(plan, max_batch + 1)      # the batch's rows and the prefill row
-    elif limit and ctx > limit:
+    if ctx is not None and limit and ctx > limit:
         raise UsageError(f"--ctx {ctx}: the model's positions end at {limit}; give --ctx {limit} or less")
     session = Session(plan, backend, device=device)
+    if ctx is None:     # the batch's rows and the prefill row, in the memory left where the cache lives
+        ctx = default_ctx(plan, max_batch + 1, session.executor.kv_room())
     cache = None
     if prompt_cache:
         m = plan.meta["model"]

@@ -355,14 +355,16 @@ FALLBACK_CTX = 4096     # the context of a plan that does not say its model's (m
 KV_SHARE = 0.5          # the share of the host's available memory a default context's KV cache may take
 
 
-def default_ctx(plan: Plan, rows: int) -> int:
+def default_ctx(plan: Plan, rows: int, room: int | None = None) -> int:
     """Tokens per sequence when none is asked for (strata-run --chat, strata-server, the Python API
     alike): the model's own context, bounded so that the f32 KV cache of `rows` such sequences takes
-    at most KV_SHARE of the memory available now; a multiple of 64, at least 64 (or the model's)."""
+    at most KV_SHARE of the memory available now — the host's, and `room` (bytes free on the GPU
+    that holds the cache: Executor.kv_room); a multiple of 64, at least 64 (or the model's)."""
     m = plan.meta["model"]
     limit = int(m.get("max_position") or 0) or FALLBACK_CTX
     per_token = 8 * m["n_layers"] * m["n_kv_heads"] * m["head_dim"] * max(rows, 1)
-    fits = int(host_memory()[1] * KV_SHARE) // max(per_token, 1) // 64 * 64
+    free = host_memory()[1] if room is None else min(host_memory()[1], room)
+    fits = int(free * KV_SHARE) // max(per_token, 1) // 64 * 64
     return min(limit, max(fits, 64))
 
 

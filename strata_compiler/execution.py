@@ -68,6 +68,11 @@ class Executor:
                      sampling: AheadSampling | None = None) -> np.ndarray:
         raise NotImplementedError(f"{type(self).__name__} does not decode ahead (check can_decode_ahead)")
 
+    def kv_room(self) -> int | None:
+        """Bytes free on the accelerator that holds the KV cache (what a default context may take
+        a share of), None where the cache lives in host memory."""
+        return None
+
     def can_batch_step(self) -> bool:
         """Whether `batch_step` may run the server's continuous-batching decode steps."""
         return False

@@ -101,3 +101,16 @@ def test_an_abandoned_stream_frees_its_slot(model):
     next(it)
     it.close()                  # the caller stops reading: the request is cancelled
     assert model.generate(PROMPT, max_tokens=4)
+
+
+def test_default_context_fits_the_gpu_that_holds_the_cache(model):
+    """A GPU's free bytes bound the default context as the host's memory does (16 streams of a
+    model's whole context once asked for 59 GiB of an 80 GiB card and failed mid-run)."""
+    from strata_compiler.runtime.session import KV_SHARE, default_ctx
+
+    m = model.plan.meta["model"]
+    per_token = 8 * m["n_layers"] * m["n_kv_heads"] * m["head_dim"] * 17
+    room = 1000 * per_token
+    assert default_ctx(model.plan, 17, room) == int(room * KV_SHARE) // per_token // 64 * 64 == 448
+    assert default_ctx(model.plan, 17, 0) == 64             # at least 64
+    assert model.session.executor.kv_room() is None         # this model's cache is in host memory

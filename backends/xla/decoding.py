@@ -62,6 +62,13 @@ class DecodeSteps:
                 and not ahead.traced_fully() and (not self.layers or on_device(cache.k[self.layers[0]]))
                 and (sampling is None or device_sampling.supported(sampling, self._vocab())))
 
+    def kv_room(self) -> int | None:
+        """Bytes free on the GPU holding this executor's KV cache (None on the host's CPU)."""
+        stats = (self.device.memory_stats() or {}) if self.on_gpu else {}
+        if not stats.get("bytes_limit"):
+            return None
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
     def _vocab(self) -> int:
         """The logits' width (the plan's first output's last dimension)."""
         return int(self.g.node(self.g.outputs[0]).type.shape[-1])
