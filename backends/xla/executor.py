@@ -46,6 +46,28 @@ def _copy_row(dst, src, slot, row):
     return jax.lax.dynamic_update_slice(dst, r, (slot, 0, 0, 0))
 
 
+def _check_lowered(nodes: list[Node]) -> None:
+    """A BackendError for the first node whose op the xla backend has no lowering for."""
+    for n in nodes:
+        if n.op not in OPS and n.op is not Op.INPUT_IDS:
+            raise BackendError(f"the xla backend has no lowering for op {n.op.value} (%{n.id}); "
+                               f"recompile the plan (the fuse pass removes it) or use --backend reference")
+
+
+def _route_ks(graph: Graph, nodes: list[Node]) -> dict[int, int]:
+    """{moe_ffn node id: k} from the route op each MoE's routing comes from (through transfers)."""
+    ks = {}
+    for n in nodes:
+        if n.op is Op.MOE_FFN:
+            r = graph.node(n.args[1])
+            while r.op is Op.TRANSFER:      # routing computed on the other device
+                r = graph.node(r.args[0])
+            if r.op is not Op.ROUTE:
+                raise BackendError(f"moe_ffn %{n.id}: the xla backend needs its routing from a route op")
+            ks[n.id] = r.attr("k")
+    return ks
+
+
 class GPUOutOfMemory(BackendError):
     """The device could not hold a partition's weights."""
 
@@ -73,10 +95,7 @@ class XLAExecutor(DecodeSteps, Executor):
         cuda_rt.enable("gpu" if self.on_gpu else "cpu")     # raw hand-off copies where they apply
         ids = set(nodes) if nodes is not None else {n.id for n in graph.nodes}
         self.nodes = [n for n in graph.nodes if n.id in ids]
-        for n in self.nodes:
-            if n.op not in OPS and n.op is not Op.INPUT_IDS:
-                raise BackendError(f"the xla backend has no lowering for op {n.op.value} (%{n.id}); "
-                                   f"recompile the plan (the fuse pass removes it) or use --backend reference")
+        _check_lowered(self.nodes)
         users = graph.users()
         self.inputs = sorted({a for n in self.nodes for a in n.args if a not in ids})
         self.outputs = [n.id for n in self.nodes if any(u == -1 or u not in ids for u in users[n.id])]
@@ -89,15 +108,7 @@ class XLAExecutor(DecodeSteps, Executor):
         self._bulk_pending = False      # set_slot(wait=False) copies not yet waited for
         self.step_counts = None         # the last call's COUNTS result (run_partition)
         self.params_version = 0         # bumped where an array of `params` is replaced (the fused step's flat copy)
-        self.route_k = {}
-        for n in self.nodes:
-            if n.op is Op.MOE_FFN:
-                r = graph.node(n.args[1])
-                while r.op is Op.TRANSFER:      # routing computed on the other device
-                    r = graph.node(r.args[0])
-                if r.op is not Op.ROUTE:
-                    raise BackendError(f"moe_ffn %{n.id}: the xla backend needs its routing from a route op")
-                self.route_k[n.id] = r.attr("k")
+        self.route_k = _route_ks(graph, self.nodes)
         self.router_after = routers_after(graph, users, ids)
         self.packed: list[int] = []       # pack_for_host: results that leave as one buffer
         self._packed_T = 0
@@ -128,6 +139,11 @@ class XLAExecutor(DecodeSteps, Executor):
             for prog in (self._fn, self._ahead_fn):
                 if hasattr(prog, "prefetch"):
                     prog.prefetch()
+        self._place_all(host, stream)
+
+    def _place_all(self, host: dict[str, dict[str, np.ndarray]], stream: bool) -> None:
+        """self.params: the weights on the device (none yet when streamed) and views of the host
+        arrays read in place; a device out of memory raises GPUOutOfMemory."""
         try:
             self.params = {} if stream else self._place_params(host)
             if self.mapped_host:

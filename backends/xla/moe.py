@@ -112,26 +112,12 @@ def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok
     I = I2 // 2
     prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
     pallas, interpret = pallas_moe.use(c.exe.on_gpu, gu_spec, dn_spec, M) if pallas_ok else (False, False)
+    w = (gu_spec, gu_p, dn_spec, dn_p)
     if pallas:
-        # decode, int4/int8 experts on a GPU: two Pallas kernels (gate/up + silu*mul; down +
-        # weighted combine) over the stored packed weights
-        kw = {}
-        if norm is not None and fusable_norm(gu_spec):
-            # the norm as gate_up's prologue, the residual add (when it is the MoE's) as down's epilogue
-            x, kw = norm[2], dict(rms=norm[:2], residual=residual)
-        cached = dict(slots=slots, with_ids=True) if slots is not None else {}
-        if route is not None:
-            # softmax and top-k in gate_up: no routing kernels; from the router's partial sums
-            # when the o projection left them (and gate_up takes the norm)
-            src = dict(partials=route[3], n_experts=E) if route[3] is not None and kw else dict(logits=route[0])
-            out = pallas_moe.moe_decode(x, None, None, gu_spec, gu_p, dn_spec, dn_p, interpret=interpret,
-                                        k=route[1], norm=route[2], **src, **kw, **cached)
-        else:
-            out = pallas_moe.moe_decode(x, topi, topw, gu_spec, gu_p, dn_spec, dn_p, interpret=interpret, **kw,
-                                        **cached)
+        out, added = _pallas_decode(x, topi, topw, *w, interpret, route, norm, residual, slots)
         if slots is not None:
             out, ids = out
-        if residual is not None and kw:     # (down added it)
+        if added:     # (down added the residual)
             return out if slots is None else (out, ids)
     elif gemm(c, gu_spec, dn_spec, M, pallas_ok, slots):
         # prefill and batched decode on a GPU: the pairs grouped by expert into row blocks, tensor-
@@ -139,63 +125,103 @@ def moe_core(c: _Ctx, x, topw, topi, gu_spec, gu_p, dn_spec, dn_p, dt, pallas_ok
         out = pallas_gemm.moe(x, topi, topw, gu_spec, gu_p, dn_spec, dn_p, dtype=jnp.dtype(dt).name,
                               interpret=pallas_gemm.use(c.exe.on_gpu, gu_spec, M, 0)[1])
     elif M <= MATVEC_ROWS:
-        # decode: one fused multiply-reduce per projection over all chosen experts (the gather of
-        # their packed weights happens inside the reduction, so nothing is copied); an expert
-        # cache's resident experts from their slots
-        if slots is None:
-            def sel(p, _s):
-                return {r: v[topi] for r, v in p.items()}
-            gu_s = dn_s = None
-        else:
-            hit, si = slots[0][topi] >= 0, jnp.maximum(slots[0][topi], 0)
-            gu_s, dn_s = slots[1], slots[2]
-
-            def sel(p, s):
-                return {r: jnp.where(hit.reshape(hit.shape + (1,) * (v.ndim - 1)), s[r][si], v[topi])
-                        for r, v in p.items()}
-        gu = matvec(jnp, gu_spec, sel(gu_p, gu_s), x[:, None, :])                               # [M, k, 2I]
-        h = silu(jnp, gu[..., :I]) * gu[..., I:]
-        y = matvec(jnp, dn_spec, sel(dn_p, dn_s), h)                                            # [M, k, D]
-        out = (y * topw[..., None]).sum(axis=1)
+        out = _fused_matvec(jnp, x, topi, topw, *w, I, slots)
     elif M * k <= SLICE_PAIRS:
-        # decode: each chosen expert's weights as a dynamic slice of the stacked array, read in
-        # place (a gather would first copy k experts' weights: slower)
-        out = jnp.zeros((M, D), jnp.float32)
-        for m in range(M):
-            for j in range(k):
-                e = topi[m, j]
-                gu = dequantize(jnp, gu_spec, {r: jax.lax.dynamic_index_in_dim(v, e, 0, keepdims=False)
-                                               for r, v in gu_p.items()}, dt)             # [2I, D]
-                h = jnp.dot(gu, x[m].astype(dt), precision=prec, preferred_element_type=jnp.float32)
-                h = silu(jnp, h[:I]) * h[I:]
-                dn = dequantize(jnp, dn_spec, {r: jax.lax.dynamic_index_in_dim(v, e, 0, keepdims=False)
-                                               for r, v in dn_p.items()}, dt)             # [D, I]
-                y = jnp.dot(dn, h.astype(dt), precision=prec, preferred_element_type=jnp.float32)
-                out = out.at[m].add(topw[m, j] * y)
+        out = _sliced(jnp, jax, x, topi, topw, *w, I, dt, prec)
     elif M * k <= E:
-        # few tokens: gather just the chosen experts' packed weights, then dequantize those
-        gu = dequantize(jnp, gu_spec, {r: v[topi] for r, v in gu_p.items()}, dt)       # [M, k, 2I, D]
-        h = jnp.einsum("md,mkid->mki", x.astype(dt), gu, precision=prec, preferred_element_type=jnp.float32)
-        h = silu(jnp, h[..., :I]) * h[..., I:]
-        dn = dequantize(jnp, dn_spec, {r: v[topi] for r, v in dn_p.items()}, dt)        # [M, k, D, I]
-        y = jnp.einsum("mki,mkdi->mkd", h.astype(dt), dn, precision=prec, preferred_element_type=jnp.float32)
-        out = (y * topw[..., None]).sum(axis=1)
+        out = _gathered(jnp, x, topi, topw, *w, I, dt, prec)
     else:
-        # many tokens: group the (token, expert) pairs by expert, one ragged matmul per projection
-        flat = topi.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        tok = order // k
-        sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-        xs = x[tok].astype(dt)
-        gu = dequantize(jnp, gu_spec, gu_p, dt).transpose(0, 2, 1)                   # [E, D, 2I]
-        h = jax.lax.ragged_dot(xs, gu, sizes, precision=prec, preferred_element_type=jnp.float32)
-        h = silu(jnp, h[:, :I]) * h[:, I:]
-        dn = dequantize(jnp, dn_spec, dn_p, dt).transpose(0, 2, 1)                   # [E, I, D]
-        ys = jax.lax.ragged_dot(h.astype(dt), dn, sizes, precision=prec, preferred_element_type=jnp.float32)
-        # back to (token, choice) order, then a weighted sum over the k choices: a scatter-add
-        # into the tokens' rows would accumulate in whatever order the GPU's atomics land, not
-        # the same from run to run
-        back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-        out = (ys[back].reshape(M, k, D) * topw[..., None]).sum(axis=1)
+        out = _grouped(jnp, jax, x, topi, topw, *w, I, dt, prec)
     return done(out)
 
+
+def _pallas_decode(x, topi, topw, gu_spec, gu_p, dn_spec, dn_p, interpret, route, norm, residual, slots):
+    """decode, int4/int8 experts on a GPU: two Pallas kernels (gate/up + silu*mul; down + weighted
+    combine) over the stored packed weights. (moe_decode's result, whether down added residual)."""
+    kw = {}
+    if norm is not None and fusable_norm(gu_spec):
+        # the norm as gate_up's prologue, the residual add (when it is the MoE's) as down's epilogue
+        x, kw = norm[2], dict(rms=norm[:2], residual=residual)
+    cached = dict(slots=slots, with_ids=True) if slots is not None else {}
+    if route is not None:
+        # softmax and top-k in gate_up: no routing kernels; from the router's partial sums
+        # when the o projection left them (and gate_up takes the norm)
+        E = gu_spec.shape[0]
+        src = dict(partials=route[3], n_experts=E) if route[3] is not None and kw else dict(logits=route[0])
+        out = pallas_moe.moe_decode(x, None, None, gu_spec, gu_p, dn_spec, dn_p, interpret=interpret,
+                                    k=route[1], norm=route[2], **src, **kw, **cached)
+    else:
+        out = pallas_moe.moe_decode(x, topi, topw, gu_spec, gu_p, dn_spec, dn_p, interpret=interpret, **kw,
+                                    **cached)
+    return out, bool(residual is not None and kw)
+
+
+def _fused_matvec(jnp, x, topi, topw, gu_spec, gu_p, dn_spec, dn_p, I: int, slots):
+    """decode: one fused multiply-reduce per projection over all chosen experts (the gather of
+    their packed weights happens inside the reduction, so nothing is copied); an expert cache's
+    resident experts from their slots."""
+    if slots is None:
+        def sel(p, _s):
+            return {r: v[topi] for r, v in p.items()}
+        gu_s = dn_s = None
+    else:
+        hit, si = slots[0][topi] >= 0, jnp.maximum(slots[0][topi], 0)
+        gu_s, dn_s = slots[1], slots[2]
+
+        def sel(p, s):
+            return {r: jnp.where(hit.reshape(hit.shape + (1,) * (v.ndim - 1)), s[r][si], v[topi])
+                    for r, v in p.items()}
+    gu = matvec(jnp, gu_spec, sel(gu_p, gu_s), x[:, None, :])                                   # [M, k, 2I]
+    h = silu(jnp, gu[..., :I]) * gu[..., I:]
+    y = matvec(jnp, dn_spec, sel(dn_p, dn_s), h)                                                # [M, k, D]
+    return (y * topw[..., None]).sum(axis=1)
+
+
+def _sliced(jnp, jax, x, topi, topw, gu_spec, gu_p, dn_spec, dn_p, I: int, dt, prec):
+    """decode: each chosen expert's weights as a dynamic slice of the stacked array, read in place
+    (a gather would first copy k experts' weights: slower)."""
+    M, D = x.shape
+    out = jnp.zeros((M, D), jnp.float32)
+    for m in range(M):
+        for j in range(topi.shape[1]):
+            e = topi[m, j]
+            gu = dequantize(jnp, gu_spec, {r: jax.lax.dynamic_index_in_dim(v, e, 0, keepdims=False)
+                                           for r, v in gu_p.items()}, dt)                 # [2I, D]
+            h = jnp.dot(gu, x[m].astype(dt), precision=prec, preferred_element_type=jnp.float32)
+            h = silu(jnp, h[:I]) * h[I:]
+            dn = dequantize(jnp, dn_spec, {r: jax.lax.dynamic_index_in_dim(v, e, 0, keepdims=False)
+                                           for r, v in dn_p.items()}, dt)                 # [D, I]
+            y = jnp.dot(dn, h.astype(dt), precision=prec, preferred_element_type=jnp.float32)
+            out = out.at[m].add(topw[m, j] * y)
+    return out
+
+
+def _gathered(jnp, x, topi, topw, gu_spec, gu_p, dn_spec, dn_p, I: int, dt, prec):
+    """few tokens: gather just the chosen experts' packed weights, then dequantize those."""
+    gu = dequantize(jnp, gu_spec, {r: v[topi] for r, v in gu_p.items()}, dt)           # [M, k, 2I, D]
+    h = jnp.einsum("md,mkid->mki", x.astype(dt), gu, precision=prec, preferred_element_type=jnp.float32)
+    h = silu(jnp, h[..., :I]) * h[..., I:]
+    dn = dequantize(jnp, dn_spec, {r: v[topi] for r, v in dn_p.items()}, dt)            # [M, k, D, I]
+    y = jnp.einsum("mki,mkdi->mkd", h.astype(dt), dn, precision=prec, preferred_element_type=jnp.float32)
+    return (y * topw[..., None]).sum(axis=1)
+
+
+def _grouped(jnp, jax, x, topi, topw, gu_spec, gu_p, dn_spec, dn_p, I: int, dt, prec):
+    """many tokens: group the (token, expert) pairs by expert, one ragged matmul per projection."""
+    M, D = x.shape
+    E, k = gu_spec.shape[0], topi.shape[1]
+    flat = topi.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    tok = order // k
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    xs = x[tok].astype(dt)
+    gu = dequantize(jnp, gu_spec, gu_p, dt).transpose(0, 2, 1)                       # [E, D, 2I]
+    h = jax.lax.ragged_dot(xs, gu, sizes, precision=prec, preferred_element_type=jnp.float32)
+    h = silu(jnp, h[:, :I]) * h[:, I:]
+    dn = dequantize(jnp, dn_spec, dn_p, dt).transpose(0, 2, 1)                       # [E, I, D]
+    ys = jax.lax.ragged_dot(h.astype(dt), dn, sizes, precision=prec, preferred_element_type=jnp.float32)
+    # back to (token, choice) order, then a weighted sum over the k choices: a scatter-add into
+    # the tokens' rows would accumulate in whatever order the GPU's atomics land, not the same
+    # from run to run
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return (ys[back].reshape(M, k, D) * topw[..., None]).sum(axis=1)
