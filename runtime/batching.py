@@ -12,11 +12,13 @@ chunk runs, the batch steps (rows without a sequence run a dummy token at positi
 ignored). A sequence samples its tokens with its own Sampler, so a request's tokens do not
 depend on what else runs beside it (up to the float differences of batched kernels).
 
-Where the plan runs whole on one xla device (Session.batch_stepper), a step's greedy tokens are
-chosen on the device, and while every running sequence is greedy the next step is launched before
-the last one's tokens reach the host: the host's share of a step (reading the tokens, the text,
-the events) overlaps the device's work. A sequence that ends has one step run past its end,
-dropped. A batch holding a sampled (non-greedy) sequence steps one at a time, sampling on the host.
+Where the plan runs whole on one xla device (Session.batch_stepper), a step's tokens are chosen
+on the device (greedy, or sampled by each row's settings, uniform and window of ids seen:
+backends/xla/sampling.py), and the next step is launched before the last one's tokens reach the
+host: the host's share of a step (reading the tokens, the text, the events) overlaps the device's
+work. A sequence that ends has one step run past its end, dropped. A batch holding a sequence whose
+sampling the device does not compute (no top-k, or one above its bound) steps one at a time,
+sampling on the host.
 
 Each request's own steps (its text stream, prompt-cache lookup, prefill, the check that its logits
 are finite, sampling, detokenizing) are guarded: one that fails ends that request with an error
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from strata_compiler.errors import UsageError
+from strata_compiler.execution import AheadSampling
 from strata_compiler.hwprofile import host_memory
 from strata_compiler.kv_cache import KVCache
 
@@ -142,9 +145,12 @@ class BatchScheduler(Scheduler):
         while True:             # each batch size a decode step may run (_rows)
             if self.stepper is not None:
                 ids = np.zeros(self.max_batch, np.int32)
-                tokens, logits = self.stepper.batch_step(self.kv, rows, ids, np.ones(self.max_batch, bool))
-                tokens.block_until_ready()
-                logits.sum(axis=-1).block_until_ready()     # the finiteness check's reduction (_launch)
+                default = self._default_sampling()
+                for how in [None] + ([default] if default is not None else []):  # greedy, the plan's default
+                    tokens, logits = self.stepper.batch_step(self.kv, rows, ids, np.ones(self.max_batch, bool),
+                                                             sampling=how)
+                    tokens.block_until_ready()
+                    logits.sum(axis=-1).block_until_ready()     # the finiteness check's reduction (_launch)
             else:       # twice: as the one-token prefill above (a mixed plan's one-program step)
                 self._decode_step(rows)
                 self._decode_step(rows)
@@ -155,6 +161,18 @@ class BatchScheduler(Scheduler):
             self.prompt_cache.warm(self.pre, self.kv)
         self.kv.length = 0
         self.pre.length = 0
+
+    def _default_sampling(self) -> AheadSampling | None:
+        """A batch_step sampling of every row by the plan's default settings (what a request that
+        names none gets), where the device computes it (warm_up builds its program)."""
+        from .sampler import plan_sampling
+
+        d = plan_sampling(self.plan.meta)
+        if d.greedy or not self.stepper.samples(d):
+            return None
+        B = self.max_batch
+        w = d.repeat_last_n if d.repetition_penalty != 1 and d.repeat_last_n > 0 else 0
+        return AheadSampling((d,) * B, np.zeros((1, B)), np.full((B, w), -1, np.int64))
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -412,7 +430,7 @@ class BatchScheduler(Scheduler):
         if not self._active():
             self._drain()
             return
-        if not all(seq.req.sampler.plain_greedy for seq in self._active()):
+        if not all(self._on_device(seq) for seq in self._active()):
             self._drain()
             if self._active():
                 self._finish(self._launch(), sync=True)
@@ -423,6 +441,31 @@ class BatchScheduler(Scheduler):
             self._finish(last, sync=False)
         if not self._active():
             self._drain()
+
+    def _on_device(self, seq: _Seq) -> bool:
+        """Whether `seq`'s tokens are chosen on the device (greedy, or a sampling it computes)."""
+        smp = seq.req.sampler
+        return smp.plain_greedy or self.stepper.samples(smp.settings)
+
+    def _device_sampling(self, seqs: list, use_host: np.ndarray) -> AheadSampling:
+        """batch_step's sampling of the rows `seqs` ((slot, seq) pairs): each request's settings,
+        a uniform from its own generator (as the host would draw for this step) and its window of
+        the ids seen so far, one short where the step's id is the device's (it adds that one)."""
+        B = len(use_host)
+        settings: list = [None] * B
+        u = np.zeros((1, B))
+        windows = {slot: (seq.req.sampler.repeat_last_n if seq.req.sampler.needs_history else 0) for slot, seq in seqs}
+        hist = np.full((B, max(windows.values(), default=0)), -1, np.int64)
+        for slot, seq in seqs:
+            smp = seq.req.sampler
+            settings[slot] = smp.settings
+            if not smp.greedy:
+                u[0, slot] = smp.rng.random()
+            take = windows[slot] - (0 if use_host[slot] else 1)
+            if take > 0:
+                known = (seq.tokens + [seq.last])[-take:]
+                hist[slot, hist.shape[1] - len(known):] = known
+        return AheadSampling(tuple(settings), u, hist)
 
     def _drain(self) -> None:
         """Read the step in flight; afterwards every sequence's next id is on the host."""
@@ -444,7 +487,10 @@ class BatchScheduler(Scheduler):
                 host[seq.slot] = seq.last
             seq.launched = self.launches
             seqs.append((seq.slot, seq))
-        tokens, logits = self.stepper.batch_step(self.kv, rows, host, use_host, self.prev)
+        how = None      # every row greedy, or some sampled on the host (the step read at once)
+        if all(self._on_device(seq) for _, seq in seqs) and not all(seq.req.sampler.plain_greedy for _, seq in seqs):
+            how = self._device_sampling(seqs, use_host)
+        tokens, logits = self.stepper.batch_step(self.kv, rows, host, use_host, self.prev, sampling=how)
         self.prev = tokens
         self.stats["steps"] += 1
         self.stats["rows_stepped"] += rows
@@ -459,14 +505,14 @@ class BatchScheduler(Scheduler):
         logits = None
         if sync:
             self.prev = None
-            if not all(seq.req.sampler.plain_greedy for _, seq in step.seqs):
+            if not all(self._on_device(seq) for _, seq in step.seqs):
                 logits = self.stepper.fetch(step.logits)
         if logits is None and not finite.all():     # a row to look at closely (_sample checks it)
             logits = self.stepper.fetch(step.logits)
         for slot, seq in step.seqs:
             if self.slots[slot] is not seq:
                 continue            # ended or cancelled since: this row ran past its end
-            if seq.req.sampler.plain_greedy and finite[slot]:
+            if self._on_device(seq) and finite[slot]:
                 self._deliver(seq, lambda slot=slot: int(tokens[slot]))
-            else:       # sampled, or a row to check closely (greedy on the host is the device's argmax)
+            else:       # sampled on the host, or a row to check closely (the host's choice is the device's)
                 self._deliver(seq, lambda slot=slot, seq=seq: self._sample(seq, logits[slot:slot + 1]))

@@ -32,11 +32,12 @@ class Caps:
 
 @dataclass(frozen=True)
 class AheadSampling:
-    """How decode_ahead chooses tokens when not plain greedy: the settings (runtime/sampler.py's
-    rules), one uniform draw per step and row from the host's generator (f64 [n, B], so a seed
-    gives the same stream as sampling on the host) and each row's last tokens seen, oldest first
-    (i64 [B, W], -1 where fewer; W = the repetition penalty's window, 0 without one)."""
-    settings: Sampling
+    """How decode_ahead / batch_step choose tokens when not plain greedy: the settings
+    (runtime/sampler.py's rules; batch_step: one per row, None for greedy), one uniform draw per
+    step and row from the host's generator (f64 [n, B], so a seed gives the same stream as
+    sampling on the host) and each row's last tokens seen, oldest first (i64 [B, W], -1 where
+    fewer; W = the repetition penalty's window, 0 without one)."""
+    settings: Sampling | tuple[Sampling | None, ...]
     uniforms: np.ndarray
     history: np.ndarray
 
@@ -67,6 +68,11 @@ class Executor:
     def decode_ahead(self, tok: np.ndarray, cache: KVCache, n: int, stop_ids=(), done=None,
                      sampling: AheadSampling | None = None) -> np.ndarray:
         raise NotImplementedError(f"{type(self).__name__} does not decode ahead (check can_decode_ahead)")
+
+    def samples(self, settings: Sampling) -> bool:
+        """Whether this executor chooses tokens sampled by `settings` where it computes the logits
+        (decode_ahead and batch_step take an AheadSampling then)."""
+        return False
 
     def kv_room(self) -> int | None:
         """Bytes free on the accelerator that holds the KV cache (what a default context may take

@@ -124,6 +124,39 @@ def test_seeded_sampling_does_not_depend_on_neighbours(plan, tok, backend):
         sch.shutdown()
 
 
+def test_device_sampling_gives_the_host_samplers_tokens(plan, tok, monkeypatch):
+    """xla: sequences sampled with top-k (and a repetition penalty) choose their tokens on the
+    device, steps launched ahead; their texts are those the host's sampler gives the same seeds,
+    alone and beside greedy and other sampled sequences."""
+    from strata_compiler.backends.xla.executor import XLAExecutor
+
+    settings = [dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.1, seed=5),
+                dict(temperature=1.2, top_k=7, seed=1), dict(temperature=0.0, repetition_penalty=1.3, seed=0), {}]
+
+    def texts(on_device: bool) -> list[str]:
+        if not on_device:
+            monkeypatch.setattr(XLAExecutor, "samples", lambda self, s: False)
+        sch = _scheduler(plan, tok, "xla", max_batch=4)
+        syncs = []
+        real = sch._finish
+        monkeypatch.setattr(sch, "_finish", lambda step, sync: syncs.append(sync) or real(step, sync))
+        try:
+            rs = [_req(tok, TEXTS[i], 16, **kw) for i, kw in enumerate(settings)]
+            for r in rs:
+                sch.submit(r)
+            together = [r.text() for r in rs]
+            r = _req(tok, TEXTS[0], 16, **settings[0])
+            sch.submit(r)
+            assert r.text() == together[0]
+            assert any(syncs) != on_device        # the device's: every step launched ahead
+            return together
+        finally:
+            sch.shutdown()
+            monkeypatch.undo()
+
+    assert texts(True) == texts(False)
+
+
 @pytest.mark.parametrize("backend", ["llvm", "xla"])
 def test_cancelled_sequence_frees_its_slot(plan, tok, backend):
     sch = _scheduler(plan, tok, backend, max_batch=1)

@@ -38,7 +38,7 @@ def test_device_choice_is_the_host_samplers(st):
         want = host(x.copy(), [row[row >= 0] for row in hist] if W else None)
         u = np.zeros(B) if host.greedy else np.random.default_rng(seed).random(B)
         got = fn(jnp.asarray(x), jnp.asarray(hist, jnp.int32), jnp.asarray(u, jnp.float32),
-                 jnp.asarray(ds.knobs(st)), k, greedy)
+                 jnp.asarray(np.tile(ds.knobs(st), (B, 1))), k, greedy)
         assert np.asarray(got).tolist() == want.tolist(), (seed, st)
 
 

@@ -60,7 +60,7 @@ class DecodeSteps:
 
         return (len(self.nodes) == len(self.g.nodes) and not self.cached
                 and not ahead.traced_fully() and (not self.layers or on_device(cache.k[self.layers[0]]))
-                and (sampling is None or device_sampling.supported(sampling, self._vocab())))
+                and (sampling is None or self.samples(sampling)))
 
     def kv_room(self) -> int | None:
         """Bytes free on the GPU holding this executor's KV cache (None on the host's CPU)."""
@@ -82,12 +82,12 @@ class DecodeSteps:
         nxt = jnp.argmax(res[self.g.outputs[0]].reshape(B, -1), axis=-1).astype(jnp.int32)
         return nxt, pos + 1, ks, vs
 
-    def _sampled_step(self, params, ks, vs, tok, pos, hist, i, U, kn, k, is_greedy):
+    def _sampled_step(self, params, ks, vs, tok, pos, hist, i, U, kn, k, all_greedy):
         """_ahead_step choosing its token by the sampling of `kn` (backends/xla/sampling.py) with
         uniforms U[i] and the window hist, which it returns with the token added; i + 1."""
         B = tok.shape[0]
         res, ks, vs = self._forward(params, ks, vs, {}, tok[:, None], B, 1, pos)
-        nxt = device_sampling.choose(res[self.g.outputs[0]].reshape(B, -1), hist, U[i], kn, k, is_greedy)
+        nxt = device_sampling.choose(res[self.g.outputs[0]].reshape(B, -1), hist, U[i], kn, k, all_greedy)
         return nxt, pos + 1, device_sampling.remember(hist, nxt), i + 1, ks, vs
 
     def _ahead_program(self, sampling):
@@ -103,7 +103,8 @@ class DecodeSteps:
             progs[key] = jax.jit(self._sampled_step, static_argnums=(9, 10), donate_argnums=(1, 2))
         fn = progs[key]
         state = (np.asarray(sampling.history, np.int32), np.int32(0))
-        const = (np.asarray(sampling.uniforms, np.float32), device_sampling.knobs(sampling.settings))
+        B = sampling.uniforms.shape[1]
+        const = (np.asarray(sampling.uniforms, np.float32), np.tile(device_sampling.knobs(sampling.settings), (B, 1)))
         return (lambda *a: fn(*a, *key)), tuple(map(jnp.asarray, state)), tuple(map(jnp.asarray, const))
 
     def decode_ahead(self, tok: np.ndarray, cache, n: int, stop_ids=(), done: np.ndarray | None = None,
@@ -146,24 +147,50 @@ class DecodeSteps:
 
         return len(self.nodes) == len(self.g.nodes) and not self.cached and not ahead.traced_fully()
 
-    def _batch_step(self, params, ks, vs, prev, host_tok, use_host, pos):
+    def samples(self, settings) -> bool:
+        """Whether tokens sampled by `settings` (a Sampling) are chosen on the device."""
+        return device_sampling.supported(settings, self._vocab())
+
+    def _batch_step(self, params, ks, vs, prev, host_tok, use_host, pos, hist, u, kn, k, all_greedy):
         """A decode step of the first B = len(pos) rows whose ids are the host's where use_host,
-        else the device tokens of the step before (prev); its greedy tokens (int32 [Bc], zero past
-        B) and logits (f32 [B, V]) stay on the device."""
+        else the device tokens of the step before (prev); its tokens (int32 [Bc], zero past B:
+        each row's greedy or sampled by its knobs kn, uniform u and window hist, to which a row
+        whose id is the device's adds that id) and logits (f32 [B, V]) stay on the device."""
         jnp = _jnp()
         B = pos.shape[0]
         tok = jnp.where(use_host, host_tok, prev)[:B]
         res, ks, vs = self._forward(params, ks, vs, {}, tok[:, None], B, 1, pos)
         logits = res[self.g.outputs[0]].reshape(B, -1)
-        nxt = jnp.zeros_like(prev).at[:B].set(jnp.argmax(logits, axis=-1).astype(prev.dtype))
+        if hist.shape[1]:
+            hist = jnp.where(use_host[:, None], hist, device_sampling.remember(hist, prev))
+        chosen = device_sampling.choose(logits, hist[:B], u[:B], kn[:B], k, all_greedy)
+        nxt = jnp.zeros_like(prev).at[:B].set(chosen.astype(prev.dtype))
         return nxt, logits, ks, vs
 
-    def batch_step(self, cache, rows: int, host_tok: np.ndarray, use_host: np.ndarray, prev=None):
+    def _batch_sampling(self, rows: int, sampling) -> tuple:
+        """batch_step's sampling arguments for `rows` cache rows: (window, uniforms, knobs) device
+        values and the static (k, all greedy); greedy's kept across steps."""
+        jnp = _jnp()
+        if sampling is None:
+            if getattr(self, "_greedy_rows", (None,))[0] != rows:
+                kn = np.tile(device_sampling.knobs(device_sampling.GREEDY), (rows, 1))
+                self._greedy_rows = (rows, (jnp.zeros((rows, 0), jnp.int32), jnp.zeros(rows, jnp.float32),
+                                            jnp.asarray(kn)), (0, True))
+            return self._greedy_rows[1:]
+        rows_settings = [s or device_sampling.GREEDY for s in sampling.settings]
+        kn = np.stack([device_sampling.knobs(s) for s in rows_settings])
+        arrays = (np.asarray(sampling.history, np.int32), np.asarray(sampling.uniforms[0], np.float32), kn)
+        return tuple(map(jnp.asarray, arrays)), device_sampling.static(rows_settings)
+
+    def batch_step(self, cache, rows: int, host_tok: np.ndarray, use_host: np.ndarray, prev=None, sampling=None):
         """Dispatch one decode step of the cache's first `rows` rows (continuous batching) without
         waiting for it: row b's id is host_tok[b] where use_host[b], else the token the step before
         chose for it on the device (`prev`, the tokens this returned then), so the host can launch
         a step before it knows the last one's tokens. host_tok int32 and use_host bool [cache rows].
-        Returns (tokens int32 [cache rows], logits f32 [rows, V]), device values."""
+        `sampling` (AheadSampling, None: every row greedy): settings per cache row (None: greedy),
+        uniforms [1, cache rows] and each row's window [cache rows, W] of the ids it has seen, a
+        row whose id is the device's one id short of it. Returns (tokens int32 [cache rows], logits
+        f32 [rows, V]), device values."""
         jax = load_jax()
         if cache.length + 1 > cache.capacity:
             raise UsageError(f"sequence of {cache.length + 1} tokens exceeds the KV cache capacity {cache.capacity}")
@@ -171,15 +198,16 @@ class DecodeSteps:
             self.new_cache(cache)
         fn = getattr(self, "_batch_fn", None)
         if fn is None:
-            fn = self._batch_fn = jax.jit(self._batch_step, donate_argnums=(1, 2))
+            fn = self._batch_fn = jax.jit(self._batch_step, static_argnums=(10, 11), donate_argnums=(1, 2))
         if prev is None:    # a device array like the tokens of a step (a NumPy one would be another program)
             prev = getattr(self, "_no_prev", None)
             if prev is None or prev.shape != host_tok.shape:
                 prev = self._no_prev = jax.device_put(np.zeros(host_tok.shape, np.int32), self._home())
+        samp, static = self._batch_sampling(int(host_tok.shape[0]), sampling)
         ks = {l: cache.k[l] for l in self.layers}
         vs = {l: cache.v[l] for l in self.layers}
         pos = np.asarray(cache.lengths[:rows], np.int32)
-        tok, logits, ks, vs = fn(self.params, ks, vs, prev, host_tok, use_host, pos)
+        tok, logits, ks, vs = fn(self.params, ks, vs, prev, host_tok, use_host, pos, *samp, *static)
         for l in self.layers:
             cache.k[l], cache.v[l] = ks[l], vs[l]
         cache.lengths[:rows] += 1

@@ -26,6 +26,9 @@ MAX_WINDOW = 4096   # tokens of the repetition penalty's window kept on the devi
 _TINY_T = 1.0 / float(np.finfo(np.float32).max)     # below it 1 / T is not a finite f32 (greedy)
 
 
+GREEDY = Sampling(temperature=0.0, repetition_penalty=1.0)     # a row no request samples
+
+
 def greedy(s: Sampling) -> bool:
     return s.temperature < _TINY_T
 
@@ -48,22 +51,32 @@ def window(s: Sampling) -> int:
 
 
 def knobs(s: Sampling) -> np.ndarray:
-    """The traced settings, f32 [4]: penalty, 1 / temperature, top-p, min-p's offset below the top
-    logit (temperature x log min-p; -inf when off), each as the host computes it."""
+    """A row's traced settings, f32 [5]: penalty, 1 / temperature (0: greedy), top-p, min-p's offset
+    below the top logit (temperature x log min-p; -inf when off) and top-k, each as the host
+    computes it."""
     if greedy(s):
-        return np.array([s.repetition_penalty, 1.0, 1.0, -np.inf], np.float32)
+        return np.array([s.repetition_penalty, 0.0, 1.0, -np.inf, 1.0], np.float32)
     off = np.float32(s.temperature * math.log(s.min_p)) if s.min_p > 0 else -np.inf
-    return np.array([s.repetition_penalty, np.float32(1.0 / s.temperature), s.top_p, off], np.float32)
+    return np.array([s.repetition_penalty, np.float32(1.0 / s.temperature), s.top_p, off, s.top_k], np.float32)
 
 
-def static(s: Sampling) -> tuple[int, bool]:
-    """What shapes the traced function: (top-k, greedy)."""
-    return (0 if greedy(s) else s.top_k), greedy(s)
+def static(settings) -> tuple[int, bool]:
+    """What shapes the traced function for rows sampled by `settings` (one Sampling or several):
+    (candidates sorted: the largest top-k, a power of two where rows differ; every row greedy)."""
+    rows = [settings] if isinstance(settings, Sampling) else list(settings)
+    ks = [r.top_k for r in rows if not greedy(r)]
+    if not ks:
+        return 0, True
+    k = max(ks)
+    if len(set(ks)) > 1:
+        k = min(1 << (k - 1).bit_length(), MAX_K)
+    return k, False
 
 
-def choose(x, hist, u, kn, k: int, is_greedy: bool):
+def choose(x, hist, u, kn, k: int, all_greedy: bool):
     """Tokens int32 [B] from logits x f32 [B, V]: hist int32 [B, W] the tokens each row saw last
-    (-1 none), u f32 [B] the uniforms, kn `knobs`; k and is_greedy static."""
+    (-1 none), u f32 [B] the uniforms, kn f32 [B, 5] each row's `knobs`; k (at least every sampled
+    row's top-k) and all_greedy static."""
     jax, jnp = load_jax(), _jnp()
     B, V = x.shape
     x = x.astype(jnp.float32)
@@ -71,20 +84,23 @@ def choose(x, hist, u, kn, k: int, is_greedy: bool):
         ok = (hist >= 0) & (hist < V)
         seen = jnp.zeros((B, V), jnp.int8).at[jnp.arange(B)[:, None], jnp.where(ok, hist, 0)].max(
             ok.astype(jnp.int8))
-        x = jnp.where(seen > 0, jnp.where(x > 0, x / kn[0], x * kn[0]), x)
-    if is_greedy:
-        return jnp.argmax(x, axis=-1).astype(jnp.int32)
-    inv_t, top_p, floor = kn[1], kn[2], kn[3]
+        p = kn[:, 0:1]
+        x = jnp.where(seen > 0, jnp.where(x > 0, x / p, x * p), x)
+    best = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    if all_greedy:
+        return best
+    inv_t, top_p, floor, k_row = kn[:, 1:2], kn[:, 2], kn[:, 3:4], kn[:, 4].astype(jnp.int32)
     m = jnp.max(x, axis=-1, keepdims=True)
     vals, ids = jax.lax.top_k(x, k)                 # by logit, ties by id
     w = jnp.exp((vals - m) * inv_t)
-    n = jnp.sum(vals >= m + floor, axis=-1)        # min-p: a prefix of the sorted candidates
+    n = jnp.minimum(jnp.sum(vals >= m + floor, axis=-1), k_row)    # min-p: a prefix of the sorted candidates
     z = jnp.sum(jnp.exp((x - m) * inv_t), axis=-1)
     reach = jnp.sum(jnp.cumsum(w, axis=-1) < (top_p * z)[:, None], axis=-1) + 1
-    n = jnp.minimum(n, jnp.where(top_p < 1, reach, k))
+    n = jnp.maximum(jnp.minimum(n, jnp.where(top_p < 1, reach, k)), 1)
     c = jnp.cumsum(jnp.where(jnp.arange(k)[None, :] < n[:, None], w, 0.0), axis=-1)
     j = jnp.minimum(jnp.sum(c <= (u * c[:, -1])[:, None], axis=-1), n - 1)
-    return jnp.take_along_axis(ids, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    tok = jnp.take_along_axis(ids, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(kn[:, 1] > 0, tok, best)
 
 
 def remember(hist, tok):
