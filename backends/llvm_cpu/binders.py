@@ -195,26 +195,34 @@ def _bind_attention(exe: ExecutorView, n: Node):
     return prepare
 
 
-def _bind_moe(exe: ExecutorView, n: Node):
+def _moe_spec(exe: ExecutorView, n: Node) -> tuple[MoESpec, int]:
+    """The MoE kernels' spec, from the node's fused gate_up (the fuse pass's) and down weights, and
+    its expert count."""
     if n.weight("gate_up") is None:
         raise BackendError(f"moe_ffn %{n.id} has separate gate and up weights; the llvm backend needs the fused "
                            f"gate_up of the fuse pass — recompile the plan")
     gu_spec = exe.g.weight(n.weight("gate_up"))
     fmt, G = gu_spec.fmt, gu_spec.group_size
     E, I2, D = gu_spec.shape
-    I = I2 // 2
     q8 = exe.act != "f32" and needs_q8(fmt, G)
     dn_spec = exe.g.weight(n.weight("down"))
     dG = dn_spec.group_size
-    spec = MoESpec(fmt, D, I, G, q8, residual=len(n.args) == 3, down_fmt=dn_spec.fmt,
+    spec = MoESpec(fmt, D, I2 // 2, G, q8, residual=len(n.args) == 3, down_fmt=dn_spec.fmt,
                    down_q8=exe.act != "f32" and needs_q8(dn_spec.fmt, dG), down_group_size=dG, planes=exe.planes)
+    return spec, E
+
+
+def _bind_moe(exe: ExecutorView, n: Node):
+    spec, E = _moe_spec(exe, n)
+    fmt, G, D, I, q8 = spec.fmt, spec.group_size, spec.D, spec.I, spec.q8
+    dfmt, dG = spec.down_fmt, spec.down_group_size
     ku = Kernel(exe.lib, moe_gate_up_gen(spec, exe.target))
     kd = Kernel(exe.lib, moe_down_gen(spec, exe.target))
     kp = Kernel(exe.lib, moe_pairs_gen(E, exe.target))
     wu, su = exe.weight(n.weight("gate_up"))
     wd, sd = exe.weight(n.weight("down"))
     qx = exe.q8(D, fmt, G) if q8 else None
-    qh = exe.q8(I, dn_spec.fmt, dG) if spec.dq8 else None
+    qh = exe.q8(I, dfmt, dG) if spec.dq8 else None
     dp = -(-D // G) * G if (G and not q8) else D     # f32 rows padded to whole groups
     ip = h_stride(spec)
     ids = tuple(n.attr("experts", ()))
@@ -225,131 +233,188 @@ def _bind_moe(exe: ExecutorView, n: Node):
     plan_mask = static_nonresident(exe.g, n) if cache_key else None
     weight_names = [w for _, w in n.weights]
     amx = (q8 and spec.dq8 and not cache_key
-           and amx_gen.supported(exe.target, fmt, G, dn_spec.fmt, dG, D, I))
+           and amx_gen.supported(exe.target, fmt, G, dfmt, dG, D, I))
     amx_kernels: list = []      # compiled at the first step that takes them
 
     def prepare(frame: Frame):
         M = frame.M
         x, comb = _src(frame, n, 0), _src(frame, n, 1)
-        gather = None
-        if cache_key:   # every expert but those resident in the GPU cache (the live cache's, else the plan's)
-            full, comb = comb, frame.temp(f"moe.comb{n.id}", (M, E))
-
-            def masked():
-                live = exe.residency.get(cache_key)
-                np.multiply(full, (plan_mask if live is None else live.nonresident)[None, :], out=comb)
-                if live is not None:
-                    live.observe(full)
-            gather = masked
-        elif ids:   # this node computes a share of the layer's experts: their routing columns
-            if ids == tuple(range(ids[0], ids[0] + E)):
-                comb = comb[:, ids[0]:ids[0] + E]          # a strided view: the kernel takes ldc
-            else:
-                full, comb = comb, frame.temp(f"moe.comb{n.id}", (M, E))
-                gather = lambda: np.take(full, idx, axis=1, out=comb)  # noqa: E731
-        Pmax = M * E
-        tok = frame.temp("moe.tok", (Pmax,), np.int64)
-        exp = frame.temp("moe.exp", (Pmax,), np.int64)
-        pw = frame.temp("moe.w", (Pmax,), np.float32)
-        first = frame.temp("moe.first", (E + 1,), np.int64)
-        active = frame.temp("moe.active", (E,), np.int64)
-        count = frame.temp("moe.count", (2,), np.int64)
+        full, comb, gather = _moe_routing(exe, frame, n, comb, E, ids, idx, cache_key, plan_mask)
         tiled = amx and M >= AMX_MIN_TOKENS
-        # h's rows: one per pair; the AMX form pads each active expert's to whole tiles
-        h = frame.temp("moe.h", (Pmax + (amx_gen.T - 1) * E if tiled else Pmax, ip))
-        xin = x
-        if dp != D:
-            xin = frame.temp("moe.xpad", (M, dp))
-        xd = xs = hd = hs = None
-        qxrun = qhrun = None
-        hin = h
-        if qx is not None:
-            (xin, xd, xs), qxrun = qx.prepare(frame, x, "moe.x")
-        if qh is not None:
-            (hin, hd, hs), qhrun = qh.prepare(frame, h[:, :I] if ip != I else h, "moe.h")
+        tok, exp, pw, first, active, count, h = _moe_pairs(frame, E, ip, tiled)
+        (xin, xd, xs, qxrun), (hin, hd, hs, qhrun) = _moe_inputs(frame, x, h, qx, qh, (D, dp, I, ip))
         r = _src(frame, n, 2) if len(n.args) == 3 else None
         au = ku.args(h=h, x=xin, xd=xd, xs=xs, w=wu, s=su, pair_tok=tok, first=first, active=active,
                      ldx=ld(xin))
         ad = kd.args(y=frame.out(n), r=r, h=hin, hd=hd, hs=hs, w=wd, s=sd, pair_tok=tok, pair_exp=exp, pair_w=pw,
                      M=M, ldy=D, ldr=D)
         ap = kp.args(comb=comb, ldc=ld(comb), M=M, tok=tok, exp=exp, pw=pw, first=first, active=active, count=count)
-        pool = exe.pool
-        # the program: count = [P pairs, nA active experts] written by the pairs kernel sizes the rest
-        prog: list | None = None
-        if not (xin is not x and qxrun is None):
-            prog = []
-            if gather is not None and not cache_key:      # the share's routing columns (32-bit values)
-                prog.append(ins(GATHER, f3=M, src=full.ctypes.data, f5=ld(full), f6=ld(comb),
-                                dst=comb.ctypes.data, f8=idx.ctypes.data, f9=E))
-            prog.append(ins(ONE, kp.addr, ap.addr, 0, f8=1))
-            if qxrun is not None:
-                prog.append(qxrun.args.par(M, 4))
-            prog.append(au.par(0, 8, src=count.ctypes.data + 8, mult=I))
-            if qhrun is not None:
-                prog.append(qhrun.args.par(0, 4, src=count.ctypes.data, mult=1))
-            prog.append(ins(SET, src=count.ctypes.data, f5=1, dst=ad.slot("P")))
-            prog.append(ad.par(D, 16))
-        native = None if prog is None else lambda step: prog
-        if prog is not None and cache_key:
-            keep: list = []     # the counts of a plan without a live cache, alive as long as its program
-
-            def masked_native(step):
-                """The routing weights of the experts the GPU does not hold (the live cache's mask,
-                read as the program runs: its swaps change it between steps), counted per
-                expert into the cache's counts (ExpertCache.fold turns them into hits, misses and
-                what the swaps learn from); looked up when the program is built, after the
-                session registered its caches."""
-                live = exe.residency.get(cache_key)
-                mask = plan_mask if live is None else live.nonresident
-                counts = np.zeros(E, np.int64) if live is None else live.counts
-                keep.append((mask, counts))
-                return [ins(MASK, fn=counts.ctypes.data, f3=M, src=full.ctypes.data, f5=ld(full), f6=ld(comb),
-                            dst=comb.ctypes.data, f8=mask.ctypes.data, f9=E)] + prog
-            native = masked_native
-
+        native = None
+        if not (xin is not x and qxrun is None):      # (an f32 x padded in Python: no program)
+            prog = _moe_program(M, E, I, D, (full, comb, gather, cache_key), idx, (kp, ap, count), (au, ad),
+                                (qxrun, qhrun))
+            native = (_moe_masked_program(exe, cache_key, plan_mask, M, E, full, comb, prog) if cache_key
+                      else lambda step: prog)
         tiles = None
         if tiled:
             if not amx_kernels:
-                aspec = amx_gen.AmxMoESpec(fmt, dn_spec.fmt, D, I, residual=spec.residual, planes=exe.planes)
+                aspec = amx_gen.AmxMoESpec(fmt, dfmt, D, I, residual=spec.residual, planes=exe.planes)
                 amx_kernels[:] = [Kernel(exe.lib, amx_gen.gate_up(aspec, exe.target)),
                                   Kernel(exe.lib, amx_gen.down(aspec, exe.target))]
             tiles = _amx_tiles(frame, n, amx_kernels, (h, hin, hd, hs, qhrun), I, D, E, ip, (xd, xs), (wu, su),
                                (wd, sd), r)
-
-        def run(step: Step) -> None:
-            clock = _no_clock if step.phases is None else time.perf_counter_ns
-            t = [clock()]
-            if gather is not None:
-                gather()
-            t.append(clock())
-            pool.run(kp.addr, ap.addr, 0, 1)                    # routing pairs, grouped by expert
-            P, nA = int(count[0]), int(count[1])
-            t.append(clock())
-            if xin is not x and qxrun is None:
-                xin[:, :D] = x
-            if qxrun is not None:
-                qxrun()
-            t.append(clock())
-            if tiles is not None:
-                tiles(pool, xin, tok, pw, first, active, P, nA, t, clock)
-            else:
-                _rows(P, nA, t, clock)
-            tier = getattr(exe.w, "disk_tier", None)
-            if tier is not None:                 # experts on the disk tier (runtime/disk_tier.py): their pages go now
-                tier.after(weight_names)
-            if step.phases is not None:
-                _record_phases(step.phases, t, active[:nA], (wu, su), (wd, sd))
-
-        def _rows(P: int, nA: int, t: list, clock) -> None:
-            au.go(pool, nA * I, min_chunk=8)
-            t.append(clock())
-            if qhrun is not None:
-                qhrun(P)
-            t.append(clock())
-            ad.set(P=P).go(pool, D, min_chunk=16)
-            t.append(clock())
+        run = _moe_run(exe, gather, (kp, ap, count), (tok, pw, first, active), (x, xin, qxrun), qhrun, (au, ad),
+                       tiles, (I, D), (weight_names, (wu, su), (wd, sd)))
         return step_fn(run, native if tiles is None else None)
     return prepare
+
+
+def _moe_routing(exe: ExecutorView, frame: Frame, n: Node, comb: np.ndarray, E: int, ids: tuple, idx: np.ndarray,
+                 cache_key: str, plan_mask) -> tuple:
+    """The routing weights a MoE op's kernels read: every expert's but those resident in the GPU
+    cache (an expert cache's host side: the live cache's mask, else the plan's), or the columns of
+    this node's share of the layer's experts. Returns (the node's full routing weights, those read,
+    what fills them each step or None)."""
+    full, gather = comb, None
+    if cache_key:
+        full, comb = comb, frame.temp(f"moe.comb{n.id}", (frame.M, E))
+
+        def masked():
+            live = exe.residency.get(cache_key)
+            np.multiply(full, (plan_mask if live is None else live.nonresident)[None, :], out=comb)
+            if live is not None:
+                live.observe(full)
+        gather = masked
+    elif ids:
+        if ids == tuple(range(ids[0], ids[0] + E)):
+            comb = comb[:, ids[0]:ids[0] + E]          # a strided view: the kernel takes ldc
+        else:
+            full, comb = comb, frame.temp(f"moe.comb{n.id}", (frame.M, E))
+            gather = lambda: np.take(full, idx, axis=1, out=comb)  # noqa: E731
+    return full, comb, gather
+
+
+def _moe_pairs(frame: Frame, E: int, ip: int, tiled: bool) -> tuple:
+    """The buffers the pairs kernel writes (each pair's token, expert and weight, each expert's first
+    pair, the active experts, count = [pairs, active experts]) and h: one row per pair, the AMX
+    form (`tiled`) padding each active expert's to whole tiles."""
+    Pmax = frame.M * E
+    tok = frame.temp("moe.tok", (Pmax,), np.int64)
+    exp = frame.temp("moe.exp", (Pmax,), np.int64)
+    pw = frame.temp("moe.w", (Pmax,), np.float32)
+    first = frame.temp("moe.first", (E + 1,), np.int64)
+    active = frame.temp("moe.active", (E,), np.int64)
+    count = frame.temp("moe.count", (2,), np.int64)
+    h = frame.temp("moe.h", (Pmax + (amx_gen.T - 1) * E if tiled else Pmax, ip))
+    return tok, exp, pw, first, active, count, h
+
+
+def _moe_inputs(frame: Frame, x: np.ndarray, h: np.ndarray, qx, qh, dims: tuple) -> tuple:
+    """x and h as the matrix kernels read them: x's rows padded to whole groups (f32; copied in each
+    step) or its q8 form, and h's q8 form for down; each with its quantizer (None: not quantized).
+    Returns (xin, xd, xs, qxrun), (hin, hd, hs, qhrun)."""
+    D, dp, I, ip = dims
+    xin = x
+    if dp != D:
+        xin = frame.temp("moe.xpad", (frame.M, dp))
+    xd = xs = hd = hs = None
+    qxrun = qhrun = None
+    hin = h
+    if qx is not None:
+        (xin, xd, xs), qxrun = qx.prepare(frame, x, "moe.x")
+    if qh is not None:
+        (hin, hd, hs), qhrun = qh.prepare(frame, h[:, :I] if ip != I else h, "moe.h")
+    return (xin, xd, xs, qxrun), (hin, hd, hs, qhrun)
+
+
+def _moe_program(M: int, E: int, I: int, D: int, routing: tuple, idx: np.ndarray, pairs: tuple, mats: tuple,
+                 quant: tuple) -> list:
+    """A MoE op's row-by-row form as program instructions: count = [P pairs, nA active experts],
+    written by the pairs kernel, sizes the rest."""
+    full, comb, gather, cache_key = routing
+    kp, ap, count = pairs
+    au, ad = mats
+    qxrun, qhrun = quant
+    prog = []
+    if gather is not None and not cache_key:      # the share's routing columns (32-bit values)
+        prog.append(ins(GATHER, f3=M, src=full.ctypes.data, f5=ld(full), f6=ld(comb),
+                        dst=comb.ctypes.data, f8=idx.ctypes.data, f9=E))
+    prog.append(ins(ONE, kp.addr, ap.addr, 0, f8=1))
+    if qxrun is not None:
+        prog.append(qxrun.args.par(M, 4))
+    prog.append(au.par(0, 8, src=count.ctypes.data + 8, mult=I))
+    if qhrun is not None:
+        prog.append(qhrun.args.par(0, 4, src=count.ctypes.data, mult=1))
+    prog.append(ins(SET, src=count.ctypes.data, f5=1, dst=ad.slot("P")))
+    prog.append(ad.par(D, 16))
+    return prog
+
+
+def _moe_masked_program(exe: ExecutorView, cache_key: str, plan_mask, M: int, E: int, full: np.ndarray,
+                        comb: np.ndarray, prog: list) -> Callable:
+    """An expert cache's host side as a program: the routing weights masked, then `prog`."""
+    keep: list = []     # the counts of a plan without a live cache, alive as long as its program
+
+    def masked_native(step):
+        """The routing weights of the experts the GPU does not hold (the live cache's mask,
+        read as the program runs: its swaps change it between steps), counted per
+        expert into the cache's counts (ExpertCache.fold turns them into hits, misses and
+        what the swaps learn from); looked up when the program is built, after the
+        session registered its caches."""
+        live = exe.residency.get(cache_key)
+        mask = plan_mask if live is None else live.nonresident
+        counts = np.zeros(E, np.int64) if live is None else live.counts
+        keep.append((mask, counts))
+        return [ins(MASK, fn=counts.ctypes.data, f3=M, src=full.ctypes.data, f5=ld(full), f6=ld(comb),
+                    dst=comb.ctypes.data, f8=mask.ctypes.data, f9=E)] + prog
+    return masked_native
+
+
+def _moe_run(exe: ExecutorView, gather, route: tuple, pairs: tuple, xq: tuple, qhrun, mats: tuple, tiles,
+             dims: tuple, weights: tuple) -> Callable[[Step], None]:
+    """A MoE op's step function: routing weights, pairs, x's kernel form, then the two matrix
+    products (row by row, or `tiles`); each phase timed where the step asks."""
+    pool = exe.pool
+    kp, ap, count = route
+    tok, pw, first, active = pairs
+    x, xin, qxrun = xq
+    au, ad = mats
+    I, D = dims
+    weight_names, (wu, su), (wd, sd) = weights
+
+    def run(step: Step) -> None:
+        clock = _no_clock if step.phases is None else time.perf_counter_ns
+        t = [clock()]
+        if gather is not None:
+            gather()
+        t.append(clock())
+        pool.run(kp.addr, ap.addr, 0, 1)                    # routing pairs, grouped by expert
+        P, nA = int(count[0]), int(count[1])
+        t.append(clock())
+        if xin is not x and qxrun is None:
+            xin[:, :D] = x
+        if qxrun is not None:
+            qxrun()
+        t.append(clock())
+        if tiles is not None:
+            tiles(pool, xin, tok, pw, first, active, P, nA, t, clock)
+        else:
+            _rows(P, nA, t, clock)
+        tier = getattr(exe.w, "disk_tier", None)
+        if tier is not None:                 # experts on the disk tier (runtime/disk_tier.py): their pages go now
+            tier.after(weight_names)
+        if step.phases is not None:
+            _record_phases(step.phases, t, active[:nA], (wu, su), (wd, sd))
+
+    def _rows(P: int, nA: int, t: list, clock) -> None:
+        au.go(pool, nA * I, min_chunk=8)
+        t.append(clock())
+        if qhrun is not None:
+            qhrun(P)
+        t.append(clock())
+        ad.set(P=P).go(pool, D, min_chunk=16)
+        t.append(clock())
+    return run
 
 
 def _amx_tiles(frame: Frame, n: Node, kernels: list, hs: tuple, I: int, D: int, E: int, ip: int, xq8: tuple,
