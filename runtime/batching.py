@@ -23,8 +23,8 @@ sampling on the host.
 Each request's own steps (its text stream, prompt-cache lookup, prefill, the check that its logits
 are finite, sampling, detokenizing) are guarded: one that fails ends that request with an error
 event and the others go on; only a failed batch step fails every sequence it ran. A device step's
-logits are checked by their row sums (one small reduction launched with the step), read with its
-tokens.
+logits are checked on the device: a row whose logits hold NaN or Inf reads token -1 (the tokens
+come to the host in one copy), and only then are its logits read.
 """
 
 from __future__ import annotations
@@ -88,9 +88,9 @@ class _Seq:
 class _Step:
     """A decode step launched on the device (batch_step), its results not yet on the host."""
     seqs: list[tuple[int, _Seq]]        # (slot, sequence) of each row it steps
-    tokens: object                      # device int32 [max_batch]: each row's greedy token
+    tokens: object                      # device int32 [max_batch]: each row's token (the next step's ids)
+    checked: object                     # device int32 [max_batch]: the same, -1 where logits are not finite
     logits: object                      # device f32 [rows, V]
-    sums: object                        # device f32 [rows]: each row's logits summed (finite: no NaN/Inf)
 
 
 class BatchScheduler(Scheduler):
@@ -147,10 +147,9 @@ class BatchScheduler(Scheduler):
                 ids = np.zeros(self.max_batch, np.int32)
                 default = self._default_sampling()
                 for how in [None] + ([default] if default is not None else []):  # greedy, the plan's default
-                    tokens, logits = self.stepper.batch_step(self.kv, rows, ids, np.ones(self.max_batch, bool),
-                                                             sampling=how)
-                    tokens.block_until_ready()
-                    logits.sum(axis=-1).block_until_ready()     # the finiteness check's reduction (_launch)
+                    tokens, checked, _ = self.stepper.batch_step(self.kv, rows, ids, np.ones(self.max_batch, bool),
+                                                                 sampling=how)
+                    self.stepper.fetch(checked)
             else:       # twice: as the one-token prefill above (a mixed plan's one-program step)
                 self._decode_step(rows)
                 self._decode_step(rows)
@@ -490,18 +489,18 @@ class BatchScheduler(Scheduler):
         how = None      # every row greedy, or some sampled on the host (the step read at once)
         if all(self._on_device(seq) for _, seq in seqs) and not all(seq.req.sampler.plain_greedy for _, seq in seqs):
             how = self._device_sampling(seqs, use_host)
-        tokens, logits = self.stepper.batch_step(self.kv, rows, host, use_host, self.prev, sampling=how)
+        tokens, checked, logits = self.stepper.batch_step(self.kv, rows, host, use_host, self.prev, sampling=how)
         self.prev = tokens
         self.stats["steps"] += 1
         self.stats["rows_stepped"] += rows
         self.launches += 1
-        return _Step(seqs, tokens, logits, logits.sum(axis=-1))
+        return _Step(seqs, tokens, checked, logits)
 
     def _finish(self, step: _Step, sync: bool) -> None:
         """A launched step's tokens to its sequences (those still in their slots); sync: sampled
         sequences sample from its logits, and the next step takes every id from the host."""
-        tokens = self.stepper.fetch(step.tokens)
-        finite = np.isfinite(self.stepper.fetch(step.sums))
+        tokens = self.stepper.fetch(step.checked)
+        finite = tokens >= 0
         logits = None
         if sync:
             self.prev = None

@@ -288,8 +288,8 @@ class _Req(Request):
 @pytest.mark.parametrize("backend", ["llvm", "xla"])
 def test_nan_mid_decode_fails_its_sequence_alone(tiny_f32_plan, backend, monkeypatch):
     """Row 0's logits turn NaN at the 4th decode step: its request ends with an error naming that
-    step; the request beside it gets the text it gets alone (on xla the check reads the row sums
-    the device computes beside its greedy tokens)."""
+    step; the request beside it gets the text it gets alone (on xla the device marks the row's
+    token -1 and the host then reads its logits)."""
     if backend == "xla":
         pytest.importorskip("jax")
     engine = _engine(tiny_f32_plan, backend, ctx=128)
@@ -305,10 +305,12 @@ def test_nan_mid_decode_fails_its_sequence_alone(tiny_f32_plan, backend, monkeyp
         if engine.stepper is not None:
             real = engine.stepper.batch_step
 
-            def poisoned(cache, rows, *a, **kw):
-                tokens, logits = real(cache, rows, *a, **kw)
+            def poisoned(cache, rows, *a, **kw):    # as the device marks a row of NaN logits: token -1
+                tokens, checked, logits = real(cache, rows, *a, **kw)
                 steps[0] += rows == 2       # a decode step of the batch's two rows
-                return tokens, (logits.at[0].set(np.nan) if steps[0] == 4 and rows == 2 else logits)
+                if steps[0] == 4 and rows == 2:
+                    return tokens, checked.at[0].set(-1), logits.at[0].set(np.nan)
+                return tokens, checked, logits
             monkeypatch.setattr(engine.stepper, "batch_step", poisoned)
         else:
             real = engine.session.step

@@ -69,3 +69,16 @@ def test_sampled_generation_decodes_ahead_with_the_host_samplers_tokens(tiny_f32
     monkeypatch.setattr(type(s.executor), "can_decode_ahead", lambda self, *a, **k: False)
     _, host = Session(plan, "xla").generate(ids, 12, Sampler.of(st, seed=3), keep_logits=False)
     assert ahead.tolist() == host.tolist()
+
+
+def test_batch_step_marks_a_row_of_non_finite_logits(tiny_f32_plan):
+    """batch_step's checked tokens: -1 for a row whose logits hold NaN (its token's embedding
+    poisoned), the row's token elsewhere; the host reads only these."""
+    s = Session(load_plan(tiny_f32_plan), "xla")
+    e = s.executor
+    s.reset(2, 64)
+    e.params["embed"] = {"w": e.params["embed"]["w"].at[7].set(np.nan)}
+    tok, checked, logits = e.batch_step(s.cache, 2, np.array([7, 5], np.int32), np.ones(2, bool))
+    checked, logits = np.asarray(checked), np.asarray(logits)
+    assert checked[0] == -1 and checked[1] == int(np.asarray(tok)[1]) >= 0
+    assert not np.isfinite(logits[0]).all() and np.isfinite(logits[1]).all()

@@ -155,7 +155,8 @@ class DecodeSteps:
         """A decode step of the first B = len(pos) rows whose ids are the host's where use_host,
         else the device tokens of the step before (prev); its tokens (int32 [Bc], zero past B:
         each row's greedy or sampled by its knobs kn, uniform u and window hist, to which a row
-        whose id is the device's adds that id) and logits (f32 [B, V]) stay on the device."""
+        whose id is the device's adds that id), the same with -1 where a row's logits hold NaN or
+        Inf (what the host reads) and the logits (f32 [B, V]) stay on the device."""
         jnp = _jnp()
         B = pos.shape[0]
         tok = jnp.where(use_host, host_tok, prev)[:B]
@@ -165,7 +166,9 @@ class DecodeSteps:
             hist = jnp.where(use_host[:, None], hist, device_sampling.remember(hist, prev))
         chosen = device_sampling.choose(logits, hist[:B], u[:B], kn[:B], k, all_greedy)
         nxt = jnp.zeros_like(prev).at[:B].set(chosen.astype(prev.dtype))
-        return nxt, logits, ks, vs
+        finite = jnp.isfinite(logits).all(axis=-1)
+        checked = jnp.zeros_like(prev).at[:B].set(jnp.where(finite, chosen, -1).astype(prev.dtype))
+        return nxt, checked, logits, ks, vs
 
     def _batch_sampling(self, rows: int, sampling) -> tuple:
         """batch_step's sampling arguments for `rows` cache rows: (window, uniforms, knobs) device
@@ -189,8 +192,8 @@ class DecodeSteps:
         a step before it knows the last one's tokens. host_tok int32 and use_host bool [cache rows].
         `sampling` (AheadSampling, None: every row greedy): settings per cache row (None: greedy),
         uniforms [1, cache rows] and each row's window [cache rows, W] of the ids it has seen, a
-        row whose id is the device's one id short of it. Returns (tokens int32 [cache rows], logits
-        f32 [rows, V]), device values."""
+        row whose id is the device's one id short of it. Returns device values: (tokens int32
+        [cache rows], the same with -1 for a row whose logits are not finite, logits f32 [rows, V])."""
         jax = load_jax()
         if cache.length + 1 > cache.capacity:
             raise UsageError(f"sequence of {cache.length + 1} tokens exceeds the KV cache capacity {cache.capacity}")
@@ -207,8 +210,8 @@ class DecodeSteps:
         ks = {l: cache.k[l] for l in self.layers}
         vs = {l: cache.v[l] for l in self.layers}
         pos = np.asarray(cache.lengths[:rows], np.int32)
-        tok, logits, ks, vs = fn(self.params, ks, vs, prev, host_tok, use_host, pos, *samp, *static)
+        tok, checked, logits, ks, vs = fn(self.params, ks, vs, prev, host_tok, use_host, pos, *samp, *static)
         for l in self.layers:
             cache.k[l], cache.v[l] = ks[l], vs[l]
         cache.lengths[:rows] += 1
-        return tok, logits
+        return tok, checked, logits
