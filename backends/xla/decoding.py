@@ -156,7 +156,7 @@ class DecodeSteps:
         else the device tokens of the step before (prev); its tokens (int32 [Bc], zero past B:
         each row's greedy or sampled by its knobs kn, uniform u and window hist, to which a row
         whose id is the device's adds that id), the same with -1 where a row's logits hold NaN or
-        Inf (what the host reads) and the logits (f32 [B, V]) stay on the device."""
+        Inf (what the host reads), the logits (f32 [B, V]) and the next positions stay on the device."""
         jnp = _jnp()
         B = pos.shape[0]
         tok = jnp.where(use_host, host_tok, prev)[:B]
@@ -168,7 +168,7 @@ class DecodeSteps:
         nxt = jnp.zeros_like(prev).at[:B].set(chosen.astype(prev.dtype))
         finite = jnp.isfinite(logits).all(axis=-1)
         checked = jnp.zeros_like(prev).at[:B].set(jnp.where(finite, chosen, -1).astype(prev.dtype))
-        return nxt, checked, logits, ks, vs
+        return nxt, checked, logits, pos + 1, ks, vs
 
     def _batch_sampling(self, rows: int, sampling) -> tuple:
         """batch_step's sampling arguments for `rows` cache rows: (window, uniforms, knobs) device
@@ -210,8 +210,20 @@ class DecodeSteps:
         ks = {l: cache.k[l] for l in self.layers}
         vs = {l: cache.v[l] for l in self.layers}
         pos = np.asarray(cache.lengths[:rows], np.int32)
-        tok, checked, logits, ks, vs = fn(self.params, ks, vs, prev, host_tok, use_host, pos, *samp, *static)
+        args = tuple(self._resident(name, a) for name, a in (("ids", host_tok), ("use", use_host), ("pos", pos)))
+        tok, checked, logits, pos_next, ks, vs = fn(self.params, ks, vs, prev, *args, *samp, *static)
         for l in self.layers:
             cache.k[l], cache.v[l] = ks[l], vs[l]
         cache.lengths[:rows] += 1
+        self._batch_args["pos"] = (pos + 1, pos_next)      # the next step's, if no row has moved
         return tok, checked, logits
+
+    def _resident(self, name: str, a: np.ndarray):
+        """batch_step's argument `name` as the device copy of the last equal one (a step's ids,
+        flags and positions rarely change between steps: no copy to the device then), else `a`."""
+        kept = self.__dict__.setdefault("_batch_args", {}).get(name)
+        if kept is not None and kept[0].shape == a.shape and np.array_equal(kept[0], a):
+            return kept[1]
+        dev = load_jax().device_put(a, self._home())
+        self._batch_args[name] = (a.copy(), dev)
+        return dev
