@@ -31,7 +31,8 @@ def traced_fully() -> bool:
 
 def run(launch: Callable[[Any], Any], finish: Callable[[Any, bool], np.ndarray], n: int, B: int,
         stop_ids=(), done: np.ndarray | None = None, after: Callable[[Any], None] | None = None,
-        close: Callable[[], None] | None = None) -> np.ndarray:
+        close: Callable[[], None] | None = None,
+        on_token: Callable[[int, np.ndarray], bool] | None = None) -> np.ndarray:
     """n greedy decode steps; their tokens, int64 [B, <= n] (fewer when every sequence has reached
     a stop id, `done` marking those that had before).
 
@@ -39,7 +40,9 @@ def run(launch: Callable[[Any], Any], finish: Callable[[Any, bool], np.ndarray],
     None for the first, whose ids the executor holds). finish(step, use): wait for it and return
     its tokens, int64 [B] (use=False: a step past the stop, or left by an error: nothing of it is
     kept). after(step): the host's work once a step has finished, while the next is in flight.
-    close(): the host's work once nothing is in flight (also after an error)."""
+    close(): the host's work once nothing is in flight (also after an error). on_token(i, tokens):
+    step i's tokens, once read, while more may follow (a streaming caller prints them); True stops
+    there as a Ctrl-C does."""
     out = np.zeros((B, n), np.int64)
     done = np.zeros(B, bool) if done is None else done.copy()
     tr = trace.ACTIVE
@@ -67,6 +70,8 @@ def run(launch: Callable[[Any], Any], finish: Callable[[Any, bool], np.ndarray],
             cur = nxt
             if done.all():
                 return out[:, :i + 1]
+            if on_token is not None and i + 1 < n and on_token(i, out[:, i]):
+                raise KeyboardInterrupt
         return out
     except KeyboardInterrupt as e:      # Ctrl-C: the steps that finished go with it (Session.generate keeps them)
         e.tokens = out[:, :made]

@@ -286,7 +286,7 @@ class MixedExecutor(Executor):
                                        and all(c.max_swaps == 1 for c, *_ in sw.caches))))
 
     def decode_ahead(self, tok: np.ndarray, cache, n: int, stop_ids=(), done: np.ndarray | None = None,
-                     sampling=None) -> np.ndarray:
+                     sampling=None, on_token=None) -> np.ndarray:
         """Greedy decode of n steps from the tokens `tok` (int64 [B]), each step dispatched before
         the one before it has finished (backends/ahead.py): its ids are that step's greedy token on
         the device. The tokens of the n steps, int64 [B, <= n].
@@ -336,7 +336,7 @@ class MixedExecutor(Executor):
                 sw.issue(*d)
             deferred = []
 
-        return ahead.run(launch, finish, n, tok.shape[0], stop_ids, done, after, close)
+        return ahead.run(launch, finish, n, tok.shape[0], stop_ids, done, after, close, on_token)
 
     def caps(self) -> Caps:
         """Only the last token's outputs cross to the host; a prefill step runs on a GPU where some

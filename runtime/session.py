@@ -261,7 +261,7 @@ class Session:
         [B, 1, V] without `keep_logits`; the new ids i64[B, N]).
 
         on_token(i, tokens) runs once token i is chosen (tokens: its ids i64[B]) while more may
-        follow (not for the last one, nor for those decoded ahead); True stops there. Ctrl-C, or
+        follow (not for the last one; for those decoded ahead, once each is read); True stops there. Ctrl-C, or
         that stop, raises Interrupted and non-finite logits NonFiniteLogits, each holding what was
         made before."""
         B, T = prompt.shape
@@ -310,7 +310,10 @@ class Session:
                     try:
                         n = max_new_tokens - i
                         how = self._ahead_sampling(sampler, np.concatenate([prompt, new[:, :i]], axis=1), n)
-                        rest = self.executor.decode_ahead(tok, self.cache, n, stop_ids, done, sampling=how)
+                        at = i          # tokens made before these: the streaming hook's indices go on from there
+                        rest = self.executor.decode_ahead(
+                            tok, self.cache, n, stop_ids, done, sampling=how,
+                            on_token=None if on_token is None else (lambda j, t: on_token(at + j, t)))
                     except KeyboardInterrupt as e:      # the steps that finished stay (backends/ahead.py)
                         rest = getattr(e, "tokens", rest)
                         raise

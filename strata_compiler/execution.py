@@ -66,7 +66,7 @@ class Executor:
         return False
 
     def decode_ahead(self, tok: np.ndarray, cache: KVCache, n: int, stop_ids=(), done=None,
-                     sampling: AheadSampling | None = None) -> np.ndarray:
+                     sampling: AheadSampling | None = None, on_token=None) -> np.ndarray:
         raise NotImplementedError(f"{type(self).__name__} does not decode ahead (check can_decode_ahead)")
 
     def samples(self, settings: Sampling) -> bool:

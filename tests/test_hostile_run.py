@@ -217,7 +217,7 @@ def test_ctrl_c_in_decode_ahead_keeps_the_finished_steps(tiny_f32_plan, monkeypa
 
     s = Session(load_plan(tiny_f32_plan), "llvm")
 
-    def decode_ahead(tok, cache, n, stop_ids=(), done=None, sampling=None):
+    def decode_ahead(tok, cache, n, stop_ids=(), done=None, sampling=None, on_token=None):
         def finish(step, use):
             if step == 3 and use:       # the signal, once (the step left in flight is then dropped)
                 raise KeyboardInterrupt

@@ -82,3 +82,20 @@ def test_batch_step_marks_a_row_of_non_finite_logits(tiny_f32_plan):
     checked, logits = np.asarray(checked), np.asarray(logits)
     assert checked[0] == -1 and checked[1] == int(np.asarray(tok)[1]) >= 0
     assert not np.isfinite(logits[0]).all() and np.isfinite(logits[1]).all()
+
+
+def test_decoding_ahead_streams_each_token_and_stops_when_asked(tiny_f32_plan):
+    """Session.generate's on_token sees every token but the last as it is read, decoded ahead or
+    not; True from it stops the generation there, the tokens made so far kept."""
+    from strata_compiler.runtime.session import Interrupted
+
+    plan = load_plan(tiny_f32_plan)
+    ids = np.array([[5, 17, 300, 42, 7, 99]], np.int64)
+    s = Session(plan, "xla")
+    seen = []
+    _, new = s.generate(ids, 10, Sampler.of(Sampling(), seed=2), keep_logits=False,
+                        on_token=lambda i, t: seen.append((i, int(t[0]))) and False)
+    assert seen == [(i, int(t)) for i, t in enumerate(new[0, :-1])]
+    with pytest.raises(Interrupted) as e:
+        s.generate(ids, 10, Sampler.of(Sampling(), seed=2), keep_logits=False, on_token=lambda i, t: i == 4)
+    assert e.value.new.tolist() == new[:, :5].tolist()

@@ -108,11 +108,11 @@ class DecodeSteps:
         return (lambda *a: fn(*a, *key)), tuple(map(jnp.asarray, state)), tuple(map(jnp.asarray, const))
 
     def decode_ahead(self, tok: np.ndarray, cache, n: int, stop_ids=(), done: np.ndarray | None = None,
-                     sampling=None) -> np.ndarray:
+                     sampling=None, on_token=None) -> np.ndarray:
         """n decode steps from the tokens `tok` (int64 [B]) of a whole plan, each step dispatched
         before the one before has finished, its ids and position that step's results on the device
-        (backends/ahead.py); greedy, or chosen on the device by `sampling` (AheadSampling). The
-        tokens, int64 [B, <= n]."""
+        (backends/ahead.py); greedy, or chosen on the device by `sampling` (AheadSampling);
+        on_token as ahead.run's. The tokens, int64 [B, <= n]."""
         from strata_compiler.backends import ahead
 
         jax = load_jax()
@@ -134,7 +134,7 @@ class DecodeSteps:
         def finish(step, use: bool) -> np.ndarray:
             return np.asarray(cuda_rt.fetch(jax.block_until_ready(step[0]))).astype(np.int64)
 
-        return ahead.run(launch, finish, n, int(first[0].shape[0]), stop_ids, done)
+        return ahead.run(launch, finish, n, int(first[0].shape[0]), stop_ids, done, on_token=on_token)
 
     @staticmethod
     def fetch(v) -> np.ndarray:
