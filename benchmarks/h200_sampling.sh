@@ -15,8 +15,8 @@ QUIET='^WARNING\|^I0000\|^W0000\|^E0000'
 python3 -m pip install -q --no-deps --no-build-isolation -e . > $W/pip.log 2>&1 || { tail $W/pip.log; exit 1; }
 [ -f $M/config.json ] || python3 benchmarks/make_mixtral_model.py $M > $W/make.log 2>&1 || { tail $W/make.log; exit 1; }
 [ -f $P/plan.bin ] || stratac compile $M -o $P --quant int4 2>&1 | grep -v "$QUIET" | tail -2 | tee -a "$OUT/summary.txt"
-runs() {   # label [strata-run args]: three fresh processes, 256 tokens
-  for i in 1 2 3; do
+runs() {   # label [strata-run args]: fresh processes (RUNS, default 3), 256 tokens each
+  for i in $(seq ${RUNS:-3}); do
     timeout 120 strata-run $P -n 256 --ignore-eos --prompt "The history of the city" "${@:2}" 2>&1 \
       | grep -v "$QUIET" | grep "^\[" | tail -1 | sed "s/^/$1 run $i: /" | tee -a "$OUT/summary.txt"
   done
@@ -24,12 +24,12 @@ runs() {   # label [strata-run args]: three fresh processes, 256 tokens
 log "strata-run: greedy, the chat defaults (sampled on the device), and top-k 0 (sampled on the host)"
 runs greedy --temperature 0
 runs sampled
-runs "host-sampled" --top-k 0
+RUNS=2 runs "host-sampled" --top-k 0
 log "the API at batch 1"
 timeout 150 python3 benchmarks/api_step_profile.py $P --tokens 256 2>&1 | grep -v "$QUIET" | grep "|" | tee -a "$OUT/summary.txt"
 for how in "" --sampled; do
   log "batching against serial ${how:-greedy}"
-  timeout 200 python3 benchmarks/batch_vs_serial.py $P --conc 1,4,16 --tokens 64 --rounds 3 $how 2>&1 \
+  timeout 200 python3 benchmarks/batch_vs_serial.py $P --conc 1,4,16 --tokens 64 --rounds 2 $how 2>&1 \
     | grep -v "$QUIET" | grep "|\|Error" | tee -a "$OUT/summary.txt"
 done
 log done
