@@ -22,6 +22,7 @@ import queue
 from pathlib import Path
 from typing import Iterator
 
+from strata_compiler import settings
 from strata_compiler.errors import StrataError, UsageError
 
 from . import request_schema as schema
@@ -29,13 +30,21 @@ from .sampler import Sampler, plan_sampling
 
 
 class Model:
-    def __init__(self, plan_path: str | Path, *, backend: str = "auto", device: str = "auto",
-                 ctx: int | None = None, max_batch: int = 4, prefill_chunk: int = 256):
+    def __init__(self, plan_path: str | Path, *, backend: str | None = None, device: str | None = None,
+                 ctx: int | None = None, max_batch: int | None = None, prefill_chunk: int | None = None,
+                 queue_size: int | None = None):
+        """An option left None is strata-server's flag of the same name left out: STRATA_<NAME>, else
+        the default declared in strata_compiler/settings.py (ctx: the model's, as far as it fits)."""
         from .batching import BatchScheduler, check_options
         from .plan import load_plan
         from .scheduler import load_tokenizer
         from .session import Session, default_ctx
 
+        backend, device, ctx, max_batch, prefill_chunk, queue_size = (
+            settings.get(k) if v is None else v for k, v in (
+                ("backend", backend), ("device", device), ("ctx", ctx), ("max_batch", max_batch),
+                ("prefill_chunk", prefill_chunk), ("queue_size", queue_size)))
+        schema.whole("queue_size", queue_size, 1, 1 << 31)
         self.plan = load_plan(plan_path)
         # a broken tokenizer section: token-id prompts still run; text says why it cannot
         self.tokenizer, self._tokenizer_problem = load_tokenizer(self.plan)
@@ -47,7 +56,8 @@ class Model:
         self.session = Session(self.plan, backend, device=device)
         if ctx is None:     # in the memory left where the cache lives (default_ctx: it fits)
             ctx = default_ctx(self.plan, rows, self.session.executor.kv_room())
-        self.engine = BatchScheduler(self.session, self.tokenizer, ctx, max_batch=max_batch, chunk=prefill_chunk)
+        self.engine = BatchScheduler(self.session, self.tokenizer, ctx, max_batch=max_batch, queue_size=queue_size,
+                                     chunk=prefill_chunk)
         self.engine.start(warm=False)
         self.engine.ready.wait()
         if self.engine.warm_error:
@@ -157,5 +167,5 @@ class Model:
 
 def load(plan_path: str | Path, **options) -> Model:
     """A plan (its folder or plan.bin) ready to generate; options: backend, device, ctx, max_batch,
-    prefill_chunk (as strata-server's flags)."""
+    prefill_chunk, queue_size (as strata-server's flags, with the same defaults)."""
     return Model(plan_path, **options)

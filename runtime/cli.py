@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from strata_compiler import settings
 from strata_compiler.cli_common import debug_option, run_cli
 from strata_compiler.errors import PlanError, StrataError, UsageError
 
@@ -202,15 +203,12 @@ def _tokenizer(plan, needed: str | None):
 @click.option("--logits-out", type=click.Path(path_type=Path), help="Save the prompt logits, float32 [B, T, V], as .npy.")
 @click.option("--tokens-out", type=click.Path(path_type=Path), help="Save the generated ids, int64 [B, N], as .npy "
               "(after Ctrl-C: those made before it).")
-@click.option("--prefill-chunk", type=click.IntRange(1), default=None,
-              help="Prompt tokens per prefill step: a long prompt's activation memory is bounded by this "
-                   "(default: 512; where the prefill runs on a GPU 4096, fewer without its flash-attention kernel "
-                   "while a step's attention scores would pass 2 GiB).")
-@click.option("--backend", type=click.Choice(["auto", "reference", "llvm", "xla"]), default="auto", show_default=True,
-              help="Where kernels run: auto runs a placed plan (--target, --place) as placed and any other on the "
-                   "best available backend (xla on a GPU, else llvm); a name runs every op there.")
-@click.option("--device", type=click.Choice(["auto", "gpu", "cpu"]), default="auto", show_default=True,
-              help="Where xla partitions run: auto = a CUDA GPU when JAX sees one, else JAX's CPU platform.")
+@settings.option("prefill_chunk", default=None, maximum=None,
+                 help="Prompt tokens per prefill step: a long prompt's activation memory is bounded by this "
+                      "(default: 512; where the prefill runs on a GPU 4096, fewer without its flash-attention "
+                      "kernel while a step's attention scores would pass 2 GiB).")
+@settings.option("backend")
+@settings.option("device")
 @click.option("--trace", "trace_out", type=click.Path(path_type=Path),
               help="Write a Chrome/Perfetto trace (JSON trace events) of every kernel, partition and copy: one "
                    "track per device and per copy direction. Open it at ui.perfetto.dev.")

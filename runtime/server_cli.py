@@ -8,10 +8,9 @@ from pathlib import Path
 
 import click
 
+from strata_compiler import settings
 from strata_compiler.cli_common import debug_option, run_cli
 from strata_compiler.errors import UsageError
-
-from .request_schema import MAX_BATCH, MAX_CHUNK
 
 KEEP_ALIVE_S = 30       # seconds an idle HTTP connection is kept (see main)
 _KEYS = {"host", "port", "ctx", "max_batch", "api_key", "backend", "device", "queue_size", "model_name",
@@ -50,27 +49,19 @@ def _read_config(ctx: click.Context, _param, path: Path | None):
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind (0.0.0.0 serves other machines too).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
-@click.option("--ctx", type=click.IntRange(min=2), default=None,
-              help="Context length per sequence (prompt + generated tokens); the KV cache holds --max-batch of "
-                   "them. Default: the model's, as far as the KV cache of --max-batch of them fits in half the "
-                   "memory available (the same as strata-run --chat and the Python API).")
-@click.option("--max-batch", type=click.IntRange(1, MAX_BATCH), default=8, show_default=True,
-              help="Sequences decoded together (each its own KV row of --ctx positions); more requests wait.")
-@click.option("--prefill-chunk", type=click.IntRange(1, MAX_CHUNK), default=256, show_default=True,
-              help="Prompt tokens prefilled between two decode steps: running streams wait at most one chunk.")
+@settings.option("ctx")
+@settings.option("max_batch")
+@settings.option("prefill_chunk")
 @click.option("--prompt-cache", type=click.IntRange(min=0), default=1024, show_default=True, metavar="MIB",
               help="Host memory for the KV of prompts seen (a shared system prompt, earlier chat turns), "
                    "reused by later requests that start with them; 0 turns it off.")
 @click.option("--kv-cache-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Keep the prompt cache in this folder across restarts (written at shutdown, read at start).")
-@click.option("--queue-size", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Requests that may wait; beyond it the server answers 429.")
+@settings.option("queue_size")
 @click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on every endpoint but /health.")
 @click.option("--model-name", default=None, help="The model id /v1/models reports. Default: the plan's folder name.")
-@click.option("--backend", type=click.Choice(["auto", "reference", "llvm", "xla"]), default="auto", show_default=True,
-              help="Where kernels run, as in strata-run.")
-@click.option("--device", type=click.Choice(["auto", "gpu", "cpu"]), default="auto", show_default=True,
-              help="Where xla partitions run, as in strata-run.")
+@settings.option("backend")
+@settings.option("device")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True, help="uvicorn's log level.")
 @click.version_option(package_name="strata", prog_name="strata-server")

@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 
 import click
 
+from . import settings
 from .cli_common import debug_option, run_cli
 from .driver import DEFAULT
 from .errors import UsageError
@@ -68,9 +69,8 @@ def stratac() -> None:
 @click.option("--dump-after", default="all", show_default=True,
               help="Passes to dump after: 'all' or a comma-separated list of pass names.")
 @click.option("--stop-after", help="Stop the pipeline after this pass (no plan is written unless it is 'emit').")
-@click.option("--backend", type=click.Choice(["auto", "reference", "llvm", "xla"]), default="auto", show_default=True,
-              help="Backend ops are bound to: auto = llvm on hosts with AVX2+FMA, else reference; xla = JAX "
-                   "(a GPU at run time when present). strata-run --backend can rebind.")
+@settings.option("backend", help="Backend ops are bound to: auto = llvm on hosts with AVX2+FMA, else reference; "
+                                 "xla = JAX (a GPU at run time when present). strata-run --backend can rebind.")
 @click.option("--place", default="", metavar="RULES",
               help="Manual placement, first match wins: CATEGORY=gpu|cpu or re:REGEX=gpu|cpu, comma-separated "
                    "(categories: embed, attention, router, experts, shared, dense, head, all), "
@@ -181,7 +181,8 @@ def compile_cmd(model_dir: Path, out_dir: Path, quant: str, group_size: int, cal
                 from .runtime.plan import load_plan
 
                 most = load_plan(plan).meta["model"].get("max_position") or 512
-                eval_cmd.callback(out_dir, model_dir, eval_text, min(512, int(most)), 2, "auto", False, False, debug)
+                eval_cmd.callback(out_dir, model_dir, eval_text, min(settings.get("eval_ctx"), int(most)), 2,
+                                  settings.get("backend"), False, False, debug)
     else:
         click.echo(f"stopped after {stop_after}: {len(g.nodes)} {g.level.value}-level nodes")
 
@@ -497,11 +498,9 @@ def _table(plan, ref: Path, kind: str, r: dict) -> str:
                    "f32 into a temporary directory; or a plan.")
 @click.option("--text", "text_path", type=click.Path(path_type=Path), required=True,
               help="UTF-8 text file, tokenized with the plan's tokenizer.")
-@click.option("--ctx", type=int, default=512, show_default=True,
-              help="Tokens per chunk; the second half of each chunk is scored.")
+@settings.option("eval_ctx")
 @click.option("--chunks", type=click.IntRange(1), default=None, help="Evaluate at most this many chunks (default all).")
-@click.option("--backend", type=click.Choice(["auto", "reference", "llvm", "xla"]), default="auto", show_default=True,
-              help="Where both models run.")
+@settings.option("backend", help="Where both models run.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--per-layer", is_flag=True,
               help="Instead: per layer, the error of the plan's hidden state against the reference's and the KL "

@@ -47,5 +47,4 @@ def run_cli(cmd: click.Command, argv: list[str] | None = None) -> int:
         return 130
 
 
-
-debug_option = click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")
+debug_option = settings.option("debug")

@@ -1,11 +1,12 @@
 """Every setting of Strata, declared once: name, type, default, allowed values, one line of help and
 where it applies.
 
-A value comes from, first found: an override made in this process (a CLI flag, a test: `override`),
-the environment variable STRATA_<NAME>, the declared default. It is parsed here and nowhere else; a
-bad value is one UsageError naming the variable. Product code reads the environment only through
-this module (tests/test_settings.py enforces it), and docs/settings.md is generated from this table
-(`python -m strata_compiler.settings`).
+A value comes from, first found: an override made in this process (a test: `override`), the
+environment variable STRATA_<NAME>, the declared default. A setting with a `flag` is also the
+command-line option `option` makes for every command that has it: the flag given comes first. It is
+parsed here and nowhere else; a bad value is one UsageError naming the variable. Product code
+reads the environment only through this module (tests/test_settings.py enforces it), and
+docs/settings.md is generated from this table (`python -m strata_compiler.settings`).
 
 `user` settings are the few a user may need (README lists them); the rest are tuning constants and
 debugging aids, overridable for experiments and listed in docs/settings.md.
@@ -14,9 +15,10 @@ debugging aids, overridable for experiments and listed in docs/settings.md.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -43,6 +45,8 @@ class Setting:
     length: int = 1
     minimum: float | None = None
     user: bool = False
+    flag: str | None = None         # the command-line option that sets it, e.g. "--max-batch" (see `option`)
+    maximum: float | None = None
 
     @property
     def env(self) -> str:
@@ -80,6 +84,8 @@ class Setting:
         ok = ok and all(v == v and abs(v) < 1e12 for v in vals)          # no nan, no inf
         if self.minimum is not None:
             ok = ok and all(v >= self.minimum for v in vals)
+        if self.maximum is not None:
+            ok = ok and all(v <= self.maximum for v in vals)
         if self.kind in ("pow2s", "tune"):
             ok = ok and all(v > 0 and v & (v - 1) == 0 for v in (vals[:-1] if self.kind == "tune" else vals))
             ok = ok and vals[-1] > 0
@@ -89,11 +95,14 @@ class Setting:
 
     def expects(self) -> str:
         n = self.length
+        lo, hi = self.minimum, self.maximum
+        bound = (f" from {lo:g} to {hi:g}" if lo is not None and hi is not None else f" >= {lo:g}" if lo is not None
+                 else f" <= {hi:g}" if hi is not None else "")
         return {
             "bool": "give 1 or 0",
             "choice": "give one of " + ", ".join(self.choices),
-            "int": "give a whole number" + (f" >= {self.minimum:g}" if self.minimum is not None else ""),
-            "float": "give a number" + (f" >= {self.minimum:g}" if self.minimum is not None else ""),
+            "int": "give a whole number" + bound,
+            "float": "give a number" + bound,
             "pow2s": "give a power of two" if n == 1 else f"give {n} comma-separated powers of two",
             "tune": f"give {n} comma-separated whole numbers, powers of two but the last (pipeline stages)",
             "floats": f"give {n} comma-separated numbers" + (f" >= {self.minimum:g}" if self.minimum is not None else ""),
@@ -116,14 +125,15 @@ def _s(name: str, kind: str, default: Any, where: str, help: str, **kw: Any) -> 
     return Setting(name, kind, default, help, where, **kw)
 
 
-# One line each. `where`: cli | compile | llvm | xla | runtime | tests.
+# One line each. `where`: cli | compile | llvm | xla | runtime | tests, or the commands (and the
+# Python API) whose option it is. A setting with a `flag` is that option of every command that has it.
 SETTINGS: tuple[Setting, ...] = (
     # -- for users (README) ------------------------------------------------------------------
     _s("num_threads", "int", None, "llvm", "CPU threads of the llvm kernels (default: every CPU this process may use)",
        minimum=1, user=True),
     _s("cache_dir", "path", None, "llvm, xla",
        "compiled-kernel and XLA caches (default: $XDG_CACHE_HOME/strata, else ~/.cache/strata)", user=True),
-    _s("debug", "bool", False, "cli", "show Python tracebacks for errors (as --debug does)", user=True),
+    _s("debug", "bool", False, "every command", "show Python tracebacks for errors", user=True, flag="--debug"),
     _s("cpu_features", "choice", "", "llvm", "avx2 forces the AVX2 code path on an AVX-512 CPU (default: what this CPU has)",
        choices=("avx2", "native"), user=True),
     _s("cpu_act", "choice", "q16", "llvm",
@@ -191,6 +201,29 @@ SETTINGS: tuple[Setting, ...] = (
     _s("raw_copy", "choice", "auto", "runtime",
        "hand-offs between xla and CPU partitions: auto (raw cudaMemcpy on a GPU), host (raw copies on JAX's CPU platform: tests)",
        choices=("auto", "host")),
+    # -- command-line options (`flag`), declared once for every command that has them ---------------
+    _s("backend", "choice", "auto", "strata-run, strata-server, stratac compile, stratac eval, API",
+       "where kernels run: auto runs a placed plan (--target, --place) as placed and any other on the best "
+       "available backend (xla on a GPU, else llvm); a name runs every op there",
+       choices=("auto", "reference", "llvm", "xla"), flag="--backend"),
+    _s("device", "choice", "auto", "strata-run, strata-server, API",
+       "where xla partitions run: auto = a CUDA GPU when JAX sees one, else JAX's CPU platform",
+       choices=("auto", "gpu", "cpu"), flag="--device"),
+    _s("ctx", "int", None, "strata-server, API",
+       "context length per sequence (prompt + generated tokens); the KV cache holds --max-batch of them. Default: "
+       "the model's, as far as the KV cache of --max-batch of them fits in half the memory available (the same "
+       "as strata-run --chat and the Python API)", minimum=2, flag="--ctx"),
+    _s("max_batch", "int", 8, "strata-server, API",
+       "sequences decoded together (each its own KV row of --ctx positions); more requests wait",
+       minimum=1, maximum=256, flag="--max-batch"),
+    _s("prefill_chunk", "int", 256, "strata-server, API; strata-run (default auto there)",
+       "prompt tokens prefilled between two decode steps: running streams wait at most one chunk",
+       minimum=1, maximum=8192, flag="--prefill-chunk"),
+    _s("queue_size", "int", 64, "strata-server, API",
+       "requests that may wait; beyond it the server answers 429",
+       minimum=1, flag="--queue-size"),
+    _s("eval_ctx", "int", 512, "stratac eval", "tokens per chunk; the second half of each chunk is scored",
+       flag="--ctx"),
 )
 
 _BY_NAME = {s.name: s for s in SETTINGS}
@@ -212,13 +245,18 @@ def names() -> list[str]:
 
 def get(name: str) -> Any:
     """The value of setting `name`: an override, else STRATA_<NAME> parsed, else the default."""
-    s = declared(name)
-    if name in _OVERRIDES:
-        return _OVERRIDES[name]
+    return _lookup(declared(name))[1]
+
+
+def _lookup(s: Setting) -> tuple[bool, Any]:
+    """(given, value): an override or STRATA_<NAME> (parsed by `s`, a command's variant of the
+    declaration where `option` made one) is given; else the default."""
+    if s.name in _OVERRIDES:
+        return True, _OVERRIDES[s.name]
     raw = os.environ.get(s.env)
     if raw is None or raw.strip() == "":
-        return s.default
-    return s.parse(raw)
+        return False, s.default
+    return True, s.parse(raw)
 
 
 def set_value(name: str, value: Any) -> None:
@@ -239,6 +277,75 @@ def override(**values: Any) -> Iterator[None]:
         for k in values:
             _OVERRIDES.pop(k, None)
         _OVERRIDES.update(old)
+
+
+_FIELDS = {f.name for f in fields(Setting)} - {"name", "kind", "flag"}
+
+
+def option(name: str, *decls: str, **overrides: Any) -> Any:
+    """The click option of setting `name`: its flag (and any `decls`), type, default and help from
+    the declaration, the help naming STRATA_<NAME>. `overrides`: a declared field changed for one
+    command (default, help, minimum, maximum), else a click argument (metavar, show_default).
+
+    Its value: the flag given, else the command's --config file (click's default map), else an
+    override or STRATA_<NAME>, else the default; a bad variable is one UsageError naming it."""
+    import click
+
+    s = declared(name)
+    if s.flag is None or s.kind not in ("bool", "choice", "int", "float", "path", "str"):
+        raise KeyError(f"setting {name!r} has no flag (or a kind no flag can take)")
+    s = replace(s, **{k: overrides.pop(k) for k in list(overrides) if k in _FIELDS})
+    kw: dict[str, Any] = dict(cls=_option_class(), setting=s, default=s.default, envvar=s.env, show_envvar=True,
+                              show_default=s.default not in (None, "", False),
+                              help=s.help[:1].upper() + s.help[1:] + ("" if s.help.endswith(".") else "."))
+    flag = s.flag
+    if s.kind == "bool":
+        kw["is_flag"] = True
+        if s.default:
+            flag = f"{s.flag}/--no-{s.flag[2:]}"
+    elif s.kind == "choice":
+        kw["type"] = click.Choice(s.choices)
+    elif s.kind in ("int", "float"):
+        rng = click.IntRange if s.kind == "int" else click.FloatRange
+        kw["type"] = rng(s.minimum, s.maximum) if (s.minimum, s.maximum) != (None, None) else \
+            (click.INT if s.kind == "int" else click.FLOAT)
+    elif s.kind == "path":
+        kw["type"] = click.Path(path_type=Path)
+    kw.update(overrides)
+    return click.option(flag, *decls, **kw)
+
+
+@functools.cache
+def _option_class() -> type:
+    """click.Option reading the registry, not the environment, for a value the command line did not give."""
+    import click
+    from click.core import ParameterSource
+
+    class SettingOption(click.Option):
+        def __init__(self, *args: Any, setting: Setting, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            self.setting = setting
+
+        def resolve_envvar_value(self, ctx: click.Context) -> None:
+            return None     # `envvar` is set for --help's "[env var: ...]" only; consume_value reads it
+
+        def value_from_envvar(self, ctx: click.Context) -> None:
+            return None
+
+        def consume_value(self, ctx: click.Context, opts: Any) -> tuple[Any, Any]:
+            value, source = super().consume_value(ctx, opts)
+            if source == ParameterSource.DEFAULT:
+                given, setting_value = _lookup(self.setting)
+                if given:
+                    return setting_value, ParameterSource.ENVIRONMENT
+            return value, source
+
+    return SettingOption
+
+
+def is_setting_option(param: Any) -> bool:
+    """Whether a click parameter was made by `option` (tests/test_cli_settings.py)."""
+    return isinstance(param, _option_class())
 
 
 def cache_root() -> Path:
@@ -272,15 +379,18 @@ def markdown() -> str:
         "",
         "Generated from `strata_compiler/settings.py` by `python -m strata_compiler.settings > docs/settings.md`;",
         "a test fails when this file and the registry differ. Each setting is read from the environment",
-        "variable shown, unless a command-line flag sets it. README lists the ones a user may need; the",
-        "others are tuning constants and debugging aids for experiments.",
+        "variable shown. One with a flag is that option of every command that has it (and the Python API's",
+        "keyword of the same name): the flag given wins (or strata-server's --config file), then the",
+        "variable, then the default. README lists the ones a user may need; the others are tuning",
+        "constants and debugging aids for experiments.",
         "",
-        "| variable | type | default | applies to | what it does |",
-        "|---|---|---|---|---|",
+        "| variable | flag | type | default | applies to | what it does |",
+        "|---|---|---|---|---|---|",
     ]
     for s in sorted(SETTINGS, key=lambda s: (not s.user, s.name)):
         kind = "one of " + "\\|".join(s.choices) if s.kind == "choice" else s.kind
-        lines.append(f"| `{s.env}` | {kind} | `{s.shown_default()}` | {s.where} | {s.help.replace('|', '/')} |")
+        flag = f"`{s.flag}`" if s.flag else ""
+        lines.append(f"| `{s.env}` | {flag} | {kind} | `{s.shown_default()}` | {s.where} | {s.help.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 
