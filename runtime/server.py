@@ -292,22 +292,218 @@ def _usage(p: int, c: int) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> FastAPI:
-    app = FastAPI(title="strata-server", docs_url=None, redoc_url=None, openapi_url=None)
-    plan = engine.plan
-    tok = engine.tokenizer
-    if tok is not None and not isinstance(tok, PlanTokenizer):
-        tok = PlanTokenizer(tok)        # its failures: one TokenizerError
-    encoder, renderer = _Workers("the tokenizer"), _Workers("the chat template")
+def _no_tokenizer(param: str) -> APIError:
+    return APIError(400, "the plan has no usable tokenizer: give the prompt as token ids", param=param)
 
-    def stop_waiting() -> None:
+
+async def _unique_keys(request: HTTPRequest):
+    """A body that names a key twice in one object is refused: json.loads keeps the last, so a
+    proxy or log that reads the first would see another request than the one served."""
+    try:
+        json.loads(await request.body(), object_pairs_hook=_unique_pairs)
+    except _DuplicateKey as e:
+        raise APIError(400, f"the request body names {e.where} twice in one object; send each field once",
+                       param=e.key) from None
+    except (ValueError, RecursionError):     # FastAPI's own parsing has answered for these
+        pass
+
+
+def _auth(api_key: str | None):
+    """The dependency that checks a request's API key (none with no key set)."""
+    # bytes, not str: compare_digest refuses a non-ASCII str (a header is any bytes, read as latin-1)
+    wanted = None if api_key is None else f"Bearer {api_key}".encode("utf-8", "surrogateescape")
+
+    async def auth(request: HTTPRequest):
+        if wanted is not None and not secrets.compare_digest(
+                request.headers.get("authorization", "").encode("latin-1"), wanted):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                           "authentication_error", code="invalid_api_key")
+
+    return auth
+
+
+async def _events(req: Request):
+    """The request's events until done, in lists of those that have arrived (a stream behind
+    the scheduler sends them in one write); cancels the sequence if the client goes away."""
+    try:
+        while True:
+            evs = [await req.events.get()]
+            while not req.events.empty() and evs[-1][0] == "text":
+                evs.append(req.events.get_nowait())
+            for ev in evs:
+                if ev[0] == "error":
+                    raise APIError(ev[2], ev[1], "server_error" if ev[2] >= 500 else "invalid_request_error")
+            yield evs
+            if evs[-1][0] == "done":
+                return
+    finally:
+        req.cancel()
+
+
+async def _hang_up(http: HTTPRequest, req: Request) -> None:
+    """A client that goes away while its whole answer is made: cancel the sequence."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+    req.cancel()
+
+
+async def _collect(req: Request, http: HTTPRequest) -> tuple[str, str, dict | None]:
+    """A request's whole answer: its text, finish reason and usage (cancelled if the client goes)."""
+    parts, reason, usage = [], "length", None
+    watch = asyncio.create_task(_hang_up(http, req))
+    try:
+        async for evs in _events(req):
+            for ev in evs:
+                if ev[0] == "text":
+                    parts.append(ev[1])
+                else:
+                    reason, usage = ev[1], _usage(ev[2], ev[3])
+    finally:
+        watch.cancel()
+    return "".join(parts), reason, usage
+
+
+def _completion(head: dict, kind: str, text: str, reason: str, usage: dict | None) -> dict:
+    """The non-streamed response body of a chat or text completion."""
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": reason}
+        return {**head, "object": "chat.completion", "choices": [choice], "usage": usage}
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    return {**head, "object": "text_completion", "choices": [choice], "usage": usage}
+
+
+def _chunk_object(kind: str) -> str:
+    return "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+
+def _chunk(head: dict, kind: str, text: str | None, reason: str | None, first: bool = False) -> str:
+    """One server-sent event of a stream: a piece of text, or the finish reason."""
+    if kind == "chat":
+        delta = {"role": "assistant", "content": text or ""} if first else \
+            ({"content": text} if text is not None else {})
+        c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+    else:
+        c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+    return f"data: {json.dumps({**head, 'object': _chunk_object(kind), 'choices': [c]})}\n\n"
+
+
+async def _sse(req: Request, kind: str, head: dict, include_usage: bool):
+    """A request's answer as server-sent events: its chunks, an error event if it fails, then [DONE]."""
+    if kind == "chat":
+        yield _chunk(head, kind, "", None, first=True)
+    try:
+        async for evs in _events(req):
+            out = []
+            for ev in evs:
+                if ev[0] == "text":
+                    out.append(_chunk(head, kind, ev[1], None))
+                else:
+                    out.append(_chunk(head, kind, None, ev[1]))
+                    if include_usage:
+                        usage = {**head, "object": _chunk_object(kind), "choices": [], "usage": _usage(ev[2], ev[3])}
+                        out.append(f"data: {json.dumps(usage)}\n\n")
+            yield "".join(out)
+    except APIError as e:
+        err = {"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}}
+        yield f"data: {json.dumps(err)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+class _Service:
+    """What the generation endpoints share: the scheduler, the plan's tokenizer and stop ids, and
+    the worker threads that tokenize and render chat templates off the event loop."""
+
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+        self.plan = engine.plan
+        tok = engine.tokenizer
+        if tok is not None and not isinstance(tok, PlanTokenizer):
+            tok = PlanTokenizer(tok)        # its failures: one TokenizerError
+        self.tok = tok
+        self.encoder, self.renderer = _Workers("the tokenizer"), _Workers("the chat template")
+        self.eos = tuple(chat_mod.stop_ids(self.plan))
+        self.vocab = self.plan.meta["model"]["vocab_size"]
+
+    def stop_waiting(self) -> None:
         """At shutdown (on the event loop): requests waiting for a worker thread get a 503 now."""
-        encoder.stop()
-        renderer.stop()
+        self.encoder.stop()
+        self.renderer.stop()
 
-    app.state.stop_waiting = stop_waiting
-    eos = tuple(chat_mod.stop_ids(plan))
-    vocab = plan.meta["model"]["vocab_size"]
+    async def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """Token ids of a text, tokenized off the event loop (other clients keep being served); a
+        text longer than MAX_CHARS_PER_TOKEN per position of the context is refused unread."""
+        if self.tok is None:
+            raise _no_tokenizer(param)
+        ctx = self.engine.ctx
+        if len(text) > MAX_CHARS_PER_TOKEN * ctx:
+            raise APIError(400, f"the prompt has {len(text)} characters: more than this model's context of "
+                                f"{ctx} tokens can hold", param=param, code="context_length_exceeded")
+        try:
+            return (await self.encoder.run(self.tok.encode, text)).ids
+        except StrataError as e:        # the plan's tokenizer failed on it (a regex that panics, say)
+            raise APIError(400, str(e), param=param) from None
+
+    async def render(self, messages: list) -> str:
+        """The chat template applied to a conversation, in a worker thread."""
+        if self.tok is None:
+            raise _no_tokenizer("messages")
+        try:        # the template is model-supplied: it may take long, never on the event loop
+            return await self.renderer.run(chat_mod.render_chat, self.plan, messages, True)
+        except StrataError as e:
+            raise APIError(400, str(e), param="messages") from None
+
+    def _max_tokens(self, body: _Common, ids: list[int], max_tokens: int | None) -> int:
+        """The checked prompt's token budget: `max_tokens`, or all the context leaves when None."""
+        ctx, vocab = self.engine.ctx, self.vocab
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if any(not 0 <= i < vocab for i in ids):
+            raise APIError(400, f"a prompt token id is outside the vocabulary [0, {vocab})", param="prompt")
+        room = ctx - len(ids)
+        if room <= 0:
+            raise APIError(400, f"the prompt has {len(ids)} tokens: this model's context of {ctx} tokens "
+                                f"leaves no room for an answer; shorten it", param="messages" if
+                           isinstance(body, ChatBody) else "prompt", code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = room
+        if max_tokens > room:
+            raise APIError(400, f"this model's context is {ctx} tokens; the prompt has {len(ids)} and "
+                                f"max_tokens is {max_tokens}: give {room} or less", param="max_tokens",
+                           code="context_length_exceeded")
+        return max_tokens
+
+    def submit(self, body: _Common, ids: list[int], max_tokens: int | None) -> Request:
+        """A checked request for the prompt `ids`, with the body's sampling, queued on the scheduler."""
+        gen = body.generation()
+        max_tokens = self._max_tokens(body, ids, max_tokens)
+        if gen.stop and self.tok is None:
+            raise APIError(400, "stop strings need the plan's tokenizer", param="stop")
+        seed = gen.seed if gen.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
+        sampling = plan_sampling(self.plan.meta, **gen.sampling())
+        req = Request(ids, max_tokens, Sampler.of(sampling, seed), () if gen.ignore_eos else self.eos, gen.stop)
+        req.loop = asyncio.get_running_loop()
+        try:
+            self.engine.submit(req)
+        except QueueFull as e:
+            if e.status != 429:
+                raise APIError(e.status, str(e), "server_error") from None
+            raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
+        return req
+
+    async def respond(self, body: _Common, req: Request, kind: str, http: HTTPRequest):
+        """The answer to a submitted request: one JSON object, or server-sent events with `stream`."""
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        head = {"id": rid, "created": int(time.time()), "model": body.model or self.model_name}
+        if not body.stream:
+            return _completion(head, kind, *await _collect(req, http))
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return StreamingResponse(_sse(req, kind, head, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's error object."""
 
     @app.exception_handler(APIError)
     async def _api_error(_req, e: APIError):
@@ -334,30 +530,9 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
     async def _bug(_req, e: Exception):
         return _error(500, f"{e.__class__.__name__}: {e}", "server_error")
 
-    # bytes, not str: compare_digest refuses a non-ASCII str (a header is any bytes, read as latin-1)
-    wanted = None if api_key is None else f"Bearer {api_key}".encode("utf-8", "surrogateescape")
 
-    async def auth(request: HTTPRequest):
-        if wanted is not None and not secrets.compare_digest(
-                request.headers.get("authorization", "").encode("latin-1"), wanted):
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                           "authentication_error", code="invalid_api_key")
-
-    async def unique_keys(request: HTTPRequest):
-        """A body that names a key twice in one object is refused: json.loads keeps the last, so a
-        proxy or log that reads the first would see another request than the one served."""
-        try:
-            json.loads(await request.body(), object_pairs_hook=_unique_pairs)
-        except _DuplicateKey as e:
-            raise APIError(400, f"the request body names {e.where} twice in one object; send each field once",
-                           param=e.key) from None
-        except (ValueError, RecursionError):     # FastAPI's own parsing has answered for these
-            pass
-
-    guarded = [Depends(auth)]
-    posted = [Depends(auth), Depends(unique_keys)]
-
-    app.add_middleware(_BodyLimit)
+def _add_info_routes(app: FastAPI, engine, model_name: str, guarded: list) -> None:
+    """GET /health, /v1/models and /stats."""
 
     @app.get("/health")
     async def health():
@@ -379,133 +554,9 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
         """The scheduler's counters and how many requests wait (not part of OpenAI's API)."""
         return {**engine.stats, "waiting": engine.queue.qsize(), "max_batch": engine.max_batch}
 
-    def no_tokenizer(param: str) -> APIError:
-        return APIError(400, "the plan has no usable tokenizer: give the prompt as token ids", param=param)
 
-    async def encode(text: str, param: str = "prompt") -> list[int]:
-        """Token ids of a text, tokenized off the event loop (other clients keep being served); a
-        text longer than MAX_CHARS_PER_TOKEN per position of the context is refused unread."""
-        if tok is None:
-            raise no_tokenizer(param)
-        if len(text) > MAX_CHARS_PER_TOKEN * engine.ctx:
-            raise APIError(400, f"the prompt has {len(text)} characters: more than this model's context of "
-                                f"{engine.ctx} tokens can hold", param=param, code="context_length_exceeded")
-        try:
-            return (await encoder.run(tok.encode, text)).ids
-        except StrataError as e:        # the plan's tokenizer failed on it (a regex that panics, say)
-            raise APIError(400, str(e), param=param) from None
-
-    def make_request(body: _Common, ids: list[int], max_tokens: int | None, stop_ids) -> Request:
-        gen = body.generation()
-        if not ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        if any(not 0 <= i < vocab for i in ids):
-            raise APIError(400, f"a prompt token id is outside the vocabulary [0, {vocab})", param="prompt")
-        room = engine.ctx - len(ids)
-        if room <= 0:
-            raise APIError(400, f"the prompt has {len(ids)} tokens: this model's context of {engine.ctx} tokens "
-                                f"leaves no room for an answer; shorten it", param="messages" if
-                           isinstance(body, ChatBody) else "prompt", code="context_length_exceeded")
-        if max_tokens is None:
-            max_tokens = room
-        if max_tokens > room:
-            raise APIError(400, f"this model's context is {engine.ctx} tokens; the prompt has {len(ids)} and "
-                                f"max_tokens is {max_tokens}: give {room} or less", param="max_tokens",
-                           code="context_length_exceeded")
-        if gen.stop and tok is None:
-            raise APIError(400, "stop strings need the plan's tokenizer", param="stop")
-        seed = gen.seed if gen.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
-        sampling = plan_sampling(plan.meta, **gen.sampling())
-        req = Request(ids, max_tokens, Sampler.of(sampling, seed), () if gen.ignore_eos else tuple(stop_ids),
-                      gen.stop)
-        req.loop = asyncio.get_running_loop()
-        try:
-            engine.submit(req)
-        except QueueFull as e:
-            if e.status != 429:
-                raise APIError(e.status, str(e), "server_error") from None
-            raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
-        return req
-
-    async def events(req: Request):
-        """The request's events until done, in lists of those that have arrived (a stream behind
-        the scheduler sends them in one write); cancels the sequence if the client goes away."""
-        try:
-            while True:
-                evs = [await req.events.get()]
-                while not req.events.empty() and evs[-1][0] == "text":
-                    evs.append(req.events.get_nowait())
-                for ev in evs:
-                    if ev[0] == "error":
-                        raise APIError(ev[2], ev[1], "server_error" if ev[2] >= 500 else "invalid_request_error")
-                yield evs
-                if evs[-1][0] == "done":
-                    return
-        finally:
-            req.cancel()
-
-    async def hang_up(http: HTTPRequest, req: Request) -> None:
-        """A client that goes away while its whole answer is made: cancel the sequence."""
-        while (await http.receive())["type"] != "http.disconnect":
-            pass
-        req.cancel()
-
-    async def respond(body: _Common, req: Request, kind: str, http: HTTPRequest):
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        head = {"id": rid, "created": created, "model": body.model or model_name}
-        if not body.stream:
-            parts, reason, usage = [], "length", None
-            watch = asyncio.create_task(hang_up(http, req))
-            try:
-                async for evs in events(req):
-                    for ev in evs:
-                        if ev[0] == "text":
-                            parts.append(ev[1])
-                        else:
-                            reason, usage = ev[1], _usage(ev[2], ev[3])
-            finally:
-                watch.cancel()
-            text = "".join(parts)
-            if kind == "chat":
-                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                          "finish_reason": reason}
-                return {**head, "object": "chat.completion", "choices": [choice], "usage": usage}
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-            return {**head, "object": "text_completion", "choices": [choice], "usage": usage}
-
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-
-        def chunk(text: str | None, reason: str | None, first: bool = False) -> str:
-            if kind == "chat":
-                delta = {"role": "assistant", "content": text or ""} if first else \
-                    ({"content": text} if text is not None else {})
-                c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-            else:
-                c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-            return f"data: {json.dumps({**head, 'object': obj, 'choices': [c]})}\n\n"
-
-        async def sse():
-            if kind == "chat":
-                yield chunk("", None, first=True)
-            try:
-                async for evs in events(req):
-                    out = []
-                    for ev in evs:
-                        if ev[0] == "text":
-                            out.append(chunk(ev[1], None))
-                        else:
-                            out.append(chunk(None, ev[1]))
-                            if include_usage:
-                                out.append(f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': _usage(ev[2], ev[3])})}\n\n")
-                    yield "".join(out)
-            except APIError as e:
-                err = {"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}}
-                yield f"data: {json.dumps(err)}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+def _add_generation_routes(app: FastAPI, svc: _Service, posted: list) -> None:
+    """POST /v1/completions and /v1/chat/completions."""
 
     @app.post("/v1/completions", dependencies=posted)
     async def completions(body: CompletionBody, http: HTTPRequest):
@@ -517,21 +568,27 @@ def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> 
                 raise APIError(400, "one prompt per request (a list of one string at most)", param="prompt")
             p = p[0]
         body.check()
-        ids = await encode(p) if isinstance(p, str) else list(p)
-        req = make_request(body, ids, body.max_tokens or 16, eos)      # 16: OpenAI's default
-        return await respond(body, req, "completion", http)
+        ids = await svc.encode(p) if isinstance(p, str) else list(p)
+        req = svc.submit(body, ids, body.max_tokens or 16)      # 16: OpenAI's default
+        return await svc.respond(body, req, "completion", http)
 
     @app.post("/v1/chat/completions", dependencies=posted)
     async def chat(body: ChatBody, http: HTTPRequest):
         body.check()
-        if tok is None:
-            raise no_tokenizer("messages")
-        try:        # the template is model-supplied: it may take long, never on the event loop
-            text = await renderer.run(chat_mod.render_chat, plan, body.messages, True)
-        except StrataError as e:
-            raise APIError(400, str(e), param="messages") from None
-        ids = await encode(text, "messages")
-        req = make_request(body, ids, body.max_completion_tokens or body.max_tokens, eos)
-        return await respond(body, req, "chat", http)
+        text = await svc.render(body.messages)
+        ids = await svc.encode(text, "messages")
+        req = svc.submit(body, ids, body.max_completion_tokens or body.max_tokens)
+        return await svc.respond(body, req, "chat", http)
 
+
+def make_app(engine, api_key: str | None = None, model_name: str = "strata") -> FastAPI:
+    """The FastAPI app serving `engine` (a scheduler); `app.state.stop_waiting` is for shutdown."""
+    app = FastAPI(title="strata-server", docs_url=None, redoc_url=None, openapi_url=None)
+    svc = _Service(engine, model_name)
+    app.state.stop_waiting = svc.stop_waiting
+    _add_error_handlers(app)
+    auth = _auth(api_key)
+    app.add_middleware(_BodyLimit)
+    _add_info_routes(app, engine, model_name, [Depends(auth)])
+    _add_generation_routes(app, svc, [Depends(auth), Depends(_unique_keys)])
     return app
