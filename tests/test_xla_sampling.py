@@ -99,3 +99,31 @@ def test_decoding_ahead_streams_each_token_and_stops_when_asked(tiny_f32_plan):
     with pytest.raises(Interrupted) as e:
         s.generate(ids, 10, Sampler.of(Sampling(), seed=2), keep_logits=False, on_token=lambda i, t: i == 4)
     assert e.value.new.tolist() == new[:, :5].tolist()
+
+
+def test_batch_step_attends_only_the_span_its_rows_reach(tiny_f32_plan):
+    """A batch step over a long cache (a server's whole context) reads the first power-of-two rows
+    past every row's position (attention_span): the logits of the whole cache's."""
+    import jax
+
+    from strata_compiler.backends.xla.decoding import MIN_SPAN, attention_span
+
+    assert attention_span(1, 4096) == MIN_SPAN and attention_span(600, 4096) == 1024
+    assert attention_span(600, 1024) is None and attention_span(3000, 4096) is None
+    s = Session(load_plan(tiny_f32_plan), "xla")
+    e = s.executor
+    s.reset(2, 4096)
+    prompt = np.array([[5, 17, 300, 42, 7, 99, 3, 12]], np.int64)
+    for row in range(2):        # two rows at different positions
+        one = Session(s.plan, "xla")
+        one.generate(prompt[:, :6 + 2 * row], 1, Sampler(), keep_logits=False)
+        e.load_row(s.cache, row, one.cache)
+        s.cache.lengths[row] = 6 + 2 * row
+    ids, use = np.array([9, 11], np.int32), np.ones(2, bool)
+    args = lambda: ({l: s.cache.k[l] for l in e.layers}, {l: s.cache.v[l] for l in e.layers})    # noqa: E731
+    pos = np.asarray(s.cache.lengths[:2], np.int32)
+    samp, static = e._batch_sampling(2, None)
+    outs = [jax.jit(e._batch_step, static_argnums=(10, 11, 12))(e.params, *args(), ids, ids, use, pos, *samp, *static, span)
+            for span in (512, None)]
+    np.testing.assert_allclose(np.asarray(outs[0][2]), np.asarray(outs[1][2]), rtol=1e-5, atol=1e-5)
+    assert np.asarray(outs[0][0]).tolist() == np.asarray(outs[1][0]).tolist()

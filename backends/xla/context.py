@@ -45,6 +45,7 @@ class _Ctx:
         self.norms: dict[int, tuple] = {}     # rms_norm node id -> (weight, eps, its input): for fusing
         self.partials: dict[int, object] = {}  # router node id -> its logits as an o projection's epilogue left them
         self.counts: dict[int, object] = {}    # cached GPU share id -> routings per expert this step (int32 [E])
+        self.span: int | None = None    # a decode step's attention reads only the cache's first `span` rows
         self.jnp = _jnp()
         import jax
 

@@ -16,6 +16,17 @@ from .dequant import _jnp
 from .device import load_jax, on_device
 
 
+MIN_SPAN = 512      # the shortest attention span of a batch step (each longer one: another program)
+
+
+def attention_span(need: int, capacity: int) -> int | None:
+    """The cache rows a batch step's attention reads for positions below `need`: the next power of
+    two from MIN_SPAN (a program each), None for the whole cache once that is no shorter. A server's
+    cache holds its whole context; its steps then cost what its sequences' lengths do, not that."""
+    span = max(MIN_SPAN, 1 << max(0, need - 1).bit_length())
+    return None if span >= capacity else span
+
+
 class DecodeSteps:
     def _decode_loop(self, params, ks, vs, tok, pos, n):
         """n greedy decode steps in one XLA computation: the token never leaves the device."""
@@ -96,15 +107,17 @@ class DecodeSteps:
         launch takes: none for greedy, else state (window, step) and constants (uniforms, knobs)."""
         if sampling is None:
             return self._ahead_fn, (), ()
-        jax, jnp = load_jax(), _jnp()
+        jnp = _jnp()
         key = device_sampling.static(sampling.settings)
-        progs = self.__dict__.setdefault("_sampled_fns", {})
-        if key not in progs:
-            progs[key] = jax.jit(self._sampled_step, static_argnums=(9, 10), donate_argnums=(1, 2))
-        fn = progs[key]
+        fn = self.__dict__.get("_sampled_fn")
+        if fn is None:      # a stored executable per (top-k, greedy), as the greedy step's
+            fn = self._sampled_fn = self._program("ahead_sampled", self._sampled_step, static_argnums=(9, 10),
+                                                  donate_argnums=(1, 2))
         state = (np.asarray(sampling.history, np.int32), np.int32(0))
-        B = sampling.uniforms.shape[1]
-        const = (np.asarray(sampling.uniforms, np.float32), np.tile(device_sampling.knobs(sampling.settings), (B, 1)))
+        n, B = sampling.uniforms.shape
+        U = np.zeros((max(64, 1 << max(0, n - 1).bit_length()), B), np.float32)     # a few lengths: a few programs
+        U[:n] = sampling.uniforms
+        const = (U, np.tile(device_sampling.knobs(sampling.settings), (B, 1)))
         return (lambda *a: fn(*a, *key)), tuple(map(jnp.asarray, state)), tuple(map(jnp.asarray, const))
 
     def decode_ahead(self, tok: np.ndarray, cache, n: int, stop_ids=(), done: np.ndarray | None = None,
@@ -151,7 +164,7 @@ class DecodeSteps:
         """Whether tokens sampled by `settings` (a Sampling) are chosen on the device."""
         return device_sampling.supported(settings, self._vocab())
 
-    def _batch_step(self, params, ks, vs, prev, host_tok, use_host, pos, hist, u, kn, k, all_greedy):
+    def _batch_step(self, params, ks, vs, prev, host_tok, use_host, pos, hist, u, kn, k, all_greedy, span):
         """A decode step of the first B = len(pos) rows whose ids are the host's where use_host,
         else the device tokens of the step before (prev); its tokens (int32 [Bc], zero past B:
         each row's greedy or sampled by its knobs kn, uniform u and window hist, to which a row
@@ -160,7 +173,7 @@ class DecodeSteps:
         jnp = _jnp()
         B = pos.shape[0]
         tok = jnp.where(use_host, host_tok, prev)[:B]
-        res, ks, vs = self._forward(params, ks, vs, {}, tok[:, None], B, 1, pos)
+        res, ks, vs = self._forward(params, ks, vs, {}, tok[:, None], B, 1, pos, span=span)
         logits = res[self.g.outputs[0]].reshape(B, -1)
         if hist.shape[1]:
             hist = jnp.where(use_host[:, None], hist, device_sampling.remember(hist, prev))
@@ -201,7 +214,7 @@ class DecodeSteps:
             self.new_cache(cache)
         fn = getattr(self, "_batch_fn", None)
         if fn is None:
-            fn = self._batch_fn = jax.jit(self._batch_step, static_argnums=(10, 11), donate_argnums=(1, 2))
+            fn = self._batch_fn = jax.jit(self._batch_step, static_argnums=(10, 11, 12), donate_argnums=(1, 2))
         if prev is None:    # a device array like the tokens of a step (a NumPy one would be another program)
             prev = getattr(self, "_no_prev", None)
             if prev is None or prev.shape != host_tok.shape:
@@ -211,7 +224,8 @@ class DecodeSteps:
         vs = {l: cache.v[l] for l in self.layers}
         pos = np.asarray(cache.lengths[:rows], np.int32)
         args = tuple(self._resident(name, a) for name, a in (("ids", host_tok), ("use", use_host), ("pos", pos)))
-        tok, checked, logits, pos_next, ks, vs = fn(self.params, ks, vs, prev, *args, *samp, *static)
+        span = attention_span(int(pos.max(initial=0)) + 1, cache.capacity)
+        tok, checked, logits, pos_next, ks, vs = fn(self.params, ks, vs, prev, *args, *samp, *static, span)
         for l in self.layers:
             cache.k[l], cache.v[l] = ks[l], vs[l]
         cache.lengths[:rows] += 1

@@ -240,12 +240,13 @@ class XLAExecutor(DecodeSteps, Executor):
             return jnp.float32
         return jnp.bfloat16
 
-    def _forward(self, params, ks, vs, ext, ids, B, T, pos, hooks: dict | None = None):
+    def _forward(self, params, ks, vs, ext, ids, B, T, pos, hooks: dict | None = None, span: int | None = None):
         """hooks: node id -> f(env, args) -> args, called while tracing, before that node (the fused
-        step puts a host call there and ties the node's operands to it)."""
+        step puts a host call there and ties the node's operands to it). span: every row's position
+        is below it (a decode step's attention then reads only the cache's first `span` rows)."""
         ks, vs = dict(ks), dict(vs)
         c = _Ctx(self, params, ks, vs, ids, pos, B, T)
-        c.ext = ext
+        c.ext, c.span = ext, span
         env = {k: v for k, v in ext.items() if k >= 0}
         for n in self.nodes:
             if n.op is Op.INPUT_IDS:

@@ -185,6 +185,8 @@ def _attention(c: _Ctx, n: Node, a: list):
         return pallas_flash.attention(q, K, V, c.pos, dt, interpret).reshape(B * T, H * hd)
     if K.shape[0] != B:         # the step's rows of a larger batch cache (continuous batching)
         K, V = K[:B], V[:B]
+    if T == 1 and c.span is not None and c.span < K.shape[2]:     # keys past every row's position: not read
+        K, V = K[:, :, :c.span], V[:, :, :c.span]
     S = K.shape[2]
     rep = H // KV
     qg = q.reshape(B, T, KV, rep, hd).transpose(0, 2, 3, 1, 4)               # [B, KV, rep, T, hd]
