@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from strata_compiler.execution import Segment
 from strata_compiler.ir import Op
 
 
@@ -141,7 +142,7 @@ class FusedCalls:
                 tl.append(("enter", i, time.perf_counter_ns()))
             try:
                 ids, cache = self.cur
-                exe.run_segment(self.env, ids, cache, lo, hi)
+                exe.run_segment(self.env, ids, cache, Segment(lo=lo, hi=hi))
             except BaseException as e:    # noqa: BLE001 - nothing may cross the native frame
                 self.error = e
             if tl is not None:

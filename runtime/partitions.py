@@ -23,7 +23,7 @@ import numpy as np
 
 from strata_compiler import settings, trace
 from strata_compiler.backends.xla import cuda_rt
-from strata_compiler.execution import Caps, Executor
+from strata_compiler.execution import Caps, Executor, Segment
 from strata_compiler.experts import Residency, mesh_devices
 from strata_compiler.ir import Graph, Op
 from strata_compiler.prefill_streaming import plan_stream_tokens
@@ -164,7 +164,7 @@ class MixedExecutor(Executor):
                                         fetch_into=cuda_rt.fetch_into)
         from strata_compiler.backends.reference.executor import ReferenceExecutor
 
-        return "reference", ReferenceExecutor(graph, weights, residency=self.residency)
+        return "reference", ReferenceExecutor(graph, weights, residency=self.residency, nodes=ids)
 
     def _xla_reads(self) -> tuple[dict[int, set[int]], dict[int, set[str]]]:
         """(to_host, read_by): each partition's GPU results a later CPU partition reads, and who reads each."""
@@ -383,6 +383,7 @@ class MixedExecutor(Executor):
         T_pad = None
         if T > 1 and xlas and all(exe.pads_prefill and not exe.count_order for exe in xlas):
             T_pad = xlas[0].bucket(T, cache.capacity - cache.length)
+        seg = Segment(T_pad=T_pad)      # one for every partition: the CPU backends run at the step's length
         streamed = self._streamed_parts(T)
         order = sorted(streamed)
         if order:
@@ -401,22 +402,17 @@ class MixedExecutor(Executor):
                 nxt = next((j for j in order if j > i), None)
                 if nxt is not None:
                     streamed[nxt].upload()
-                streamed[i].run_segment(env, input_ids, cache, T_pad)
+                streamed[i].run_segment(env, input_ids, cache, seg)
                 streamed[i].release()
-            elif kind == "reference":
-                if trace.ACTIVE is None:
-                    exe.run_segment(env, input_ids, cache, ids)
-                else:
-                    with trace.ACTIVE.span(f"reference partition ({len(ids)} ops)", "cpu"):
-                        exe.run_segment(env, input_ids, cache, ids)
-            elif kind == "xla":
-                exe.run_segment(env, input_ids, cache, T_pad)
-                for nid in () if self.raw_copy or streamed else self.to_host.get(i, ()):
+            elif kind == "reference" and trace.ACTIVE is not None:
+                with trace.ACTIVE.span(f"reference partition ({len(ids)} ops)", "cpu"):
+                    exe.run_segment(env, input_ids, cache, seg)
+            else:
+                exe.run_segment(env, input_ids, cache, seg)
+                for nid in () if kind != "xla" or self.raw_copy or streamed else self.to_host.get(i, ()):
                     v = env.get(nid)
                     if hasattr(v, "copy_to_host_async"):
                         v.copy_to_host_async()
-            else:
-                exe.run_segment(env, input_ids, cache)
         # the outputs first: once they are there the step has finished reading the expert slots
         # that the swaps after it rewrite
         out = {o: _fetch(env[o], B, T, last_only) for o in self.g.outputs}

@@ -10,7 +10,7 @@ The core defines the contract; backends implement it; the runtime drives it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import numpy as np
@@ -28,6 +28,28 @@ class Caps:
     prefills_on_gpu: bool = False
     # ... and its attention is the flash kernel (no [step, cache] scores in memory)
     flash_prefill: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Which part of a shared step a partition runs (Partition.run_segment): every node at the
+    step's length, or at T_pad (a prefill's bucket: the xla backend compiles a program per bucket,
+    not per prompt length; a CPU backend runs at the step's own length), or only its nodes
+    [lo, hi) (a segment run in two parts around a GPU's work: the llvm backend's host calls)."""
+    T_pad: int | None = None
+    lo: int = 0
+    hi: int | None = None
+
+
+WHOLE = Segment()
+
+
+class Partition(Protocol):
+    """A backend's executor of some of a plan's nodes (a mixed plan's partition): it runs them in a
+    step that other partitions share, reading their operands from `env` (node id -> value, on the
+    host or its device) and writing its results there."""
+
+    def run_segment(self, env: dict, input_ids: np.ndarray, cache: KVCache, seg: Segment = WHOLE) -> None: ...
 
 
 @dataclass(frozen=True)

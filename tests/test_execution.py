@@ -47,3 +47,23 @@ def test_defaults_say_no():
     assert e.caps() == Caps() and not e.can_decode_ahead(1, None) and not e.can_batch_step()
     with pytest.raises(NotImplementedError, match="does not decode ahead"):
         e.decode_ahead(None, None, 1)
+
+
+@pytest.mark.parametrize("module, name", [
+    ("strata_compiler.backends.reference.executor", "ReferenceExecutor"),
+    ("strata_compiler.backends.llvm_cpu.executor", "LLVMExecutor"),
+    ("strata_compiler.backends.xla.executor", "XLAExecutor"),
+    ("strata_compiler.backends.xla.mesh", "MeshXLAExecutor"),
+])
+def test_every_partition_runs_a_segment_by_one_signature(module, name):
+    """A mixed plan's partitions (execution.Partition): run_segment(env, input_ids, cache, seg)
+    whatever the backend, so the mixed executor drives them alike."""
+    import importlib
+    import inspect
+
+    from strata_compiler.execution import WHOLE
+
+    cls = getattr(importlib.import_module(module), name)
+    params = list(inspect.signature(cls.run_segment).parameters.values())
+    assert [p.name for p in params] == ["self", "env", "input_ids", "cache", "seg"]
+    assert params[-1].default is WHOLE

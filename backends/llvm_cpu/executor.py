@@ -22,7 +22,7 @@ import numpy as np
 
 from strata_compiler import settings
 from strata_compiler.errors import BackendError
-from strata_compiler.execution import Executor
+from strata_compiler.execution import WHOLE, Executor, Segment
 from strata_compiler.experts import Residency
 from strata_compiler.ir import Graph, Node, Op
 from strata_compiler import trace
@@ -123,9 +123,11 @@ class LLVMExecutor(Executor):
                                f"plans from `stratac compile` fuse it away — recompile, or use --backend reference")
         return binder(self, n)
 
-    def run_segment(self, env: dict, input_ids: np.ndarray, cache: KVCache, lo: int = 0, hi: int | None = None) -> None:
+    def run_segment(self, env: dict, input_ids: np.ndarray, cache: KVCache, seg: Segment = WHOLE) -> None:
         """Run this executor's nodes; operands from other devices come from (and results go to) env.
-        lo/hi: only nodes [lo, hi) (a segment run in two parts; results go to env after the last)."""
+        seg: only nodes [lo, hi) (a segment run in two parts; results go to env after the last);
+        its T_pad is the GPU's (this backend runs at the step's length)."""
+        lo, hi = seg.lo, seg.hi
         B, T = input_ids.shape
         M = B * T
         if M not in self.frames:

@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from strata_compiler.errors import BackendError
-from strata_compiler.execution import Executor
+from strata_compiler.execution import WHOLE, Executor, Segment
 from strata_compiler.experts import Residency, nonresident_mask
 from strata_compiler.ir import Graph, Node, Op
 from strata_compiler.kv_cache import KVCache
@@ -113,8 +113,10 @@ class ReferenceExecutor(Executor):
     `route` method also gets observer.route(node, combine) with each moe_ffn's routing weights
     [B, T, E] (zero for the experts a token did not choose)."""
 
-    def __init__(self, graph: Graph, weights: WeightSource, observer=None, residency: Residency | None = None) -> None:
+    def __init__(self, graph: Graph, weights: WeightSource, observer=None, residency: Residency | None = None,
+                 nodes: list[int] | None = None) -> None:
         self.g = graph
+        self.part = [n.id for n in graph.nodes] if nodes is None else list(nodes)    # run_segment's nodes
         self.w = weights
         self.observer = observer
         self.residency = residency     # the live expert caches of a mixed run (else the plan's split)
@@ -154,12 +156,13 @@ class ReferenceExecutor(Executor):
         cache.advance(T)
         return {o: env[o] for o in self.g.outputs}
 
-    def run_segment(self, env: dict, input_ids: np.ndarray, cache: KVCache, nodes: list[int]) -> None:
-        """Run just `nodes` (a partition of a mixed plan), reading and writing the shared env."""
+    def run_segment(self, env: dict, input_ids: np.ndarray, cache: KVCache, seg: Segment = WHOLE) -> None:
+        """Run this partition's nodes (a mixed plan's; `seg` [lo, hi) of them), reading and writing
+        the shared env."""
         B, T = input_ids.shape
         ctx = _Step(self.w, cache, cache.positions(T)[:, None] + np.arange(T), input_ids, self.observer)
         ctx.graph, ctx.residency = self.g, self.residency
-        for nid in nodes:
+        for nid in self.part[seg.lo:seg.hi]:
             n = self.g.node(nid)
             args = [np.asarray(env[a]).reshape(B, T, -1) if self.g.node(a).op is not Op.INPUT_IDS else env[a]
                     for a in n.args]

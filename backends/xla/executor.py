@@ -15,7 +15,7 @@ import numpy as np
 
 from strata_compiler import settings
 from strata_compiler.errors import BackendError, UsageError
-from strata_compiler.execution import Caps, Executor
+from strata_compiler.execution import WHOLE, Caps, Executor, Segment
 from strata_compiler.ir import Graph, Node, Op
 
 from strata_compiler import trace
@@ -452,12 +452,14 @@ class XLAExecutor(DecodeSteps, Executor):
 
     pads_prefill = True     # run_segment takes T_pad (MeshXLAExecutor does not)
 
-    def run_segment(self, env: dict, input_ids: np.ndarray, cache, T_pad: int | None = None) -> None:
+    def run_segment(self, env: dict, input_ids: np.ndarray, cache, seg: Segment = WHOLE) -> None:
         """Run this partition in a step that other devices share: at the step's length, or with
-        T_pad at that padded length (a prefill's bucket: one program per bucket, not per prompt
-        length), host inputs padded here and the results PaddedRows."""
+        seg.T_pad at that padded length (a prefill's bucket: one program per bucket, not per prompt
+        length), host inputs padded here and the results PaddedRows. Whole partitions only."""
+        if seg.lo or seg.hi is not None:
+            raise BackendError("an xla partition runs whole (no [lo, hi) segment)")
         B, T = input_ids.shape
-        T_pad = T_pad or T
+        T_pad = seg.T_pad or T
         if self.layers and not on_device(cache.k[self.layers[0]]):
             self.new_cache(cache)
         ext = {i: env[i] for i in self.inputs if self.g.node(i).op is not Op.INPUT_IDS}

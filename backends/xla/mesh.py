@@ -26,6 +26,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from strata_compiler.execution import WHOLE, Segment
 from strata_compiler.ir import Graph, Node
 from strata_compiler.experts import Residency, share_groups
 
@@ -86,10 +87,10 @@ class MeshXLAExecutor(XLAExecutor):
 
     pads_prefill = False
 
-    def run_segment(self, env: dict, input_ids: np.ndarray, cache, T_pad: int | None = None) -> None:
+    def run_segment(self, env: dict, input_ids: np.ndarray, cache, seg: Segment = WHOLE) -> None:
         """With several processes (hosts), every input must be a global array: host values go to
         the mesh replicated (each process holds the same ones), and so do ids and position
-        (`_host_args`)."""
+        (`_host_args`). A mesh pads no prefill (pads_prefill): seg.T_pad is not used."""
         if self.processes == 1:
             return super().run_segment(env, input_ids, cache)
         jax = load_jax()
