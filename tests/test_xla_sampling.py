@@ -127,3 +127,23 @@ def test_batch_step_attends_only_the_span_its_rows_reach(tiny_f32_plan):
             for span in (512, None)]
     np.testing.assert_allclose(np.asarray(outs[0][2]), np.asarray(outs[1][2]), rtol=1e-5, atol=1e-5)
     assert np.asarray(outs[0][0]).tolist() == np.asarray(outs[1][0]).tolist()
+
+
+def test_a_decode_step_over_a_long_cache_reads_only_its_span(tiny_f32_plan, monkeypatch):
+    """Session.step on a cache of the whole context (strata-run --chat's): each decode step's
+    attention reads the span its position reaches, with the logits of a short cache's step."""
+    from strata_compiler.backends.xla import executor as xe
+
+    plan = load_plan(tiny_f32_plan)
+    ids = np.array([[5, 17, 300, 42, 7, 99]], np.int64)
+    spans = []
+    real = xe.attention_span
+    monkeypatch.setattr(xe, "attention_span", lambda need, cap: spans.append(real(need, cap)) or spans[-1])
+    out = []
+    for capacity in (64, 4096):
+        s = Session(plan, "xla")
+        s.reset(1, capacity)
+        s.step(ids)
+        out.append([s.step(np.array([[t]], np.int64))[0, -1] for t in (9, 11, 13)])
+    assert spans[-3:] == [512, 512, 512] and None in spans[:3]
+    np.testing.assert_allclose(np.array(out[0]), np.array(out[1]), rtol=1e-5, atol=1e-5)

@@ -20,9 +20,10 @@ MIN_SPAN = 512      # the shortest attention span of a batch step (each longer o
 
 
 def attention_span(need: int, capacity: int) -> int | None:
-    """The cache rows a batch step's attention reads for positions below `need`: the next power of
-    two from MIN_SPAN (a program each), None for the whole cache once that is no shorter. A server's
-    cache holds its whole context; its steps then cost what its sequences' lengths do, not that."""
+    """The cache rows a decode step's attention reads for positions below `need`: the next power
+    of two from MIN_SPAN (a program each), None for the whole cache once that is no shorter. A
+    server's or a chat's cache holds its whole context; its steps then cost what its sequences'
+    lengths do, not that."""
     span = max(MIN_SPAN, 1 << max(0, need - 1).bit_length())
     return None if span >= capacity else span
 

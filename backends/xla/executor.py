@@ -23,7 +23,7 @@ from strata_compiler.experts import Residency, in_place_weights
 from strata_compiler.verify import check_token_ids
 
 from . import aot, cuda_rt, pallas_flash
-from .decoding import DecodeSteps
+from .decoding import DecodeSteps, attention_span
 from .dequant import _jnp
 from .device import load_jax, device as pick_device, on_device, zeros_all  # noqa: F401 - on_device: also imported from here
 from .context import _Ctx
@@ -132,8 +132,8 @@ class XLAExecutor(DecodeSteps, Executor):
         self.host_params = host if stream else None
         self.kv_dtype = jnp.float32
         self.out_keys: dict[tuple[int, int], tuple] = {}     # (B, T) -> the result keys of traced_body's first tuple
-        self._fn = self._program("forward", self.traced_body, static_argnums=(5, 6), donate_argnums=(1, 2),
-                                 meta_of=lambda st: list(self.out_keys[st]), restore=self._restore_keys)
+        self._fn = self._program("forward", self.traced_body, static_argnums=(5, 6, 9), donate_argnums=(1, 2),
+                                 meta_of=lambda st: list(self.out_keys[st[:2]]), restore=self._restore_keys)
         self._ahead_fn = self._program("ahead", self._ahead_step, donate_argnums=(1, 2))
         if nodes is None:       # a whole plan's executor: its stored programs load while its weights go up
             for prog in (self._fn, self._ahead_fn):
@@ -187,7 +187,7 @@ class XLAExecutor(DecodeSteps, Executor):
         """The result keys of a forward program loaded rather than traced (aot.Program)."""
         if not isinstance(meta, list) or not all(isinstance(k, int) and not isinstance(k, bool) for k in meta):
             raise ValueError("bad result keys")
-        self.out_keys[static] = tuple(meta)
+        self.out_keys[static[:2]] = tuple(meta)        # (B, T) of the statics (B, T, span)
 
     pool = None         # a streamed partition's WeightPool (streaming.py), where raw copies run
     _pool_set = None    # the pool set its weights are in, until its call has been launched
@@ -263,12 +263,12 @@ class XLAExecutor(DecodeSteps, Executor):
             outs[PACKED] = c.jnp.concatenate([outs[o].reshape(-1).astype(c.jnp.float32) for o in self.packed])
         return outs, ks, vs
 
-    def traced_body(self, params, ks, vs, ext, ids, B, T, pos, hooks: dict | None = None):
+    def traced_body(self, params, ks, vs, ext, ids, B, T, pos, hooks: dict | None = None, span: int | None = None):
         """_forward with its results as tuples (in out_keys[B, T] and self.layers order), not dicts
         keyed by node ids and layers: result keys are written into the lowered module, so
         structurally equal partitions (one per layer in a split plan) lower to the same module and
         compile once, through the persistent cache."""
-        outs, ks, vs = self._forward(params, ks, vs, ext, ids, B, T, pos, hooks)
+        outs, ks, vs = self._forward(params, ks, vs, ext, ids, B, T, pos, hooks, span)
         self.out_keys[B, T] = tuple(outs)
         return tuple(outs.values()), tuple(ks[l] for l in self.layers), tuple(vs[l] for l in self.layers)
 
@@ -421,7 +421,9 @@ class XLAExecutor(DecodeSteps, Executor):
             # made it (a CPU one, or one streamed to the GPU), and a program compiled for one serves both
             home = self._home()
             ext = {i: load_jax().device_put(v, home) if isinstance(v, np.ndarray) else v for i, v in ext.items()}
-        flat, kt, vt = self._fn(self.params, ks, vs, ext, ids_arg, B, T_pad, pos_arg)
+        # a decode step over a long cache (a chat's whole context) reads only the rows it reaches
+        span = attention_span(int(pos.max(initial=0)) + 1, cache.capacity) if T_pad == 1 else None
+        flat, kt, vt = self._fn(self.params, ks, vs, ext, ids_arg, B, T_pad, pos_arg, None, span)
         outs = dict(zip(self.out_keys[B, T_pad], flat))
         # the expert caches' routings of this call (--miss-path gpu), for MixedExecutor to fold
         self.step_counts = outs.pop(COUNTS, None)
