@@ -185,8 +185,10 @@ class DecodeSteps:
         return nxt, checked, logits, pos + 1, ks, vs
 
     def _batch_sampling(self, rows: int, sampling) -> tuple:
-        """batch_step's sampling arguments for `rows` cache rows: (window, uniforms, knobs) device
-        values and the static (k, all greedy); greedy's kept across steps."""
+        """batch_step's sampling arguments for `rows` cache rows: (window, uniforms, knobs) and the
+        static (k, all greedy); greedy's kept on the device across steps, as are knobs while they
+        do not change; a window and uniforms (new each step) go as NumPy, which jit's dispatch
+        copies faster than jnp.asarray would."""
         jnp = _jnp()
         if sampling is None:
             if getattr(self, "_greedy_rows", (None,))[0] != rows:
@@ -196,8 +198,9 @@ class DecodeSteps:
             return self._greedy_rows[1:]
         rows_settings = [s or device_sampling.GREEDY for s in sampling.settings]
         kn = np.stack([device_sampling.knobs(s) for s in rows_settings])
-        arrays = (np.asarray(sampling.history, np.int32), np.asarray(sampling.uniforms[0], np.float32), kn)
-        return tuple(map(jnp.asarray, arrays)), device_sampling.static(rows_settings)
+        arrays = (np.asarray(sampling.history, np.int32), np.asarray(sampling.uniforms[0], np.float32),
+                  self._resident("knobs", kn))
+        return arrays, device_sampling.static(rows_settings)
 
     def batch_step(self, cache, rows: int, host_tok: np.ndarray, use_host: np.ndarray, prev=None, sampling=None):
         """Dispatch one decode step of the cache's first `rows` rows (continuous batching) without
