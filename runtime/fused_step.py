@@ -27,6 +27,7 @@ import numpy as np
 
 from strata_compiler import trace
 from strata_compiler.backends.xla import cuda_rt
+from strata_compiler.backends.xla import sampling as device_sampling
 from strata_compiler.backends.xla.executor import on_device
 from strata_compiler.ir import Op
 
@@ -34,13 +35,14 @@ from .fused_calls import FusedCalls
 
 
 class Ahead:
-    """A decode step in flight (FusedStep.launch): its greedy token and expert counts (device
-    values) and the slot maps it runs with (cached GPU share id -> int32 [slots], -1 masked)."""
+    """A decode step in flight (FusedStep.launch): its token and expert counts (device values),
+    the slot maps it runs with (cached GPU share id -> int32 [slots], -1 masked) and, sampled, the
+    sampling's state after it (each row's window of ids seen, the step's index: device values)."""
 
-    __slots__ = ("token", "counts", "maps")
+    __slots__ = ("token", "counts", "maps", "state")
 
-    def __init__(self, token, counts, maps) -> None:
-        self.token, self.counts, self.maps = token, counts, maps
+    def __init__(self, token, counts, maps, state=()) -> None:
+        self.token, self.counts, self.maps, self.state = token, counts, maps, state
 
 
 class FusedStep:
@@ -74,7 +76,8 @@ class FusedStep:
         self.calls = FusedCalls(self)
         self._fn = {}               # B -> jitted step
         self._flat_params = None    # (the executors' params_version, their params' leaves, the tree)
-        self._ahead_fn = {}         # B -> jitted step that also returns its greedy token (launch)
+        self._ahead_fn = {}         # B -> jitted step that also returns its token (launch)
+        self._samp_args: dict = {}  # launch's sampling arguments on the device (_sampling_args)
         self._ahead_stage = [None, None]    # launch's staging, one per step in flight
         self._ahead_parity = 0
         self._stage = None
@@ -258,14 +261,15 @@ class FusedStep:
 
     # -- decode ahead: the next step dispatched before this one finishes ---------------------
 
-    def launch(self, ids, cache, masked: dict | None = None):
+    def launch(self, ids, cache, masked: dict | None = None, sampling=None, state=None):
         """Dispatch a decode step of the tokens `ids` (NumPy int64 [B], or the device token of the
         step before: `Ahead.token`) at the cache's positions (each row's) and return at once, the
         step in flight (`finish` waits for it). `masked`: {cache key: slots} whose experts are
         being swapped (their copies wait until no step in flight reads the slot): -1 in this
         step's maps, so their experts are read in place like any miss. The program also returns
-        its greedy token, which the next launch takes as its ids without a round trip through the
-        host."""
+        its token (greedy, or chosen by `sampling`, an AheadSampling, from the sampling's `state`:
+        the step before's, None for the first), which the next launch takes as its ids without a
+        round trip through the host."""
         import jax
         import jax.numpy as jnp
 
@@ -276,13 +280,17 @@ class FusedStep:
         if fn is None:
             n_out = len(self._xla_outs)
 
-            def fused_ahead(p, k, v, s, t):     # (named: the persistent cache's entry says what it is)
+            def fused_ahead(p, k, v, s, t, hist, i, U, kn, top_k, all_greedy):     # (named: the persistent cache's entry says what it is)
                 outs, k, v = self._step(jax.tree_util.tree_unflatten(tree, p), k, v, s, B, ids=t)
                 logits = outs[0].reshape(B, -1)
-                token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-                return (token,) + tuple(outs[n_out:-1]), k, v
+                if top_k is None:
+                    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+                else:
+                    token = device_sampling.choose(logits, hist, U[i], kn, top_k, all_greedy)
+                    hist, i = device_sampling.remember(hist, token), i + 1
+                return (token,) + tuple(outs[n_out:-1]), k, v, hist, i
 
-            fn = self._ahead_fn[B] = jax.jit(fused_ahead, donate_argnums=(1, 2))
+            fn = self._ahead_fn[B] = jax.jit(fused_ahead, static_argnums=(9, 10), donate_argnums=(1, 2))
         maps = []
         for n, s in zip(self.cached, self._maps()):
             drop = (masked or {}).get(n.attr("cache"))
@@ -305,11 +313,38 @@ class FusedStep:
         layers = self._layers
         ks = {l: cache.k[l] for l in layers}
         vs = {l: cache.v[l] for l in layers}
-        outs, ks, vs = fn(flat, ks, vs, packed, ids)
+        args = self._sampling_args(B, sampling, state)
+        outs, ks, vs, hist, i = fn(flat, ks, vs, packed, ids, *args)
         for l in layers:
             cache.k[l], cache.v[l] = ks[l], vs[l]
         self.steps += 1
-        return Ahead(outs[0], outs[1:], dict(zip([n.id for n in self.cached], maps)))
+        return Ahead(outs[0], outs[1:], dict(zip([n.id for n in self.cached], maps)), (hist, i))
+
+    def _sampling_args(self, B: int, sampling, state) -> tuple:
+        """launch's sampling arguments: (window, step, uniforms, knobs, top-k, all greedy), the
+        constants put on the device once per generation (greedy's once per batch size); greedy
+        (sampling None): empty ones and top-k None."""
+        import jax
+
+        key = ("greedy", B) if sampling is None else ("sampled", id(sampling))
+        kept = self._samp_args.get(key)
+        if kept is None or kept[0] is not sampling:
+            if sampling is None:
+                arrays = (np.zeros((B, 0), np.int32), np.int32(0), np.zeros((1, B), np.float32), np.zeros((B, 5), np.float32))
+                statics = (None, True)
+            else:
+                n = sampling.uniforms.shape[0]
+                U = np.zeros((max(64, 1 << max(0, n - 1).bit_length()), B), np.float32)   # a few lengths: a few programs
+                U[:n] = sampling.uniforms
+                arrays = (np.asarray(sampling.history, np.int32), np.int32(0), U,
+                          np.tile(device_sampling.knobs(sampling.settings), (B, 1)))
+                statics = device_sampling.static(sampling.settings)
+                self._samp_args = {k: v for k, v in self._samp_args.items() if k[0] == "greedy"}
+            kept = self._samp_args[key] = (sampling, tuple(jax.device_put(a, self.device) for a in arrays), statics)
+        _, (hist, i, U, kn), statics = kept
+        if state:
+            hist, i = state
+        return (hist, i, U, kn, *statics)
 
     def finish(self, step: Ahead, fold: bool = True) -> np.ndarray:
         """Wait for a launched step; fold its expert routings into the caches (`fold_counts`;

@@ -23,6 +23,7 @@ import numpy as np
 
 from strata_compiler import settings, trace
 from strata_compiler.backends.xla import cuda_rt
+from strata_compiler.backends.xla import sampling as device_sampling
 from strata_compiler.execution import Caps, Executor, Segment
 from strata_compiler.experts import Residency, mesh_devices
 from strata_compiler.ir import Graph, Op
@@ -274,22 +275,23 @@ class MixedExecutor(Executor):
         return min(rooms, default=None)
 
     def can_decode_ahead(self, B: int, cache, sampling=None) -> bool:
-        """Whether the next greedy decode steps of batch B can run ahead (`decode_ahead`; sampled
-        ones sample on the host): a fused program with no host call that has run once, the caches'
-        bookkeeping as one CacheGroup with a swap a layer, no trace file (`--stats` alone: each
-        step one span, backends/ahead.py)."""
+        """Whether the next decode steps of batch B can run ahead (`decode_ahead`), greedy or by a
+        sampling the device computes (backends/xla/sampling.py): a fused program with no host call
+        that has run once, the caches' bookkeeping as one CacheGroup with a swap a layer, no trace
+        file (`--stats` alone: each step one span, backends/ahead.py)."""
         from strata_compiler.backends import ahead
 
         f, sw = self.fused, self.swaps
-        return (sampling is None and f is not None and not ahead.traced_fully() and f.ahead_ok() and f.ready(B, cache)
+        vocab = int(self.g.node(self.g.outputs[0]).type.shape[-1])
+        return ((sampling is None or device_sampling.supported(sampling, vocab)) and f is not None and not ahead.traced_fully() and f.ahead_ok() and f.ready(B, cache)
                 and (not sw.caches or (sw.cache_group is not None and sw.cache_group.ok
                                        and all(c.max_swaps == 1 for c, *_ in sw.caches))))
 
     def decode_ahead(self, tok: np.ndarray, cache, n: int, stop_ids=(), done: np.ndarray | None = None,
                      sampling=None, on_token=None) -> np.ndarray:
-        """Greedy decode of n steps from the tokens `tok` (int64 [B]), each step dispatched before
-        the one before it has finished (backends/ahead.py): its ids are that step's greedy token on
-        the device. The tokens of the n steps, int64 [B, <= n].
+        """Decode of n steps from the tokens `tok` (int64 [B]), each step dispatched before the one
+        before it has finished (backends/ahead.py): its ids are that step's token on the device,
+        greedy or chosen by `sampling` (AheadSampling). The tokens of the n steps, int64 [B, <= n].
 
         Swaps lag: the bookkeeping after step i runs while step i + 1 is in flight, reading the
         slots as they were. A swap decided then is masked (-1, its experts read in place) in the
@@ -307,7 +309,8 @@ class MixedExecutor(Executor):
             masked: dict = {}
             for c, slot, *_ in deferred:
                 masked.setdefault(c.key, set()).add(slot)
-            step = f.launch(tok if prev is None else prev.token, cache, masked)
+            step = f.launch(tok if prev is None else prev.token, cache, masked, sampling,
+                            None if prev is None else prev.state)
             cache.advance(1)
             return step
 

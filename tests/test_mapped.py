@@ -260,6 +260,28 @@ def test_decode_ahead_gives_the_greedy_tokens_while_experts_move(model, tmp_path
         np.testing.assert_array_equal(gu, np.asarray(src[next(iter(src))])[c.slots])
 
 
+def test_sampled_decode_ahead_gives_the_host_samplers_tokens(model, tmp_path, monkeypatch):
+    """The chat defaults (top-k 40, a repetition penalty) on a plan without host calls: decoded
+    ahead, tokens chosen on the device (backends/xla/sampling.py), the same tokens as the host's
+    sampler gives the same seed step by step."""
+    from strata_compiler.runtime import partitions
+    from strata_compiler.runtime.sampler import Sampler
+    from strata_compiler.runtime.session import Session
+    from strata_compiler.sampling import Sampling
+
+    d, m, ids = model
+    plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.9))
+    runs = []
+    for ahead in (True, False):
+        if not ahead:
+            monkeypatch.setattr(partitions.MixedExecutor, "can_decode_ahead", lambda self, *a, **k: False)
+        s = Session(plan, "auto", device="cpu", miss_path="gpu")
+        _, new = s.generate(ids, N_NEW, Sampler.of(Sampling(temperature=1.5), seed=4), keep_logits=False)
+        runs.append((new, s.executor.fused.steps, bool(s.executor.fused._ahead_fn)))
+    assert runs[0][0].tolist() == runs[1][0].tolist()
+    assert runs[0][2] and not runs[1][2]        # ahead on the device, then step by step
+
+
 def test_decode_ahead_stops_at_a_stop_id(model, tmp_path, monkeypatch):
     from strata_compiler.runtime.sampler import Sampler
     from strata_compiler.runtime.session import Session
