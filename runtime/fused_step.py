@@ -333,11 +333,8 @@ class FusedStep:
                 arrays = (np.zeros((B, 0), np.int32), np.int32(0), np.zeros((1, B), np.float32), np.zeros((B, 5), np.float32))
                 statics = (None, True)
             else:
-                n = sampling.uniforms.shape[0]
-                U = np.zeros((max(64, 1 << max(0, n - 1).bit_length()), B), np.float32)   # a few lengths: a few programs
-                U[:n] = sampling.uniforms
-                arrays = (np.asarray(sampling.history, np.int32), np.int32(0), U,
-                          np.tile(device_sampling.knobs(sampling.settings), (B, 1)))
+                arrays = (np.asarray(sampling.history, np.int32), np.int32(0),
+                          *device_sampling.generation_constants(sampling.uniforms, sampling.settings))
                 statics = device_sampling.static(sampling.settings)
                 self._samp_args = {k: v for k, v in self._samp_args.items() if k[0] == "greedy"}
             kept = self._samp_args[key] = (sampling, tuple(jax.device_put(a, self.device) for a in arrays), statics)

@@ -16,7 +16,7 @@ from .dequant import _jnp
 from .device import load_jax, on_device
 
 
-MIN_SPAN = 512      # the shortest attention span of a batch step (each longer one: another program)
+MIN_SPAN = 512      # the shortest attention span of a decode step (each longer one: another program)
 
 
 def attention_span(need: int, capacity: int) -> int | None:
@@ -115,10 +115,7 @@ class DecodeSteps:
             fn = self._sampled_fn = self._program("ahead_sampled", self._sampled_step, static_argnums=(9, 10),
                                                   donate_argnums=(1, 2))
         state = (np.asarray(sampling.history, np.int32), np.int32(0))
-        n, B = sampling.uniforms.shape
-        U = np.zeros((max(64, 1 << max(0, n - 1).bit_length()), B), np.float32)     # a few lengths: a few programs
-        U[:n] = sampling.uniforms
-        const = (U, np.tile(device_sampling.knobs(sampling.settings), (B, 1)))
+        const = device_sampling.generation_constants(sampling.uniforms, sampling.settings)
         return (lambda *a: fn(*a, *key)), tuple(map(jnp.asarray, state)), tuple(map(jnp.asarray, const))
 
     def decode_ahead(self, tok: np.ndarray, cache, n: int, stop_ids=(), done: np.ndarray | None = None,

@@ -60,6 +60,16 @@ def knobs(s: Sampling) -> np.ndarray:
     return np.array([s.repetition_penalty, np.float32(1.0 / s.temperature), s.top_p, off, s.top_k], np.float32)
 
 
+def generation_constants(uniforms: np.ndarray, settings: Sampling) -> tuple[np.ndarray, np.ndarray]:
+    """A decode-ahead generation's constants: its uniforms f32 [L, B] (the n x B drawn, zeros past
+    them: L a power of two from 64, so that a few lengths share a program) and each row's knobs
+    f32 [B, 5]."""
+    n, B = uniforms.shape
+    U = np.zeros((max(64, 1 << max(0, n - 1).bit_length()), B), np.float32)
+    U[:n] = uniforms
+    return U, np.tile(knobs(settings), (B, 1))
+
+
 def static(settings) -> tuple[int, bool]:
     """What shapes the traced function for rows sampled by `settings` (one Sampling or several):
     (candidates sorted: the largest top-k, a power of two where rows differ; every row greedy)."""
