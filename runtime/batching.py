@@ -82,6 +82,7 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)    # prompt + the generated tokens stepped
     launched: int = -1      # the last device step (its launch count) that stepped this sequence
     ended: bool = False     # its done event sent
+    on_device: bool | None = None   # its tokens chosen on the device (BatchScheduler._on_device)
 
 
 @dataclass
@@ -170,8 +171,7 @@ class BatchScheduler(Scheduler):
         if d.greedy or not self.stepper.samples(d):
             return None
         B = self.max_batch
-        w = d.repeat_last_n if d.repetition_penalty != 1 and d.repeat_last_n > 0 else 0
-        return AheadSampling((d,) * B, np.zeros((1, B)), np.full((B, w), -1, np.int64))
+        return AheadSampling((d,) * B, np.zeros((1, B)), np.full((B, d.window), -1, np.int64))
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -442,9 +442,12 @@ class BatchScheduler(Scheduler):
             self._drain()
 
     def _on_device(self, seq: _Seq) -> bool:
-        """Whether `seq`'s tokens are chosen on the device (greedy, or a sampling it computes)."""
-        smp = seq.req.sampler
-        return smp.plain_greedy or self.stepper.samples(smp.settings)
+        """Whether `seq`'s tokens are chosen on the device (greedy, or a sampling it computes);
+        decided once per sequence (its settings do not change), asked several times a step."""
+        if seq.on_device is None:
+            smp = seq.req.sampler
+            seq.on_device = smp.plain_greedy or self.stepper.samples(smp.settings)
+        return seq.on_device
 
     def _device_sampling(self, seqs: list, use_host: np.ndarray) -> AheadSampling:
         """batch_step's sampling of the rows `seqs` ((slot, seq) pairs): each request's settings,
@@ -453,7 +456,7 @@ class BatchScheduler(Scheduler):
         B = len(use_host)
         settings: list = [None] * B
         u = np.zeros((1, B))
-        windows = {slot: (seq.req.sampler.repeat_last_n if seq.req.sampler.needs_history else 0) for slot, seq in seqs}
+        windows = {slot: seq.req.sampler.settings.window for slot, seq in seqs}
         hist = np.full((B, max(windows.values(), default=0)), -1, np.int64)
         for slot, seq in seqs:
             smp = seq.req.sampler

@@ -26,7 +26,7 @@ from typing import Iterator
 
 import numpy as np
 
-from strata_compiler.sampling import FIELDS, Sampling, from_meta, resolve
+from strata_compiler.sampling import FIELDS, TINY_T, Sampling, from_meta, resolve
 
 
 # Guessed floors, tried in turn: tokens less likely than p x the top token rarely hold what top-k
@@ -39,9 +39,6 @@ def plan_sampling(meta: dict, **given) -> Sampling:
     """The sampling a run or a request gets: the `given` settings (None: not given) over the plan's
     model's recommendation over Strata's defaults (strata_compiler/sampling.py, docs/sampling.md)."""
     return resolve(from_meta(meta.get("sampling")), **given)
-
-
-_TINY_T = 1.0 / float(np.finfo(np.float32).max)     # below it 1 / T is not a finite f32
 
 
 @dataclass
@@ -81,7 +78,7 @@ class Sampler:
     @property
     def greedy(self) -> bool:
         """Argmax: temperature 0, or one so small that 1 / T overflows f32 (its limit is the argmax)."""
-        return self.temperature < _TINY_T
+        return self.temperature < TINY_T
 
     @property
     def plain_greedy(self) -> bool:

@@ -245,7 +245,7 @@ class Session:
         if sampler.plain_greedy:
             return None
         B = seen.shape[0]
-        w = sampler.repeat_last_n if sampler.needs_history else 0
+        w = sampler.settings.window     # (-1, every token, samples on the host: never here)
         hist = np.full((B, w), -1, np.int64)
         if w:
             last = seen[:, -w:]

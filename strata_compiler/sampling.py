@@ -20,6 +20,9 @@ from dataclasses import asdict, dataclass
 from .errors import UsageError
 
 
+TINY_T = 1.0 / 3.4028234663852886e38    # 1 / float32's largest: below it 1 / T is not a finite f32
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.8        # 0: greedy
@@ -32,6 +35,17 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def argmax(self) -> bool:
+        """Whether tokens are the (penalised) argmax: temperature 0, or one so small that 1 / T
+        overflows f32 (its limit is the argmax) — the host sampler and the device's alike."""
+        return self.temperature < TINY_T
+
+    @property
+    def window(self) -> int:
+        """Tokens seen last that the repetition penalty reads (-1: all; 0: no penalty)."""
+        return self.repeat_last_n if self.repetition_penalty != 1 and self.repeat_last_n != 0 else 0
 
     def describe(self) -> str:
         """One phrase for a human: `temperature 0.8, top-k 40, ...` or `greedy`."""

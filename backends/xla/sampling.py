@@ -23,38 +23,24 @@ from .device import load_jax
 
 MAX_K = 1024        # top-k candidates sorted on the device
 MAX_WINDOW = 4096   # tokens of the repetition penalty's window kept on the device
-_TINY_T = 1.0 / float(np.finfo(np.float32).max)     # below it 1 / T is not a finite f32 (greedy)
 
 
 GREEDY = Sampling(temperature=0.0, repetition_penalty=1.0)     # a row no request samples
 
 
-def greedy(s: Sampling) -> bool:
-    return s.temperature < _TINY_T
-
-
-def penalised(s: Sampling) -> bool:
-    return s.repetition_penalty != 1.0 and s.repeat_last_n != 0
-
-
 def supported(s: Sampling, vocab: int) -> bool:
     """Whether `choose` computes this sampling: a bounded penalty window, and greedy or a top-k of
     at most MAX_K (below the vocabulary)."""
-    if penalised(s) and not 0 < s.repeat_last_n <= MAX_WINDOW:
+    if s.window and not 0 < s.window <= MAX_WINDOW:
         return False
-    return greedy(s) or 0 < s.top_k <= min(MAX_K, vocab - 1)
-
-
-def window(s: Sampling) -> int:
-    """Tokens of history the device keeps per row: the penalty's window, 0 without a penalty."""
-    return s.repeat_last_n if penalised(s) else 0
+    return s.argmax or 0 < s.top_k <= min(MAX_K, vocab - 1)
 
 
 def knobs(s: Sampling) -> np.ndarray:
     """A row's traced settings, f32 [5]: penalty, 1 / temperature (0: greedy), top-p, min-p's offset
     below the top logit (temperature x log min-p; -inf when off) and top-k, each as the host
     computes it."""
-    if greedy(s):
+    if s.argmax:
         return np.array([s.repetition_penalty, 0.0, 1.0, -np.inf, 1.0], np.float32)
     off = np.float32(s.temperature * math.log(s.min_p)) if s.min_p > 0 else -np.inf
     return np.array([s.repetition_penalty, np.float32(1.0 / s.temperature), s.top_p, off, s.top_k], np.float32)
@@ -74,7 +60,7 @@ def static(settings) -> tuple[int, bool]:
     """What shapes the traced function for rows sampled by `settings` (one Sampling or several):
     (candidates sorted: the largest top-k, a power of two where rows differ; every row greedy)."""
     rows = [settings] if isinstance(settings, Sampling) else list(settings)
-    ks = [r.top_k for r in rows if not greedy(r)]
+    ks = [r.top_k for r in rows if not r.argmax]
     if not ks:
         return 0, True
     k = max(ks)
