@@ -202,14 +202,14 @@ def _requantized(model: Path, plan: Path) -> str:
     from .passes.quantize import source_type
     from .runtime.plan import load_plan
 
-    exact = _EXACT | {(t, f) for t, f, _ in NATIVE}
+    exact = {**{pair: 32 for pair in _EXACT}, **{(t, f): g for t, f, g in NATIVE}}     # -> its group size
     store = open_gguf(model)[0]
     moved: dict[tuple[str, str], int] = {}
     for w in load_plan(plan).graph.weights:
         for key in w.sources:
             t = source_type(store, key)
             if (t is not None and len(w.shape) >= 2 and w.fmt != "f32"       # f32 holds every type exactly
-                    and ((t, w.fmt) not in exact or w.group_size not in (0, 32))):
+                    and ((t, w.fmt) not in exact or w.group_size not in (0, exact[t, w.fmt]))):
                 moved[t, w.fmt] = moved.get((t, w.fmt), 0) + 1
     if not moved:
         return ""

@@ -118,8 +118,9 @@ def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
     return float((np.exp(lp) * (lp - lq)).sum(-1).mean())
 
 
-@pytest.mark.parametrize("qt", list(LEGACY) + list(RANDOM), ids=lambda q: q.name)
-def test_each_type_is_stored_or_converted_within_the_files_own_error(base, tmp_path, qt, capsys):
+def _typed_file(base, tmp_path, qt) -> dict:
+    """The base model's linear weights as tensors of type qt in tmp_path/f.gguf; their f32 origin
+    (tmp_path/origin, a Hugging Face folder) and file values by key."""
     root, d, tokens, merges, ids = base
     cfg = json.loads((d / "config.json").read_text())
     sd = load_file(str(d / "model.safetensors"))
@@ -150,6 +151,13 @@ def test_each_type_is_stored_or_converted_within_the_files_own_error(base, tmp_p
     (tmp_path / "origin").mkdir()
     (tmp_path / "origin" / "config.json").write_text(json.dumps(cfg))
     save_file(origin, str(tmp_path / "origin" / "model.safetensors"))
+    return file_values
+
+
+@pytest.mark.parametrize("qt", list(LEGACY) + list(RANDOM), ids=lambda q: q.name)
+def test_each_type_is_stored_or_converted_within_the_files_own_error(base, tmp_path, qt, capsys):
+    ids = base[-1]
+    _typed_file(base, tmp_path, qt)
     ref = _logits(_compile(tmp_path / "origin", tmp_path / "p_origin", "--quant", "f32"), ids)
     file = _logits(_compile(tmp_path / "f.gguf", tmp_path / "p_file", "--quant", "f32"), ids)
     capsys.readouterr()
@@ -169,3 +177,33 @@ def test_each_type_is_stored_or_converted_within_the_files_own_error(base, tmp_p
     else:
         assert "requantized from the file's types" in out
         assert cost <= own, f"{qt.name} -> {fmts}: the conversion's KL {cost:.3g} > the file's own {own:.3g}"
+
+
+@pytest.mark.parametrize("qt,fmt", [(QT.Q4_K, "q4k"), (QT.Q6_K, "q6k")], ids=["Q4_K", "Q6_K"])
+def test_k_quants_keep_their_own_format_on_one_gpu(base, tmp_path, qt, fmt, capsys):
+    """A plan compiled wholly for the GPU (--backend xla) keeps Q4_K / Q6_K as q4k / q6k: the file's
+    values exactly (the reference backend's logits equal the f32 plan's), the xla backend's within
+    f32 rounding of them; the llvm backend refuses the plan at load, naming the format."""
+    from strata_compiler.errors import BackendError
+    from strata_compiler.runtime.plan import load_plan
+    from strata_compiler.runtime.session import Session
+
+    pytest.importorskip("jax")
+    ids = base[-1]
+    _typed_file(base, tmp_path, qt)
+    file = _logits(_compile(tmp_path / "f.gguf", tmp_path / "p_file", "--quant", "f32"), ids)
+    capsys.readouterr()
+    gpu = _compile(tmp_path / "f.gguf", tmp_path / "p_gpu", "--backend", "xla")
+    assert "requantized" not in capsys.readouterr().out
+    plan = load_plan(gpu)
+    assert {w.fmt for w in plan.graph.weights if any(p in w.name for p in (".attn.", ".mlp."))
+            and len(w.shape) == 2} == {fmt}
+    np.testing.assert_array_equal(_logits(gpu, ids), file)
+    from strata_compiler.runtime.sampler import Sampler
+
+    xla = Session(plan, "xla", device="cpu").generate(ids, 1, Sampler(0.0))[0]
+    assert np.abs(xla - file).max() <= 1e-4 * file.std()
+    with pytest.raises(BackendError, match=f"stored {fmt}.*--backend xla"):
+        Session(plan, "llvm")
+    cpu = load_plan(_compile(tmp_path / "f.gguf", tmp_path / "p_cpu", "--backend", "llvm"))
+    assert fmt not in {w.fmt for w in cpu.graph.weights}       # the CPU's plan keeps int4a / int8
