@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 39 on the H200 machine: a Q4_K_M GGUF of the Mixtral-shaped model of make_mixtral_model.py
-# (llama.cpp's own quantizer) beside its Q4_0, Strata (`--quant auto`: Q4_0 stored as int4, Q4_K as
-# int4a, Q6_K as int8) against llama.cpp on the same files, everything on the GPU; and what sampling
+# (llama.cpp's own quantizer) beside its Q4_0, Strata (`--quant auto --backend xla`: Q4_0 stored as
+# int4, Q4_K as q4k, Q6_K as q6k) against llama.cpp on the same files, everything on the GPU; and what sampling
 # costs a Strata decode step (greedy against the chat defaults).
 #   here:   mkdir -p build/llamacpp && cp ../shared/anchors/llamacpp/{build.sh,llama.cpp-src.tar.xz} build/llamacpp/
 #   PHASE=1 (carry build/llamacpp): llama.cpp builds at the lowest priority in its own session; the
@@ -9,9 +9,11 @@
 #           Q4_0 side runs meanwhile from `--quant int4` of the same weights (Q4_0 bit for bit, quantizer
 #           included: tests/test_gguf_moe.py), decode (3 fresh runs) and prefill 512 (median of 3)
 #           (SAMPLING=0 leaves out the sampling cost)
+#           (KERNELS=1, the default: also the K-quant kernels' GPU tests and benchmarks/sampling_choice.py)
 #   PHASE=2 (right after, the same warm machine): llama.cpp's Q4_0 and Q4_K_M of the bf16 file,
-#           Strata compiles the Q4_K_M file and measures it, llama-bench on both files, then N
-#           requests batched against the same N in turn (benchmarks/batch_vs_serial.py)
+#           Strata compiles the Q4_K_M file for the GPU (--backend xla: q4k / q6k) and measures it
+#           beside the Q4_0 plan, llama-bench on both files, then N requests batched against the
+#           same N in turn (benchmarks/batch_vs_serial.py; BATCH=0 leaves it out)
 # Outputs under $OUT (else /tmp/kqout): summary.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -49,6 +51,12 @@ if [ "${PHASE:-1}" = 1 ]; then
   decode "strata Q4_0 decode" $W/p-Q4_0 --temperature 0
   timeout $(( $(left) - 10 )) python3 benchmarks/gpu_prefill.py $W/p-Q4_0 --label Q4_0 --lens 512 --repeats 3 \
     2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
+  if [ "${KERNELS:-1}" = 1 ]; then
+    log "the K-quant kernels compiled by Triton (tests/test_pallas_kquant.py -m gpu); sampling's choice, timed"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_pallas_kquant.py 2>&1 | tail -3 \
+      | tee -a "$OUT/summary.txt"
+    timeout 120 python3 benchmarks/sampling_choice.py 2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
+  fi
   if [ "${SAMPLING:-1}" = 1 ]; then
   log "sampling's cost: greedy against the chat defaults (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat penalty 1.1)"
   decode "greedy" $W/p-Q4_0 --temperature 0
@@ -66,15 +74,20 @@ elif [ "${PHASE:-1}" = 2 ]; then
   done
   ls -l $W/*.gguf | tee -a "$OUT/summary.txt"
   grep -c "q6_K\|Q6_K" $W/quant-Q4_K_M.log | sed 's/^/Q6_K lines in the quantizer log: /' | tee -a "$OUT/summary.txt"
-  log "compile Q4_K_M"
-  stratac compile $W/mx-Q4_K_M.gguf -o $W/p-Q4_K_M 2>&1 | grep -v "$QUIET" | tail -3 | tee -a "$OUT/summary.txt"
+  log "compile Q4_K_M for the GPU (--backend xla: Q4_K and Q6_K keep their own formats, q4k and q6k)"
+  stratac compile $W/mx-Q4_K_M.gguf -o $W/p-Q4_K_M --backend xla 2>&1 | grep -v "$QUIET" | tail -3 \
+    | tee -a "$OUT/summary.txt"
+  ls -l $W/p-Q4_K_M/weights.bin | tee -a "$OUT/summary.txt"
   decode "strata Q4_K_M decode" $W/p-Q4_K_M --temperature 0
+  decode "strata Q4_0 decode (warm)" $W/p-Q4_0 --temperature 0
+  decode "strata Q4_K_M decode (warm)" $W/p-Q4_K_M --temperature 0
   timeout 150 python3 benchmarks/gpu_prefill.py $W/p-Q4_K_M --label Q4_K_M --lens 512 --repeats 3 \
     2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
   for q in Q4_0 Q4_K_M; do
     LLAMA llama-bench -m $W/mx-$q.gguf -ngl 99 -t 16 -p 512 -n 128 -r 3 -o md > $W/lb-$q.md 2>&1
     log "llama-bench $q"; grep "|" $W/lb-$q.md | tee -a "$OUT/summary.txt"
   done
+  [ "${BATCH:-1}" = 1 ] || { log "done ($(left) s left)"; exit 0; }
   log "batching against serial, Q4_0 plan (the Python API's scheduler)"
   timeout $(( $(left) - 10 )) python3 benchmarks/batch_vs_serial.py $W/p-Q4_0 --conc 1,4,16 --tokens 64 --rounds 2 \
     2>&1 | grep -v "$QUIET" | grep "|" | tee -a "$OUT/summary.txt"
