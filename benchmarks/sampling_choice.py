@@ -39,7 +39,10 @@ Rows: `choose` sampled and with all_greedy; its pieces alone (lax.top_k(x, 40), 
   choose_fast   choose with that penalty, that top-k (S=1024 where none is named: the fastest on
                 an H100), and the max and the greedy rows' argmax from the top-k's first entry.
 
-On an H100 (jax 0.11.2), lax.top_k(x, 40) is nearly all of choose's cost: over a [1, 32000] row
+`choose` itself now takes the two-stage top-k (S = 1024), the max and argmax from its first
+entry, and -0.0 as +0.0 (what choose_fast measured first; BENCHMARKS.md has the figures before).
+
+On an H100 (jax 0.11.2), lax.top_k(x, 40) was nearly all of choose's cost: over a [1, 32000] row
 it runs CUB's radix sort (4 passes and memsets, ~50 µs), over [16, 32000] XLA's sort of 32768
 (10 kernels, ~110 µs); the penalty, argmax and exp-sum are a few µs each. lax.top_k with k <= 16
 runs XLA's TopK kernel instead.

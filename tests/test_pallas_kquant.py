@@ -205,3 +205,26 @@ def test_triton_kernels_on_the_gpu(fmt):
     got = np.asarray(pallas_moe.moe_decode(jnp.asarray(x), jnp.asarray(topi), jnp.asarray(topw), gs, _dev(ga), ds,
                                            _dev(da)))
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+
+
+def test_prefill_kernels_take_them_dequantized_first(monkeypatch):
+    """Many tokens: pallas_gemm runs q4k / q6k experts dequantized first (it has no register tiles
+    for them), from DEQUANT_FIRST_TOKENS tokens only; f32 products against the formats' values."""
+    from strata_compiler.backends.xla import pallas_gemm
+
+    E, D, I, M, k = 4, 256, 256, 20, 2
+    gs, ga, ds, da = _experts(E, D, I, ("q4k", "q6k"), seed=8)
+    assert not pallas_gemm.supported(gs, M) and pallas_gemm.supported(gs, pallas_gemm.DEQUANT_FIRST_TOKENS)
+    monkeypatch.setattr(pallas_gemm, "DEQUANT_FIRST_TOKENS", 1)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((M, D)).astype(np.float32)
+    topi, topw = _route(rng, M, E, k)
+    y = np.asarray(pallas_gemm.moe(jnp.asarray(x), jnp.asarray(topi), jnp.asarray(topw), gs, _dev(ga), ds, _dev(da),
+                                   dtype="float32", interpret=True))
+    gw, dw = _values("q4k", ga, D).astype(np.float64), _values("q6k", da, I).astype(np.float64)
+    ref = np.zeros((M, D))
+    for m in range(M):
+        for j in range(k):
+            hg = gw[topi[m, j]] @ x[m]
+            ref[m] += topw[m, j] * (dw[topi[m, j]] @ (hg[:I] / (1 + np.exp(-hg[:I])) * hg[I:]))
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-4 * np.abs(ref).max())

@@ -193,7 +193,7 @@ def q8_between(gu_spec, dn_spec) -> bool:
     """Whether gate_up hands h to down in q8 form: dp4a down weights whose groups tile I exactly
     (one group per gate_up program)."""
     pd = _Proj(_Spec(*_key(dn_spec)))
-    return pd.dp4a and pd.K == pd.Kp and _is_pow2(pd.G) and pd.G <= 128
+    return pd.dp4a and pd.K == pd.Kp and _is_pow2(pd.G) and 32 <= pd.G <= 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -283,7 +283,7 @@ def moe_decode(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict
         h, w = out, topw.reshape(-1).astype(jnp.float32)
     else:
         h, ids, w = out[:-2], out[-2], out[-1]
-    hin = list(h) if q8 else [pd.x_view(h[0])]
+    hin = pd.q8_view(h) if q8 else [pd.x_view(h[0])]
     res = [residual.astype(jnp.float32)] if residual is not None else []
     y = down(ids, w, *hin, *dw, *res)
     return (y, ids) if with_ids else y

@@ -99,6 +99,32 @@ class _Proj:
         self.S = _SUPER[self.fmt][0] if self.fmt in _SUPER else 0    # groups per super-block, 0: none
         self.planes = self.fmt == "q6k"              # a word of high bits after each group's nibbles
         self.offset = {"int4": 8, "q6k": 32}.get(self.fmt, 0)     # codes are value + offset
+        # the group axis of the views: the two-level formats' split as (super-block, group), so a
+        # super-block's scale broadcasts over its groups (no reshape in the kernels)
+        self.groups = (self.ng // self.S, self.S) if self.S else (self.ng,)
+        self.loaded = (self.NGP // self.S, self.S) if self.S else (self.NGP,)
+
+    def gslices(self) -> tuple:
+        """Index of the group axes as loaded."""
+        from jax.experimental import pallas as pl
+
+        return (pl.ds(0, self.loaded[0]),) + ((slice(None),) if self.S else ())
+
+    def gmask(self):
+        """bool [*loaded]: the groups that exist (None: all of them)."""
+        import jax.numpy as jnp
+
+        if self.NGP == self.ng:
+            return None
+        ok = jnp.arange(self.loaded[0]) < self.groups[0]
+        return jnp.broadcast_to(ok[:, None], self.loaded) if self.S else ok
+
+    def q8_view(self, triple) -> list:
+        """An earlier kernel's q8 rows (words [R, ng, G/4], scales and sums [R, ng]) in the group
+        axes this projection loads."""
+        wq, sq, tq = triple
+        R = wq.shape[0]
+        return [wq.reshape(R, *self.groups, wq.shape[-1]), sq.reshape(R, *self.groups), tq.reshape(R, *self.groups)]
 
     def qs_view(self, qs):
         """(Stacked experts: the leading axis is the array's own, E experts or an expert cache's S
@@ -109,33 +135,33 @@ class _Proj:
             import jax.numpy as jnp
 
             words = self.QW + self.planes
-            return jax.lax.bitcast_convert_type(qs.reshape(E, self.N, self.ng, words, 4), jnp.uint32)
-        return qs.reshape(E, self.N, self.ng, self.W)
+            return jax.lax.bitcast_convert_type(qs.reshape(E, self.N, *self.groups, words, 4), jnp.uint32)
+        return qs.reshape(E, self.N, *self.groups, self.W)
 
     def sc_view(self, arrays: dict):
         """The scales as the kernels load them: [E, N, ng], int4a's pairs [E, N, ng, 2]; the
-        two-level formats' (per group [E, N, ng] or q4k's pairs [E, N, ng, 2], per super-block
-        [E, N, ng/S] or q4k's pairs [E, N, ng/S, 2])."""
+        two-level formats' (per group [E, N, ng/S, S] or q4k's pairs [E, N, ng/S, S, 2], per
+        super-block [E, N, ng/S] or q4k's pairs [E, N, ng/S, 2])."""
         sc = arrays["scales"]
         E = sc.shape[0] if sc.ndim == 3 else self.E
         pair = (2,) if self.paired else ()
         if self.S:
-            return (arrays["sub"].reshape(E, self.N, self.ng, *pair),
+            return (arrays["sub"].reshape(E, self.N, *self.groups, *pair),
                     sc.reshape(E, self.N, self.ng // self.S, *pair))
         return sc.reshape(E, self.N, self.ng, *pair)
 
     def norm_view(self, w):
-        """A norm's weight [K] in the dp4a view of one activation row: f32 [ng, 2, G/8, 4]."""
+        """A norm's weight [K] in the dp4a view of one activation row: f32 [*groups, 2, G/8, 4]."""
         import jax.numpy as jnp
 
         w = jnp.pad(w.astype(jnp.float32), [(0, self.Kp - self.K)]) if self.Kp != self.K else w.astype(jnp.float32)
-        return w.reshape(self.ng, 2, self.QW, 4)
+        return w.reshape(*self.groups, 2, self.QW, 4)
 
     def x_view(self, x):
-        """x [R, Kp] -> the layout the kernel loads: [R, ng, 2, G/8, 4] (int4) or [R, ng, G] (int8)."""
+        """x [R, Kp] -> the layout the kernel loads: [R, *groups, 2, G/8, 4] (dp4a) or [R, ng, G] (int8)."""
         if self.dp4a:
-            return x.reshape(x.shape[0], self.ng, 2, self.QW, 4)
-        return x.reshape(x.shape[0], self.ng, self.W)
+            return x.reshape(x.shape[0], *self.groups, 2, self.QW, 4)
+        return x.reshape(x.shape[0], *self.groups, self.W)
 
 
 def _padded(x, p: _Proj):
@@ -194,19 +220,16 @@ def _x_parts(p: _Proj, x_ref, r, norm=None, with_inv: bool = False):
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
-    gs = pl.ds(0, p.NGP)
-    mask = gmask = None
-    if p.NGP != p.ng:
-        mask = jnp.broadcast_to((jnp.arange(p.NGP) < p.ng)[:, None], (p.NGP, p.QW))
-        gmask = jnp.arange(p.NGP) < p.ng
+    gs, gmask = p.gslices(), p.gmask()
+    mask = None if gmask is None else jnp.broadcast_to(gmask[..., None], p.loaded + (p.QW,))
     if isinstance(x_ref, tuple):
         wq, sq, tq = x_ref
-        return (_load(wq.at[r, gs, pl.ds(0, p.QW)], mask), _load(wq.at[r, gs, pl.ds(p.QW, p.QW)], mask),
-                _load(sq.at[r, gs], gmask), _load(tq.at[r, gs], gmask))
+        return (_load(wq.at[(r, *gs, pl.ds(0, p.QW))], mask), _load(wq.at[(r, *gs, pl.ds(p.QW, p.QW))], mask),
+                _load(sq.at[(r, *gs)], gmask), _load(tq.at[(r, *gs)], gmask))
     if p.dp4a:
         # (half, byte) indices traced: interpret mode masks no python ints
         hj = [(jnp.int32(h), jnp.int32(j)) for h in (0, 1) for j in range(4)]
-        blocks = [_load(x_ref.at[r, gs, h, :, j], mask).astype(jnp.float32) for h, j in hj]
+        blocks = [_load(x_ref.at[(r, *gs, h, slice(None), j)], mask).astype(jnp.float32) for h, j in hj]
         inv = None
         if norm is not None:
             w_ref, eps = norm
@@ -215,11 +238,11 @@ def _x_parts(p: _Proj, x_ref, r, norm=None, with_inv: bool = False):
                 t = (b * b).sum()
                 ss = t if ss is None else ss + t
             inv = 1.0 / jnp.sqrt(ss / p.K + eps)
-            blocks = [b * inv * _load(w_ref.at[gs, h, :, j], mask) for b, (h, j) in zip(blocks, hj)]
+            blocks = [b * inv * _load(w_ref.at[(*gs, h, slice(None), j)], mask) for b, (h, j) in zip(blocks, hj)]
         parts = _q8_parts(blocks)
         return (parts, inv) if with_inv else parts
     assert norm is None, "the norm prologue needs the dp4a layout"
-    return (_load(x_ref.at[r, gs, :], mask).astype(jnp.float32),)
+    return (_load(x_ref.at[(r, *gs, slice(None))], mask).astype(jnp.float32),)
 
 
 def _q8_inv(amax):
@@ -273,7 +296,7 @@ def _q8_parts(blocks: list):
     for b in blocks:
         m = jnp.abs(b).max(axis=-1)
         amax = m if amax is None else jnp.maximum(amax, m)
-    inv = _q8_inv(amax)[:, None]
+    inv = _q8_inv(amax)[..., None]
     qs = [_q8_values(b, inv) for b in blocks]
     total = None
     for q in qs:
@@ -346,66 +369,67 @@ def _dequant_dot(p: _Proj, q, xs, interpret: bool = False):
 
 
 def _rows_load(p: _Proj, qs_ref, sc_ref, e, start, row0, BN: int, limit: int, span: int, on=None):
-    """(q [BN, NGP, QW], scales f32 [BN, NGP]) of rows start + row0 + [0, BN) of expert e; rows at
-    or past `limit` (counted from `start`) read nothing and get scale 0 (the grid spans `span` rows).
-    `on` (a traced bool): where false, nothing is read at all (zeros; the masked loads move no
-    bytes). The kernels issue these loads before they prepare their activations, so the weights'
-    memory latency overlaps that work (Triton keeps the program order of loads). int4a / q4k's
-    scales are (scale, min) pairs; q6k's q is (nibble words, high-bit words [BN, NGP])."""
+    """(q [BN, *loaded, QW], scales f32 [BN, *loaded]) of rows start + row0 + [0, BN) of expert e;
+    rows at or past `limit` (counted from `start`) read nothing and get scale 0 (the grid spans
+    `span` rows). `on` (a traced bool): where false, nothing is read at all (zeros; the masked loads
+    move no bytes). The kernels issue these loads before they prepare their activations, so the
+    weights' memory latency overlaps that work (Triton keeps the program order of loads). int4a /
+    q4k's scales are (scale, min) pairs; q6k's q is (nibble words, high-bit words [BN, *loaded])."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
     rows = row0 + jnp.arange(BN)
+    gs, gmask = p.gslices(), p.gmask()
+    row_ok = (rows < limit)[:, None, None] if p.S else (rows < limit)[:, None]
     qmask = smask = None
-    if span > limit or p.NGP != p.ng or on is not None:
-        ok = (rows < limit)[:, None] & (jnp.arange(p.NGP) < p.ng)[None, :]     # [BN, NGP]
+    if span > limit or gmask is not None or on is not None:
+        ok = row_ok if gmask is None else row_ok & gmask[None]
         if on is not None:
             ok = ok & on
-        smask = ok
-        qmask = jnp.broadcast_to(ok[:, :, None], (BN, p.NGP, p.QW))
-    rs, gs = pl.ds(start + row0, BN), pl.ds(0, p.NGP)
+        smask = jnp.broadcast_to(ok, (BN, *p.loaded))
+        qmask = jnp.broadcast_to(smask[..., None], (BN, *p.loaded, p.QW))
+    rs = pl.ds(start + row0, BN)
     if p.planes:
-        q = (_load(qs_ref.at[e, rs, gs, pl.ds(0, p.QW)], qmask), _load(qs_ref.at[e, rs, gs, jnp.int32(p.QW)], smask))
+        q = (_load(qs_ref.at[(e, rs, *gs, pl.ds(0, p.QW))], qmask),
+             _load(qs_ref.at[(e, rs, *gs, jnp.int32(p.QW))], smask))
     else:
-        q = _load(qs_ref.at[e, rs, gs, :], qmask)
+        q = _load(qs_ref.at[(e, rs, *gs, slice(None))], qmask)
     if p.S:
-        return q, _two_level(p, sc_ref, e, rs, rows, BN, limit, on, smask)
+        return q, _two_level(p, sc_ref, e, rs, rows < limit, on, smask)
     if p.paired:    # scale and min as two strided loads: Triton cannot slice a loaded [.., 2] block
-        return q, tuple(_load(sc_ref.at[e, rs, gs, jnp.int32(i)], smask).astype(jnp.float32) for i in (0, 1))
-    return q, _load(sc_ref.at[e, rs, gs], smask).astype(jnp.float32)
+        return q, tuple(_load(sc_ref.at[(e, rs, *gs, jnp.int32(i))], smask).astype(jnp.float32) for i in (0, 1))
+    return q, _load(sc_ref.at[(e, rs, *gs)], smask).astype(jnp.float32)
 
 
-def _two_level(p: _Proj, sc_ref, e, rs, rows, BN: int, limit: int, on, smask):
-    """A two-level format's per-group scales of the rows `rs`, f32 [BN, NGP] (q4k: the pair (d sc,
+def _two_level(p: _Proj, sc_ref, e, rs, row_ok, on, smask):
+    """A two-level format's scales of the rows `rs`, f32 [BN, NGP/S, S] (q4k: the pair (d sc,
     -dmin m)): each group's own u8 / i8 factor times its super-block's f16 scale, loaded once per
-    super-block [BN, NGP/S] and broadcast over its S groups."""
+    super-block [BN, NGP/S] and broadcast over the group axis."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
     sub_ref, sup_ref = sc_ref
-    NSP, nsb = p.NGP // p.S, p.ng // p.S
-    gs, ss = pl.ds(0, p.NGP), pl.ds(0, NSP)
+    NSP, nsb = p.loaded[0], p.groups[0]
+    gs, ss = p.gslices(), pl.ds(0, NSP)
     tmask = None
     if smask is not None:
-        tmask = (rows < limit)[:, None] & (jnp.arange(NSP) < nsb)[None, :]
+        tmask = row_ok[:, None] & (jnp.arange(NSP) < nsb)[None, :]
         if on is not None:
             tmask = tmask & on
 
-    def spread(sub, sup):       # [BN, NGP] x [BN, NSP] -> [BN, NGP]
-        t = sub.astype(jnp.float32).reshape(BN, NSP, p.S) * sup.astype(jnp.float32)[:, :, None]
-        return t.reshape(BN, p.NGP)
+    def scale(i=()):
+        sub = _load(sub_ref.at[(e, rs, *gs, *i)], smask).astype(jnp.float32)
+        return sub * _load(sup_ref.at[(e, rs, ss, *i)], tmask).astype(jnp.float32)[:, :, None]
     if p.paired:
-        i0, i1 = jnp.int32(0), jnp.int32(1)
-        d = spread(_load(sub_ref.at[e, rs, gs, i0], smask), _load(sup_ref.at[e, rs, ss, i0], tmask))
-        m = spread(_load(sub_ref.at[e, rs, gs, i1], smask), _load(sup_ref.at[e, rs, ss, i1], tmask))
-        return d, -m
-    return spread(_load(sub_ref.at[e, rs, gs], smask), _load(sup_ref.at[e, rs, ss], tmask))
+        return scale((jnp.int32(0),)), -scale((jnp.int32(1),))
+    return scale()
 
 
 def _rows_apply(p: _Proj, w, xs, interpret: bool = False):
     """f32[BN]: the rows `w` (from `_rows_load`) dequantized, times the activation parts xs."""
     q, d = w
     s = _dequant_dot(p, q, tuple(x[None] for x in xs), interpret)
-    if p.paired:                                                                 # d: (scale, min) [BN, NGP] each
-        return (s[0] * d[0] + s[1] * d[1]).sum(axis=-1)
-    return (s * d).sum(axis=-1)                                                  # masked: d == 0
+    t = s[0] * d[0] + s[1] * d[1] if p.paired else s * d     # d: (scale, min) [BN, *loaded] each; masked: 0
+    for _ in p.loaded:
+        t = t.sum(axis=-1)
+    return t

@@ -7,7 +7,9 @@ The same rules as the host's: a repetition penalty on each row's last W tokens s
 top-k, top-p measured against the whole vocabulary's mass, min-p; the kept tokens in order of logit
 (ties by id); one uniform per row and step, drawn by the host's generator. A seed gives the host's
 tokens but for float rounding (sums in f32 here, f64 there). Top-k bounds the sort: without one, or
-with more than MAX_K, a generation samples on the host.
+with more than MAX_K, a generation samples on the host. The top-k runs in two stages (the top k of
+each chunk of CHUNK logits, then of those): XLA's GPU top-k sorts the whole row for k > 16, and the
+chunked form costs about half of that (benchmarks/sampling_choice.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .device import load_jax
 
 MAX_K = 1024        # top-k candidates sorted on the device
 MAX_WINDOW = 4096   # tokens of the repetition penalty's window kept on the device
+CHUNK = 1024        # logits per chunk of the two-stage top-k
 
 
 GREEDY = Sampling(temperature=0.0, repetition_penalty=1.0)     # a row no request samples
@@ -82,12 +85,11 @@ def choose(x, hist, u, kn, k: int, all_greedy: bool):
             ok.astype(jnp.int8))
         p = kn[:, 0:1]
         x = jnp.where(seen > 0, jnp.where(x > 0, x / p, x * p), x)
-    best = jnp.argmax(x, axis=-1).astype(jnp.int32)
     if all_greedy:
-        return best
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
     inv_t, top_p, floor, k_row = kn[:, 1:2], kn[:, 2], kn[:, 3:4], kn[:, 4].astype(jnp.int32)
-    m = jnp.max(x, axis=-1, keepdims=True)
-    vals, ids = jax.lax.top_k(x, k)                 # by logit, ties by id
+    vals, ids = top_k(jax, jnp, jnp.where(x == 0, 0.0, x), k)     # -0.0 as +0.0: ties by id, as the host
+    m, best = vals[:, :1], ids[:, 0].astype(jnp.int32)
     w = jnp.exp((vals - m) * inv_t)
     n = jnp.minimum(jnp.sum(vals >= m + floor, axis=-1), k_row)    # min-p: a prefix of the sorted candidates
     z = jnp.sum(jnp.exp((x - m) * inv_t), axis=-1)
@@ -97,6 +99,22 @@ def choose(x, hist, u, kn, k: int, all_greedy: bool):
     j = jnp.minimum(jnp.sum(c <= (u * c[:, -1])[:, None], axis=-1), n - 1)
     tok = jnp.take_along_axis(ids, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(kn[:, 1] > 0, tok, best)
+
+
+def top_k(jax, jnp, x, k: int):
+    """lax.top_k(x, k) of x [B, V] (values and ids, equal values by id) in two stages where that
+    cuts the candidates fourfold: the top k of each chunk of CHUNK (x padded with -inf), then the
+    top k of those candidates, kept in chunk order (so equal values stay in id order)."""
+    B, n = x.shape
+    if 4 * k > CHUNK or CHUNK >= n:
+        return jax.lax.top_k(x, k)
+    C = -(-n // CHUNK)
+    if C * CHUNK > n:
+        x = jnp.pad(x, ((0, 0), (0, C * CHUNK - n)), constant_values=-jnp.inf)
+    v, j = jax.lax.top_k(x.reshape(B, C, CHUNK), k)                               # [B, C, k]
+    pos = (j + (jnp.arange(C, dtype=j.dtype) * CHUNK)[None, :, None]).reshape(B, C * k)
+    v, j = jax.lax.top_k(v.reshape(B, C * k), k)
+    return v, jnp.take_along_axis(pos, j, axis=1)
 
 
 def remember(hist, tok):
