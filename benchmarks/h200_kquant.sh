@@ -9,7 +9,8 @@
 #           Q4_0 side runs meanwhile from `--quant int4` of the same weights (Q4_0 bit for bit, quantizer
 #           included: tests/test_gguf_moe.py), decode (3 fresh runs) and prefill 512 (median of 3)
 #           (SAMPLING=0 leaves out the sampling cost)
-#           (KERNELS=1, the default: also the K-quant kernels' GPU tests and benchmarks/sampling_choice.py)
+#           (KERNELS=1, the default: also the K-quant kernels' GPU tests, benchmarks/kquant_kernels.py and
+#           benchmarks/sampling_choice.py)
 #   PHASE=2 (right after, the same warm machine): llama.cpp's Q4_0 and Q4_K_M of the bf16 file,
 #           Strata compiles the Q4_K_M file for the GPU (--backend xla: q4k / q6k) and measures it
 #           beside the Q4_0 plan, llama-bench on both files, then N requests batched against the
@@ -55,7 +56,8 @@ if [ "${PHASE:-1}" = 1 ]; then
     log "the K-quant kernels compiled by Triton (tests/test_pallas_kquant.py -m gpu); sampling's choice, timed"
     timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_pallas_kquant.py 2>&1 | tail -3 \
       | tee -a "$OUT/summary.txt"
-    timeout 120 python3 benchmarks/sampling_choice.py 2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
+    timeout 120 python3 benchmarks/kquant_kernels.py 2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
+    timeout 120 python3 benchmarks/sampling_choice.py --batches 1 2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
   fi
   if [ "${SAMPLING:-1}" = 1 ]; then
   log "sampling's cost: greedy against the chat defaults (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat penalty 1.1)"
