@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 39 on the H200 machine: a Q4_K_M GGUF of the Mixtral-shaped model of make_mixtral_model.py
-# (llama.cpp's own quantizer) beside its Q4_0, Strata (`--quant auto --backend xla`: Q4_0 stored as
-# int4, Q4_K as q4k, Q6_K as q6k) against llama.cpp on the same files, everything on the GPU; and what sampling
+# (llama.cpp's own quantizer) beside its Q4_0, Strata (`--quant auto`: Q4_0 stored as int4, Q4_K as
+# int4a, Q6_K as int8) against llama.cpp on the same files, everything on the GPU; and what sampling
 # costs a Strata decode step (greedy against the chat defaults).
 #   here:   mkdir -p build/llamacpp && cp ../shared/anchors/llamacpp/{build.sh,llama.cpp-src.tar.xz} build/llamacpp/
 #   PHASE=1 (carry build/llamacpp): llama.cpp builds at the lowest priority in its own session; the
@@ -12,7 +12,7 @@
 #           (KERNELS=1, the default: also the K-quant kernels' GPU tests, benchmarks/kquant_kernels.py and
 #           benchmarks/sampling_choice.py)
 #   PHASE=2 (right after, the same warm machine): llama.cpp's Q4_0 and Q4_K_M of the bf16 file,
-#           Strata compiles the Q4_K_M file for the GPU (--backend xla: q4k / q6k) and measures it
+#           Strata compiles the Q4_K_M file and measures it
 #           beside the Q4_0 plan, llama-bench on both files, then N requests batched against the
 #           same N in turn (benchmarks/batch_vs_serial.py; BATCH=0 leaves it out)
 # Outputs under $OUT (else /tmp/kqout): summary.txt.
@@ -76,9 +76,8 @@ elif [ "${PHASE:-1}" = 2 ]; then
   done
   ls -l $W/*.gguf | tee -a "$OUT/summary.txt"
   grep -c "q6_K\|Q6_K" $W/quant-Q4_K_M.log | sed 's/^/Q6_K lines in the quantizer log: /' | tee -a "$OUT/summary.txt"
-  log "compile Q4_K_M for the GPU (--backend xla: Q4_K and Q6_K keep their own formats, q4k and q6k)"
-  stratac compile $W/mx-Q4_K_M.gguf -o $W/p-Q4_K_M --backend xla 2>&1 | grep -v "$QUIET" | tail -3 \
-    | tee -a "$OUT/summary.txt"
+  log "compile Q4_K_M"
+  stratac compile $W/mx-Q4_K_M.gguf -o $W/p-Q4_K_M 2>&1 | grep -v "$QUIET" | tail -3 | tee -a "$OUT/summary.txt"
   ls -l $W/p-Q4_K_M/weights.bin | tee -a "$OUT/summary.txt"
   decode "strata Q4_K_M decode" $W/p-Q4_K_M --temperature 0
   decode "strata Q4_0 decode (warm)" $W/p-Q4_0 --temperature 0

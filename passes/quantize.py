@@ -172,27 +172,3 @@ def _adaptive(g: Graph, ctx: PassContext) -> Graph:
     return g.with_(weights=tuple(with_fmt(w, choice[w.name].fmt) if w.name in choice else w for w in g.weights))
 
 
-
-# GGUF's K-quants the GPU keeps at their own size (formats.py q4k / q6k; backends/xla/pallas_quant.py
-# reads them): the format a tensor type takes there, and its group size.
-GPU_NATIVE = {"Q4_K": ("int4a", "q4k", 32), "Q6_K": ("int8", "q6k", 16)}
-
-
-def gpu_native_formats(g: Graph, ctx: PassContext) -> Graph:
-    """--quant auto on a plan that runs wholly on one GPU: the weights stored from Q4_K / Q6_K
-    tensors alone keep those types' two-level scales (q4k 4.625, q6k 6.5625 bits a weight, the
-    file's values exactly) instead of int4a's 5.0 and int8's 8.5 bits, which the CPU backends need
-    (they have no kernels for them). Runs after the ops are bound (select-kernels): only where
-    every op is on the xla backend of a single GPU."""
-    opts = ctx.options
-    if (opts.quant != "auto" or opts.bits or opts.memory_budget or opts.tensor_format or ctx.store is None
-            or any(n.backend != "xla" or n.device != "gpu" for n in g.nodes)):
-        return g
-    out = []
-    for w in g.weights:
-        types = {source_type(ctx.store, k) for k in w.sources}
-        native = GPU_NATIVE.get(types.pop()) if len(types) == 1 else None
-        if native and w.fmt == native[0] and w.shape[-1] % 256 == 0:
-            w = replace(w, fmt=native[1], group_size=native[2])
-        out.append(w)
-    return g.with_(weights=tuple(out))

@@ -4,8 +4,7 @@ Without placement every op runs where `--backend` says (llvm or reference on the
 GPU). Ops the `place` pass gave a device (--target) go there, and `--place RULES`
 (placement_rules.py) override both: gpu ops bind to xla, cpu ops to the CPU backend. Where an operand lives on another device, an
 explicit `transfer` node moves it. Each node starts with a buffer of its own; plan-memory then
-shares buffers between values whose lifetimes do not overlap. A plan wholly on one GPU keeps a
-GGUF's Q4_K / Q6_K tensors in their own formats (quantize.gpu_native_formats).
+shares buffers between values whose lifetimes do not overlap.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from strata_compiler.ir import Graph, Level, Node, Op, make_attrs, renumber
 from strata_compiler.pass_manager import PassContext, register
 
 from .placement_rules import parse_rules, place
-from .quantize import gpu_native_formats
 
 DEVICE_OF = {"xla": "gpu", "llvm": "cpu", "reference": "cpu"}
 
@@ -53,4 +51,4 @@ def select_kernels(g: Graph, ctx: PassContext) -> Graph:
     by = "rules" if placed else ("cost model" if any(n.device for n in g.nodes) else "")
     if by:      # strata-run --backend auto then runs the plan as placed, even when it is all on one device
         out = out.with_(meta=make_attrs(**dict(out.meta, placed_by=by)))
-    return renumber(gpu_native_formats(out, ctx))
+    return renumber(out)

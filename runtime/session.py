@@ -92,10 +92,10 @@ class Timings:
 
 
 def _gpu_formats(graph) -> str:
-    """The GPU-only weight formats a plan holds (GGUF K-quants kept for one GPU), joined; '' if none."""
-    from strata_compiler.backends.llvm_cpu.executor import GPU_FORMATS
+    """The GPU-only weight formats a plan holds (kquant.GPU_ONLY), joined; '' if none."""
+    from strata_compiler.kquant import GPU_ONLY
 
-    return "/".join(sorted({w.fmt for w in graph.weights if w.fmt in GPU_FORMATS}))
+    return "/".join(sorted({w.fmt for w in graph.weights if w.fmt in GPU_ONLY}))
 
 
 @dataclass

@@ -18,6 +18,7 @@ from .errors import UsageError
 
 QK = 256                                # values per super-block (ggml's QK_K)
 GROUP = {"q4k": 32, "q6k": 16}          # the one group size (sub-block) each format takes
+GPU_ONLY = tuple(GROUP)                 # kernels on the xla backend only (the llvm backend has none)
 _GGUF = {"q4k": "Q4_K", "q6k": "Q6_K"}
 
 

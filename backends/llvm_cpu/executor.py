@@ -53,8 +53,7 @@ def hugepages_available() -> bool:
     return "[always]" in mode or "[madvise]" in mode
 
 
-# formats the kernels here do not read (GGUF's K-quants kept for the GPU: formats.py)
-GPU_FORMATS = ("q4k", "q6k")
+from strata_compiler.kquant import GPU_ONLY as GPU_FORMATS    # formats the kernels here do not read
 
 
 def _check_formats(graph: Graph, nodes: list) -> None:
@@ -63,9 +62,8 @@ def _check_formats(graph: Graph, nodes: list) -> None:
         for _, name in n.weights:
             if name is not None and graph.weight(name).fmt in GPU_FORMATS:
                 fmt = graph.weight(name).fmt
-                raise BackendError(f"weight {name} is stored {fmt}, which only the xla backend runs (the plan was "
-                                   f"compiled for one GPU): run it with --backend xla (--device cpu without a GPU), "
-                                   f"or compile it again with --backend llvm")
+                raise BackendError(f"weight {name} is stored {fmt}, which only the xla backend runs: run it with "
+                                   f"--backend xla (--device cpu without a GPU), or compile it in another format")
 
 
 class LLVMExecutor(Executor):
