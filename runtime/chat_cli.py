@@ -2,9 +2,9 @@
 
 The plan's chat template renders the whole conversation each turn (runtime/chat.py); the KV cache
 is kept across turns: when the ids already in the cache are a prefix of the new rendering's ids,
-only the suffix is prefilled, else the cache is reset and everything is prefilled. Tokens come one
-by one from `sample_steps` (the server scheduler's loop) and are printed as `TextStream` releases
-them (never half a UTF-8 character). Ctrl-C stops the current answer; at the prompt a second Ctrl-C,
+only the suffix is prefilled, else the cache is reset and everything is prefilled. The answer comes
+from Session.extend (strata-run's decode loop, decoding ahead where the executor can), each token
+printed as `TextStream` releases it (never half a UTF-8 character). Ctrl-C stops the current answer; at the prompt a second Ctrl-C,
 EOF (Ctrl-D) or /exit ends the chat; /reset starts the conversation over. When the conversation
 and an answer of -n tokens no longer fit the context, one line says so and the conversation
 starts over from the system prompt and the new message.
@@ -21,7 +21,7 @@ from strata_compiler.errors import UsageError
 
 from .chat import render_chat, stop_ids
 from .sampler import Sampler
-from .scheduler import TextStream, sample_steps
+from .scheduler import TextStream
 from .session import default_ctx
 
 HELP = "/reset starts over, /exit (or Ctrl-D) quits; Ctrl-C stops an answer"
@@ -47,19 +47,42 @@ class Chat:
     def _ids(self, messages: list[dict]) -> list[int]:
         return self.tok.encode(render_chat(self.session.plan, messages, add_generation_prompt=True)).ids
 
-    def _prefill(self, ids: list[int]) -> np.ndarray:
+    def _suffix(self, ids: list[int]) -> list[int]:
+        """The ids the cache lacks: after what it holds when that is a prefix of them, else all of
+        them in a cache started over."""
         s, fed = self.session, self.fed
         if fed is not None and 0 < len(fed) < len(ids) and ids[: len(fed)] == fed \
                 and s.cache is not None and s.cache.length == len(fed):
             suffix = ids[len(fed):]
         else:                               # not a prefix (or nothing kept): start the cache over
             s.reset(1, -(-self.ctx // 64) * 64)
-            self.fed, suffix = [], ids
+            suffix = ids
         self.prefilled.append(len(suffix))
-        self.fed.append(-1)                 # a step an interrupt cut short leaves the cache untrusted
-        logits = s.step(np.asarray(suffix, np.int64)[None], last_only=True)[:, -1]
-        self.fed[-1:] = suffix
-        return logits
+        self.fed = None                     # untrusted until the answer is complete
+        return suffix
+
+    def _answer(self, ids: list[int], emit) -> None:
+        """Decode the answer to the rendered conversation `ids`, each token to emit(token) -> bool
+        (True: a stop token, the end); the cache then holds ids and every token but the last."""
+        shown, ended = [], [False]
+
+        def show(tok: int) -> None:
+            shown.append(tok)
+            ended[0] = ended[0] or emit(tok)
+
+        def on_token(_i: int, tok: np.ndarray) -> bool:
+            if not ended[0]:
+                show(int(tok[0]))
+            return False
+        new = self.session.extend(np.asarray(self._suffix(ids), np.int64)[None], self.max_new, self.sampler,
+                                  self.stop, history=np.asarray(ids, np.int64)[None], on_token=on_token)
+        toks = new[0].tolist()
+        for tok in toks[len(shown):]:
+            if ended[0]:
+                break
+            show(tok)
+        fed = ids + toks[:-1]
+        self.fed = fed if self.session.cache.length == len(fed) else None
 
     def _write(self, text: str) -> None:
         if text:
@@ -80,23 +103,22 @@ class Chat:
             self._write(f"[the conversation no longer fits the context of {self.ctx} tokens; starting over]\n")
             msgs, ids = fresh + msgs[-1:], ids2
         self.messages = msgs
-        toks: list[int] = []
         stream = TextStream(self.tok, ids)
         answer = ""
+
+        def emit(tok: int) -> bool:
+            nonlocal answer
+            if tok in self.stop:
+                return True
+            piece = stream.push(tok)
+            answer += piece
+            self._write(piece)
+            return False
         try:
-            logits = self._prefill(ids)
-            for tok in sample_steps(self.session, logits, self.sampler, self.max_new, self.fed, seen=ids):
-                toks.append(tok)
-                if tok in self.stop:
-                    break
-                piece = stream.push(tok)
-                answer += piece
-                self._write(piece)
+            self._answer(ids, emit)
             piece = stream.flush()
         except KeyboardInterrupt:
             piece = stream.flush() if not stream.stopped else ""
-            if self.fed and self.fed[-1] == -1:
-                self.fed = None
             piece += " [stopped]"
         answer += piece.removesuffix(" [stopped]")
         self._write(piece + "\n")

@@ -110,29 +110,6 @@ def check_logits(logits: np.ndarray, where: str) -> None:
             raise NonFiniteLogits(non_finite_error(what, where), logits, np.zeros((len(logits), 0), np.int64))
 
 
-def sample_steps(session, logits: np.ndarray, sampler: Sampler, max_tokens: int, fed: list | None = None,
-                 seen: list | None = None):
-    """Tokens one by one from a Session whose last step gave `logits` f32[1, V]: sample one, yield
-    it, and (once asked for the next) step it through the session. The last token is never stepped;
-    a consumer that stops early leaves the cache at the tokens it has stepped. `fed`, if given,
-    gets each stepped token appended, -1 while its step runs (a cache an interrupt leaves there
-    is not to be trusted). `seen`: the tokens before these (the repetition penalty's history)."""
-    seen = list(seen or [])
-    start = len(seen)
-    for n in range(1, max_tokens + 1):
-        check_logits(logits, f"the prompt's last token (prefill, position {start - 1})" if n == 1 else
-                     f"decode step {n - 1} (position {start + n - 2})")
-        tok = int(sampler(logits, [seen] if sampler.needs_history else None)[0])
-        seen.append(tok)
-        yield tok
-        if n < max_tokens:
-            if fed is not None:
-                fed.append(-1)
-            logits = session.step(np.array([[tok]], np.int64))[:, -1]
-            if fed is not None:
-                fed[-1] = tok
-
-
 class TextStream:
     """Token ids in, text out: incremental detokenization (a text is released only once the bytes
     of its last character are complete) and stop strings (text that might begin one is held back;

@@ -269,8 +269,9 @@ class Session:
                  prefill_chunk: int | None = None, keep_logits: bool = True,
                  on_token: Callable[[int, np.ndarray], bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Prefill the prompt i64[B, T] `prefill_chunk` tokens a step (its activations bounded by
-        the chunk; default: `default_chunk`), then decode. Returns (the prompt's logits f32[B, T, V], or its last token's
-        [B, 1, V] without `keep_logits`; the new ids i64[B, N]).
+        the chunk; default: `default_chunk`) into a new KV cache, then decode. Returns (the prompt's
+        logits f32[B, T, V], or its last token's [B, 1, V] without `keep_logits`; the new ids
+        i64[B, N]).
 
         on_token(i, tokens) runs once token i is chosen (tokens: its ids i64[B]) while more may
         follow (not for the last one; for those decoded ahead, once each is read); True stops there. Ctrl-C, or
@@ -283,30 +284,60 @@ class Session:
         if prefill_chunk < 1:
             raise UsageError(f"prefill chunk {prefill_chunk}: expected at least 1 token")
         self.reset(B, self.capacity_for(T, max_new_tokens, prefill_chunk))
+        logits = self._prefill(prompt, prefill_chunk, keep_logits)
+        return logits, self._decode(prompt, logits, max_new_tokens, sampler, stop_ids, on_token)
+
+    def extend(self, ids: np.ndarray, max_new_tokens: int, sampler: Sampler, stop_ids: tuple[int, ...] = (),
+               history: np.ndarray | None = None,
+               on_token: Callable[[int, np.ndarray], bool] | None = None) -> np.ndarray:
+        """`generate` on the cache as earlier steps left it (a chat's conversation so far): ids
+        i64[B, T] prefilled at its position, then the same decoding. history i64[B, H]: the tokens
+        before the new ones that the repetition penalty sees (default: ids). Returns the new ids;
+        the last one is not stepped (the cache then holds the ids and all new tokens but the last)."""
+        if self.cache is None:
+            raise UsageError("Session.extend: no KV cache yet (call reset() or generate() first)")
+        B, T = ids.shape
+        if self.cache.length + T + max_new_tokens > self.cache.capacity:
+            raise UsageError(f"{self.cache.length} tokens in the cache, {T} new and -n {max_new_tokens} pass its "
+                             f"{self.cache.capacity} positions")
+        logits = self._prefill(ids, self.default_chunk(B, T, max_new_tokens), keep_logits=False)
+        return self._decode(ids if history is None else history, logits, max_new_tokens, sampler, stop_ids, on_token)
+
+    def _prefill(self, prompt: np.ndarray, chunk: int, keep_logits: bool) -> np.ndarray:
+        """The prompt's steps, `chunk` tokens each, at the cache's position: its logits (all, or the
+        last token's)."""
+        B, T = prompt.shape
         c0 = compile_seconds()
         t0 = time.perf_counter()
         parts = []
         try:
-            for at in range(0, T, prefill_chunk):
-                out = self.step(prompt[:, at:at + prefill_chunk], last_only=not keep_logits)
+            for at in range(0, T, chunk):
+                out = self.step(prompt[:, at:at + chunk], last_only=not keep_logits)
                 parts = [*parts, out] if keep_logits else [out[:, -1:]]
         except KeyboardInterrupt:
             raise Interrupted(None, np.zeros((B, 0), np.int64)) from None
-        logits = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-        del parts
         self.timings.prefill_seconds += time.perf_counter() - t0
-        c1 = compile_seconds()
-        self.timings.prefill_compile_seconds += c1 - c0
+        self.timings.prefill_compile_seconds += compile_seconds() - c0
         self.timings.prefill_tokens += B * T
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+
+    def _decode(self, history: np.ndarray, logits: np.ndarray, max_new_tokens: int, sampler: Sampler,
+                stop_ids: tuple[int, ...], on_token) -> np.ndarray:
+        """The one decode loop of a Session (strata-run, --chat; the server's batches have theirs):
+        sample from the last logits, step the token, until -n, every row stopped or `on_token` says
+        so; the rest decoded ahead where the executor can (`_ahead`). history: the tokens the
+        penalty window sees before the new ones."""
+        B = history.shape[0]
         new = np.zeros((B, max_new_tokens), np.int64)
         done = np.zeros(B, bool)
         last = logits[:, -1]
+        c1 = compile_seconds()
         t0 = time.perf_counter()
         i = 0           # tokens made
         try:
             while i < max_new_tokens:
                 _check_finite(last, i, logits, new[:, :i])
-                seen = (np.concatenate([prompt, new[:, :i]], axis=1) if sampler.needs_history else None)
+                seen = (np.concatenate([history, new[:, :i]], axis=1) if sampler.needs_history else None)
                 tok = sampler(last, seen)
                 if i == 0 and self.timings.first_token_at is None:
                     self.timings.first_token_at = process_seconds()
@@ -318,20 +349,11 @@ class Session:
                 if on_token is not None and on_token(i - 1, tok):
                     raise KeyboardInterrupt
                 if self._ahead(sampler, B):     # the rest with each step dispatched before the last one ends
-                    rest = new[:, :0]
                     try:
-                        n = max_new_tokens - i
-                        how = self._ahead_sampling(sampler, np.concatenate([prompt, new[:, :i]], axis=1), n)
-                        at = i          # tokens made before these: the streaming hook's indices go on from there
-                        rest = self.executor.decode_ahead(
-                            tok, self.cache, n, stop_ids, done, sampling=how,
-                            on_token=None if on_token is None else (lambda j, t: on_token(at + j, t)))
-                    except KeyboardInterrupt as e:      # the steps that finished stay (backends/ahead.py)
-                        rest = getattr(e, "tokens", rest)
+                        i += self._decode_ahead(history, new, i, tok, done, sampler, stop_ids, on_token)
+                    except KeyboardInterrupt as e:
+                        i += getattr(e, "made", 0)
                         raise
-                    finally:
-                        new[:, i:i + rest.shape[1]] = rest
-                        i += rest.shape[1]
                     break
                 last = self.step(tok[:, None])[:, -1]
         except KeyboardInterrupt:
@@ -340,7 +362,25 @@ class Session:
             self.timings.decode_seconds += time.perf_counter() - t0
             self.timings.decode_compile_seconds += compile_seconds() - c1
             self.timings.decode_tokens += B * max(i - 1, 0)
-        return logits, new[:, :i]
+        return new[:, :i]
+
+    def _decode_ahead(self, history, new, i: int, tok, done, sampler: Sampler, stop_ids, on_token) -> int:
+        """The rest of a generation after token i - 1 (`tok`) through the executor's decode_ahead,
+        written into new[:, i:]: how many it made (those made before an interrupt stay too)."""
+        rest = new[:, :0]
+        try:
+            n = new.shape[1] - i
+            how = self._ahead_sampling(sampler, np.concatenate([history, new[:, :i]], axis=1), n)
+            rest = self.executor.decode_ahead(
+                tok, self.cache, n, stop_ids, done, sampling=how,
+                on_token=None if on_token is None else (lambda j, t: on_token(i + j, t)))
+        except KeyboardInterrupt as e:      # the steps that finished stay (backends/ahead.py)
+            rest = getattr(e, "tokens", rest)
+            new[:, i:i + rest.shape[1]] = rest
+            e.made = rest.shape[1]
+            raise
+        new[:, i:i + rest.shape[1]] = rest
+        return rest.shape[1]
 
 
 def non_finite(logits: np.ndarray) -> str | None:

@@ -132,3 +132,29 @@ def test_strata_run_chat_exits_0_at_eof(plan_dir, env):
                        timeout=120)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert p.stdout.startswith("> ") and p.stdout.endswith("\n> ")
+
+
+def test_chat_decodes_ahead_where_the_executor_can(plan_dir):
+    """On the xla backend (JAX's CPU here) a chat answer goes through the executor's decode_ahead,
+    as strata-run's generation does: the same answer as a fresh greedy generate there, and a second
+    turn still reuses the cache (which then holds the conversation and all but the answer's last
+    token)."""
+    pytest.importorskip("jax")
+    from tokenizers import Tokenizer
+
+    plan = load_plan(plan_dir)
+    tok = Tokenizer.from_str(plan.tokenizer_json.decode())
+    session = Session(plan, "xla", device="cpu")
+    calls = []
+    real = session.executor.decode_ahead
+    session.executor.decode_ahead = lambda *a, **kw: calls.append(a[2]) or real(*a, **kw)
+    chat = Chat(session, tok, Sampler(), N, ctx=1024, out=io.StringIO())
+    msgs = [{"role": "user", "content": "The keeper climbed the tower"}]
+    answer = chat.turn(msgs[0]["content"])
+    assert calls, "the answer did not decode ahead"
+    ids = tok.encode(render_chat(plan, msgs)).ids
+    _, new = Session(plan, "xla", device="cpu").generate(np.array([ids], np.int64), N, Sampler(), stop_ids(plan))
+    toks = [t for t in new[0].tolist() if t not in stop_ids(plan)]
+    assert answer == tok.decode(ids + toks)[len(tok.decode(ids)):]
+    chat.turn("What did he see?")
+    assert chat.fed is not None and session.cache.length == len(chat.fed) and 0 < chat.prefilled[1] < len(chat.fed)
