@@ -36,10 +36,6 @@ import numpy as np
 
 from strata_compiler.errors import BackendError, UsageError
 from strata_compiler.formats import FORMATS, get_format
-from strata_compiler.kquant import GROUP as KQUANT
-
-# the formats the place pass prices (the K-quants are chosen after it, for whole-GPU plans only)
-PRICED = tuple(f for f in FORMATS if f not in KQUANT)
 from strata_compiler.hwprofile import (PROFILE_VERSION, host_memory, CpuIsa, DiskProfile, GpuProfile, HardwareProfile,
                                        HostProfile)
 
@@ -159,7 +155,7 @@ def measure_host(sizes: ProbeSizes, say: Callable[[str], None], notes: list[str]
 
         pool, lib = ThreadPool(threads), library(target)
         read_bw = read_bandwidth(pool, lib, target, sizes.read_bytes, sizes.reps)
-        for fmt in PRICED:
+        for fmt in FORMATS:
             say(f"host: {fmt} GEMV ({sizes.gemv_bytes / 2**20:.0f} MiB of weights) and matmul ({M} tokens)")
             rows = _gemv_rows(fmt, sizes.gemv_k, sizes.gemv_bytes)
             t, nbytes = time_linear(pool, lib, target, fmt, rows, sizes.gemv_k, sizes.reps)
@@ -314,7 +310,7 @@ def measure_gpu(dev, sizes: ProbeSizes, say: Callable[[str], None], notes: list[
 
     gemv: dict[str, float] = {}
     K = sizes.gemv_k
-    for fmt in PRICED:
+    for fmt in FORMATS:
         say(f"gpu: {fmt} GEMV ({sizes.gemv_bytes / 2**20:.0f} MiB of weights)")
         rows = _gemv_rows(fmt, K, sizes.gemv_bytes)
         block, G = _weight_block(fmt, K)

@@ -1,7 +1,7 @@
 """GPU time of the decode kernels per weight format, one MoE layer and the output head of the
 Mixtral-shaped model (make_mixtral_model.py: D 2048, I 5632, 8 experts top-2; vocabulary 32000):
-what a Q4_K_M plan's formats (q4k / q6k, or their int4a / int8 conversions) cost against Q4_0's
-int4, and the bandwidth each reaches.
+what a Q4_K_M plan's formats (its Q4_K / Q6_K as int4a / int8) cost against Q4_0's int4, and the
+bandwidth each reaches.
 
     python3 benchmarks/kquant_kernels.py        (on a GPU; prints a markdown table)
 
@@ -29,7 +29,7 @@ from strata_compiler.formats import get_format  # noqa: E402
 from strata_compiler.ir import WeightSpec  # noqa: E402
 
 E, D, I, K_TOP, V = 8, 2048, 5632, 2, 32000
-GROUP = {"q4k": 32, "q6k": 16}
+GROUP: dict[str, int] = {}     # a format's group where it is not 32
 INTERPRET = gate(True, True)[1]        # STRATA_PALLAS=interpret: a check of this script on the CPU
 
 
@@ -79,9 +79,8 @@ def head_row(fmt: str, rng) -> tuple[str, float, int]:
 
 def main() -> int:
     rng = np.random.default_rng(0)
-    rows = [moe_row(f, rng) for f in (("int4", "int4"), ("int4a", "int8"), ("int4a", "int4a"), ("q4k", "q6k"),
-                                      ("q4k", "q4k"))]
-    rows += [head_row(f, rng) for f in ("int4", "int8", "q6k")]
+    rows = [moe_row(f, rng) for f in (("int4", "int4"), ("int4a", "int8"), ("int4a", "int4a"))]
+    rows += [head_row(f, rng) for f in ("int4", "int8")]
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; GPU busy us per call, median of none "
           "(the mean over 50 calls)\n")
     print("| kernel | us | MB read | GB/s |\n|---|---:|---:|---:|")

@@ -171,4 +171,3 @@ def _adaptive(g: Graph, ctx: PassContext) -> Graph:
 
     return g.with_(weights=tuple(with_fmt(w, choice[w.name].fmt) if w.name in choice else w for w in g.weights))
 
-

@@ -91,13 +91,6 @@ class Timings:
                 self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0)
 
 
-def _gpu_formats(graph) -> str:
-    """The GPU-only weight formats a plan holds (kquant.GPU_ONLY), joined; '' if none."""
-    from strata_compiler.kquant import GPU_ONLY
-
-    return "/".join(sorted({w.fmt for w in graph.weights if w.fmt in GPU_ONLY}))
-
-
 @dataclass
 class Session:
     plan: Plan
@@ -134,12 +127,7 @@ class Session:
                 resolve_backend("llvm")
             self.backend = "+".join(sorted(bound))
         else:
-            asked, self.backend = self.backend, resolve_backend(self.backend)
-            if asked == "auto" and self.backend == "llvm" and _gpu_formats(self.plan.graph):
-                print(f"strata-run: warning: the plan keeps {_gpu_formats(self.plan.graph)} weights, which the CPU "
-                      "backend has no kernels for, and this host has no GPU; running it on JAX's CPU platform (slow)",
-                      file=sys.stderr)
-                self.backend, self.device = "xla", "cpu"
+            self.backend = resolve_backend(self.backend)
         from .disk_tier import DiskTier
 
         self.disk = DiskTier(self.plan)     # first: it checks its sections and lets their pages go

@@ -29,7 +29,6 @@ from .backends.llvm_cpu import cpu_codegen  # noqa: F401
 from .errors import ModelError, StrataError, UsageError
 from .formats import check_group_size, get_format
 from .hwprofile import HardwareProfile
-from .kquant import GPU_ONLY
 from .ir import Graph
 from .pass_manager import CompileOptions, DumpConfig, PassContext, run_pipeline
 from .passes import (calibrate, cluster_experts, emit, fuse, lower, place, plan_memory,  # noqa: F401
@@ -75,9 +74,6 @@ def check_options(opts: CompileOptions) -> None:
     used = [opts.quant] * (opts.quant != "auto") + [fmt for _, fmt in parse_tensor_formats(opts.tensor_format)]
     for name in used:
         check_group_size(name, opts.group_size)
-        if name in GPU_ONLY and opts.backend != "xla":
-            raise UsageError(f"{name}: only the xla backend (the GPU) has kernels for this format; compile with "
-                             f"--backend xla, or choose another format")
     if opts.bits or opts.memory_budget:
         try:
             for name in CANDIDATES:

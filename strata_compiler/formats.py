@@ -31,37 +31,10 @@ Layouts (all little-endian, C order):
   fp8   qs     u8 [..., N, Kp]     float8 e4m3fn bits of w / d (round to nearest even)
         scales f16[..., N, Kp/G]   d = absmax(group) / 448
 
-The K-quants (kquant.py): GGUF's Q4_K and Q6_K at their own size, read as they are from a file
-(the values bit for bit) or quantized here. K must be a multiple of 256 (a super-block), so Kp = K;
-each takes one group size (its sub-block); anything else is a UsageError.
-  q4k   qs     u8 [..., N, K/2]    G = 32, 4.625 bits a weight. int4a's nibble order: byte i of
-                                   group g holds the code of value 32g+i in its low nibble and of
-                                   value 32g+i+16 in its high nibble; q in [0, 15]
-        sub    u8 [..., N, 2K/32]  (sc, m) per group, interleaved, each in [0, 63]
-        scales f16[..., N, 2K/256] (d, dmin) per super-block of 256 values, interleaved;
-                                   w = (f32(d) * sc) * q - f32(dmin) * m, in f32 in that order
-                                   (ggml's dequantize_row_q4_K)
-                                   quantize: per group lo = min(0, min), step = (max - lo) / 15;
-                                   d = max(step) / 63, dmin = max(-lo) / 63 (rounded up to f16),
-                                   sc = ceil(step / d), m = round(-lo / dmin),
-                                   q = clip(round((w + dmin * m) / (d * sc)), 0, 15): an error of at
-                                   most (d * sc + dmin) / 2
-  q6k   qs     u8 [..., N, 3K/4]   G = 16, 6.5625 bits a weight. Per group 12 bytes: 8 of low
-                                   nibbles (byte i: the low 4 bits of code i in its low nibble, of
-                                   code i+8 in its high nibble), then 4 of high bits (byte i, bits
-                                   2j..2j+1: code i+4j >> 4); q in [0, 63]
-        sub    i8 [..., N, K/16]   sc per group
-        scales f16[..., N, K/256]  d per super-block; w = (f32(d) * sc) * (q - 32), in f32 in that
-                                   order (ggml's dequantize_row_q6_K)
-                                   quantize: s = absmax(group) / 31, d = max(s) / 127 (rounded up
-                                   to f16), sc = ceil(s / d), q = round(w / (d * sc)) + 32: no
-                                   value clips, an error of at most d * sc / 2
-
 Grouped formats take an optional importance vector (per input column, e.g. the mean square of
 the activations it multiplies, as llama.cpp's imatrix): scales (and minima) are then chosen
 from a small grid of candidates to minimise the importance-weighted squared error of the
 group, instead of from its extremes. Without one, the extremes decide (deterministic, fast).
-q4k and q6k take the vector and do not use it: the extremes decide.
 """
 
 from __future__ import annotations
@@ -71,7 +44,6 @@ from typing import Callable
 
 import numpy as np
 
-from . import kquant
 from .errors import UsageError
 
 Arrays = dict[str, np.ndarray]
@@ -307,15 +279,12 @@ def _unpack_planes(qs: np.ndarray, bits: int, group_size: int) -> np.ndarray:
 
 # The multiple of which each grouped format's group size must be: int3 and int2 pack bit planes
 # of G/8 and G/4 bytes; fp8 takes multiples of 8 as `stratac compile --help` documents; the
-# others hold pairs of values (nibbles); q4k and q6k take exactly their sub-block (kquant.GROUP).
-# Checked before a compile starts (driver.check_options).
-GROUP_MULTIPLE = {"int8": 2, "int4": 2, "int4a": 2, "int3": 8, "int2": 4, "fp8": 8, **kquant.GROUP}
+# others hold pairs of values (nibbles). Checked before a compile starts (driver.check_options).
+GROUP_MULTIPLE = {"int8": 2, "int4": 2, "int4a": 2, "int3": 8, "int2": 4, "fp8": 8}
 
 
 def check_group_size(name: str, group_size: int) -> None:
     """UsageError unless `group_size` suits grouped format `name`."""
-    if name in kquant.GROUP:
-        kquant.check_group(name, group_size)
     mult = GROUP_MULTIPLE.get(name, 1)
     if group_size % mult:
         raise UsageError(f"--group-size {group_size}: {name} needs a group size that is a multiple of {mult}")
@@ -430,8 +399,6 @@ class WeightFormat:
             return {"w": (np.dtype(np.float32), shape)}
         if self.name == "bf16":
             return {"w": (np.dtype(np.uint16), shape)}
-        if self.name in kquant.GROUP:
-            return kquant.array_shapes(self.name, shape, group_size)
         qbytes, scales = _LAYOUT[self.name]
         return {"qs": (np.dtype(np.int8 if self.name == "int8" else np.uint8), lead + (kp * qbytes[0] // qbytes[1],)),
                 "scales": (np.dtype(np.float16), lead + (scales * ngroups,))}
@@ -440,11 +407,11 @@ class WeightFormat:
         return sum(dt.itemsize * int(np.prod(s)) for dt, s in self.array_shapes(shape, group_size).values())
 
     def row_bytes(self, k: int, group_size: int) -> tuple[int, int]:
-        """Bytes of one stored row [K]: its data (w or qs) and its scales (every other array: scales,
-        and the K-quants' sub; 0 if none)."""
-        size = {name: dt.itemsize * s[-1] for name, (dt, s) in self.array_shapes((1, k), group_size).items()}
-        data = size["w"] if "w" in size else size["qs"]
-        return data, sum(size.values()) - data
+        """Bytes of one stored row [K]: its data (w or qs) and its scales (0 if none)."""
+        shapes = self.array_shapes((1, k), group_size)
+        data = shapes["w"] if "w" in shapes else shapes["qs"]
+        sc = shapes.get("scales")
+        return (data[0].itemsize * data[1][-1], 0 if sc is None else sc[0].itemsize * sc[1][-1])
 
     def bits_per_weight(self, shape: tuple[int, ...], group_size: int) -> float:
         return 8.0 * self.nbytes(shape, group_size) / float(np.prod(shape))
@@ -465,8 +432,6 @@ FORMATS: dict[str, WeightFormat] = {
         WeightFormat("int3", True, _int3_quantize, _int3_dequantize),
         WeightFormat("int2", True, _int2_quantize, _int2_dequantize),
         WeightFormat("fp8", True, _fp8_quantize, _fp8_dequantize),
-        WeightFormat("q4k", True, kquant.q4k_quantize, kquant.q4k_dequantize),
-        WeightFormat("q6k", True, kquant.q6k_quantize, kquant.q6k_dequantize),
     )
 }
 

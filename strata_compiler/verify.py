@@ -133,7 +133,6 @@ ATTR_KINDS: dict[str, tuple] = {
 def group_size_problem(fmt: str, group_size: object) -> str | None:
     """Why `group_size` cannot be the group size of weights stored as `fmt` (None: it can)."""
     from .formats import FORMATS, GROUP_MULTIPLE
-    from .kquant import GROUP as KQUANT_GROUP
 
     f = FORMATS.get(fmt)
     if f is None:
@@ -142,8 +141,6 @@ def group_size_problem(fmt: str, group_size: object) -> str | None:
         return f"group size {group_size!r} is not an integer"
     if not f.grouped:
         return None if group_size == 0 else f"format {fmt} takes no group size (got {group_size})"
-    if fmt in KQUANT_GROUP and group_size != KQUANT_GROUP[fmt]:
-        return f"format {fmt} has groups of {KQUANT_GROUP[fmt]} (got {group_size})"
     mult = GROUP_MULTIPLE.get(fmt, 2)
     if not (2 <= group_size <= MAX_GROUP and group_size % mult == 0):
         return f"format {fmt} needs a group size that is a multiple of {mult} in 2..{MAX_GROUP} (got {group_size})"

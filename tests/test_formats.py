@@ -56,8 +56,6 @@ def _groups(w: np.ndarray, g: int) -> np.ndarray:
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("shape,gs", SHAPES)
 def test_roundtrip_shape_dtype_and_array_shapes(fmt, shape, gs):
-    if fmt in ("q4k", "q6k"):
-        pytest.skip("K-quants: fixed groups and rows of 256 (tests/test_kquant_formats.py)")
     f = FORMATS[fmt]
     w = _weights(shape)
     arrays = f.quantize(w, gs)
@@ -95,7 +93,7 @@ def test_array_shapes_documented_layouts():
 
 
 def test_grouped_flags():
-    assert {n for n, f in FORMATS.items() if f.grouped} == {"int8", "int4", "int4a", "int3", "int2", "fp8", "q4k", "q6k"}
+    assert {n for n, f in FORMATS.items() if f.grouped} == {"int8", "int4", "int4a", "int3", "int2", "fp8"}
     assert {n for n, f in FORMATS.items() if not f.grouped} == {"f32", "bf16"}
 
 

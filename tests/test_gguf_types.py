@@ -118,9 +118,8 @@ def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
     return float((np.exp(lp) * (lp - lq)).sum(-1).mean())
 
 
-def _typed_file(base, tmp_path, qt) -> dict:
-    """The base model's linear weights as tensors of type qt in tmp_path/f.gguf; their f32 origin
-    (tmp_path/origin, a Hugging Face folder) and file values by key."""
+@pytest.mark.parametrize("qt", list(LEGACY) + list(RANDOM), ids=lambda q: q.name)
+def test_each_type_is_stored_or_converted_within_the_files_own_error(base, tmp_path, qt, capsys):
     root, d, tokens, merges, ids = base
     cfg = json.loads((d / "config.json").read_text())
     sd = load_file(str(d / "model.safetensors"))
@@ -151,13 +150,6 @@ def _typed_file(base, tmp_path, qt) -> dict:
     (tmp_path / "origin").mkdir()
     (tmp_path / "origin" / "config.json").write_text(json.dumps(cfg))
     save_file(origin, str(tmp_path / "origin" / "model.safetensors"))
-    return file_values
-
-
-@pytest.mark.parametrize("qt", list(LEGACY) + list(RANDOM), ids=lambda q: q.name)
-def test_each_type_is_stored_or_converted_within_the_files_own_error(base, tmp_path, qt, capsys):
-    ids = base[-1]
-    _typed_file(base, tmp_path, qt)
     ref = _logits(_compile(tmp_path / "origin", tmp_path / "p_origin", "--quant", "f32"), ids)
     file = _logits(_compile(tmp_path / "f.gguf", tmp_path / "p_file", "--quant", "f32"), ids)
     capsys.readouterr()
@@ -177,37 +169,3 @@ def test_each_type_is_stored_or_converted_within_the_files_own_error(base, tmp_p
     else:
         assert "requantized from the file's types" in out
         assert cost <= own, f"{qt.name} -> {fmts}: the conversion's KL {cost:.3g} > the file's own {own:.3g}"
-
-
-@pytest.mark.parametrize("qt,fmt,flags", [(QT.Q4_K, "q4k", ()), (QT.Q6_K, "q6k", ("--group-size", "16"))],
-                         ids=["Q4_K", "Q6_K"])
-def test_k_quants_kept_as_stored_for_the_gpu(base, tmp_path, qt, fmt, flags, capsys):
-    """q4k / q6k for the linear layers (--tensor-format, with --backend xla: only the GPU has their
-    kernels) keep a Q4_K / Q6_K file's tensors as they are: the file's values exactly (the reference backend's logits equal the
-    f32 plan's), the xla backend's within f32 rounding of them; the llvm backend refuses the plan at
-    load and the compile refuses the format without --backend xla, each naming it."""
-    from strata_compiler.cli import stratac
-    from strata_compiler.errors import BackendError
-    from strata_compiler.runtime.plan import load_plan
-    from strata_compiler.runtime.sampler import Sampler
-    from strata_compiler.runtime.session import Session
-    from test_gguf_frontend import run_cli
-
-    pytest.importorskip("jax")
-    ids = base[-1]
-    _typed_file(base, tmp_path, qt)
-    file = _logits(_compile(tmp_path / "f.gguf", tmp_path / "p_file", "--quant", "f32"), ids)
-    capsys.readouterr()
-    rule = ("--tensor-format", rf"\.(attn|mlp)\.={fmt}")        # the linear layers (the file's Q4_K / Q6_K)
-    gpu = _compile(tmp_path / "f.gguf", tmp_path / "p_gpu", "--backend", "xla", *rule, *flags)
-    assert "requantized" not in capsys.readouterr().out
-    plan = load_plan(gpu)
-    assert {w.fmt for w in plan.graph.weights if any(p in w.name for p in (".attn.", ".mlp."))
-            and len(w.shape) == 2} == {fmt}
-    np.testing.assert_array_equal(_logits(gpu, ids), file)
-    xla = Session(plan, "xla", device="cpu").generate(ids, 1, Sampler(0.0))[0]
-    assert np.abs(xla - file).max() <= 1e-4 * file.std()
-    with pytest.raises(BackendError, match=f"stored {fmt}.*--backend xla"):
-        Session(plan, "llvm")
-    assert run_cli(stratac, ["compile", str(tmp_path / "f.gguf"), "-o", str(tmp_path / "p_cpu"), *rule, *flags]) != 0
-    assert f"{fmt}: only the xla backend" in capsys.readouterr().err

@@ -20,7 +20,7 @@ from strata_compiler.backends import probe as hwprobe
 from strata_compiler.cli import stratac
 from strata_compiler.cli_common import run_cli
 from strata_compiler.errors import UsageError
-from strata_compiler.backends.probe import PRICED as FORMATS   # the formats the place pass prices
+from strata_compiler.formats import FORMATS
 from strata_compiler.backends.probe import probe
 from strata_compiler.hwprofile import CpuIsa, DiskProfile, GpuProfile, HardwareProfile, HostProfile, override
 

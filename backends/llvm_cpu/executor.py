@@ -53,19 +53,6 @@ def hugepages_available() -> bool:
     return "[always]" in mode or "[madvise]" in mode
 
 
-from strata_compiler.kquant import GPU_ONLY as GPU_FORMATS    # formats the kernels here do not read
-
-
-def _check_formats(graph: Graph, nodes: list) -> None:
-    """A weight in a format this backend has no kernel for: one error at load, naming it."""
-    for n in nodes:
-        for _, name in n.weights:
-            if name is not None and graph.weight(name).fmt in GPU_FORMATS:
-                fmt = graph.weight(name).fmt
-                raise BackendError(f"weight {name} is stored {fmt}, which only the xla backend runs: run it with "
-                                   f"--backend xla (--device cpu without a GPU), or compile it in another format")
-
-
 class LLVMExecutor(Executor):
     def __init__(self, graph: Graph, weights, target: Target | None = None, act: str | None = None,
                  lib: "KernelLibrary | SourceCollector | None" = None, nodes: list[int] | None = None,
@@ -78,7 +65,6 @@ class LLVMExecutor(Executor):
         self.residency = residency if residency is not None else Residency()   # a mixed run's live expert caches
         ids = set(nodes) if nodes is not None else {n.id for n in graph.nodes}
         self.nodes = [n for n in graph.nodes if n.id in ids]
-        _check_formats(graph, self.nodes)
         users = graph.users()
         self.inputs = sorted({a for n in self.nodes for a in n.args if a not in ids})
         # each input is fetched just before the first op that reads it: a GPU result needed only

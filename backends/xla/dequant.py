@@ -28,8 +28,6 @@ def dequantize(jnp, spec, arrays: dict, dtype):
         return arrays["w"].astype(dtype)
     if fmt == "bf16":
         return jax.lax.bitcast_convert_type(arrays["w"], jnp.bfloat16).astype(dtype)
-    if fmt in ("q4k", "q6k"):
-        return _two_level(jnp, fmt, arrays, K, dtype)
     qs, d = arrays["qs"], arrays["scales"]
     lead = qs.shape[:-1]
     ng = -(-K // G)
@@ -60,28 +58,6 @@ def dequantize(jnp, spec, arrays: dict, dtype):
     else:
         w = q * d.astype(dtype)[..., None]
     return w.reshape(*lead, ng * G)[..., :K]
-
-
-def _two_level(jnp, fmt: str, arrays: dict, K: int, dtype):
-    """q4k / q6k (formats.py): codes times d sc (each group's factor times its super-block's f16
-    scale), in f32 as ggml computes them, then one rounding to dtype."""
-    f32 = jnp.float32
-    qs, sub, sup = arrays["qs"], arrays["sub"].astype(f32), arrays["scales"].astype(f32)
-    lead = qs.shape[:-1]
-    if fmt == "q4k":
-        p = qs.reshape(*lead, K // 32, 16)
-        q = jnp.concatenate([p & 0x0F, p >> 4], axis=-1).astype(f32)
-        d = jnp.repeat(sup[..., 0::2], 8, axis=-1) * sub[..., 0::2]
-        m = jnp.repeat(sup[..., 1::2], 8, axis=-1) * sub[..., 1::2]
-        w = q * d[..., None] - m[..., None]
-    else:
-        b = qs.reshape(*lead, K // 16, 12)
-        nib, hp = b[..., :8], b[..., 8:]
-        low = jnp.concatenate([nib & 0x0F, nib >> 4], axis=-1)
-        high = jnp.concatenate([(hp >> (2 * j)) & 3 for j in range(4)], axis=-1)
-        q = (low | (high << 4)).astype(f32) - 32.0
-        w = (jnp.repeat(sup, 16, axis=-1) * sub)[..., None] * q
-    return w.reshape(*lead, K).astype(dtype)
 
 
 # Up to this many rows, x @ W^T is `matvec`, a fused multiply-reduce; above it, dequantize and a dot.

@@ -22,15 +22,16 @@ import functools
 from strata_compiler import settings
 
 from .pallas_quant import (_Proj, _Spec, _key, _load, _padded, _pow2, _row_block, _rows_apply, _rows_load, _store_rows,
-                           _x_parts, gate, kernel_format)
+                           _x_parts, gate)
 
 
 def use_linear(on_gpu: bool, spec, M: int) -> tuple[bool, bool]:
-    """(use linear_decode, in interpret mode) for x[M, K] @ W^T with W stored as `spec`: the nibble
-    formats the kernels read (int4, int4a with dp4a groups, q4k, q6k), up to the
-    `pallas_linear_rows` rows (above them, XLA's dequantize and dot)."""
-    return gate(on_gpu, M <= settings.get("pallas_linear_rows")[0] and spec.fmt in ("int4", "int4a", "q4k", "q6k")
-                and len(spec.shape) == 2 and kernel_format(spec))
+    """(use linear_decode, in interpret mode) for x[M, K] @ W^T with W stored as `spec`: int4 or
+    int4a with a group of a multiple of 8 (dp4a words), up to the `pallas_linear_rows` rows (above
+    them, XLA's dequantize and dot)."""
+    return gate(on_gpu, M <= settings.get("pallas_linear_rows")[0] and spec.fmt in ("int4", "int4a")
+                and len(spec.shape) == 2
+                and (spec.group_size or 32) % 8 == 0)
 
 
 def _linear_kernel(*refs, p: _Proj, BN: int, interpret: bool = False, eps=None, residual: bool = False,
@@ -117,7 +118,7 @@ def linear_decode(x, spec, arrays: dict, *, interpret: bool = False, rms=None, r
     rkey = (router[0].shape[0], router[0].fmt == "bf16") if router is not None else None
     p, call = _linear_call(_key(spec), x.shape[0], bool(interpret), bn, warps, eps, residual is not None, rkey)
     args = [p.x_view(_padded(x, p))] + ([p.norm_view(rms[0])] if rms is not None else [])
-    args += [p.qs_view(arrays["qs"]), p.sc_view(arrays)]
+    args += [p.qs_view(arrays["qs"]), p.sc_view(arrays["scales"])]
     args += [residual.astype(jnp.float32)] if residual is not None else []
     if router is not None:
         args += [_dense_bits(router[0], router[1]), router[2].astype(jnp.float32).reshape(1, p.N)]

@@ -50,17 +50,11 @@ DEQUANT_FIRST_TOKENS = 256
 DEQUANT_FIRST_BYTES = 2 << 30
 
 
-# formats these kernels take only dequantized first (no register tiles of their own): the K-quants
-TWO_LEVEL = ("q4k", "q6k")
-
-
-def supported(spec, M: int = DEQUANT_FIRST_TOKENS) -> bool:
-    """Whether a weight stored as `spec` ([N, K] or stacked [E, N, K]) has these kernels for M
-    tokens: int4 or int4a with a power-of-two group of at least 32 (16-column dots per nibble half),
-    int8 with one of at least 16; q4k / q6k experts where they are dequantized first (`_first`)."""
+def supported(spec) -> bool:
+    """Whether a weight stored as `spec` ([N, K] or stacked [E, N, K]) has these kernels: int4 or
+    int4a with a power-of-two group of at least 32 (16-column dots per nibble half), int8 with one
+    of at least 16."""
     G = spec.group_size or 32
-    if spec.fmt in TWO_LEVEL:
-        return len(spec.shape) == 3 and M >= DEQUANT_FIRST_TOKENS and 2 * math.prod(spec.shape) <= DEQUANT_FIRST_BYTES // 2
     return (len(spec.shape) in (2, 3) and _is_pow2(G)
             and (spec.fmt in ("int4", "int4a") and G >= 32 or spec.fmt == "int8" and G >= 16))
 
@@ -68,7 +62,7 @@ def supported(spec, M: int = DEQUANT_FIRST_TOKENS) -> bool:
 def use(on_gpu: bool, spec, M: int, above: int) -> tuple[bool, bool]:
     """(use the kernels, in interpret mode) for M tokens against an expert weight stored as `spec`,
     where the decode kernels take up to `above` tokens (their setting) and these the rest."""
-    return gate(on_gpu, M > above and supported(spec, M))
+    return gate(on_gpu, M > above and supported(spec))
 
 
 def tuning(rows_per_block: int, dequantized: bool = False) -> tuple[int, int, int, int, int]:
@@ -314,8 +308,7 @@ def moe(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict, *, dt
     E = gu_spec.shape[0]
     dt = jnp.dtype(dtype)
     first = (M >= DEQUANT_FIRST_TOKENS
-             and dt.itemsize * (math.prod(gu_spec.shape) + math.prod(dn_spec.shape)) <= DEQUANT_FIRST_BYTES
-             or {gu_spec.fmt, dn_spec.fmt} & set(TWO_LEVEL))
+             and dt.itemsize * (math.prod(gu_spec.shape) + math.prod(dn_spec.shape)) <= DEQUANT_FIRST_BYTES)
     tune = tuning(-(-M * k // E), dequantized=first)
     BM = tune[0]
     slot, pair_of, e_of = align(topi.reshape(-1), E, BM)

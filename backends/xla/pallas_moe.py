@@ -28,7 +28,7 @@ import functools
 from strata_compiler import settings
 
 from .pallas_quant import (FORMATS, _Proj, _Spec, _is_pow2, _key, _load, _padded, _pow2, _row_block, _rows_apply,
-                           _rows_load, _store_q8, _store_rows, _x_parts, gate, kernel_format)
+                           _rows_load, _store_q8, _store_rows, _x_parts, gate)
 
 
 def max_rows() -> int:
@@ -45,9 +45,12 @@ def tuning() -> tuple[int, int, int, int]:
 
 def supported(gu_spec, dn_spec) -> bool:
     """Whether both projections' stored formats have a kernel here: int8 with a power-of-two
-    group, int4/int4a with a power-of-two group of at least 8 (dp4a words), q4k and q6k."""
+    group, int4/int4a with a power-of-two group of at least 8 (dp4a words)."""
     for s in (gu_spec, dn_spec):
-        if s.fmt not in FORMATS or len(s.shape) != 3 or not kernel_format(s):
+        G = s.group_size or 32
+        if s.fmt not in FORMATS or len(s.shape) != 3:
+            return False
+        if s.fmt in ("int4", "int4a") and (G % 8 or not _is_pow2(G)) or s.fmt == "int8" and not _is_pow2(G):
             return False
     return gu_spec.shape[0] == dn_spec.shape[0] and gu_spec.shape[1] % 2 == 0
 
@@ -72,9 +75,8 @@ def _expert_rows(p: _Proj, w_refs, e, start, row0, BN: int, limit: int, span: in
     hit = s >= 0
     qa, da = _rows_load(p, qs_slot, sc_slot, jnp.maximum(s, 0), start, row0, BN, limit, span, on=hit)
     qb, db = _rows_load(p, qs_ref, sc_ref, e, start, row0, BN, limit, span, on=~hit)
-    import jax
-
-    return jax.tree.map(lambda a, b: jnp.where(hit, a, b), (qa, da), (qb, db))
+    d = tuple(jnp.where(hit, a, b) for a, b in zip(da, db)) if p.paired else jnp.where(hit, da, db)
+    return jnp.where(hit, qa, qb), d
 
 
 def _ranks(x):
@@ -193,7 +195,7 @@ def q8_between(gu_spec, dn_spec) -> bool:
     """Whether gate_up hands h to down in q8 form: dp4a down weights whose groups tile I exactly
     (one group per gate_up program)."""
     pd = _Proj(_Spec(*_key(dn_spec)))
-    return pd.dp4a and pd.K == pd.Kp and _is_pow2(pd.G) and 32 <= pd.G <= 128
+    return pd.dp4a and pd.K == pd.Kp and _is_pow2(pd.G) and pd.G <= 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -272,18 +274,18 @@ def moe_decode(x, topi, topw, gu_spec, gu_arrays: dict, dn_spec, dn_arrays: dict
         if EP != E:
             ids = jnp.pad(ids, [(0, 0), (0, EP - E)], constant_values=-jnp.inf)
     xin = [pg.x_view(_padded(x, pg))] + ([pg.norm_view(rms[0])] if rms is not None else [])
-    gw = [pg.qs_view(gu_arrays["qs"]), pg.sc_view(gu_arrays)]
-    dw = [pd.qs_view(dn_arrays["qs"]), pd.sc_view(dn_arrays)]
+    gw = [pg.qs_view(gu_arrays["qs"]), pg.sc_view(gu_arrays["scales"])]
+    dw = [pd.qs_view(dn_arrays["qs"]), pd.sc_view(dn_arrays["scales"])]
     if slots is not None:
         slot_of = slots[0].astype(jnp.int32)
-        gw += [slot_of, pg.qs_view(slots[1]["qs"]), pg.sc_view(slots[1])]
-        dw += [slot_of, pd.qs_view(slots[2]["qs"]), pd.sc_view(slots[2])]
+        gw += [slot_of, pg.qs_view(slots[1]["qs"]), pg.sc_view(slots[1]["scales"])]
+        dw += [slot_of, pd.qs_view(slots[2]["qs"]), pd.sc_view(slots[2]["scales"])]
     out = gate_up(ids, *xin, *gw)   # h [M*k, Ip] or its q8 (+ ids, w)
     if route is None:
         h, w = out, topw.reshape(-1).astype(jnp.float32)
     else:
         h, ids, w = out[:-2], out[-2], out[-1]
-    hin = pd.q8_view(h) if q8 else [pd.x_view(h[0])]
+    hin = list(h) if q8 else [pd.x_view(h[0])]
     res = [residual.astype(jnp.float32)] if residual is not None else []
     y = down(ids, w, *hin, *dw, *res)
     return (y, ids) if with_ids else y

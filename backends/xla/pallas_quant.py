@@ -14,14 +14,6 @@ int8 qs i8[E, N, Kp] is viewed as [E, N, Kp/G, G]. int4a (Q4_1's layout) is int4
 a (scale, min) pair per group, its scales [E, N, 2 Kp/G] viewed as [E, N, Kp/G, 2]: a group's sum is
 d dot(q, x) + m sum(x), the second term from the q8 block sums.
 
-The K-quants keep GGUF's two-level scales (formats.py): q4k is int4a's nibbles (G = 32) whose
-(scale, min) pair is (d sc, -dmin m), the u8 (sc, m) per group times the f16 (d, dmin) of its
-super-block of 8 groups; q6k (G = 16) is a group's 8 bytes of low nibbles, read as int4's, and a
-third u32 word per group of the codes' high two bits (byte i, bits 2j: value i + 4j), OR-ed into
-each nibble byte before the dp4a (codes 0..63, value - 32), its scale d sc (i8 sc per group, f16 d
-per 16 groups). The super-block's scale reaches its groups as a broadcast of the loaded [BN, NGP/S]
-block (a reshape in registers): the f16 per-group scales are never materialised in memory.
-
 Triton needs power-of-two tensor sizes: the group axis is padded to the next power of two and
 ragged row blocks are masked (masked lanes read scale 0, so they add nothing). On the CPU the
 kernels run in Pallas interpret mode (tests).
@@ -35,22 +27,7 @@ from __future__ import annotations
 
 from strata_compiler import settings
 
-FORMATS = ("int4", "int8", "int4a", "q4k", "q6k")
-_NIBBLES = ("int4", "int4a", "q4k", "q6k")      # formats whose codes are packed two to a byte
-# groups per super-block (its f16 scales) of the two-level formats; a fixed group size each
-_SUPER = {"q4k": (8, 32), "q6k": (16, 16)}
-
-
-def kernel_format(spec) -> bool:
-    """Whether the decode kernels read weights stored as `spec`: int8 with a power-of-two group,
-    int4/int4a with a power-of-two group of at least 8 (dp4a words), q4k/q6k at their own group
-    size with rows of whole super-blocks."""
-    fmt, G = spec.fmt, spec.group_size or 32
-    if fmt in _SUPER:
-        return G == _SUPER[fmt][1] and spec.shape[-1] % (_SUPER[fmt][0] * G) == 0
-    if fmt in ("int4", "int4a"):
-        return G % 8 == 0 and _is_pow2(G)
-    return fmt == "int8" and _is_pow2(G)
+FORMATS = ("int4", "int8", "int4a")
 
 
 def gate(on_gpu: bool, applies: bool) -> tuple[bool, bool]:
@@ -92,76 +69,39 @@ class _Proj:
         self.ng = -(-self.K // self.G)               # groups per row
         self.Kp = self.ng * self.G
         self.NGP = _pow2(self.ng)                    # group axis as loaded (power of two)
-        self.paired = self.fmt in ("int4a", "q4k")   # a (scale, min) pair per group
-        self.W = self.G // 2 if self.fmt in _NIBBLES else self.G   # nibble (or int8) bytes per group
-        self.dp4a = self.fmt in _NIBBLES and self.W % 4 == 0
+        self.paired = self.fmt == "int4a"            # a (scale, min) pair per group
+        self.W = self.G // 2 if self.fmt in ("int4", "int4a") else self.G   # bytes per group
+        self.dp4a = self.fmt in ("int4", "int4a") and self.W % 4 == 0
         self.QW = self.W // 4 if self.dp4a else self.W          # stored elements per group as loaded
-        self.S = _SUPER[self.fmt][0] if self.fmt in _SUPER else 0    # groups per super-block, 0: none
-        self.planes = self.fmt == "q6k"              # a word of high bits after each group's nibbles
-        self.offset = {"int4": 8, "q6k": 32}.get(self.fmt, 0)     # codes are value + offset
-        # the group axis of the views: the two-level formats' split as (super-block, group), so a
-        # super-block's scale broadcasts over its groups (no reshape in the kernels)
-        self.groups = (self.ng // self.S, self.S) if self.S else (self.ng,)
-        self.loaded = (self.NGP // self.S, self.S) if self.S else (self.NGP,)
-
-    def gslices(self) -> tuple:
-        """Index of the group axes as loaded."""
-        from jax.experimental import pallas as pl
-
-        return (pl.ds(0, self.loaded[0]),) + ((slice(None),) if self.S else ())
-
-    def gmask(self):
-        """bool [*loaded]: the groups that exist (None: all of them)."""
-        import jax.numpy as jnp
-
-        if self.NGP == self.ng:
-            return None
-        ok = jnp.arange(self.loaded[0]) < self.groups[0]
-        return jnp.broadcast_to(ok[:, None], self.loaded) if self.S else ok
-
-    def q8_view(self, triple) -> list:
-        """An earlier kernel's q8 rows (words [R, ng, G/4], scales and sums [R, ng]) in the group
-        axes this projection loads."""
-        wq, sq, tq = triple
-        R = wq.shape[0]
-        return [wq.reshape(R, *self.groups, wq.shape[-1]), sq.reshape(R, *self.groups), tq.reshape(R, *self.groups)]
 
     def qs_view(self, qs):
         """(Stacked experts: the leading axis is the array's own, E experts or an expert cache's S
         slots.)"""
         E = qs.shape[0] if qs.ndim == 3 else self.E
-        if self.dp4a:       # [E, N, ng, W/4 (+1)] u32: byte j of word w is byte 4w + j of the group
+        if self.dp4a:       # [E, N, ng, W/4] u32: byte j of word w is byte 4w + j of the group
             import jax
             import jax.numpy as jnp
 
-            words = self.QW + self.planes
-            return jax.lax.bitcast_convert_type(qs.reshape(E, self.N, *self.groups, words, 4), jnp.uint32)
-        return qs.reshape(E, self.N, *self.groups, self.W)
+            return jax.lax.bitcast_convert_type(qs.reshape(E, self.N, self.ng, self.QW, 4), jnp.uint32)
+        return qs.reshape(E, self.N, self.ng, self.W)
 
-    def sc_view(self, arrays: dict):
-        """The scales as the kernels load them: [E, N, ng], int4a's pairs [E, N, ng, 2]; the
-        two-level formats' (per group [E, N, ng/S, S] or q4k's pairs [E, N, ng/S, S, 2], per
-        super-block [E, N, ng/S] or q4k's pairs [E, N, ng/S, 2])."""
-        sc = arrays["scales"]
+    def sc_view(self, sc):
+        """The scales as the kernels load them: [E, N, ng], int4a's pairs [E, N, ng, 2]."""
         E = sc.shape[0] if sc.ndim == 3 else self.E
-        pair = (2,) if self.paired else ()
-        if self.S:
-            return (arrays["sub"].reshape(E, self.N, *self.groups, *pair),
-                    sc.reshape(E, self.N, self.ng // self.S, *pair))
-        return sc.reshape(E, self.N, self.ng, *pair)
+        return sc.reshape(E, self.N, self.ng, 2) if self.paired else sc.reshape(E, self.N, self.ng)
 
     def norm_view(self, w):
-        """A norm's weight [K] in the dp4a view of one activation row: f32 [*groups, 2, G/8, 4]."""
+        """A norm's weight [K] in the dp4a view of one activation row: f32 [ng, 2, G/8, 4]."""
         import jax.numpy as jnp
 
         w = jnp.pad(w.astype(jnp.float32), [(0, self.Kp - self.K)]) if self.Kp != self.K else w.astype(jnp.float32)
-        return w.reshape(*self.groups, 2, self.QW, 4)
+        return w.reshape(self.ng, 2, self.QW, 4)
 
     def x_view(self, x):
-        """x [R, Kp] -> the layout the kernel loads: [R, *groups, 2, G/8, 4] (dp4a) or [R, ng, G] (int8)."""
+        """x [R, Kp] -> the layout the kernel loads: [R, ng, 2, G/8, 4] (int4) or [R, ng, G] (int8)."""
         if self.dp4a:
-            return x.reshape(x.shape[0], *self.groups, 2, self.QW, 4)
-        return x.reshape(x.shape[0], *self.groups, self.W)
+            return x.reshape(x.shape[0], self.ng, 2, self.QW, 4)
+        return x.reshape(x.shape[0], self.ng, self.W)
 
 
 def _padded(x, p: _Proj):
@@ -220,16 +160,19 @@ def _x_parts(p: _Proj, x_ref, r, norm=None, with_inv: bool = False):
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
-    gs, gmask = p.gslices(), p.gmask()
-    mask = None if gmask is None else jnp.broadcast_to(gmask[..., None], p.loaded + (p.QW,))
+    gs = pl.ds(0, p.NGP)
+    mask = gmask = None
+    if p.NGP != p.ng:
+        mask = jnp.broadcast_to((jnp.arange(p.NGP) < p.ng)[:, None], (p.NGP, p.QW))
+        gmask = jnp.arange(p.NGP) < p.ng
     if isinstance(x_ref, tuple):
         wq, sq, tq = x_ref
-        return (_load(wq.at[(r, *gs, pl.ds(0, p.QW))], mask), _load(wq.at[(r, *gs, pl.ds(p.QW, p.QW))], mask),
-                _load(sq.at[(r, *gs)], gmask), _load(tq.at[(r, *gs)], gmask))
+        return (_load(wq.at[r, gs, pl.ds(0, p.QW)], mask), _load(wq.at[r, gs, pl.ds(p.QW, p.QW)], mask),
+                _load(sq.at[r, gs], gmask), _load(tq.at[r, gs], gmask))
     if p.dp4a:
         # (half, byte) indices traced: interpret mode masks no python ints
         hj = [(jnp.int32(h), jnp.int32(j)) for h in (0, 1) for j in range(4)]
-        blocks = [_load(x_ref.at[(r, *gs, h, slice(None), j)], mask).astype(jnp.float32) for h, j in hj]
+        blocks = [_load(x_ref.at[r, gs, h, :, j], mask).astype(jnp.float32) for h, j in hj]
         inv = None
         if norm is not None:
             w_ref, eps = norm
@@ -238,11 +181,11 @@ def _x_parts(p: _Proj, x_ref, r, norm=None, with_inv: bool = False):
                 t = (b * b).sum()
                 ss = t if ss is None else ss + t
             inv = 1.0 / jnp.sqrt(ss / p.K + eps)
-            blocks = [b * inv * _load(w_ref.at[(*gs, h, slice(None), j)], mask) for b, (h, j) in zip(blocks, hj)]
+            blocks = [b * inv * _load(w_ref.at[gs, h, :, j], mask) for b, (h, j) in zip(blocks, hj)]
         parts = _q8_parts(blocks)
         return (parts, inv) if with_inv else parts
     assert norm is None, "the norm prologue needs the dp4a layout"
-    return (_load(x_ref.at[(r, *gs, slice(None))], mask).astype(jnp.float32),)
+    return (_load(x_ref.at[r, gs, :], mask).astype(jnp.float32),)
 
 
 def _q8_inv(amax):
@@ -296,7 +239,7 @@ def _q8_parts(blocks: list):
     for b in blocks:
         m = jnp.abs(b).max(axis=-1)
         amax = m if amax is None else jnp.maximum(amax, m)
-    inv = _q8_inv(amax)[..., None]
+    inv = _q8_inv(amax)[:, None]
     qs = [_q8_values(b, inv) for b in blocks]
     total = None
     for q in qs:
@@ -331,105 +274,52 @@ def _dp4a(a, b, c, interpret: bool):
                                         pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)])[0]
 
 
-def _codes(p: _Proj, q):
-    """The dp4a words of a group's low- and high-nibble codes (unsigned bytes) from q as loaded:
-    u32 [..., QW], or q6k's (nibble words [..., QW], high-bit words [...]), whose two bits of value
-    i + 4j (byte i, bits 2j) join the low nibble of word j's byte i and the high nibble of word
-    j's byte i (values 8 + 4j + i: bits 4 + 2j)."""
-    import jax.numpy as jnp
-
-    u = jnp.uint32
-    if not p.planes:
-        return q & u(0x0F0F0F0F), (q >> u(4)) & u(0x0F0F0F0F)
-    words, high = q
-    shift = jnp.arange(p.QW, dtype=jnp.uint32) * u(2)
-    hb = high[..., None]
-    lo = (words & u(0x0F0F0F0F)) | (((hb >> shift) & u(0x03030303)) << u(4))
-    hi = ((words >> u(4)) & u(0x0F0F0F0F)) | (((hb >> (shift + u(4))) & u(0x03030303)) << u(4))
-    return lo, hi
-
-
 def _dequant_dot(p: _Proj, q, xs, interpret: bool = False):
     """sum over the last axis of q [..., NGP, QW] (stored integers, the weights' scale not applied)
     times the activation parts xs: [..., NGP]. dp4a: from the q8 activations, their scale applied;
-    int4a / q4k: (that, the group's sum of x) [..., NGP] each, for its scale and its min."""
+    int4a: (that, the group's sum of x) [..., NGP] each, for its scale and its min."""
     import jax.numpy as jnp
 
     if p.dp4a:
         xlo, xhi, dx, sm = xs
-        lo, hi = _codes(p, q)
-        xlo, xhi = jnp.broadcast_to(xlo, lo.shape), jnp.broadcast_to(xhi, lo.shape)
-        acc = _dp4a(hi, xhi, _dp4a(lo, xlo, jnp.zeros(lo.shape, jnp.int32), interpret), interpret)
+        lo = q & jnp.uint32(0x0F0F0F0F)
+        hi = (q >> jnp.uint32(4)) & jnp.uint32(0x0F0F0F0F)
+        xlo, xhi = jnp.broadcast_to(xlo, q.shape), jnp.broadcast_to(xhi, q.shape)
+        acc = _dp4a(hi, xhi, _dp4a(lo, xlo, jnp.zeros(q.shape, jnp.int32), interpret), interpret)
         if p.paired:
             return acc.sum(axis=-1).astype(jnp.float32) * dx, sm.astype(jnp.float32) * dx
-        if p.offset:                                                        # codes are value + offset
-            return (acc.sum(axis=-1) - p.offset * sm).astype(jnp.float32) * dx
-        return acc.sum(axis=-1).astype(jnp.float32) * dx
+        return (acc.sum(axis=-1) - 8 * sm).astype(jnp.float32) * dx      # nibbles are value + 8
     return (q.astype(jnp.float32) * xs[0]).sum(axis=-1)
 
 
 def _rows_load(p: _Proj, qs_ref, sc_ref, e, start, row0, BN: int, limit: int, span: int, on=None):
-    """(q [BN, *loaded, QW], scales f32 [BN, *loaded]) of rows start + row0 + [0, BN) of expert e;
-    rows at or past `limit` (counted from `start`) read nothing and get scale 0 (the grid spans
-    `span` rows). `on` (a traced bool): where false, nothing is read at all (zeros; the masked loads
-    move no bytes). The kernels issue these loads before they prepare their activations, so the
-    weights' memory latency overlaps that work (Triton keeps the program order of loads). int4a /
-    q4k's scales are (scale, min) pairs; q6k's q is (nibble words, high-bit words [BN, *loaded])."""
+    """(q [BN, NGP, QW], scales f32 [BN, NGP]) of rows start + row0 + [0, BN) of expert e; rows at
+    or past `limit` (counted from `start`) read nothing and get scale 0 (the grid spans `span` rows).
+    `on` (a traced bool): where false, nothing is read at all (zeros; the masked loads move no
+    bytes). The kernels issue these loads before they prepare their activations, so the weights'
+    memory latency overlaps that work (Triton keeps the program order of loads)."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
     rows = row0 + jnp.arange(BN)
-    gs, gmask = p.gslices(), p.gmask()
-    row_ok = (rows < limit)[:, None, None] if p.S else (rows < limit)[:, None]
     qmask = smask = None
-    if span > limit or gmask is not None or on is not None:
-        ok = row_ok if gmask is None else row_ok & gmask[None]
+    if span > limit or p.NGP != p.ng or on is not None:
+        ok = (rows < limit)[:, None] & (jnp.arange(p.NGP) < p.ng)[None, :]     # [BN, NGP]
         if on is not None:
             ok = ok & on
-        smask = jnp.broadcast_to(ok, (BN, *p.loaded))
-        qmask = jnp.broadcast_to(smask[..., None], (BN, *p.loaded, p.QW))
-    rs = pl.ds(start + row0, BN)
-    if p.planes:
-        q = (_load(qs_ref.at[(e, rs, *gs, pl.ds(0, p.QW))], qmask),
-             _load(qs_ref.at[(e, rs, *gs, jnp.int32(p.QW))], smask))
-    else:
-        q = _load(qs_ref.at[(e, rs, *gs, slice(None))], qmask)
-    if p.S:
-        return q, _two_level(p, sc_ref, e, rs, rows < limit, on, smask)
+        smask = ok
+        qmask = jnp.broadcast_to(ok[:, :, None], (BN, p.NGP, p.QW))
+    rs, gs = pl.ds(start + row0, BN), pl.ds(0, p.NGP)
+    q = _load(qs_ref.at[e, rs, gs, :], qmask)
     if p.paired:    # scale and min as two strided loads: Triton cannot slice a loaded [.., 2] block
-        return q, tuple(_load(sc_ref.at[(e, rs, *gs, jnp.int32(i))], smask).astype(jnp.float32) for i in (0, 1))
-    return q, _load(sc_ref.at[(e, rs, *gs)], smask).astype(jnp.float32)
-
-
-def _two_level(p: _Proj, sc_ref, e, rs, row_ok, on, smask):
-    """A two-level format's scales of the rows `rs`, f32 [BN, NGP/S, S] (q4k: the pair (d sc,
-    -dmin m)): each group's own u8 / i8 factor times its super-block's f16 scale, loaded once per
-    super-block [BN, NGP/S] and broadcast over the group axis."""
-    import jax.numpy as jnp
-    from jax.experimental import pallas as pl
-
-    sub_ref, sup_ref = sc_ref
-    NSP, nsb = p.loaded[0], p.groups[0]
-    gs, ss = p.gslices(), pl.ds(0, NSP)
-    tmask = None
-    if smask is not None:
-        tmask = row_ok[:, None] & (jnp.arange(NSP) < nsb)[None, :]
-        if on is not None:
-            tmask = tmask & on
-
-    def scale(i=()):
-        sub = _load(sub_ref.at[(e, rs, *gs, *i)], smask).astype(jnp.float32)
-        return sub * _load(sup_ref.at[(e, rs, ss, *i)], tmask).astype(jnp.float32)[:, :, None]
-    if p.paired:
-        return scale((jnp.int32(0),)), -scale((jnp.int32(1),))
-    return scale()
+        return q, tuple(_load(sc_ref.at[e, rs, gs, jnp.int32(i)], smask).astype(jnp.float32) for i in (0, 1))
+    return q, _load(sc_ref.at[e, rs, gs], smask).astype(jnp.float32)
 
 
 def _rows_apply(p: _Proj, w, xs, interpret: bool = False):
     """f32[BN]: the rows `w` (from `_rows_load`) dequantized, times the activation parts xs."""
     q, d = w
     s = _dequant_dot(p, q, tuple(x[None] for x in xs), interpret)
-    t = s[0] * d[0] + s[1] * d[1] if p.paired else s * d     # d: (scale, min) [BN, *loaded] each; masked: 0
-    for _ in p.loaded:
-        t = t.sum(axis=-1)
-    return t
+    if p.paired:                                                                 # d: (scale, min) [BN, NGP] each
+        return (s[0] * d[0] + s[1] * d[1]).sum(axis=-1)
+    return (s * d).sum(axis=-1)                                                  # masked: d == 0

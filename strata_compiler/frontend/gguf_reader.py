@@ -10,9 +10,7 @@ and returns
   declares (`model.layers.0.self_attn.q_proj.weight`, ...). Each tensor is dequantized to f32 with
   `gguf.quants.dequantize` one row block at a time when the emit pass streams it, so every GGUF
   type the package can dequantize (F32, F16, BF16, Q4_0, Q4_1, Q8_0, K-quants, ...) is accepted and
-  `--quant` then re-packs the f32 rows into Strata's own formats. Where the format asked for is the
-  file's own (NATIVE: Q4_0 int4, Q4_1 int4a, Q8_0 int8, Q4_K q4k, Q6_K q6k), the rows' stored arrays
-  come with them, taken from the file's blocks bit for bit instead of quantized again.
+  `--quant` then re-packs the f32 rows into Strata's own formats.
 - a `ModelConfig` built from the `<architecture>.*` metadata, for `hf.build_graph`;
 - the JSON of a `tokenizers` Tokenizer rebuilt from `tokenizer.ggml.*` (byte-level BPE, model
   `gpt2`), or None when the file's tokenizer is of a kind not rebuilt here.
@@ -39,7 +37,6 @@ import numpy as np
 
 from ..errors import ModelError
 from ..ir import make_attrs
-from ..kquant import pack_q4k, pack_q6k
 from ..untrusted import open_regular
 from .gguf_file import GGUF_MAGIC, GGUFFile, read_gguf
 from .gguf_tokenizer import build_tokenizer_json
@@ -82,10 +79,8 @@ _MOE_NAMES = {
     "ffn_gate_inp_shexp.weight": "shared_expert_gate.weight",
 }
 _EXPERT_STACKS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
-# (GGML type, Strata format, group size) -> that format, where the file's blocks hold its arrays' values
-# bit for bit: as stored (Q4_0, Q8_0, Q4_1) or rearranged (Q4_K, Q6_K: q4k_arrays, q6k_arrays)
-NATIVE = {("Q4_0", "int4", 32): "int4", ("Q8_0", "int8", 32): "int8", ("Q4_1", "int4a", 32): "int4a",
-          ("Q4_K", "q4k", 32): "q4k", ("Q6_K", "q6k", 16): "q6k"}
+# (GGML type, Strata format, group size) -> that format, where the file's bytes are its arrays as stored
+NATIVE = {("Q4_0", "int4", 32): "int4", ("Q8_0", "int8", 32): "int8", ("Q4_1", "int4a", 32): "int4a"}
 # bytes of a block's scales ahead of its codes: Q4_0 / Q8_0 d (f16), Q4_1 d and m (f16 each)
 _SCALE_BYTES = {"int4": 2, "int8": 2, "int4a": 4}
 # the layer index in ASCII digits without leading zeros: blk.00.x, blk.\u0660.x or blk.\uff10.x (which int()
@@ -108,41 +103,6 @@ class GGUFTensorInfo:
     permute_heads: int        # > 0: rows are llama.cpp-permuted q/k rows of this many heads
 
 
-def _f16_field(b: np.ndarray, at: int) -> np.ndarray:
-    """The f16 at byte `at` of each block of b [..., S, block bytes] -> [..., S]."""
-    return np.ascontiguousarray(b[..., at:at + 2]).view(np.float16)[..., 0]
-
-
-def q4k_arrays(b: np.ndarray) -> dict[str, np.ndarray]:
-    """Q4_K blocks u8 [..., S, 144] (f16 d, f16 dmin, scales[12], qs[128]) -> q4k's arrays of their
-    rows [..., S * 256] (formats.py), the same values bit for bit."""
-    lead = b.shape[:-2]
-    q0, q1, q2 = b[..., 4:8], b[..., 8:12], b[..., 12:16]      # the 6-bit (sc, m) of 8 groups: get_scale_min_k4
-    sc = np.concatenate([q0 & 63, (q2 & 0x0F) | ((q0 >> 6) << 4)], axis=-1)     # [..., S, 8]
-    m = np.concatenate([q1 & 63, (q2 >> 4) | ((q1 >> 6) << 4)], axis=-1)
-    qs = b[..., 16:].reshape(*b.shape[:-1], 4, 32)             # chunk c: low nibbles group 2c, high 2c+1
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)      # [..., S, 4, 64]
-    return pack_q4k(codes.reshape(*lead, -1), sc.reshape(*lead, -1), m.reshape(*lead, -1),
-                    _f16_field(b, 0), _f16_field(b, 2))
-
-
-def q6k_arrays(b: np.ndarray) -> dict[str, np.ndarray]:
-    """Q6_K blocks u8 [..., S, 210] (ql[128], qh[64], i8 scales[16], f16 d) -> q6k's arrays of their
-    rows [..., S * 256] (formats.py), the same values bit for bit."""
-    lead = b.shape[:-2]
-    ql = b[..., :128].reshape(*b.shape[:-1], 2, 2, 32)         # [..., S, half, l < 32 | l >= 32, 32]
-    low = np.concatenate([ql & 0x0F, ql >> 4], axis=-2)        # [..., S, half, 4, 32]: values 32j + l
-    qh = b[..., 128:192].reshape(*b.shape[:-1], 2, 1, 32)
-    high = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
-    codes = low | (high << 4)
-    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8)   # groups of 16 in order
-    return pack_q6k(codes.reshape(*lead, -1), sc.reshape(*lead, -1), _f16_field(b, 208))
-
-
-# Strata format -> its arrays from the file's blocks [..., S, block bytes], for NATIVE's rearranged types
-_FROM_BLOCKS = {"q4k": q4k_arrays, "q6k": q6k_arrays}
-
-
 def _unpermute(rows: np.ndarray, head_dim: int) -> np.ndarray:
     """Whole heads of llama.cpp-permuted q/k rows (pairs [hd/2, 2]) -> HF rotate-half rows ([2, hd/2])."""
     shape = rows.shape
@@ -153,7 +113,7 @@ def _unpermute(rows: np.ndarray, head_dim: int) -> np.ndarray:
 class GGUFTensorStore:
     """The tensors of one GGUF file under Hugging Face keys, dequantized to f32 on read."""
 
-    takes_native = True     # iter_row_blocks(native=...): Q4_0 / Q8_0 / ... rows as Strata's own arrays
+    takes_native = True     # iter_row_blocks(native=...): Q4_0 / Q8_0 rows as Strata's own arrays
     typed = True            # info(key).dtype: the file's tensor type (--quant auto keeps it)
 
     def __init__(self, path: Path, file: GGUFFile, infos: dict[str, GGUFTensorInfo]) -> None:
@@ -199,8 +159,8 @@ class GGUFTensorStore:
         """The tensor as f32 row blocks of about `block_bytes` (of f32) each (whole heads for q/k).
         With `native` (a Strata format and group size): (block, the same rows in that format's
         stored arrays, or None) pairs — Q4_0 is Strata's int4, Q4_1 its int4a and Q8_0 its int8 in
-        groups of 32 bit for bit (same nibble order, f16 scales), Q4_K its q4k (groups of 32) and
-        Q6_K its q6k (groups of 16) rearranged, so those are taken from the file, not requantized."""
+        groups of 32 bit for bit (same nibble order, f16 scales), so those are taken as they are,
+        not requantized."""
         from .safetensors_reader import row_blocks
 
         t = self.infos[key]
@@ -213,22 +173,18 @@ class GGUFTensorStore:
             self.read_rows(k, r0, r1), self._native_rows(t, r0, r1, same) if same else None))
 
     def _native_rows(self, t: GGUFTensorInfo, r0: int, r1: int, fmt: str) -> dict[str, np.ndarray]:
-        """Rows [r0, r1) of a Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K tensor as Strata int4 / int4a / int8 /
-        q4k / q6k arrays (Q4_1's (d, m) pairs are int4a's interleaved scales; the K-quants' blocks
-        of 256 values are rearranged by q4k_arrays / q6k_arrays)."""
-        b = np.ascontiguousarray(self._bytes(t)[r0:r1])
-        if fmt in _FROM_BLOCKS:
-            arrays = _FROM_BLOCKS[fmt](b.reshape(r1 - r0, t.shape[1] // 256, -1))
-        else:
-            sb = _SCALE_BYTES[fmt]
-            b = b.reshape(r1 - r0, t.shape[1] // 32, -1)
-            qs = np.ascontiguousarray(b[:, :, sb:]).reshape(r1 - r0, -1)
-            arrays = {"qs": qs.view(np.int8) if fmt == "int8" else qs,
-                      "scales": np.ascontiguousarray(b[:, :, :sb]).view(np.float16).reshape(r1 - r0, -1)}
+        """Rows [r0, r1) of a Q4_0 / Q4_1 / Q8_0 tensor as Strata int4 / int4a / int8 arrays (groups
+        of 32; Q4_1's (d, m) pairs are int4a's interleaved scales)."""
+        sb = _SCALE_BYTES[fmt]
+        b = np.ascontiguousarray(self._bytes(t)[r0:r1]).reshape(r1 - r0, t.shape[1] // 32, -1)
+        scales = np.ascontiguousarray(b[:, :, :sb]).view(np.float16).reshape(r1 - r0, -1)
+        qs = np.ascontiguousarray(b[:, :, sb:]).reshape(r1 - r0, -1)
+        if fmt == "int8":
+            qs = qs.view(np.int8)
         if t.permute_heads:
             hd = self._head_dim(t)
-            arrays = {name: _unpermute(a, hd) for name, a in arrays.items()}
-        return arrays
+            qs, scales = _unpermute(qs, hd), _unpermute(scales, hd)
+        return {"qs": qs, "scales": scales}
 
 
 # ------------------------------------------------------------------------------------------------
