@@ -107,6 +107,14 @@ def _finite(ctx, param, value: float | None) -> float | None:
     return value
 
 
+def _on_command_line(name: str) -> bool:
+    """Whether option `name` was given on the command line (not by its STRATA_<NAME> or its default)."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context(silent=True)
+    return ctx is None or ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+
+
 def _load_ids(path: Path) -> np.ndarray:
     from strata_compiler.untrusted import open_regular
 
@@ -175,31 +183,19 @@ def _tokenizer(plan, needed: str | None):
 @click.argument("plan_path", type=click.Path(path_type=Path))
 @click.option("--prompt", help="Text prompt (needs the tokenizer that travels with the plan).")
 @click.option("--input-ids", type=click.Path(path_type=Path), help="Token ids as .npy, int64 [B, T] (or [T]).")
-@click.option("-n", "--max-new-tokens", type=click.IntRange(0), default=32, show_default=True,
-              help="Tokens to generate after the prompt (fewer if every sequence reaches EOS).")
+@settings.option("max_new_tokens", "-n")
 @click.option("--greedy", is_flag=True, help="Pick the most likely token: the same as --temperature 0.")
-@click.option("--temperature", type=click.FloatRange(0), default=None, callback=_finite,
-              help="Sampling temperature; 0 is greedy (exact argmax, no repeat penalty unless given). "
-                   "[default: the model's, else 0.8; every sampling default: docs/sampling.md]")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None, callback=_finite,
-              help="Nucleus sampling: keep the most likely tokens whose probabilities sum to this (1: off). "
-                   "[default: the model's, else 0.95]")
-@click.option("--top-k", type=click.IntRange(0), default=None,
-              help="Sample among the k most likely tokens only (0: off). [default: the model's, else 40]")
-@click.option("--min-p", type=click.FloatRange(0, 1), default=None, callback=_finite,
-              help="Drop tokens less likely than this fraction of the most likely one (0: off). "
-                   "[default: the model's, else 0.05]")
-@click.option("--repeat-penalty", type=click.FloatRange(0, min_open=True), default=None,
-              callback=_finite, help="Penalise tokens among the last --repeat-last-n of the prompt and output: a "
-              "positive logit is divided by this, a negative one multiplied (1: off). [default: the model's, else "
-              "1.1; none with --greedy / --temperature 0 unless given]")
-@click.option("--repeat-last-n", type=click.IntRange(-1), default=None,
-              help="The repeat penalty's window of tokens (-1: all, 0: off). [default: the model's, else 64]")
-@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the sampler.")
-@click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")
+@settings.option("temperature", callback=_finite)
+@settings.option("top_p", callback=_finite)
+@settings.option("top_k")
+@settings.option("min_p", callback=_finite)
+@settings.option("repeat_penalty", callback=_finite)
+@settings.option("repeat_last_n")
+@settings.option("seed")
+@settings.option("ignore_eos")
 @click.option("--stop", "stop_strings", multiple=True, metavar="TEXT",
               help="End the output where this text appears (not printed); repeatable. Needs the tokenizer.")
-@click.option("--echo", is_flag=True, help="Print the prompt before the generated text.")
+@settings.option("echo")
 @click.option("--logits-out", type=click.Path(path_type=Path), help="Save the prompt logits, float32 [B, T, V], as .npy.")
 @click.option("--tokens-out", type=click.Path(path_type=Path), help="Save the generated ids, int64 [B, N], as .npy "
               "(after Ctrl-C: those made before it).")
@@ -212,29 +208,14 @@ def _tokenizer(plan, needed: str | None):
 @click.option("--trace", "trace_out", type=click.Path(path_type=Path),
               help="Write a Chrome/Perfetto trace (JSON trace events) of every kernel, partition and copy: one "
                    "track per device and per copy direction. Open it at ui.perfetto.dev.")
-@click.option("--stats", is_flag=True, help="Print busy time per device, bytes moved per link and the expert caches' "
-              "hit rate after the run.")
-@click.option("--expert-cache/--no-expert-cache", default=True, show_default=True,
-              help="Swap experts into the GPU slots of layers compiled with --expert-cache as routing shifts "
-                   "(off: the plan's split stays static).")
-@click.option("--miss-path", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
-              help="With an expert cache: where a missed expert computes. gpu: the GPU reads its weights from "
-                   "host memory in place (page-locked, over PCIe) and the whole layer runs on the GPU, no host "
-                   "call; cpu: the plan's CPU share computes it (two host calls per cached layer and token); "
-                   "auto: gpu on a CUDA GPU unless experts stream from disk (--host-mem plans), else cpu.")
-@click.option("--cache-policy", type=click.Choice(["hybrid", "lru"]), default="hybrid", show_default=True,
-              help="Expert cache replacement: decayed use counts plus recency (hybrid), or least recently used.")
-@click.option("--multi-gpu", type=click.Choice(["mesh", "host"]), default="mesh", show_default=True,
-              help="A plan striped over several GPUs (--gpus N --gpu-mode stripe): one sharded computation over "
-                   "a device mesh, the shares joined by an all-reduce (mesh), or one partition per GPU driven "
-                   "from the host (host).")
-@click.option("--coordinator", metavar="HOST:PORT",
-              help="Several hosts: the address of process 0's coordinator; start the same command on every host "
-                   "with --num-processes and its own --process-id (runtime/distributed.py). The plan must be "
-                   "striped over the GPUs of all hosts (stratac compile --gpus N --gpu-mode stripe).")
-@click.option("--num-processes", type=click.IntRange(min=1), default=None, help="With --coordinator: how many hosts.")
-@click.option("--process-id", type=click.IntRange(min=0), default=None,
-              help="With --coordinator: this host's index (0 prints the output).")
+@settings.option("stats")
+@settings.option("expert_cache")
+@settings.option("miss_path")
+@settings.option("cache_policy")
+@settings.option("multi_gpu")
+@settings.option("coordinator", metavar="HOST:PORT")
+@settings.option("num_processes")
+@settings.option("process_id")
 @click.option("--chat", is_flag=True, help="An interactive chat in the terminal under the plan's chat template: "
               "answers stream as they are made, the KV cache is kept across turns, -n caps each answer; Ctrl-C "
               "stops an answer, /reset starts over, /exit or Ctrl-D quits.")
@@ -262,7 +243,7 @@ def strata_run(plan_path: Path, prompt: str | None, input_ids: Path | None, max_
         raise UsageError("--system goes with --chat")
     elif (prompt is None) == (input_ids is None):
         raise UsageError("give exactly one of --prompt TEXT or --input-ids FILE.npy")
-    if greedy and temperature:
+    if greedy and temperature and _on_command_line("temperature"):     # not STRATA_TEMPERATURE: the flag wins
         raise UsageError("--greedy and --temperature > 0 contradict each other; pick one")
     if greedy:
         temperature = 0.0

@@ -46,24 +46,19 @@ def _read_config(ctx: click.Context, _param, path: Path | None):
               callback=_read_config, help="A TOML file holding any of these options (host, port, ctx, max-batch, "
                                           "prefill-chunk, prompt-cache, kv-cache-dir, api-key, backend, device, "
                                           "queue-size, model-name); flags override it.")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to bind (0.0.0.0 serves other machines too).")
-@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@settings.option("host")
+@settings.option("port")
 @settings.option("ctx")
 @settings.option("max_batch")
 @settings.option("prefill_chunk")
-@click.option("--prompt-cache", type=click.IntRange(min=0), default=1024, show_default=True, metavar="MIB",
-              help="Host memory for the KV of prompts seen (a shared system prompt, earlier chat turns), "
-                   "reused by later requests that start with them; 0 turns it off.")
-@click.option("--kv-cache-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="Keep the prompt cache in this folder across restarts (written at shutdown, read at start).")
+@settings.option("prompt_cache", metavar="MIB")
+@settings.option("kv_cache_dir", type=click.Path(path_type=Path, file_okay=False))
 @settings.option("queue_size")
-@click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on every endpoint but /health.")
-@click.option("--model-name", default=None, help="The model id /v1/models reports. Default: the plan's folder name.")
+@settings.option("api_key")
+@settings.option("model_name")
 @settings.option("backend")
 @settings.option("device")
-@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
-              show_default=True, help="uvicorn's log level.")
+@settings.option("log_level")
 @click.version_option(package_name="strata", prog_name="strata-server")
 @debug_option
 def strata_server(plan_path: Path, host: str, port: int, ctx: int | None, max_batch: int, prefill_chunk: int,

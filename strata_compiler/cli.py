@@ -17,7 +17,7 @@ from . import settings
 from .cli_common import debug_option, run_cli
 from .driver import DEFAULT
 from .errors import UsageError
-from .formats import FORMATS, get_format
+from .formats import get_format
 from .pass_manager import PASSES, CompileOptions, DumpConfig
 from .placement_text import prefill_lines
 
@@ -37,68 +37,31 @@ def stratac() -> None:
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "out_dir", type=click.Path(path_type=Path), required=True,
               help="Directory to write plan.bin and weights.bin into (created if missing).")
-@click.option("--quant", type=click.Choice(["auto", *FORMATS]), default="auto", show_default=True,
-              help="Storage format of the linear layers' weights (embeddings, norms, biases and routers stay f32). "
-                   "auto: a GGUF file's own (Q4_0 and Q8_0 kept bit for bit as int4 and int8, K-quants as the "
-                   "nearest format at least as precise, BF16 as bf16, the embedding table too); f32 for a "
-                   "Hugging Face folder.")
-@click.option("--group-size", type=int, default=32, show_default=True,
-              help="Values per quantization scale of grouped formats (even; int3/fp8 need multiples of 8, int2 of 4).")
+@settings.option("quant")
+@settings.option("group_size")
 @click.option("--calib", type=click.Path(path_type=Path), metavar="FILE",
               help="Calibration text (plain text, or JSONL with a \"text\" field): run the f32 model over it and "
                    "choose quantization scales weighted by the activations each weight sees (llama.cpp's imatrix). "
                    "A plan.bin compiled with --calib reuses its calibration without running the model.")
-@click.option("--calib-tokens", type=click.IntRange(min=2), default=16384, show_default=True,
-              help="Use at most this many tokens of --calib text.")
-@click.option("--imatrix/--no-imatrix", default=True, show_default=True,
-              help="With --calib and --quant: weight each quantization scale by the activations (the importance "
-                   "search tries 18 scales per group). --no-imatrix uses the plain scale rule, several times "
-                   "faster on large models, and keeps --calib for the routing statistics (placement, clustering).")
-@click.option("--bits", type=click.FloatRange(min=2.0, max=16.0), default=None, metavar="B",
-              help="Layer-adaptive quantization: a format per tensor (int2 ... bf16) minimising the measured "
-                   "error, at B bits per weight on average over the linear layers and the embedding table (scales "
-                   "included). "
-                   "Best with --calib. Replaces --quant.")
-@click.option("--memory-budget", default="", metavar="SIZE",
-              help="Layer-adaptive quantization within SIZE bytes of weights in all (e.g. 800MiB); replaces --quant.")
-@click.option("--tensor-format", default="", metavar="RULES",
-              help="Per-weight format overrides, applied last: REGEX=FORMAT,... on weight names as `stratac "
-                   "inspect` shows them, first match wins (e.g. 'L0\\.=int8,moe.down=int4').")
+@settings.option("calib_tokens")
+@settings.option("imatrix")
+@settings.option("bits", metavar="B")
+@settings.option("memory_budget", metavar="SIZE")
+@settings.option("tensor_format", metavar="RULES")
 @click.option("--dump-dir", type=click.Path(path_type=Path),
               help="Write the IR after each pass as NNN.<level>.<pass>.txt/.dot plus index.json.")
-@click.option("--dump-after", default="all", show_default=True,
-              help="Passes to dump after: 'all' or a comma-separated list of pass names.")
-@click.option("--stop-after", help="Stop the pipeline after this pass (no plan is written unless it is 'emit').")
+@settings.option("dump_after")
+@settings.option("stop_after")
 @settings.option("backend", help="Backend ops are bound to: auto = llvm on hosts with AVX2+FMA, else reference; "
                                  "xla = JAX (a GPU at run time when present). strata-run --backend can rebind.")
-@click.option("--place", default="", metavar="RULES",
-              help="Manual placement, first match wins: CATEGORY=gpu|cpu or re:REGEX=gpu|cpu, comma-separated "
-                   "(categories: embed, attention, router, experts, shared, dense, head, all), "
-                   "e.g. 'experts=cpu,all=gpu'. gpu ops run on xla, cpu ops on the CPU backend.")
-@click.option("--target", default="", metavar="auto|HW.json",
-              help="Place ops and experts on the GPU or the CPU with the cost model, for this machine (auto: "
-                   "measured once with the full probe and cached per host) or the one a `stratac probe-hw` profile describes.")
-@click.option("--gpu-mem", default="", metavar="SIZE", help="With --target: plan for this much GPU memory (e.g. 16GiB).")
-@click.option("--host-mem", default="", metavar="SIZE",
-              help="With --target: plan for this much host RAM; experts beyond it go to the disk tier.")
-@click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
-              help="With --target: the machine has this many of the profile's GPU (each with --gpu-mem).")
-@click.option("--place-strategy", type=click.Choice(["auto", "cpu", "greedy", "ktransformers", "hot-experts", "ngl"]),
-              default="auto", show_default=True,
-              help="With --target: auto = the layout the cost model predicts fastest (refined by a local search); "
-                   "or one of its candidates as it is: cpu (everything on the CPU), greedy (units by time saved "
-                   "per GPU byte), ktransformers (dense parts on the GPU, experts on the CPU), hot-experts (dense "
-                   "parts and the most used experts of every layer on the GPU; with --expert-cache those become "
-                   "caches), ngl (whole layers from the first, llama.cpp's -ngl).")
-@click.option("--gpu-mode", type=click.Choice(["auto", "layer", "stripe"]), default="auto", show_default=True,
-              help="With --gpus > 1: layer = each GPU a contiguous block of layers; stripe = each layer's GPU experts "
-                   "dealt over all GPUs by popularity, the dense parts on GPU 0; auto = the one the cost model "
-                   "predicts faster (it prices each hop between GPUs: a partition switch plus the activation's "
-                   "trip through host memory).")
-@click.option("--expert-cache", is_flag=True,
-              help="With --target: layers whose experts the placement splits get a GPU expert cache instead of a "
-                   "static split: slots first holding the placed experts, the whole layer on the CPU, and "
-                   "strata-run swapping experts into the slots as routing shifts.")
+@settings.option("place", metavar="RULES")
+@settings.option("target", metavar="auto|HW.json")
+@settings.option("gpu_mem", metavar="SIZE")
+@settings.option("host_mem", metavar="SIZE")
+@settings.option("gpus")
+@settings.option("place_strategy")
+@settings.option("gpu_mode")
+@settings.option("compile_expert_cache")
 @click.option("--chat-template", type=click.Path(path_type=Path), metavar="FILE",
               help="A Jinja chat template (as in tokenizer_config.json) stored in the plan instead of the model's "
                    "own, or where the model has none (strata-run --chat, /v1/chat/completions, Model.chat).")
@@ -345,7 +308,7 @@ def summarize(plan) -> dict:
 @stratac.command("inspect")
 @click.argument("plan_path", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-@click.option("--weights/--no-weights", default=True, help="List every weight with its format.")
+@settings.option("inspect_weights")
 @debug_option
 def inspect_cmd(plan_path: Path, as_json: bool, weights: bool, debug: bool) -> None:
     """Summarise a plan: kernels per device, bytes per memory tier, format per tensor, fusions."""
@@ -499,7 +462,7 @@ def _table(plan, ref: Path, kind: str, r: dict) -> str:
 @click.option("--text", "text_path", type=click.Path(path_type=Path), required=True,
               help="UTF-8 text file, tokenized with the plan's tokenizer.")
 @settings.option("eval_ctx")
-@click.option("--chunks", type=click.IntRange(1), default=None, help="Evaluate at most this many chunks (default all).")
+@settings.option("eval_chunks")
 @settings.option("backend", help="Where both models run.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--per-layer", is_flag=True,
@@ -560,11 +523,9 @@ def eval_cmd(plan_path: Path, ref: Path, text_path: Path, ctx: int, chunks: int 
 @stratac.command("probe-hw")
 @click.option("-o", "--output", type=click.Path(path_type=Path), metavar="FILE",
               help="Where to write the hardware profile (JSON; written atomically).")
-@click.option("--quick", is_flag=True, help="Small sizes and few repetitions: seconds, rough figures.")
-@click.option("--disk-dir", type=click.Path(path_type=Path), metavar="DIR",
-              help="Measure the read bandwidth of the filesystem holding DIR (default: the output file's directory).")
-@click.option("--disk-size", default="", metavar="SIZE",
-              help="Size of the disk test file (default 256MiB, 16MiB with --quick).")
+@settings.option("probe_quick")
+@settings.option("probe_disk_dir", metavar="DIR")
+@settings.option("probe_disk_size", metavar="SIZE")
 @click.option("--show", type=click.Path(path_type=Path), metavar="FILE",
               help="Check and print an existing profile instead of measuring.")
 @debug_option

@@ -34,7 +34,8 @@ class Setting:
     """One declared setting. kind: bool | int | float | choice | pow2s | tune | floats | path | str.
     `pow2s`, `tune` and `floats` are comma-separated tuples of `length` values (`tune`: a GPU
     kernel's powers of two, then its pipeline stages, any whole number; `floats` with length 2 also
-    takes one value, used for both)."""
+    takes one value, used for both). `min_open`: `minimum` itself is refused (a number above it);
+    `unset`: what a default of None or "" means, as docs/settings.md and an error line show it."""
 
     name: str
     kind: str
@@ -47,6 +48,8 @@ class Setting:
     user: bool = False
     flag: str | None = None         # the command-line option that sets it, e.g. "--max-batch" (see `option`)
     maximum: float | None = None
+    min_open: bool = False
+    unset: str = "auto"
 
     @property
     def env(self) -> str:
@@ -83,7 +86,7 @@ class Setting:
         ok = len(vals) == (1 if self.kind in ("int", "float") else self.length)
         ok = ok and all(v == v and abs(v) < 1e12 for v in vals)          # no nan, no inf
         if self.minimum is not None:
-            ok = ok and all(v >= self.minimum for v in vals)
+            ok = ok and all(v > self.minimum if self.min_open else v >= self.minimum for v in vals)
         if self.maximum is not None:
             ok = ok and all(v <= self.maximum for v in vals)
         if self.kind in ("pow2s", "tune"):
@@ -95,8 +98,9 @@ class Setting:
 
     def expects(self) -> str:
         n = self.length
-        lo, hi = self.minimum, self.maximum
-        bound = (f" from {lo:g} to {hi:g}" if lo is not None and hi is not None else f" >= {lo:g}" if lo is not None
+        lo, hi, gt = self.minimum, self.maximum, ">" if self.min_open else ">="
+        bound = (f" {gt} {lo:g} and <= {hi:g}" if self.min_open and hi is not None else
+                 f" from {lo:g} to {hi:g}" if lo is not None and hi is not None else f" {gt} {lo:g}" if lo is not None
                  else f" <= {hi:g}" if hi is not None else "")
         return {
             "bool": "give 1 or 0",
@@ -113,12 +117,17 @@ class Setting:
     def shown_default(self) -> str:
         d = self.default
         if d is None or d == "":
-            return "auto"
+            return self.unset
         if isinstance(d, bool):
             return "1" if d else "0"
         if isinstance(d, tuple):
             return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in d)
         return f"{d:g}" if isinstance(d, float) else str(d)
+
+
+# `stratac compile --quant`: auto, then every weight format (formats.FORMATS, which this module may
+# not import; tests/test_cli_settings.py checks the two agree)
+QUANT_CHOICES = ("auto", "f32", "bf16", "int8", "int4", "int4a", "int3", "int2", "fp8")
 
 
 def _s(name: str, kind: str, default: Any, where: str, help: str, **kw: Any) -> Setting:
@@ -224,6 +233,138 @@ SETTINGS: tuple[Setting, ...] = (
        minimum=1, flag="--queue-size"),
     _s("eval_ctx", "int", 512, "stratac eval", "tokens per chunk; the second half of each chunk is scored",
        flag="--ctx"),
+    # -- the options of one command each (where a flag names two settings, each command's own) ------
+    _s("quant", "choice", "auto", "stratac compile",
+       "storage format of the linear layers' weights (embeddings, norms, biases and routers stay f32). auto: a GGUF "
+       "file's own (Q4_0 and Q8_0 kept bit for bit as int4 and int8, K-quants as the nearest format at least as "
+       "precise, BF16 as bf16, the embedding table too); f32 for a Hugging Face folder",
+       choices=QUANT_CHOICES, flag="--quant"),
+    _s("group_size", "int", 32, "stratac compile",
+       "values per quantization scale of grouped formats (even; int3/fp8 need multiples of 8, int2 of 4)",
+       flag="--group-size"),
+    _s("calib_tokens", "int", 16384, "stratac compile", "use at most this many tokens of --calib text",
+       minimum=2, flag="--calib-tokens"),
+    _s("imatrix", "bool", True, "stratac compile",
+       "with --calib and --quant: weight each quantization scale by the activations (the importance search tries 18 "
+       "scales per group). --no-imatrix uses the plain scale rule, several times faster on large models, and keeps "
+       "--calib for the routing statistics (placement, clustering)", flag="--imatrix"),
+    _s("bits", "float", None, "stratac compile",
+       "layer-adaptive quantization: a format per tensor (int2 ... bf16) minimising the measured error, at B bits per "
+       "weight on average over the linear layers and the embedding table (scales included). Best with --calib. "
+       "Replaces --quant", minimum=2.0, maximum=16.0, unset="none", flag="--bits"),
+    _s("memory_budget", "str", "", "stratac compile",
+       "layer-adaptive quantization within SIZE bytes of weights in all (e.g. 800MiB); replaces --quant",
+       unset="none", flag="--memory-budget"),
+    _s("tensor_format", "str", "", "stratac compile",
+       "per-weight format overrides, applied last: REGEX=FORMAT,... on weight names as `stratac inspect` shows them, "
+       "first match wins (e.g. 'L0\\.=int8,moe.down=int4')", unset="none", flag="--tensor-format"),
+    _s("dump_after", "str", "all", "stratac compile", "passes to dump after: 'all' or a comma-separated list of pass names",
+       flag="--dump-after"),
+    _s("stop_after", "str", None, "stratac compile",
+       "stop the pipeline after this pass (no plan is written unless it is 'emit')", unset="none", flag="--stop-after"),
+    _s("place", "str", "", "stratac compile",
+       "manual placement, first match wins: CATEGORY=gpu|cpu or re:REGEX=gpu|cpu, comma-separated (categories: embed, "
+       "attention, router, experts, shared, dense, head, all), e.g. 'experts=cpu,all=gpu'. gpu ops run on xla, cpu "
+       "ops on the CPU backend", unset="none", flag="--place"),
+    _s("target", "str", "", "stratac compile",
+       "place ops and experts on the GPU or the CPU with the cost model, for this machine (auto: measured once with "
+       "the full probe and cached per host) or the one a `stratac probe-hw` profile describes",
+       unset="none", flag="--target"),
+    _s("gpu_mem", "str", "", "stratac compile", "with --target: plan for this much GPU memory (e.g. 16GiB)",
+       unset="the profile's", flag="--gpu-mem"),
+    _s("host_mem", "str", "", "stratac compile",
+       "with --target: plan for this much host RAM; experts beyond it go to the disk tier",
+       unset="the profile's", flag="--host-mem"),
+    _s("gpus", "int", 1, "stratac compile", "with --target: the machine has this many of the profile's GPU (each with "
+       "--gpu-mem)", minimum=1, flag="--gpus"),
+    _s("place_strategy", "choice", "auto", "stratac compile",
+       "with --target: auto = the layout the cost model predicts fastest (refined by a local search); or one of its "
+       "candidates as it is: cpu (everything on the CPU), greedy (units by time saved per GPU byte), ktransformers "
+       "(dense parts on the GPU, experts on the CPU), hot-experts (dense parts and the most used experts of every "
+       "layer on the GPU; with --expert-cache those become caches), ngl (whole layers from the first, llama.cpp's "
+       "-ngl)", choices=("auto", "cpu", "greedy", "ktransformers", "hot-experts", "ngl"), flag="--place-strategy"),
+    _s("gpu_mode", "choice", "auto", "stratac compile",
+       "with --gpus > 1: layer = each GPU a contiguous block of layers; stripe = each layer's GPU experts dealt over "
+       "all GPUs by popularity, the dense parts on GPU 0; auto = the one the cost model predicts faster (it prices "
+       "each hop between GPUs: a partition switch plus the activation's trip through host memory)",
+       choices=("auto", "layer", "stripe"), flag="--gpu-mode"),
+    _s("compile_expert_cache", "bool", False, "stratac compile",
+       "with --target: layers whose experts the placement splits get a GPU expert cache instead of a static split: "
+       "slots first holding the placed experts, the whole layer on the CPU, and strata-run swapping experts into "
+       "the slots as routing shifts", flag="--expert-cache"),
+    _s("inspect_weights", "bool", True, "stratac inspect", "list every weight with its format", flag="--weights"),
+    _s("eval_chunks", "int", None, "stratac eval", "evaluate at most this many chunks (default all)",
+       minimum=1, unset="all", flag="--chunks"),
+    _s("probe_quick", "bool", False, "stratac probe-hw", "small sizes and few repetitions: seconds, rough figures",
+       flag="--quick"),
+    _s("probe_disk_dir", "path", None, "stratac probe-hw", "measure the read bandwidth of the filesystem holding DIR "
+       "(default: the output file's directory)", flag="--disk-dir"),
+    _s("probe_disk_size", "str", "", "stratac probe-hw",
+       "size of the disk test file (default 256MiB, 16MiB with --quick)", flag="--disk-size"),
+    _s("max_new_tokens", "int", 32, "strata-run",
+       "tokens to generate after the prompt (fewer if every sequence reaches EOS)", minimum=0, flag="--max-new-tokens"),
+    _s("temperature", "float", None, "strata-run",
+       "sampling temperature; 0 is greedy (exact argmax, no repeat penalty unless given). "
+       "[default: the model's, else 0.8; every sampling default: docs/sampling.md]",
+       minimum=0, unset="the model's", flag="--temperature"),
+    _s("top_p", "float", None, "strata-run", "nucleus sampling: keep the most likely tokens whose probabilities sum to "
+       "this (1: off). [default: the model's, else 0.95]",
+       minimum=0, maximum=1, min_open=True, unset="the model's", flag="--top-p"),
+    _s("top_k", "int", None, "strata-run",
+       "sample among the k most likely tokens only (0: off). [default: the model's, else 40]",
+       minimum=0, unset="the model's", flag="--top-k"),
+    _s("min_p", "float", None, "strata-run", "drop tokens less likely than this fraction of the most likely one "
+       "(0: off). [default: the model's, else 0.05]", minimum=0, maximum=1, unset="the model's", flag="--min-p"),
+    _s("repeat_penalty", "float", None, "strata-run",
+       "penalise tokens among the last --repeat-last-n of the prompt and output: a positive logit is divided by this, "
+       "a negative one multiplied (1: off). [default: the model's, else 1.1; none with --greedy / --temperature 0 "
+       "unless given]", minimum=0, min_open=True, unset="the model's", flag="--repeat-penalty"),
+    _s("repeat_last_n", "int", None, "strata-run",
+       "the repeat penalty's window of tokens (-1: all, 0: off). [default: the model's, else 64]",
+       minimum=-1, unset="the model's", flag="--repeat-last-n"),
+    _s("seed", "int", 0, "strata-run", "seed of the sampler", minimum=0, flag="--seed"),
+    _s("ignore_eos", "bool", False, "strata-run", "keep generating past end-of-sequence tokens", flag="--ignore-eos"),
+    _s("echo", "bool", False, "strata-run", "print the prompt before the generated text", flag="--echo"),
+    _s("stats", "bool", False, "strata-run", "print busy time per device, bytes moved per link and the expert caches' "
+       "hit rate after the run", flag="--stats"),
+    _s("expert_cache", "bool", True, "strata-run",
+       "swap experts into the GPU slots of layers compiled with --expert-cache as routing shifts (off: the plan's "
+       "split stays static)", flag="--expert-cache"),
+    _s("miss_path", "choice", "auto", "strata-run",
+       "with an expert cache: where a missed expert computes. gpu: the GPU reads its weights from host memory in "
+       "place (page-locked, over PCIe) and the whole layer runs on the GPU, no host call; cpu: the plan's CPU share "
+       "computes it (two host calls per cached layer and token); auto: gpu on a CUDA GPU unless experts stream from "
+       "disk (--host-mem plans), else cpu", choices=("auto", "cpu", "gpu"), flag="--miss-path"),
+    _s("cache_policy", "choice", "hybrid", "strata-run",
+       "expert cache replacement: decayed use counts plus recency (hybrid), or least recently used",
+       choices=("hybrid", "lru"), flag="--cache-policy"),
+    _s("multi_gpu", "choice", "mesh", "strata-run",
+       "a plan striped over several GPUs (--gpus N --gpu-mode stripe): one sharded computation over a device mesh, "
+       "the shares joined by an all-reduce (mesh), or one partition per GPU driven from the host (host)",
+       choices=("mesh", "host"), flag="--multi-gpu"),
+    _s("coordinator", "str", None, "strata-run",
+       "several hosts: the address of process 0's coordinator; start the same command on every host with "
+       "--num-processes and its own --process-id (runtime/distributed.py). The plan must be striped over the GPUs of "
+       "all hosts (stratac compile --gpus N --gpu-mode stripe)", unset="none", flag="--coordinator"),
+    _s("num_processes", "int", None, "strata-run", "with --coordinator: how many hosts", minimum=1, unset="none",
+       flag="--num-processes"),
+    _s("process_id", "int", None, "strata-run", "with --coordinator: this host's index (0 prints the output)",
+       minimum=0, unset="none", flag="--process-id"),
+    _s("host", "str", "127.0.0.1", "strata-server", "address to bind (0.0.0.0 serves other machines too)",
+       flag="--host"),
+    _s("port", "int", 8080, "strata-server", "TCP port to listen on", minimum=0, maximum=65535, flag="--port"),
+    _s("prompt_cache", "int", 1024, "strata-server",
+       "host memory for the KV of prompts seen (a shared system prompt, earlier chat turns), reused by later requests "
+       "that start with them; 0 turns it off", minimum=0, flag="--prompt-cache"),
+    _s("kv_cache_dir", "path", None, "strata-server",
+       "keep the prompt cache in this folder across restarts (written at shutdown, read at start)",
+       unset="none", flag="--kv-cache-dir"),
+    _s("api_key", "str", None, "strata-server", "require `Authorization: Bearer KEY` on every endpoint but /health",
+       unset="none", flag="--api-key"),
+    _s("model_name", "str", None, "strata-server", "the model id /v1/models reports. Default: the plan's folder name",
+       unset="the plan's folder name", flag="--model-name"),
+    _s("log_level", "choice", "info", "strata-server", "uvicorn's log level",
+       choices=("critical", "error", "warning", "info", "debug"), flag="--log-level"),
 )
 
 _BY_NAME = {s.name: s for s in SETTINGS}
@@ -283,9 +424,10 @@ _FIELDS = {f.name for f in fields(Setting)} - {"name", "kind", "flag"}
 
 
 def option(name: str, *decls: str, **overrides: Any) -> Any:
-    """The click option of setting `name`: its flag (and any `decls`), type, default and help from
-    the declaration, the help naming STRATA_<NAME>. `overrides`: a declared field changed for one
-    command (default, help, minimum, maximum), else a click argument (metavar, show_default).
+    """The click option of setting `name`: its flag (and any `decls`, e.g. a short "-n", listed
+    first), type, default and help from the declaration, the help naming STRATA_<NAME>. `overrides`:
+    a declared field changed for one command (default, help, minimum, maximum), else a click
+    argument (metavar, callback, a narrower click type).
 
     Its value: the flag given, else the command's --config file (click's default map), else an
     override or STRATA_<NAME>, else the default; a bad variable is one UsageError naming it."""
@@ -297,7 +439,7 @@ def option(name: str, *decls: str, **overrides: Any) -> Any:
     s = replace(s, **{k: overrides.pop(k) for k in list(overrides) if k in _FIELDS})
     kw: dict[str, Any] = dict(cls=_option_class(), setting=s, default=s.default, envvar=s.env, show_envvar=True,
                               show_default=s.default not in (None, "", False),
-                              help=s.help[:1].upper() + s.help[1:] + ("" if s.help.endswith(".") else "."))
+                              help=s.help[:1].upper() + s.help[1:] + ("" if s.help.endswith((".", "]")) else "."))
     flag = s.flag
     if s.kind == "bool":
         kw["is_flag"] = True
@@ -307,12 +449,13 @@ def option(name: str, *decls: str, **overrides: Any) -> Any:
         kw["type"] = click.Choice(s.choices)
     elif s.kind in ("int", "float"):
         rng = click.IntRange if s.kind == "int" else click.FloatRange
-        kw["type"] = rng(s.minimum, s.maximum) if (s.minimum, s.maximum) != (None, None) else \
-            (click.INT if s.kind == "int" else click.FLOAT)
+        kw["type"] = rng(s.minimum, s.maximum, min_open=s.min_open) if (s.minimum, s.maximum) != (None, None) \
+            else (click.INT if s.kind == "int" else click.FLOAT)
     elif s.kind == "path":
         kw["type"] = click.Path(path_type=Path)
     kw.update(overrides)
-    return click.option(flag, *decls, **kw)
+    return click.option(*(d for d in decls if not d.startswith("--")), flag, *(d for d in decls if d.startswith("--")),
+                        **kw)
 
 
 @functools.cache
@@ -339,6 +482,12 @@ def _option_class() -> type:
                 if given:
                     return setting_value, ParameterSource.ENVIRONMENT
             return value, source
+
+        def get_error_hint(self, ctx: click.Context | None) -> str:
+            """The flag, naming STRATA_<NAME> only where the bad value came from it."""
+            if ctx is not None and ctx.get_parameter_source(self.name) == ParameterSource.ENVIRONMENT:
+                return super().get_error_hint(ctx)
+            return click.Parameter.get_error_hint(self, ctx)
 
     return SettingOption
 
@@ -379,10 +528,12 @@ def markdown() -> str:
         "",
         "Generated from `strata_compiler/settings.py` by `python -m strata_compiler.settings > docs/settings.md`;",
         "a test fails when this file and the registry differ. Each setting is read from the environment",
-        "variable shown. One with a flag is that option of every command that has it (and the Python API's",
-        "keyword of the same name): the flag given wins (or strata-server's --config file), then the",
-        "variable, then the default. README lists the ones a user may need; the others are tuning",
-        "constants and debugging aids for experiments.",
+        "variable shown. One with a flag is that option of every command that has it (and, where it",
+        "applies to the API, `strata.load`'s keyword of the same name): the flag given wins (or",
+        "strata-server's --config file), then the variable, then the default. Every option of the",
+        "commands that carries a setting is here; those that do not (input and output files, the prompt,",
+        "modes such as --chat or --json) are listed with the reason in tests/test_cli_settings.py. README",
+        "lists the ones a user may need; the others are tuning constants and debugging aids for experiments.",
         "",
         "| variable | flag | type | default | applies to | what it does |",
         "|---|---|---|---|---|---|",
