@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from strata_compiler import settings
 from strata_compiler.errors import UsageError
 from strata_compiler.execution import AheadSampling
 from strata_compiler.hwprofile import host_memory
@@ -44,6 +45,7 @@ from strata_compiler.kv_cache import KVCache
 from .prompt_cache import PromptCache
 from .request_schema import MAX_BATCH, MAX_CHUNK, whole
 from .scheduler import Request, Scheduler, TextStream, batched_events, caught, check_logits, describe
+from .session import NonFiniteLogits, non_finite_error
 
 
 def kv_capacity(ctx: int) -> int:
@@ -90,15 +92,16 @@ class _Step:
     """A decode step launched on the device (batch_step), its results not yet on the host."""
     seqs: list[tuple[int, _Seq]]        # (slot, sequence) of each row it steps
     tokens: object                      # device int32 [max_batch]: each row's token (the next step's ids)
-    checked: object                     # device int32 [max_batch]: the same, -1 where logits are not finite
-    logits: object                      # device f32 [rows, V]
+    checked: object                     # device int32 [max_batch] ([steps, max_batch]): -1 where not finite
+    logits: object                      # device f32 [rows, V] (the last step's)
+    steps: int = 1                      # decode steps in this one dispatch
 
 
 class BatchScheduler(Scheduler):
     """Serves up to `max_batch` sequences at once."""
 
     def __init__(self, session, tokenizer, ctx: int, max_batch: int = 8, queue_size: int = 64, chunk: int = 256,
-                 prompt_cache: PromptCache | None = None):
+                 prompt_cache: PromptCache | None = None, decode_steps: int | None = None):
         check_options(session.plan, ctx, max_batch, chunk)
         super().__init__(session, tokenizer, ctx, queue_size)
         self.max_batch = max_batch
@@ -110,6 +113,9 @@ class BatchScheduler(Scheduler):
         self.pre = KVCache(m["n_layers"], 1, m["n_kv_heads"], m["head_dim"], self.capacity)
         self.slots: list[_Seq | None] = [None] * max_batch
         self.stepper = session.batch_stepper()
+        # decode steps per device dispatch while nothing waits to be admitted (the host's launch of
+        # a step then counts once per that many tokens)
+        self.decode_steps = max(1, int(settings.get("decode_steps") if decode_steps is None else decode_steps))
         self.inflight: _Step | None = None     # launched, not yet read (while the batch is all greedy)
         self.prev = None        # the last launched step's device tokens while they are its rows' next ids
         self.launches = 0
@@ -148,9 +154,11 @@ class BatchScheduler(Scheduler):
                 ids = np.zeros(self.max_batch, np.int32)
                 default = self._default_sampling()
                 for how in [None] + ([default] if default is not None else []):  # greedy, the plan's default
-                    tokens, checked, _ = self.stepper.batch_step(self.kv, rows, ids, np.ones(self.max_batch, bool),
-                                                                 sampling=how)
-                    self.stepper.fetch(checked)
+                    for steps in sorted({1, self.decode_steps}):
+                        if self.kv.length + steps <= self.capacity:
+                            tokens, checked, _ = self.stepper.batch_step(self.kv, rows, ids, np.ones(self.max_batch, bool),
+                                                                         sampling=how, steps=steps)
+                            self.stepper.fetch(checked)
             else:       # twice: as the one-token prefill above (a mixed plan's one-program step)
                 self._decode_step(rows)
                 self._decode_step(rows)
@@ -171,7 +179,7 @@ class BatchScheduler(Scheduler):
         if d.greedy or not self.stepper.samples(d):
             return None
         B = self.max_batch
-        return AheadSampling((d,) * B, np.zeros((1, B)), np.full((B, d.window), -1, np.int64))
+        return AheadSampling((d,) * B, np.zeros((self.decode_steps, B)), np.full((B, d.window), -1, np.int64))
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -434,12 +442,34 @@ class BatchScheduler(Scheduler):
             if self._active():
                 self._finish(self._launch(), sync=True)
             return
-        step = self._launch()
+        steps = self._steps()
+        if self.inflight is not None and (steps > 1 or self.inflight.steps > 1) and self._windows():
+            self._drain()       # a penalty window past a step of several: the host must know every token first
+        step = self._launch(steps)
         last, self.inflight = self.inflight, step
         if last is not None:
             self._finish(last, sync=False)
         if not self._active():
             self._drain()
+
+    def _steps(self) -> int:
+        """Decode steps for the next dispatch: `decode_steps` while no request waits to be admitted
+        and every sequence has that many tokens and the cache that many positions left (counting
+        the step in flight), else 1."""
+        K = self.decode_steps
+        if K == 1 or self.waiting or self.filling is not None or not self.queue.empty():
+            return 1
+        flight = self.inflight.steps if self.inflight is not None else 0
+        for seq in self._active():
+            if seq.req.max_tokens - seq.n - flight < K:
+                return 1
+        rows = self._rows()
+        return K if int(self.kv.lengths[:rows].max(initial=0)) + K <= self.capacity else 1
+
+    def _windows(self) -> bool:
+        """Whether a running sequence's sampling has a repetition penalty's window (the device adds
+        to it only the one id of the step before)."""
+        return any(seq.req.sampler.settings.window for seq in self._active())
 
     def _on_device(self, seq: _Seq) -> bool:
         """Whether `seq`'s tokens are chosen on the device (greedy, or a sampling it computes);
@@ -449,20 +479,20 @@ class BatchScheduler(Scheduler):
             seq.on_device = smp.plain_greedy or self.stepper.samples(smp.settings)
         return seq.on_device
 
-    def _device_sampling(self, seqs: list, use_host: np.ndarray) -> AheadSampling:
+    def _device_sampling(self, seqs: list, use_host: np.ndarray, steps: int = 1) -> AheadSampling:
         """batch_step's sampling of the rows `seqs` ((slot, seq) pairs): each request's settings,
-        a uniform from its own generator (as the host would draw for this step) and its window of
-        the ids seen so far, one short where the step's id is the device's (it adds that one)."""
+        a uniform per step from its own generator (as the host would draw them, in order) and its
+        window of the ids seen so far, one short where the step's id is the device's (it adds that one)."""
         B = len(use_host)
         settings: list = [None] * B
-        u = np.zeros((1, B))
+        u = np.zeros((steps, B))
         windows = {slot: seq.req.sampler.settings.window for slot, seq in seqs}
         hist = np.full((B, max(windows.values(), default=0)), -1, np.int64)
         for slot, seq in seqs:
             smp = seq.req.sampler
             settings[slot] = smp.settings
             if not smp.greedy:
-                u[0, slot] = smp.rng.random()
+                u[:, slot] = smp.rng.random(steps)
             take = windows[slot] - (0 if use_host[slot] else 1)
             if take > 0:
                 known = (seq.tokens + [seq.last])[-take:]
@@ -476,7 +506,7 @@ class BatchScheduler(Scheduler):
             self._finish(step, sync=False)
         self.prev = None
 
-    def _launch(self) -> _Step:
+    def _launch(self, steps: int = 1) -> _Step:
         self._clear_free_rows()
         rows = self._rows()
         host = np.zeros(self.max_batch, np.int32)
@@ -491,18 +521,44 @@ class BatchScheduler(Scheduler):
             seqs.append((seq.slot, seq))
         how = None      # every row greedy, or some sampled on the host (the step read at once)
         if all(self._on_device(seq) for _, seq in seqs) and not all(seq.req.sampler.plain_greedy for _, seq in seqs):
-            how = self._device_sampling(seqs, use_host)
-        tokens, checked, logits = self.stepper.batch_step(self.kv, rows, host, use_host, self.prev, sampling=how)
+            how = self._device_sampling(seqs, use_host, steps)
+        tokens, checked, logits = self.stepper.batch_step(self.kv, rows, host, use_host, self.prev, sampling=how,
+                                                          steps=steps)
         self.prev = tokens
-        self.stats["steps"] += 1
-        self.stats["rows_stepped"] += rows
+        self.stats["steps"] += steps
+        self.stats["rows_stepped"] += rows * steps
         self.launches += 1
-        return _Step(seqs, tokens, checked, logits)
+        return _Step(seqs, tokens, checked, logits, steps)
+
+    def _finish_steps(self, step: _Step, tokens: np.ndarray) -> None:
+        """A dispatch of several steps (every row's tokens chosen on the device, tokens [steps,
+        max_batch]): each sequence takes its tokens in order while it runs; a step whose logits
+        were not finite ends it there (the step's logits are not kept: only the last step's)."""
+        logits = None
+        for slot, seq in step.seqs:
+            for j in range(step.steps):
+                if self.slots[slot] is not seq:
+                    break           # ended or cancelled: the rest of its row ran past its end
+                if tokens[j, slot] >= 0:
+                    self._deliver(seq, lambda t=int(tokens[j, slot]): t)
+                elif j == step.steps - 1:
+                    if logits is None:
+                        logits = self.stepper.fetch(step.logits)
+                    self._deliver(seq, lambda slot=slot, seq=seq: self._sample(seq, logits[slot:slot + 1]))
+                else:
+                    self._deliver(seq, lambda seq=seq: self._non_finite(seq))
+
+    def _non_finite(self, seq: _Seq) -> int:
+        raise NonFiniteLogits(non_finite_error("NaN or infinite values", self._where(seq)),
+                              np.zeros((1, 0), np.float32), np.zeros((1, 0), np.int64))
 
     def _finish(self, step: _Step, sync: bool) -> None:
         """A launched step's tokens to its sequences (those still in their slots); sync: sampled
         sequences sample from its logits, and the next step takes every id from the host."""
         tokens = self.stepper.fetch(step.checked)
+        if step.steps > 1:
+            self._finish_steps(step, tokens.reshape(step.steps, -1))
+            return
         finite = tokens >= 0
         logits = None
         if sync:

@@ -162,44 +162,64 @@ class DecodeSteps:
         """Whether tokens sampled by `settings` (a Sampling) are chosen on the device."""
         return device_sampling.supported(settings, self._vocab())
 
-    def _batch_step(self, params, ks, vs, prev, host_tok, use_host, pos, hist, u, kn, k, all_greedy, span):
+    def _batch_step(self, params, ks, vs, prev, host_tok, use_host, pos, hist, u, kn, k, all_greedy, span,
+                    steps=1):
         """A decode step of the first B = len(pos) rows whose ids are the host's where use_host,
         else the device tokens of the step before (prev); its tokens (int32 [Bc], zero past B:
         each row's greedy or sampled by its knobs kn, uniform u and window hist, to which a row
         whose id is the device's adds that id), the same with -1 where a row's logits hold NaN or
-        Inf (what the host reads), the logits (f32 [B, V]) and the next positions stay on the device."""
-        jnp = _jnp()
+        Inf (what the host reads), the logits (f32 [B, V]) and the next positions stay on the device.
+        steps > 1: that many steps in one program, each taking the token the one before chose (u
+        [steps, Bc]: a uniform per step); the checked tokens of each, [steps, Bc], the last one's
+        tokens and logits."""
+        jax, jnp = load_jax(), _jnp()
         B = pos.shape[0]
         tok = jnp.where(use_host, host_tok, prev)[:B]
-        res, ks, vs = self._forward(params, ks, vs, {}, tok[:, None], B, 1, pos, span=span)
-        logits = res[self.g.outputs[0]].reshape(B, -1)
         if hist.shape[1]:
             hist = jnp.where(use_host[:, None], hist, device_sampling.remember(hist, prev))
-        chosen = device_sampling.choose(logits, hist[:B], u[:B], kn[:B], k, all_greedy)
-        nxt = jnp.zeros_like(prev).at[:B].set(chosen.astype(prev.dtype))
-        finite = jnp.isfinite(logits).all(axis=-1)
-        checked = jnp.zeros_like(prev).at[:B].set(jnp.where(finite, chosen, -1).astype(prev.dtype))
-        return nxt, checked, logits, pos + 1, ks, vs
+        hist = hist[:B]
 
-    def _batch_sampling(self, rows: int, sampling) -> tuple:
+        def one(tok, pos, hist, u, ks, vs):
+            res, ks, vs = self._forward(params, ks, vs, {}, tok[:, None], B, 1, pos, span=span)
+            logits = res[self.g.outputs[0]].reshape(B, -1)
+            chosen = device_sampling.choose(logits, hist, u[:B], kn[:B], k, all_greedy)
+            checked = jnp.where(jnp.isfinite(logits).all(axis=-1), chosen, -1)
+            return chosen, checked, logits, ks, vs
+
+        def pad(t):         # [..., B] -> [..., Bc]: zero past B
+            return jnp.zeros(t.shape[:-1] + prev.shape, prev.dtype).at[..., :B].set(t.astype(prev.dtype))
+        if steps == 1:
+            chosen, checked, logits, ks, vs = one(tok, pos, hist, u, ks, vs)
+            return pad(chosen), pad(checked), logits, pos + 1, ks, vs
+
+        def body(carry, u_j):
+            tok, pos, hist, ks, vs, _ = carry
+            chosen, checked, logits, ks, vs = one(tok, pos, hist, u_j, ks, vs)
+            return (chosen, pos + 1, device_sampling.remember(hist, chosen), ks, vs, logits), checked
+        logits0 = jnp.zeros((B, self._vocab()), jnp.float32)
+        (chosen, pos, _, ks, vs, logits), checked = jax.lax.scan(body, (tok, pos, hist, ks, vs, logits0), u)
+        return pad(chosen), pad(checked), logits, pos, ks, vs
+
+    def _batch_sampling(self, rows: int, sampling, steps: int = 1) -> tuple:
         """batch_step's sampling arguments for `rows` cache rows: (window, uniforms, knobs) and the
         static (k, all greedy); greedy's kept on the device across steps, as are knobs while they
         do not change; a window and uniforms (new each step) go as NumPy, which jit's dispatch
-        copies faster than jnp.asarray would."""
+        copies faster than jnp.asarray would. Uniforms: [rows], or [steps, rows] for several steps."""
         jnp = _jnp()
         if sampling is None:
-            if getattr(self, "_greedy_rows", (None,))[0] != rows:
+            if getattr(self, "_greedy_rows", (None,))[:2] != (rows, steps):
                 kn = np.tile(device_sampling.knobs(device_sampling.GREEDY), (rows, 1))
-                self._greedy_rows = (rows, (jnp.zeros((rows, 0), jnp.int32), jnp.zeros(rows, jnp.float32),
-                                            jnp.asarray(kn)), (0, True))
-            return self._greedy_rows[1:]
+                u = jnp.zeros(rows if steps == 1 else (steps, rows), jnp.float32)
+                self._greedy_rows = (rows, steps, (jnp.zeros((rows, 0), jnp.int32), u, jnp.asarray(kn)), (0, True))
+            return self._greedy_rows[2:]
         rows_settings = [s or device_sampling.GREEDY for s in sampling.settings]
         kn = np.stack([device_sampling.knobs(s) for s in rows_settings])
-        arrays = (np.asarray(sampling.history, np.int32), np.asarray(sampling.uniforms[0], np.float32),
-                  self._resident("knobs", kn))
+        u = sampling.uniforms[0] if steps == 1 else sampling.uniforms[:steps]
+        arrays = (np.asarray(sampling.history, np.int32), np.asarray(u, np.float32), self._resident("knobs", kn))
         return arrays, device_sampling.static(rows_settings)
 
-    def batch_step(self, cache, rows: int, host_tok: np.ndarray, use_host: np.ndarray, prev=None, sampling=None):
+    def batch_step(self, cache, rows: int, host_tok: np.ndarray, use_host: np.ndarray, prev=None, sampling=None,
+                   steps: int = 1):
         """Dispatch one decode step of the cache's first `rows` rows (continuous batching) without
         waiting for it: row b's id is host_tok[b] where use_host[b], else the token the step before
         chose for it on the device (`prev`, the tokens this returned then), so the host can launch
@@ -207,30 +227,32 @@ class DecodeSteps:
         `sampling` (AheadSampling, None: every row greedy): settings per cache row (None: greedy),
         uniforms [1, cache rows] and each row's window [cache rows, W] of the ids it has seen, a
         row whose id is the device's one id short of it. Returns device values: (tokens int32
-        [cache rows], the same with -1 for a row whose logits are not finite, logits f32 [rows, V])."""
+        [cache rows], the same with -1 for a row whose logits are not finite, logits f32 [rows, V]).
+        steps > 1: that many steps in one dispatch (uniforms [steps, cache rows]): the tokens are
+        the last step's, the checked ones [steps, cache rows], the logits the last step's."""
         jax = load_jax()
-        if cache.length + 1 > cache.capacity:
-            raise UsageError(f"sequence of {cache.length + 1} tokens exceeds the KV cache capacity {cache.capacity}")
+        if cache.length + steps > cache.capacity:
+            raise UsageError(f"sequence of {cache.length + steps} tokens exceeds the KV cache capacity {cache.capacity}")
         if self.layers and not on_device(cache.k[self.layers[0]]):
             self.new_cache(cache)
         fn = getattr(self, "_batch_fn", None)
         if fn is None:
-            fn = self._batch_fn = jax.jit(self._batch_step, static_argnums=(10, 11, 12), donate_argnums=(1, 2))
+            fn = self._batch_fn = jax.jit(self._batch_step, static_argnums=(10, 11, 12, 13), donate_argnums=(1, 2))
         if prev is None:    # a device array like the tokens of a step (a NumPy one would be another program)
             prev = getattr(self, "_no_prev", None)
             if prev is None or prev.shape != host_tok.shape:
                 prev = self._no_prev = jax.device_put(np.zeros(host_tok.shape, np.int32), self._home())
-        samp, static = self._batch_sampling(int(host_tok.shape[0]), sampling)
+        samp, static = self._batch_sampling(int(host_tok.shape[0]), sampling, steps)
         ks = {l: cache.k[l] for l in self.layers}
         vs = {l: cache.v[l] for l in self.layers}
         pos = np.asarray(cache.lengths[:rows], np.int32)
         args = tuple(self._resident(name, a) for name, a in (("ids", host_tok), ("use", use_host), ("pos", pos)))
-        span = attention_span(int(pos.max(initial=0)) + 1, cache.capacity)
-        tok, checked, logits, pos_next, ks, vs = fn(self.params, ks, vs, prev, *args, *samp, *static, span)
+        span = attention_span(int(pos.max(initial=0)) + steps, cache.capacity)
+        tok, checked, logits, pos_next, ks, vs = fn(self.params, ks, vs, prev, *args, *samp, *static, span, steps)
         for l in self.layers:
             cache.k[l], cache.v[l] = ks[l], vs[l]
-        cache.lengths[:rows] += 1
-        self._batch_args["pos"] = (pos + 1, pos_next)      # the next step's, if no row has moved
+        cache.lengths[:rows] += steps
+        self._batch_args["pos"] = (pos + steps, pos_next)      # the next step's, if no row has moved
         return tok, checked, logits
 
     def _resident(self, name: str, a: np.ndarray):
