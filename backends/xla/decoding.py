@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from strata_compiler import settings
 from strata_compiler.errors import BackendError, UsageError
 
 from . import cuda_rt
@@ -102,21 +103,51 @@ class DecodeSteps:
         nxt = device_sampling.choose(res[self.g.outputs[0]].reshape(B, -1), hist, U[i], kn, k, all_greedy)
         return nxt, pos + 1, device_sampling.remember(hist, nxt), i + 1, ks, vs
 
-    def _ahead_program(self, sampling):
-        """The jitted step decode_ahead launches, and the device values its first launch takes
-        after (ids, positions) — its state, which each step returns — and the constants every
-        launch takes: none for greedy, else state (window, step) and constants (uniforms, knobs)."""
+    def _ahead_chunk(self, params, ks, vs, tok, pos, steps):
+        """`steps` _ahead_steps in one program (a scan): the last one's outputs, then every
+        step's tokens int32 [steps, B]."""
+        def body(c, _):
+            nxt, pos, ks, vs = self._ahead_step(params, c[2], c[3], c[0], c[1])
+            return (nxt, pos, ks, vs), nxt
+        (tok, pos, ks, vs), toks = load_jax().lax.scan(body, (tok, pos, ks, vs), None, length=steps)
+        return tok, pos, ks, vs, toks
+
+    def _sampled_chunk(self, params, ks, vs, tok, pos, hist, i, U, kn, k, all_greedy, steps):
+        """`steps` _sampled_steps in one program, as _ahead_chunk."""
+        def body(c, _):
+            out = self._sampled_step(params, c[4], c[5], c[0], c[1], c[2], c[3], U, kn, k, all_greedy)
+            return out, out[0]
+        (tok, pos, hist, i, ks, vs), toks = load_jax().lax.scan(body, (tok, pos, hist, i, ks, vs), None,
+                                                                length=steps)
+        return tok, pos, hist, i, ks, vs, toks
+
+    def _ahead_program(self, sampling, steps: int = 1):
+        """The jitted program decode_ahead launches for `steps` steps (1, or several in one:
+        its outputs then end with every step's tokens), and the device values its first launch
+        takes after (ids, positions) — its state, which each launch returns — and the constants
+        every launch takes: none for greedy, else state (window, step) and constants (uniforms,
+        knobs)."""
         if sampling is None:
-            return self._ahead_fn, (), ()
+            if steps == 1:
+                return self._ahead_fn, (), ()
+            fn = self.__dict__.get("_chunk_fn")
+            if fn is None:
+                fn = self._chunk_fn = self._program("ahead_chunk", self._ahead_chunk, static_argnums=(5,),
+                                                    donate_argnums=(1, 2))
+            return (lambda *a: fn(*a, steps)), (), ()
         jnp = _jnp()
         key = device_sampling.static(sampling.settings)
-        fn = self.__dict__.get("_sampled_fn")
+        name = "_sampled_fn" if steps == 1 else "_sampled_chunk_fn"
+        fn = self.__dict__.get(name)
         if fn is None:      # a stored executable per (top-k, greedy), as the greedy step's
-            fn = self._sampled_fn = self._program("ahead_sampled", self._sampled_step, static_argnums=(9, 10),
-                                                  donate_argnums=(1, 2))
+            body, static = (self._sampled_step, (9, 10)) if steps == 1 else (self._sampled_chunk, (9, 10, 11))
+            fn = self._program("ahead_sampled" if steps == 1 else "ahead_sampled_chunk", body,
+                               static_argnums=static, donate_argnums=(1, 2))
+            setattr(self, name, fn)
         state = (np.asarray(sampling.history, np.int32), np.int32(0))
         const = device_sampling.generation_constants(sampling.uniforms, sampling.settings)
-        return (lambda *a: fn(*a, *key)), tuple(map(jnp.asarray, state)), tuple(map(jnp.asarray, const))
+        extra = key if steps == 1 else (*key, steps)
+        return (lambda *a: fn(*a, *extra)), tuple(map(jnp.asarray, state)), tuple(map(jnp.asarray, const))
 
     def decode_ahead(self, tok: np.ndarray, cache, n: int, stop_ids=(), done: np.ndarray | None = None,
                      sampling=None, on_token=None) -> np.ndarray:
@@ -129,23 +160,32 @@ class DecodeSteps:
         jax = load_jax()
         if cache.length + n > cache.capacity:
             raise UsageError(f"sequence of {cache.length + n} tokens exceeds the KV cache capacity {cache.capacity}")
+        chunk = settings.get("decode_steps")
         fn, state0, const = self._ahead_program(sampling)
+        fns = {1: fn}
         first = (np.asarray(tok, np.int32).reshape(-1), np.asarray(cache.positions(1), np.int32), *state0)
 
-        def launch(prev):
+        def launch(prev, w: int = 1):
+            """w steps from the state `prev` left (None: the first): (the next launch's state, the
+            device's tokens [B], or [w, B])."""
+            if w not in fns:
+                fns[w] = self._ahead_program(sampling, w)[0]
             ks = {l: cache.k[l] for l in self.layers}
             vs = {l: cache.v[l] for l in self.layers}
-            t, pos, *rest = fn(self.params, ks, vs, *(first if prev is None else prev), *const)
+            out = fns[w](self.params, ks, vs, *(first if prev is None else prev[0]), *const)
+            out, toks = (out[:-1], out[-1]) if w > 1 else (out, out[0])
+            t, pos, *rest = out
             ks, vs = rest[-2], rest[-1]
             for l in self.layers:
                 cache.k[l], cache.v[l] = ks[l], vs[l]
-            cache.advance(1)
-            return (t, pos, *rest[:-2])
+            cache.advance(w)
+            return (t, pos, *rest[:-2]), toks
 
         def finish(step, use: bool) -> np.ndarray:
-            return np.asarray(cuda_rt.fetch(jax.block_until_ready(step[0]))).astype(np.int64)
+            got = np.asarray(cuda_rt.fetch(jax.block_until_ready(step[1]))).astype(np.int64)
+            return got.T if got.ndim == 2 else got
 
-        return ahead.run(launch, finish, n, int(first[0].shape[0]), stop_ids, done, on_token=on_token)
+        return ahead.run(launch, finish, n, int(first[0].shape[0]), stop_ids, done, on_token=on_token, chunk=chunk)
 
     @staticmethod
     def fetch(v) -> np.ndarray:
