@@ -100,8 +100,12 @@ class _Step:
 class BatchScheduler(Scheduler):
     """Serves up to `max_batch` sequences at once."""
 
-    def __init__(self, session, tokenizer, ctx: int, max_batch: int = 8, queue_size: int = 64, chunk: int = 256,
-                 prompt_cache: PromptCache | None = None, decode_steps: int | None = None):
+    def __init__(self, session, tokenizer, ctx: int, max_batch: int | None = None, queue_size: int | None = None,
+                 chunk: int | None = None, prompt_cache: PromptCache | None = None, decode_steps: int | None = None):
+        """The options left None take strata-server's settings of those names (max_batch,
+        queue_size, prefill_chunk, decode_steps: strata_compiler/settings.py)."""
+        max_batch, queue_size, chunk = (settings.get(k) if v is None else v for k, v in (
+            ("max_batch", max_batch), ("queue_size", queue_size), ("prefill_chunk", chunk)))
         check_options(session.plan, ctx, max_batch, chunk)
         super().__init__(session, tokenizer, ctx, queue_size)
         self.max_batch = max_batch

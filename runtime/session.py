@@ -10,6 +10,7 @@ from typing import Callable
 
 import numpy as np
 
+from strata_compiler import settings
 from strata_compiler.backends import make_executor, resolve_backend
 from strata_compiler.errors import PlanError, UsageError
 from strata_compiler.execution import AheadSampling
@@ -97,10 +98,11 @@ class Session:
     backend: str = "auto"
     device: str = "auto"        # where xla partitions run: auto | gpu | cpu
     timings: Timings = field(default_factory=Timings)
-    expert_cache: bool = True   # live GPU expert caches for the plan's cached layers (mixed runs)
-    cache_policy: str = "hybrid"
-    multi_gpu: str = "mesh"     # a striped plan on several GPUs: one sharded computation, or "host"-driven
-    miss_path: str = "auto"     # expert caches' misses: "cpu" (the plan's host share), "gpu" (read in place), auto
+    # strata-run's settings of the same names (strata_compiler/settings.py) where not given
+    expert_cache: bool = field(default_factory=lambda: settings.get("expert_cache"))   # live GPU expert caches
+    cache_policy: str = field(default_factory=lambda: settings.get("cache_policy"))    # hybrid | lru
+    multi_gpu: str = field(default_factory=lambda: settings.get("multi_gpu"))   # a striped plan: mesh | host-driven
+    miss_path: str = field(default_factory=lambda: settings.get("miss_path"))   # expert caches' misses: cpu | gpu | auto
 
     def __post_init__(self) -> None:
         bound = {n.backend for n in self.plan.graph.nodes}

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from . import settings
 from .dot import graph_to_dot
 from .errors import PassError, StrataError
 from .hwprofile import HardwareProfile
@@ -21,17 +22,22 @@ from .ir_text import print_graph
 from .verify import verify
 
 
+def _setting(name: str):
+    """A field whose default is stratac compile's setting `name` (strata_compiler/settings.py)."""
+    return field(default_factory=lambda: settings.get(name))
+
+
 @dataclass(frozen=True)
 class CompileOptions:
-    quant: str = "f32"
-    group_size: int = 32
+    quant: str = "f32"           # (the library's default; stratac compile's --quant is auto)
+    group_size: int = _setting("group_size")
     backend: str = "reference"   # what select-kernels binds: reference | llvm | xla
     place: str = ""              # --place rules (passes/placement_rules.py)
     cpu_backend: str = "reference"  # the CPU backend for cpu-placed ops when --backend is xla
     calib: str = ""              # --calib: calibration text file (passes/calibrate.py)
-    calib_tokens: int = 16384    # at most this many calibration tokens
+    calib_tokens: int = _setting("calib_tokens")   # at most this many calibration tokens
     calib_ctx: int = 512         # tokens per calibration chunk
-    imatrix: bool = True         # --no-imatrix: --calib for routing statistics only, plain quantization scales
+    imatrix: bool = _setting("imatrix")   # --no-imatrix: --calib for routing statistics only, plain scales
     calib_probe_tokens: int = 128  # tokens of the per-tensor sensitivity probe (--bits with --calib)
     bits: float = 0.0            # --bits: layer-adaptive formats at this average bits per weight
     memory_budget: str = ""      # --memory-budget: layer-adaptive formats within this many weight bytes
@@ -41,11 +47,11 @@ class CompileOptions:
     host_mem: str = ""           # --host-mem SIZE: plan for this much host RAM
     plan_ctx: int = 4096         # tokens of KV cache the placement reserves GPU memory for
     plan_prompt: int = 512       # prompt tokens of the prefill time the placement also predicts
-    expert_cache: bool = False   # --expert-cache: split layers become GPU expert caches (runtime swaps)
+    expert_cache: bool = _setting("compile_expert_cache")   # split layers become GPU expert caches
     chat_template: str = ""      # --chat-template: a Jinja file replacing (or supplying) the model's template
-    gpus: int = 1                # --gpus N: the target has N such GPUs
-    gpu_mode: str = "auto"       # --gpu-mode auto|layer|stripe: how work spreads over them
-    place_strategy: str = "auto"  # --place-strategy: force one of the place pass's candidate layouts
+    gpus: int = _setting("gpus")                # --gpus N: the target has N such GPUs
+    gpu_mode: str = _setting("gpu_mode")        # --gpu-mode auto|layer|stripe: how work spreads over them
+    place_strategy: str = _setting("place_strategy")   # force one of the place pass's candidate layouts
 
 
 @dataclass
