@@ -81,8 +81,12 @@ class Chat:
             if ended[0]:
                 break
             show(tok)
-        fed = ids + toks[:-1]
-        self.fed = fed if self.session.cache.length == len(fed) else None
+        fed, cache = ids + toks[:-1], self.session.cache
+        if cache.length >= len(fed):    # steps decoded ahead past the end (a stop inside a chunk): not kept
+            cache.length = len(fed)
+            self.fed = fed
+        else:
+            self.fed = None
 
     def _write(self, text: str) -> None:
         if text:

@@ -158,3 +158,15 @@ def test_chat_decodes_ahead_where_the_executor_can(plan_dir):
     assert answer == tok.decode(ids + toks)[len(tok.decode(ids)):]
     chat.turn("What did he see?")
     assert chat.fed is not None and session.cache.length == len(chat.fed) and 0 < chat.prefilled[1] < len(chat.fed)
+    # an answer that stops inside a chunk decoded ahead: the steps past it are dropped, the cache kept
+    conv = tok.encode(render_chat(plan, chat.messages + [{"role": "user", "content": "And then?"}])).ids
+    _, ref = Session(plan, "xla", device="cpu").generate(np.array([conv], np.int64), 2 * N, Sampler())
+    ref = ref[0].tolist()
+    at = next(i for i in range(10, len(ref)) if ref[i] not in ref[:i])     # a token first made at step >= 10
+    chat.stop, chat.max_new = (ref[at], *chat.stop), 2 * N
+    calls.clear()
+    chat.turn("And then?")
+    assert calls and chat.fed is not None and session.cache.length == len(chat.fed)
+    n = chat.prefilled[2]
+    chat.turn("Why?")
+    assert chat.prefilled[3] < len(chat.fed) and n > 0             # the fourth turn reused the cache too
