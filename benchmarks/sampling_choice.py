@@ -151,18 +151,8 @@ def choose_fast(x, hist, u, kn, k: int, all_greedy: bool, chunk: int | None = No
         x = penalised(x, hist, kn[:, 0:1])
     if all_greedy:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
-    inv_t, top_p, floor, k_row = kn[:, 1:2], kn[:, 2], kn[:, 3:4], kn[:, 4].astype(jnp.int32)
     vals, ids = top_k(jnp.where(x == 0, 0.0, x), k, chunk, fan)
-    m, best = vals[:, :1], ids[:, 0].astype(jnp.int32)
-    w = jnp.exp((vals - m) * inv_t)
-    n = jnp.minimum(jnp.sum(vals >= m + floor, axis=-1), k_row)
-    z = jnp.sum(jnp.exp((x - m) * inv_t), axis=-1)
-    reach = jnp.sum(jnp.cumsum(w, axis=-1) < (top_p * z)[:, None], axis=-1) + 1
-    n = jnp.maximum(jnp.minimum(n, jnp.where(top_p < 1, reach, k)), 1)
-    c = jnp.cumsum(jnp.where(jnp.arange(k)[None, :] < n[:, None], w, 0.0), axis=-1)
-    j = jnp.minimum(jnp.sum(c <= (u * c[:, -1])[:, None], axis=-1), n - 1)
-    tok = jnp.take_along_axis(ids, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(kn[:, 1] > 0, tok, best)
+    return ds.from_candidates(x, vals, ids, u, kn, k)
 
 
 def penalty_scatter(x, hist, p):

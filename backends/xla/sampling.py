@@ -87,8 +87,16 @@ def choose(x, hist, u, kn, k: int, all_greedy: bool):
         x = jnp.where(seen > 0, jnp.where(x > 0, x / p, x * p), x)
     if all_greedy:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
-    inv_t, top_p, floor, k_row = kn[:, 1:2], kn[:, 2], kn[:, 3:4], kn[:, 4].astype(jnp.int32)
     vals, ids = top_k(jax, jnp, jnp.where(x == 0, 0.0, x), k)     # -0.0 as +0.0: ties by id, as the host
+    return from_candidates(x, vals, ids, u, kn, k)
+
+
+def from_candidates(x, vals, ids, u, kn, k: int):
+    """`choose`'s token from the penalised logits x [B, V] and their top k (vals, ids [B, k], by
+    logit): temperature, top-p against the whole row's mass, min-p, the draw u; greedy rows (no
+    temperature) the first candidate."""
+    jnp = _jnp()
+    inv_t, top_p, floor, k_row = kn[:, 1:2], kn[:, 2], kn[:, 3:4], kn[:, 4].astype(jnp.int32)
     m, best = vals[:, :1], ids[:, 0].astype(jnp.int32)
     w = jnp.exp((vals - m) * inv_t)
     n = jnp.minimum(jnp.sum(vals >= m + floor, axis=-1), k_row)    # min-p: a prefix of the sorted candidates
