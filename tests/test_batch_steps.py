@@ -82,8 +82,8 @@ def test_decoding_ahead_in_chunks_changes_no_token(tiny_int8_plan, sampled):
     for k in (1, 8):
         s = Session(plan, "xla", device="cpu")
         launches = []
-        real = s.executor._ahead_program
-        s.executor._ahead_program = lambda smp, w=1: launches.append(w) or real(smp, w)
+        real = s.executor._ahead_fn_of
+        s.executor._ahead_fn_of = lambda smp, w=1: launches.append(w) or real(smp, w)
         with settings.override(decode_steps=k):
             _, got[k] = s.generate(ids, 21, Sampler.of(how, 7) if sampled else Sampler())
         assert len(launches) == (1 if k == 1 else 2)      # the programs asked for: a step, and a chunk

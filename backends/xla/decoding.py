@@ -1,6 +1,7 @@
 """The xla executor's decode steps beyond one call per step (XLAExecutor inherits them): greedy
 tokens chosen on the device and steps launched before the last one's tokens are read (one
-sequence: decode_ahead, backends/ahead.py), a whole greedy loop as one program (greedy_decode),
+sequence: decode_ahead, backends/ahead.py; several steps a program), a whole greedy loop as one
+program (greedy_decode),
 and the server's continuous-batching step (batch_step). Whole plans on one device only.
 """
 
@@ -30,20 +31,6 @@ def attention_span(need: int, capacity: int) -> int | None:
 
 
 class DecodeSteps:
-    def _decode_loop(self, params, ks, vs, tok, pos, n):
-        """n greedy decode steps in one XLA computation: the token never leaves the device."""
-        jax, jnp = load_jax(), _jnp()
-        B = tok.shape[0]
-
-        def body(i, carry):
-            ks, vs, tok, pos, out = carry
-            nxt, pos, ks, vs = self._ahead_step(params, ks, vs, tok, pos)
-            return ks, vs, nxt, pos, out.at[:, i].set(nxt)
-
-        out = jnp.zeros((B, n), jnp.int32)
-        ks, vs, _, _, out = jax.lax.fori_loop(0, n, body, (ks, vs, tok, pos, out))
-        return out, ks, vs
-
     def greedy_decode(self, first: np.ndarray, cache, n: int) -> np.ndarray:
         """n greedy tokens after `first` (i64[B], the token the prefill chose), all on the device,
         each row from its own position.
@@ -54,16 +41,16 @@ class DecodeSteps:
             raise BackendError("greedy_decode runs whole plans on one device")
         if cache.length + n > cache.capacity:
             raise UsageError(f"sequence of {cache.length + n} tokens exceeds the KV cache capacity {cache.capacity}")
-        if not hasattr(self, "_loop"):
-            self._loop = jax.jit(self._decode_loop, static_argnums=(5,), donate_argnums=(1, 2))
+        if not hasattr(self, "_loop"):     # the n steps as one scan (decode_ahead's chunk)
+            self._loop = jax.jit(self._ahead_chunk, static_argnums=(5,), donate_argnums=(1, 2))
         ks = {l: cache.k[l] for l in self.layers}
         vs = {l: cache.v[l] for l in self.layers}
-        out, ks, vs = self._loop(self.params, ks, vs, jnp.asarray(first, jnp.int32),
-                                 jnp.asarray(cache.positions(1), jnp.int32), n)
+        *_, ks, vs, out = self._loop(self.params, ks, vs, jnp.asarray(first, jnp.int32),
+                                     jnp.asarray(cache.positions(1), jnp.int32), n)
         for l in self.layers:
             cache.k[l], cache.v[l] = ks[l], vs[l]
         cache.advance(n)
-        return np.asarray(out).astype(np.int64)
+        return np.asarray(out).T.astype(np.int64)
 
     def can_decode_ahead(self, B: int, cache, sampling=None) -> bool:
         """Whether a whole plan's next decode steps can run ahead (backends/ahead.py): on this
@@ -121,33 +108,37 @@ class DecodeSteps:
                                                                 length=steps)
         return tok, pos, hist, i, ks, vs, toks
 
-    def _ahead_program(self, sampling, steps: int = 1):
-        """The jitted program decode_ahead launches for `steps` steps (1, or several in one:
-        its outputs then end with every step's tokens), and the device values its first launch
-        takes after (ids, positions) — its state, which each launch returns — and the constants
-        every launch takes: none for greedy, else state (window, step) and constants (uniforms,
-        knobs)."""
+    def _ahead_fn_of(self, sampling, steps: int = 1):
+        """The jitted program decode_ahead launches for `steps` steps (1, or several in one: its
+        outputs then end with every step's tokens): greedy, or sampled by `sampling`; a stored
+        executable each (and per top-k, greedy)."""
         if sampling is None:
             if steps == 1:
-                return self._ahead_fn, (), ()
-            fn = self.__dict__.get("_chunk_fn")
-            if fn is None:
-                fn = self._chunk_fn = self._program("ahead_chunk", self._ahead_chunk, static_argnums=(5,),
-                                                    donate_argnums=(1, 2))
-            return (lambda *a: fn(*a, steps)), (), ()
-        jnp = _jnp()
+                return self._ahead_fn
+            if "_chunk_fn" not in self.__dict__:
+                self._chunk_fn = self._program("ahead_chunk", self._ahead_chunk, static_argnums=(5,),
+                                               donate_argnums=(1, 2))
+            return lambda *a: self._chunk_fn(*a, steps)
         key = device_sampling.static(sampling.settings)
         name = "_sampled_fn" if steps == 1 else "_sampled_chunk_fn"
-        fn = self.__dict__.get(name)
-        if fn is None:      # a stored executable per (top-k, greedy), as the greedy step's
+        if name not in self.__dict__:
             body, static = (self._sampled_step, (9, 10)) if steps == 1 else (self._sampled_chunk, (9, 10, 11))
-            fn = self._program("ahead_sampled" if steps == 1 else "ahead_sampled_chunk", body,
-                               static_argnums=static, donate_argnums=(1, 2))
-            setattr(self, name, fn)
+            setattr(self, name, self._program("ahead_sampled" if steps == 1 else "ahead_sampled_chunk", body,
+                                              static_argnums=static, donate_argnums=(1, 2)))
+        fn, extra = getattr(self, name), (key if steps == 1 else (*key, steps))
+        return lambda *a: fn(*a, *extra)
+
+    def _ahead_program(self, sampling):
+        """decode_ahead's one-step program (`_ahead_fn_of`), the device values its first launch takes
+        after (ids, positions) — its state, which each launch returns — and the constants every
+        launch takes: none for greedy, else state (window, step) and constants (uniforms, knobs)."""
+        fn = self._ahead_fn_of(sampling)
+        if sampling is None:
+            return fn, (), ()
+        jnp = _jnp()
         state = (np.asarray(sampling.history, np.int32), np.int32(0))
         const = device_sampling.generation_constants(sampling.uniforms, sampling.settings)
-        extra = key if steps == 1 else (*key, steps)
-        return (lambda *a: fn(*a, *extra)), tuple(map(jnp.asarray, state)), tuple(map(jnp.asarray, const))
+        return fn, tuple(map(jnp.asarray, state)), tuple(map(jnp.asarray, const))
 
     def decode_ahead(self, tok: np.ndarray, cache, n: int, stop_ids=(), done: np.ndarray | None = None,
                      sampling=None, on_token=None) -> np.ndarray:
@@ -169,7 +160,7 @@ class DecodeSteps:
             """w steps from the state `prev` left (None: the first): (the next launch's state, the
             device's tokens [B], or [w, B])."""
             if w not in fns:
-                fns[w] = self._ahead_program(sampling, w)[0]
+                fns[w] = self._ahead_fn_of(sampling, w)
             ks = {l: cache.k[l] for l in self.layers}
             vs = {l: cache.v[l] for l in self.layers}
             out = fns[w](self.params, ks, vs, *(first if prev is None else prev[0]), *const)
