@@ -99,7 +99,7 @@ def ab(exe, decode, a, fmt: str, B: int = 1) -> list[dict]:
     try:
         for setting in values * 2:
             with env_set(name, setting):
-                exe._loop = jax.jit(lambda *args: exe._decode_loop(*args), static_argnums=(5,), donate_argnums=(1, 2))
+                exe._loop = jax.jit(lambda *args: exe._ahead_chunk(*args), static_argnums=(5,), donate_argnums=(1, 2))
                 decode()                       # compile
                 secs = []
                 for _ in range(a.repeats):

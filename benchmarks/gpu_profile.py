@@ -174,7 +174,7 @@ def main() -> int:
         if layers == a.layers:
             ks = {l: c.k[l] for l in exe.layers}
             vs = {l: c.v[l] for l in exe.layers}
-            lowered = jax.jit(exe._decode_loop, static_argnums=(5,)).lower(
+            lowered = jax.jit(exe._ahead_chunk, static_argnums=(5,)).lower(
                 exe.params, ks, vs, jnp.asarray(first, jnp.int32), jnp.asarray(c.lengths, jnp.int32), a.steps)
             hlo = lowered.compile().as_text()
             if a.hlo:
