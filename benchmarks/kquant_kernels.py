@@ -12,6 +12,8 @@ bytes over that time. Values are random codes and scales: kernel speed does not 
 
 from __future__ import annotations
 
+import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -22,6 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import device_kernels  # noqa: E402
+from strata_compiler import settings  # noqa: E402
 from strata_compiler.backends.xla import pallas_dense, pallas_moe  # noqa: E402
 from strata_compiler.backends.xla.pallas_quant import gate  # noqa: E402
 from strata_compiler.backends.xla.dequant import matvec  # noqa: E402
@@ -30,6 +33,7 @@ from strata_compiler.ir import WeightSpec  # noqa: E402
 
 E, D, I, K_TOP, V = 8, 2048, 5632, 2, 32000
 GROUP: dict[str, int] = {}     # a format's group where it is not 32
+CHECK = False
 INTERPRET = gate(True, True)[1]        # STRATA_PALLAS=interpret: a check of this script on the CPU
 
 
@@ -55,15 +59,26 @@ def _busy_us(f, args, calls: int = 50) -> float:
     return got[1] / calls
 
 
+def _checked(name: str, f, args) -> str:
+    """name, with --check: the kernels' result against the same kernels in Pallas interpret mode
+    (max |difference| / max |value|), a test of the code Triton compiled."""
+    if not CHECK or INTERPRET:
+        return name
+    got, want = (np.asarray(jax.jit(functools.partial(f, interpret=i))(*args)) for i in (False, True))
+    return f"{name} (vs interpret: {np.abs(got - want).max() / np.abs(want).max():.1e})"
+
+
 def moe_row(fmts: tuple[str, str], rng) -> tuple[str, float, int]:
     gs = WeightSpec("gu", (E, 2 * I, D), (), E, fmts[0], GROUP.get(fmts[0], 32))
     ds = WeightSpec("dn", (E, D, I), (), E, fmts[1], GROUP.get(fmts[1], 32))
     ga, da = _arrays(fmts[0], gs.shape, rng), _arrays(fmts[1], ds.shape, rng)
     x = jnp.asarray(rng.standard_normal((1, D)).astype(np.float32))
     topi, topw = jnp.asarray([[1, 5]], jnp.int32), jnp.asarray([[0.6, 0.4]], jnp.float32)
-    f = lambda x, ga, da: pallas_moe.moe_decode(x, topi, topw, gs, ga, ds, da, interpret=INTERPRET)   # noqa: E731
+    f = lambda x, ga, da, interpret=INTERPRET: pallas_moe.moe_decode(   # noqa: E731
+        x, topi, topw, gs, ga, ds, da, interpret=interpret)
     per_expert = sum(a.nbytes for a in ga.values()) // E + sum(a.nbytes for a in da.values()) // E
-    return f"MoE layer gate_up {fmts[0]}, down {fmts[1]}", _busy_us(f, (x, ga, da)), K_TOP * per_expert
+    name = _checked(f"MoE layer gate_up {fmts[0]}, down {fmts[1]}", f, (x, ga, da))
+    return name, _busy_us(f, (x, ga, da)), K_TOP * per_expert
 
 
 def head_row(fmt: str, rng) -> tuple[str, float, int]:
@@ -71,16 +86,32 @@ def head_row(fmt: str, rng) -> tuple[str, float, int]:
     a = _arrays(fmt, spec.shape, rng)
     x = jnp.asarray(rng.standard_normal((1, D)).astype(np.float32))
     if pallas_dense.use_linear(True, spec, 1)[0]:
-        f, how = (lambda x, a: pallas_dense.linear_decode(x, spec, a, interpret=INTERPRET)), "Pallas"
+        f = lambda x, a, interpret=INTERPRET: pallas_dense.linear_decode(x, spec, a, interpret=interpret)  # noqa: E731
+        name = _checked(f"head {fmt} (Pallas)", f, (x, a))
     else:
-        f, how = (lambda x, a: matvec(jnp, spec, a, x)), "XLA multiply-reduce"
-    return f"head {fmt} ({how})", _busy_us(f, (x, a)), sum(v.nbytes for v in a.values())
+        f, name = (lambda x, a: matvec(jnp, spec, a, x)), f"head {fmt} (XLA multiply-reduce)"
+    return name, _busy_us(f, (x, a)), sum(v.nbytes for v in a.values())
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tunes", default="", help="MoE rows again under each pallas_tune, `BN1,BN2,W1,W2;...`")
+    ap.add_argument("--check", action="store_true", help="each Pallas row's result against interpret mode")
+    ap.add_argument("--linear-tunes", default="", help="head rows again under each pallas_linear_tune, `BN,W;...`")
+    a = ap.parse_args()
+    global CHECK
+    CHECK = a.check
     rng = np.random.default_rng(0)
-    rows = [moe_row(f, rng) for f in (("int4", "int4"), ("int4a", "int8"), ("int4a", "int4a"))]
+    moe = (("int4", "int4"), ("int4a", "int8"), ("int4a", "int4a"))
+    rows = [moe_row(f, rng) for f in moe]
     rows += [head_row(f, rng) for f in ("int4", "int8")]
+    for t in filter(None, a.tunes.split(";")):
+        with settings.override(pallas_tune=tuple(int(v) for v in t.split(","))):
+            rows += [(f"{name} [pallas_tune {t}]", us, nb) for name, us, nb in (moe_row(f, rng) for f in moe[1:])]
+    for t in filter(None, a.linear_tunes.split(";")):
+        with settings.override(pallas_linear_tune=tuple(int(v) for v in t.split(","))):
+            name, us, nb = head_row("int8", rng)
+            rows.append((f"{name} [pallas_linear_tune {t}]", us, nb))
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; GPU busy us per call, median of none "
           "(the mean over 50 calls)\n")
     print("| kernel | us | MB read | GB/s |\n|---|---:|---:|---:|")

@@ -231,6 +231,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("queue_size", "int", 64, "strata-server, API",
        "requests that may wait; beyond it the server answers 429",
        minimum=1, flag="--queue-size"),
+    _s("decode_unroll", "bool", True, "xla",
+       "A/B, to be measured: a GPU's multi-step decode programs as straight-line code (unrolled), not a loop"),
     _s("decode_steps", "int", 8, "strata-run, strata-server, API",
        "decode steps per device dispatch where a whole plan runs on one device (xla): strata-run's decoding "
        "ahead while that many tokens are left, the server's batch while no request waits to be admitted and each "

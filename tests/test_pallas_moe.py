@@ -69,8 +69,8 @@ def _q8(x, G):
 
 def _as_read(x, spec):
     """The activation rows x [R, K] as a kernel reading weights stored as `spec` multiplies them:
-    q8-rounded for int4 (dp4a), as they are for int8."""
-    if spec.fmt not in ("int4", "int4a"):
+    q8-rounded where it takes dp4a words (int4, int4a; int8 with a group of a multiple of 4)."""
+    if not pallas_quant._Proj(pallas_quant._Spec(spec.fmt, spec.group_size, (1, *spec.shape[-2:]))).dp4a:
         return x.astype(np.float64)
     G, K = spec.group_size, x.shape[1]
     Kp = -(-K // G) * G
@@ -96,9 +96,9 @@ def _reference(x, topi, topw, gs, ga, ds, da, q8: bool = True):
 
 
 def _tolerance(gs, ds) -> float:
-    """Relative tolerance against `_reference`: f32 rounding, or with int4 a q8 rounding that may
-    land on the other side of a step (f32 against float64 activations)."""
-    return 1e-4 if {"int4", "int4a"} & {gs.fmt, ds.fmt} else 2e-6
+    """Relative tolerance against `_reference`: a q8 rounding that may land on the other side of a
+    step (f32 against float64 activations)."""
+    return 1e-4
 
 
 def _run(x, topi, topw, gs, ga, ds, da):
@@ -115,6 +115,8 @@ def _run(x, topi, topw, gs, ga, ds, da):
     (5, 96, 40, 2, 3, ("int8", "int4"), 32),      # mixed formats, ragged row blocks
     (6, 128, 96, 2, 1, ("int4", "int8"), 64),     # G=64; I a multiple of G but not of the block
     (4, 48, 24, 4, 4, ("int8", "int8"), 8),       # every expert chosen, small groups
+    (4, 64, 64, 2, 1, ("int4a", "int8"), 32),     # Q4_K_M's Q6_K layers: h handed to int8 down in q8
+    (4, 64, 24, 2, 2, ("int8", "int8"), 2),       # int8 groups of 2: no dp4a word, f32 activations
     (8, 200, 72, 3, 2, ("int4a", "int4a"), 32),   # Q4_1's layout: (scale, min) pairs
     (6, 128, 96, 2, 1, ("int4a", "int4"), 32),
 ])
@@ -210,11 +212,11 @@ def _spy(monkeypatch, module, name: str, calls=None, record=lambda kw: kw) -> li
     return calls
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int4a"])
+@pytest.mark.parametrize("fmt", ["int4", "int4a", "int8"])
 @pytest.mark.parametrize("N,K,M", [(64, 64, 1), (50, 200, 3), (300, 96, 2)])
 def test_dp4a_linear_matches_q8_reference(N, K, M, fmt):
-    """The dense int4/int4a decode kernel (linear_decode, interpret): W x_q8 for ragged rows and
-    groups; and use_linear picks it only for int4/int4a 2-D weights whose groups fill u32 words."""
+    """The dense int4/int4a/int8 decode kernel (linear_decode, interpret): W x_q8 for ragged rows
+    and groups; and use_linear picks it only for 2-D weights whose groups fill u32 words."""
     G = 32
     rng = np.random.default_rng(N + K)
     w = rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K) + (0.05 if fmt == "int4a" else 0.0)
@@ -229,7 +231,7 @@ def test_dp4a_linear_matches_q8_reference(N, K, M, fmt):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     assert pallas_dense.use_linear(True, spec, M) == (True, False)
     assert pallas_dense.use_linear(False, spec, M) == (False, False)      # CPU: XLA's multiply-reduce
-    assert pallas_dense.use_linear(True, WeightSpec("w", (N, K), (), 0, "int8", G), M)[0] is False
+    assert pallas_dense.use_linear(True, WeightSpec("w", (N, K), (), 0, "int8", 2), M)[0] is False
     assert pallas_dense.use_linear(True, WeightSpec("w", (N, K), (), 0, "int4", 4), M)[0] is False
 
 
@@ -341,7 +343,7 @@ def test_kernels_match_xla_multiply_reduce(fmt):
     y = matvec(jnp, ds, {r: jnp.asarray(v)[ti] for r, v in da.items()}, h)
     want = np.asarray((y * jnp.asarray(topw)[..., None]).sum(axis=1))
     got = _run(x, topi, topw, gs, ga, ds, da)
-    np.testing.assert_allclose(got, want, rtol=0, atol=(1e-6 if fmt == "int8" else 1e-4) * np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
 def test_use_switch(monkeypatch):
@@ -395,20 +397,22 @@ def _decode(plan, ids, monkeypatch, mode, capacity: int = 64, n: int = 6):
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_int8_model_logits_unchanged_with_kernels(int_plans, monkeypatch, batch):
-    """int8 experts (f32 activations) and the router kernel: the XLA path's logits to f32
-    rounding, the same greedy tokens."""
+def test_int8_model_logits_near_the_xla_path(int_plans, monkeypatch, batch):
+    """An int8 model on the dp4a kernels (signed weight bytes, q8 activations, as llama.cpp's mmvq
+    reads Q8_0 / Q6_K): its experts and dense projections take the kernels with their norms and
+    residual adds folded in, and the logits stay within q8 rounding of the XLA path's."""
     from strata_compiler.runtime.plan import load_plan
 
     plan = load_plan(int_plans["int8"])
     ids = np.random.default_rng(batch).integers(0, 100, (batch, 5))
-    calls = _spy(monkeypatch, pallas_moe, "moe_decode")
-    want, want_toks = _decode(plan, ids, monkeypatch, "off")
+    calls = []
+    for module, name in ((pallas_dense, "linear_decode"), (pallas_moe, "moe_decode")):
+        _spy(monkeypatch, module, name, calls, lambda kw, name=name: (name, kw.get("rms") is not None))
+    want, _ = _decode(plan, ids, monkeypatch, "off")
     assert not calls
-    got, got_toks = _decode(plan, ids, monkeypatch, "interpret")
-    assert calls and all(kw["interpret"] for kw in calls)      # traced once per MoE layer and shape
-    assert np.abs(got - want).max() <= 1e-5 * want.std()
-    np.testing.assert_array_equal(got_toks, want_toks)
+    got, _ = _decode(plan, ids, monkeypatch, "interpret")
+    assert {("linear_decode", True), ("moe_decode", True)} <= set(calls)
+    assert np.abs(got - want).max() <= 0.05 * want.std()
 
 
 def test_bad_tuning_is_one_clear_error(monkeypatch):

@@ -117,3 +117,16 @@ def test_a_new_session_prefetches_its_stored_programs(tiny_int8_plan, cache, mon
     _, got = s.generate(ids, 6, Sampler())
     np.testing.assert_array_equal(got, want)
     assert ("forward", True) in taken and ("ahead", True) in taken
+
+
+def test_a_traced_setting_is_part_of_the_programs_key(tiny_int8_plan, cache):
+    """A stored program is looked up under the xla settings it was traced with (a kernel's
+    tuning, a kernel turned off): another value is another program, not the stored one run."""
+    plan = load_plan(tiny_int8_plan)
+    scope = Session(plan, "xla").executor._scope()
+    with settings.override(pallas_tune=(64, 8, 4, 4)):
+        assert Session(plan, "xla").executor._scope() != scope
+    with settings.override(pallas="off"):
+        assert Session(plan, "xla").executor._scope() != scope
+    with settings.override(gpu_preallocate=True):         # not traced: the same programs
+        assert Session(plan, "xla").executor._scope() == scope

@@ -96,7 +96,8 @@ class DecodeSteps:
         def body(c, _):
             nxt, pos, ks, vs = self._ahead_step(params, c[2], c[3], c[0], c[1])
             return (nxt, pos, ks, vs), nxt
-        (tok, pos, ks, vs), toks = load_jax().lax.scan(body, (tok, pos, ks, vs), None, length=steps)
+        (tok, pos, ks, vs), toks = load_jax().lax.scan(body, (tok, pos, ks, vs), None, length=steps,
+                                                       unroll=self._unroll(steps))
         return tok, pos, ks, vs, toks
 
     def _sampled_chunk(self, params, ks, vs, tok, pos, hist, i, U, kn, k, all_greedy, steps):
@@ -105,8 +106,13 @@ class DecodeSteps:
             out = self._sampled_step(params, c[4], c[5], c[0], c[1], c[2], c[3], U, kn, k, all_greedy)
             return out, out[0]
         (tok, pos, hist, i, ks, vs), toks = load_jax().lax.scan(body, (tok, pos, hist, i, ks, vs), None,
-                                                                length=steps)
+                                                                length=steps, unroll=self._unroll(steps))
         return tok, pos, hist, i, ks, vs, toks
+
+    def _unroll(self, steps: int) -> int:
+        """How many steps of a multi-step program run as straight-line code: on a GPU all (XLA:GPU
+        runs a loop's control on the host, a round trip each turn), elsewhere 1 (a loop)."""
+        return steps if self.on_gpu and settings.get("decode_unroll") and steps <= 16 else 1
 
     def _ahead_fn_of(self, sampling, steps: int = 1):
         """The jitted program decode_ahead launches for `steps` steps (1, or several in one: its
@@ -228,7 +234,8 @@ class DecodeSteps:
             chosen, checked, logits, ks, vs = one(tok, pos, hist, u_j, ks, vs)
             return (chosen, pos + 1, device_sampling.remember(hist, chosen), ks, vs, logits), checked
         logits0 = jnp.zeros((B, self._vocab()), jnp.float32)
-        (chosen, pos, _, ks, vs, logits), checked = jax.lax.scan(body, (tok, pos, hist, ks, vs, logits0), u)
+        (chosen, pos, _, ks, vs, logits), checked = jax.lax.scan(body, (tok, pos, hist, ks, vs, logits0), u,
+                                                                 unroll=self._unroll(steps))
         return pad(chosen), pad(checked), logits, pos, ks, vs
 
     def _batch_sampling(self, rows: int, sampling, steps: int = 1) -> tuple:

@@ -72,6 +72,13 @@ class GPUOutOfMemory(BackendError):
     """The device could not hold a partition's weights."""
 
 
+def _traced_settings() -> list:
+    """The xla settings' values (those that decide what a program traces; not where its cache
+    lives or how memory is allocated)."""
+    skip = ("cache_dir", "gpu_preallocate", "xla_executables")
+    return [(n, settings.get(n)) for n in settings.names() if settings.declared(n).where == "xla" and n not in skip]
+
+
 class XLAExecutor(DecodeSteps, Executor):
     """Runs the nodes of `graph` (all, or the ids in `nodes`) as one jitted JAX function."""
 
@@ -170,8 +177,9 @@ class XLAExecutor(DecodeSteps, Executor):
         return aot.Program(name, fn, self._scope, **kw)
 
     def _scope(self) -> str:
-        """What shapes this partition's programs besides their arguments: the graph and the
-        executor's own choices (aot.Program's key)."""
+        """What shapes this partition's programs besides their arguments: the graph, the
+        executor's own choices and the xla settings that change what is traced (kernels, their
+        tuning; aot.Program's key)."""
         if not hasattr(self, "_scope_text"):
             import hashlib
 
@@ -180,7 +188,8 @@ class XLAExecutor(DecodeSteps, Executor):
             g = hashlib.sha256(print_graph(self.g).encode()).hexdigest()
             self._scope_text = repr((g, [n.id for n in self.nodes], self.outputs, self.packed, self._packed_T,
                                      sorted(self.slots_of.items()), self.count_order, str(self.kv_dtype),
-                                     self.device.platform, getattr(self.device, "device_kind", ""), self.device.id))
+                                     self.device.platform, getattr(self.device, "device_kind", ""), self.device.id,
+                                     _traced_settings()))
         return self._scope_text
 
     def _restore_keys(self, static: tuple, meta) -> None:

@@ -1,4 +1,4 @@
-"""Dense projections at decode as Pallas (Triton) kernels: int4 matrices (q/k/v, o, lm_head) with
+"""Dense projections at decode as Pallas (Triton) kernels: int4/int4a/int8 matrices (q/k/v, o, lm_head) with
 dp4a integer dot products, and the f32/bf16 MoE router with the RMS norm before it.
 
   linear  grid (M rows, row blocks of N): each program quantizes its activation row to q8 (after
@@ -27,11 +27,11 @@ from .pallas_quant import (_Proj, _Spec, _key, _load, _padded, _pow2, _row_block
 
 def use_linear(on_gpu: bool, spec, M: int) -> tuple[bool, bool]:
     """(use linear_decode, in interpret mode) for x[M, K] @ W^T with W stored as `spec`: int4 or
-    int4a with a group of a multiple of 8 (dp4a words), up to the `pallas_linear_rows` rows (above
-    them, XLA's dequantize and dot)."""
-    return gate(on_gpu, M <= settings.get("pallas_linear_rows")[0] and spec.fmt in ("int4", "int4a")
-                and len(spec.shape) == 2
-                and (spec.group_size or 32) % 8 == 0)
+    int4a with a group of a multiple of 8, int8 of a multiple of 4 (dp4a words), up to the
+    `pallas_linear_rows` rows (above them, XLA's dequantize and dot)."""
+    word = {"int4": 8, "int4a": 8, "int8": 4}.get(spec.fmt)
+    return gate(on_gpu, M <= settings.get("pallas_linear_rows")[0] and word is not None
+                and len(spec.shape) == 2 and (spec.group_size or 32) % word == 0)
 
 
 def _linear_kernel(*refs, p: _Proj, BN: int, interpret: bool = False, eps=None, residual: bool = False,
@@ -100,13 +100,13 @@ def _linear_call(key: tuple, M: int, interpret: bool, bn: int, warps: int, eps=N
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1))
     call = pl.pallas_call(functools.partial(_linear_kernel, p=p, BN=bn, interpret=interpret, eps=eps,
                                             residual=residual, router=router),
-                          out_shape=out, grid=(M, -(-N // bn)), interpret=interpret, name="strata_linear_int4",
+                          out_shape=out, grid=(M, -(-N // bn)), interpret=interpret, name="strata_linear_q",
                           **params)
     return p, call
 
 
 def linear_decode(x, spec, arrays: dict, *, interpret: bool = False, rms=None, residual=None, router=None):
-    """x[M, K] @ W[N, K]^T, f32[M, N], W an int4 weight by its stored arrays ({'qs', 'scales'}).
+    """x[M, K] @ W[N, K]^T, f32[M, N], W an int4/int4a/int8 weight by its stored arrays ({'qs', 'scales'}).
     rms (w [K], eps): x is un-normalised and the kernel normalises it; residual [M, N]: added.
     router (spec, arrays, norm weight [N]) of an f32/bf16 router [E, N] that reads rms_norm of the
     output: returns (output, partials [M, P, EP]) for `moe_decode(partials=)`, so the router

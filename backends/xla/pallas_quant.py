@@ -1,16 +1,16 @@
 """What the Pallas (Triton) decode kernels share: when they run, how they load blocks, and how
 they read stored int4/int4a/int8 weights against an activation row.
 
-int4 weights are read as u32 words, nibbles masked into bytes, and multiplied by activations
+Weights are read as u32 words (int4: nibbles masked into bytes) and multiplied by activations
 quantized to int8 per group of G (q8, as llama.cpp's mmvq and the llvm CPU kernels) with integer
-dot products (PTX dp4a, 4 products per instruction). int8 weights are converted to f32 and
-multiplied by f32 activations. Sums are f32.
+dot products (PTX dp4a, 4 products per instruction; signed bytes for int8 weights). Sums are f32.
 
 The weights stay exactly as formats.py stores them (no repacking): int4 qs u8[E, N, Kp/2] is
 viewed (a free reshape and bitcast) as u32 [E, N, Kp/G, G/8], where byte i of a group holds
 value i (low nibble) and value i + G/2 (high nibble); the activation [Kp] is viewed as [Kp/G, 2,
 G/8, 4], so its two halves of every group line up with the two nibbles of the group's bytes.
-int8 qs i8[E, N, Kp] is viewed as [E, N, Kp/G, G]. int4a (Q4_1's layout) is int4's nibbles with
+int8 qs i8[E, N, Kp] is viewed as u32 [E, N, Kp/G, G/4] (byte j of word w is value 4w + j), the
+activation as [Kp/G, 1, G/4, 4]: one "half" where int4 has two. int4a (Q4_1's layout) is int4's nibbles with
 a (scale, min) pair per group, its scales [E, N, 2 Kp/G] viewed as [E, N, Kp/G, 2]: a group's sum is
 d dot(q, x) + m sum(x), the second term from the q8 block sums.
 
@@ -70,8 +70,11 @@ class _Proj:
         self.Kp = self.ng * self.G
         self.NGP = _pow2(self.ng)                    # group axis as loaded (power of two)
         self.paired = self.fmt == "int4a"            # a (scale, min) pair per group
-        self.W = self.G // 2 if self.fmt in ("int4", "int4a") else self.G   # bytes per group
-        self.dp4a = self.fmt in ("int4", "int4a") and self.W % 4 == 0
+        nib = self.fmt in ("int4", "int4a")
+        self.W = self.G // 2 if nib else self.G                  # bytes per group
+        self.dp4a = self.W % 4 == 0
+        self.signed = not nib                                    # int8: signed bytes on both sides of dp4a
+        self.halves = 2 if nib else 1                            # q8 word blocks per group (int4: a nibble each)
         self.QW = self.W // 4 if self.dp4a else self.W          # stored elements per group as loaded
 
     def qs_view(self, qs):
@@ -91,16 +94,16 @@ class _Proj:
         return sc.reshape(E, self.N, self.ng, 2) if self.paired else sc.reshape(E, self.N, self.ng)
 
     def norm_view(self, w):
-        """A norm's weight [K] in the dp4a view of one activation row: f32 [ng, 2, G/8, 4]."""
+        """A norm's weight [K] in the dp4a view of one activation row: f32 [ng, halves, QW, 4]."""
         import jax.numpy as jnp
 
         w = jnp.pad(w.astype(jnp.float32), [(0, self.Kp - self.K)]) if self.Kp != self.K else w.astype(jnp.float32)
-        return w.reshape(self.ng, 2, self.QW, 4)
+        return w.reshape(self.ng, self.halves, self.QW, 4)
 
     def x_view(self, x):
-        """x [R, Kp] -> the layout the kernel loads: [R, ng, 2, G/8, 4] (int4) or [R, ng, G] (int8)."""
+        """x [R, Kp] -> the layout the kernel loads: [R, ng, halves, QW, 4] (dp4a) or [R, ng, G]."""
         if self.dp4a:
-            return x.reshape(x.shape[0], self.ng, 2, self.QW, 4)
+            return x.reshape(x.shape[0], self.ng, self.halves, self.QW, 4)
         return x.reshape(x.shape[0], self.ng, self.W)
 
 
@@ -150,9 +153,9 @@ def _row_block(ref, r, row0, BN: int, n: int):
 
 
 def _x_parts(p: _Proj, x_ref, r, norm=None, with_inv: bool = False):
-    """Row r of the activation as the kernels multiply it: int8, one f32 [NGP, W] block; dp4a,
-    its q8 form (`_q8_parts`) of the 8 [NGP, W/4] blocks (half, byte j) that line up with the
-    nibbles of the weight words, quantized here by every program that reads the row (a few
+    """Row r of the activation as the kernels multiply it: without dp4a, one f32 [NGP, W] block;
+    dp4a, its q8 form (`_q8_parts`) of the 4 halves [NGP, QW] blocks (half, byte j) that line up
+    with the bytes (int4: the nibbles) of the weight words, quantized here by every program that reads the row (a few
     thousand values, against the weight block it reads), or read as such when x_ref is a (words,
     scales, sums) triple that an earlier kernel wrote (`_store_q8`).
     norm (w_ref, eps), dp4a only: the row is RMS-normalised first (x / rms(x) * w, w viewed as the
@@ -167,11 +170,11 @@ def _x_parts(p: _Proj, x_ref, r, norm=None, with_inv: bool = False):
         gmask = jnp.arange(p.NGP) < p.ng
     if isinstance(x_ref, tuple):
         wq, sq, tq = x_ref
-        return (_load(wq.at[r, gs, pl.ds(0, p.QW)], mask), _load(wq.at[r, gs, pl.ds(p.QW, p.QW)], mask),
-                _load(sq.at[r, gs], gmask), _load(tq.at[r, gs], gmask))
+        words = tuple(_load(wq.at[r, gs, pl.ds(h * p.QW, p.QW)], mask) for h in range(p.halves))
+        return (*words, _load(sq.at[r, gs], gmask), _load(tq.at[r, gs], gmask))
     if p.dp4a:
         # (half, byte) indices traced: interpret mode masks no python ints
-        hj = [(jnp.int32(h), jnp.int32(j)) for h in (0, 1) for j in range(4)]
+        hj = [(jnp.int32(h), jnp.int32(j)) for h in range(p.halves) for j in range(4)]
         blocks = [_load(x_ref.at[r, gs, h, :, j], mask).astype(jnp.float32) for h, j in hj]
         inv = None
         if norm is not None:
@@ -228,10 +231,10 @@ def _store_q8(out_refs, r, blk, h, G: int) -> None:
 
 
 def _q8_parts(blocks: list):
-    """q8 of one activation row, from its 8 f32 blocks [NGP, W/4] (half h, byte j: element
-    g G + h G/2 + 4w + j at [g, w]): (low-half words, high-half words i32 [NGP, W/4], with byte j
-    of word w the q8 value of block (h, j) at w; scales f32 [NGP]; sums i32 [NGP] of each group's
-    q8 values, for the -8 of the int4 weights). q = floor(x 127 / max|x| + 1/2) per group."""
+    """q8 of one activation row, from its 4 halves f32 blocks [NGP, QW] (half h, byte j: element
+    g G + h G/halves + 4w + j at [g, w]): (each half's words i32 [NGP, QW], with byte j of word w
+    the q8 value of block (h, j) at w; scales f32 [NGP]; sums i32 [NGP] of each group's q8
+    values, for the -8 of the int4 weights). q = floor(x 127 / max|x| + 1/2) per group."""
     import jax
     import jax.numpy as jnp
 
@@ -246,18 +249,18 @@ def _q8_parts(blocks: list):
         t = q.sum(axis=-1)
         total = t if total is None else total + t
     words = []
-    for h in (0, 1):        # byte j of word w <- block (h, j) at w (no stacking: Triton has no such op)
+    for h in range(len(blocks) // 4):   # byte j of word w <- block (h, j) at w (no stacking: Triton has no such op)
         w = None
         for j in range(4):
             u = (jax.lax.bitcast_convert_type(qs[4 * h + j], jnp.uint32) & jnp.uint32(0xFF)) << jnp.uint32(8 * j)
             w = u if w is None else w | u
         words.append(jax.lax.bitcast_convert_type(w, jnp.int32))
-    return words[0], words[1], amax / 127.0, total
+    return (*words, amax / 127.0, total)
 
 
-def _dp4a(a, b, c, interpret: bool):
-    """c + sum over the 4 bytes of a (unsigned) times b (signed), per 32-bit lane (PTX dp4a);
-    in interpret mode (the CPU: tests) the same in plain integer arithmetic."""
+def _dp4a(a, b, c, interpret: bool, signed: bool = False):
+    """c + sum over the 4 bytes of a (unsigned, or signed) times b (signed), per 32-bit lane
+    (PTX dp4a); in interpret mode (the CPU: tests) the same in plain integer arithmetic."""
     import jax
     import jax.numpy as jnp
 
@@ -266,11 +269,13 @@ def _dp4a(a, b, c, interpret: bool):
         for j in range(4):
             aj = ((a >> jnp.uint32(8 * j)) & jnp.uint32(0xFF)).astype(jnp.int32)
             bj = (b >> (8 * j)) & 0xFF
+            aj = jnp.where(aj >= 128, aj - 256, aj) if signed else aj
             acc = acc + aj * jnp.where(bj >= 128, bj - 256, bj)
         return acc
     from jax.experimental.pallas import triton as plgpu
 
-    return plgpu.elementwise_inline_asm("dp4a.u32.s32 $0, $1, $2, $3;", args=[a, b, c], constraints="=r,r,r,r",
+    op = "dp4a.s32.s32" if signed else "dp4a.u32.s32"
+    return plgpu.elementwise_inline_asm(op + " $0, $1, $2, $3;", args=[a, b, c], constraints="=r,r,r,r",
                                         pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)])[0]
 
 
@@ -280,6 +285,10 @@ def _dequant_dot(p: _Proj, q, xs, interpret: bool = False):
     int4a: (that, the group's sum of x) [..., NGP] each, for its scale and its min."""
     import jax.numpy as jnp
 
+    if p.signed and p.dp4a:                 # int8: signed weight bytes times q8 bytes, no offset
+        xw, dx, _ = xs
+        acc = _dp4a(q, jnp.broadcast_to(xw, q.shape), jnp.zeros(q.shape, jnp.int32), interpret, signed=True)
+        return acc.sum(axis=-1).astype(jnp.float32) * dx
     if p.dp4a:
         xlo, xhi, dx, sm = xs
         lo = q & jnp.uint32(0x0F0F0F0F)
