@@ -29,10 +29,10 @@ def traced_fully() -> bool:
     return trace.ACTIVE is not None and trace.ACTIVE.full
 
 
-def run(launch: Callable[..., Any], finish: Callable[[Any, bool], np.ndarray], n: int, B: int,
+def run(launch: Callable[[Any], Any], finish: Callable[[Any, bool], np.ndarray], n: int, B: int,
         stop_ids=(), done: np.ndarray | None = None, after: Callable[[Any], None] | None = None,
         close: Callable[[], None] | None = None,
-        on_token: Callable[[int, np.ndarray], bool] | None = None, chunk: int = 1) -> np.ndarray:
+        on_token: Callable[[int, np.ndarray], bool] | None = None) -> np.ndarray:
     """n greedy decode steps; their tokens, int64 [B, <= n] (fewer when every sequence has reached
     a stop id, `done` marking those that had before).
 
@@ -42,50 +42,37 @@ def run(launch: Callable[..., Any], finish: Callable[[Any, bool], np.ndarray], n
     kept). after(step): the host's work once a step has finished, while the next is in flight.
     close(): the host's work once nothing is in flight (also after an error). on_token(i, tokens):
     step i's tokens, once read, while more may follow (a streaming caller prints them); True stops
-    there as a Ctrl-C does. chunk > 1: launch(prev, w) dispatches w steps in one program (w =
-    chunk while that many are left, else 1) and finish returns their tokens [B, w]."""
+    there as a Ctrl-C does."""
     out = np.zeros((B, n), np.int64)
     done = np.zeros(B, bool) if done is None else done.copy()
     tr = trace.ACTIVE
     t_fin = time.perf_counter_ns()
-    planned = 0
-
-    def start(prev):
-        nonlocal planned
-        w = chunk if chunk > 1 and n - planned >= chunk else 1
-        planned += w
-        step = launch(prev, w) if chunk > 1 else launch(prev)
-        t_launch.append(time.perf_counter_ns())
-        return step
-
-    t_launch: list[int] = []
-    cur = start(None)
+    cur = launch(None)
+    t_launch = [time.perf_counter_ns()]
     made = 0
     try:
-        while True:
-            nxt = start(cur) if planned < n else None
-            toks = finish(cur, True).reshape(B, -1)
+        for i in range(n):
+            nxt = None
+            if i + 1 < n:
+                nxt = launch(cur)
+                t_launch.append(time.perf_counter_ns())
+            out[:, i] = finish(cur, True)
+            made = i + 1
             if after is not None:
                 after(cur)
             cur = None
             if tr is not None:
                 end = time.perf_counter_ns()
-                tr.add_span("decode step (ahead)", "step", t_fin, end, cat="step", batch=B, tokens=toks.shape[1])
-                tr.add_span("decode step (ahead)", "gpu", max(t_launch[0], t_fin), end, batch=B)
+                tr.add_span("decode step (ahead)", "step", t_fin, end, cat="step", batch=B, tokens=1)
+                tr.add_span("decode step (ahead)", "gpu", max(t_launch[i], t_fin), end, batch=B)
                 t_fin = end
-            t_launch.pop(0)
+            done |= np.isin(out[:, i], stop_ids)
             cur = nxt
-            for j in range(toks.shape[1]):
-                i = made
-                out[:, i] = toks[:, j]
-                made += 1
-                done |= np.isin(out[:, i], stop_ids)
-                if done.all():
-                    return out[:, :made]
-                if on_token is not None and made < n and on_token(i, out[:, i]):
-                    raise KeyboardInterrupt
-            if cur is None:
-                return out[:, :made]
+            if done.all():
+                return out[:, :i + 1]
+            if on_token is not None and i + 1 < n and on_token(i, out[:, i]):
+                raise KeyboardInterrupt
+        return out
     except KeyboardInterrupt as e:      # Ctrl-C: the steps that finished go with it (Session.generate keeps them)
         e.tokens = out[:, :made]
         raise

@@ -231,13 +231,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("queue_size", "int", 64, "strata-server, API",
        "requests that may wait; beyond it the server answers 429",
        minimum=1, flag="--queue-size"),
-    _s("decode_unroll", "bool", True, "xla",
-       "A/B, to be measured: a GPU's multi-step decode programs as straight-line code (unrolled), not a loop"),
-    _s("decode_steps", "int", 8, "strata-run, strata-server, API",
-       "decode steps per device dispatch where a whole plan runs on one device (xla): strata-run's decoding "
-       "ahead while that many tokens are left, the server's batch while no request waits to be admitted and each "
-       "has that many left; the host's launch then counts once per that many tokens (1: one step a dispatch)",
-       minimum=1, maximum=64),
+    _s("decode_steps", "int", 8, "strata-server, API",
+       "decode steps per device dispatch of the batch (xla, a whole plan on one device) while no request waits to "
+       "be admitted and each has that many tokens left: the host's launch then counts once per that many tokens "
+       "(1: one step a dispatch)", minimum=1, maximum=64),
     _s("eval_ctx", "int", 512, "stratac eval", "tokens per chunk; the second half of each chunk is scored",
        flag="--ctx"),
     # -- the options of one command each (where a flag names two settings, each command's own) ------

@@ -62,30 +62,3 @@ def test_requests_ending_inside_a_dispatch(model):
     assert got["stopped"] == want_stopped and stop not in got["stopped"]
     assert got["short"] == want_short and got["long"] == ref
 
-
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_decoding_ahead_in_chunks_changes_no_token(tiny_int8_plan, sampled):
-    """strata-run's decoding ahead with decode_steps: the same tokens as a step a program (the
-    last tokens, fewer than a chunk, a step each), and fewer launches."""
-    import numpy as np
-
-    from strata_compiler import settings
-    from strata_compiler.runtime.plan import load_plan
-    from strata_compiler.runtime.sampler import Sampler
-    from strata_compiler.runtime.session import Session
-    from strata_compiler.sampling import Sampling
-
-    plan = load_plan(tiny_int8_plan)
-    ids = np.random.default_rng(0).integers(3, 200, (2, 9))
-    how = Sampling(temperature=0.8, top_k=40, repetition_penalty=1.2, repeat_last_n=16) if sampled else None
-    got = {}
-    for k in (1, 8):
-        s = Session(plan, "xla", device="cpu")
-        launches = []
-        real = s.executor._ahead_fn_of
-        s.executor._ahead_fn_of = lambda smp, w=1: launches.append(w) or real(smp, w)
-        with settings.override(decode_steps=k):
-            _, got[k] = s.generate(ids, 21, Sampler.of(how, 7) if sampled else Sampler())
-        assert len(launches) == (1 if k == 1 else 2)      # the programs asked for: a step, and a chunk
-    np.testing.assert_array_equal(got[8], got[1])
-    assert got[1].shape == (2, 21)

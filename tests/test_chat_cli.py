@@ -158,7 +158,7 @@ def test_chat_decodes_ahead_where_the_executor_can(plan_dir):
     assert answer == tok.decode(ids + toks)[len(tok.decode(ids)):]
     chat.turn("What did he see?")
     assert chat.fed is not None and session.cache.length == len(chat.fed) and 0 < chat.prefilled[1] < len(chat.fed)
-    # an answer that stops inside a chunk decoded ahead: the steps past it are dropped, the cache kept
+    # an answer that stops with a step decoded ahead past it: that step is dropped, the cache kept
     conv = tok.encode(render_chat(plan, chat.messages + [{"role": "user", "content": "And then?"}])).ids
     _, ref = Session(plan, "xla", device="cpu").generate(np.array([conv], np.int64), 2 * N, Sampler())
     ref = ref[0].tolist()

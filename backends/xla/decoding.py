@@ -41,7 +41,7 @@ class DecodeSteps:
             raise BackendError("greedy_decode runs whole plans on one device")
         if cache.length + n > cache.capacity:
             raise UsageError(f"sequence of {cache.length + n} tokens exceeds the KV cache capacity {cache.capacity}")
-        if not hasattr(self, "_loop"):     # the n steps as one scan (decode_ahead's chunk)
+        if not hasattr(self, "_loop"):     # the n steps as one scan
             self._loop = jax.jit(self._ahead_chunk, static_argnums=(5,), donate_argnums=(1, 2))
         ks = {l: cache.k[l] for l in self.layers}
         vs = {l: cache.v[l] for l in self.layers}
@@ -91,48 +91,24 @@ class DecodeSteps:
         return nxt, pos + 1, device_sampling.remember(hist, nxt), i + 1, ks, vs
 
     def _ahead_chunk(self, params, ks, vs, tok, pos, steps):
-        """`steps` _ahead_steps in one program (a scan): the last one's outputs, then every
-        step's tokens int32 [steps, B]."""
+        """`steps` _ahead_steps in one program (a scan; greedy_decode's): the last one's outputs,
+        then every step's tokens int32 [steps, B]."""
         def body(c, _):
             nxt, pos, ks, vs = self._ahead_step(params, c[2], c[3], c[0], c[1])
             return (nxt, pos, ks, vs), nxt
-        (tok, pos, ks, vs), toks = load_jax().lax.scan(body, (tok, pos, ks, vs), None, length=steps,
-                                                       unroll=self._unroll(steps))
+        (tok, pos, ks, vs), toks = load_jax().lax.scan(body, (tok, pos, ks, vs), None, length=steps)
         return tok, pos, ks, vs, toks
 
-    def _sampled_chunk(self, params, ks, vs, tok, pos, hist, i, U, kn, k, all_greedy, steps):
-        """`steps` _sampled_steps in one program, as _ahead_chunk."""
-        def body(c, _):
-            out = self._sampled_step(params, c[4], c[5], c[0], c[1], c[2], c[3], U, kn, k, all_greedy)
-            return out, out[0]
-        (tok, pos, hist, i, ks, vs), toks = load_jax().lax.scan(body, (tok, pos, hist, i, ks, vs), None,
-                                                                length=steps, unroll=self._unroll(steps))
-        return tok, pos, hist, i, ks, vs, toks
-
-    def _unroll(self, steps: int) -> int:
-        """How many steps of a multi-step program run as straight-line code: on a GPU all (XLA:GPU
-        runs a loop's control on the host, a round trip each turn), elsewhere 1 (a loop)."""
-        return steps if self.on_gpu and settings.get("decode_unroll") and steps <= 16 else 1
-
-    def _ahead_fn_of(self, sampling, steps: int = 1):
-        """The jitted program decode_ahead launches for `steps` steps (1, or several in one: its
-        outputs then end with every step's tokens): greedy, or sampled by `sampling`; a stored
-        executable each (and per top-k, greedy)."""
+    def _ahead_fn_of(self, sampling):
+        """The jitted program decode_ahead launches each step: greedy, or sampled by `sampling`; a
+        stored executable each (and per top-k, greedy)."""
         if sampling is None:
-            if steps == 1:
-                return self._ahead_fn
-            if "_chunk_fn" not in self.__dict__:
-                self._chunk_fn = self._program("ahead_chunk", self._ahead_chunk, static_argnums=(5,),
-                                               donate_argnums=(1, 2))
-            return lambda *a: self._chunk_fn(*a, steps)
+            return self._ahead_fn
+        if "_sampled_fn" not in self.__dict__:
+            self._sampled_fn = self._program("ahead_sampled", self._sampled_step, static_argnums=(9, 10),
+                                             donate_argnums=(1, 2))
         key = device_sampling.static(sampling.settings)
-        name = "_sampled_fn" if steps == 1 else "_sampled_chunk_fn"
-        if name not in self.__dict__:
-            body, static = (self._sampled_step, (9, 10)) if steps == 1 else (self._sampled_chunk, (9, 10, 11))
-            setattr(self, name, self._program("ahead_sampled" if steps == 1 else "ahead_sampled_chunk", body,
-                                              static_argnums=static, donate_argnums=(1, 2)))
-        fn, extra = getattr(self, name), (key if steps == 1 else (*key, steps))
-        return lambda *a: fn(*a, *extra)
+        return lambda *a: self._sampled_fn(*a, *key)
 
     def _ahead_program(self, sampling):
         """decode_ahead's one-step program (`_ahead_fn_of`), the device values its first launch takes
@@ -157,32 +133,23 @@ class DecodeSteps:
         jax = load_jax()
         if cache.length + n > cache.capacity:
             raise UsageError(f"sequence of {cache.length + n} tokens exceeds the KV cache capacity {cache.capacity}")
-        chunk = settings.get("decode_steps")
         fn, state0, const = self._ahead_program(sampling)
-        fns = {1: fn}
         first = (np.asarray(tok, np.int32).reshape(-1), np.asarray(cache.positions(1), np.int32), *state0)
 
-        def launch(prev, w: int = 1):
-            """w steps from the state `prev` left (None: the first): (the next launch's state, the
-            device's tokens [B], or [w, B])."""
-            if w not in fns:
-                fns[w] = self._ahead_fn_of(sampling, w)
+        def launch(prev):
             ks = {l: cache.k[l] for l in self.layers}
             vs = {l: cache.v[l] for l in self.layers}
-            out = fns[w](self.params, ks, vs, *(first if prev is None else prev[0]), *const)
-            out, toks = (out[:-1], out[-1]) if w > 1 else (out, out[0])
-            t, pos, *rest = out
+            t, pos, *rest = fn(self.params, ks, vs, *(first if prev is None else prev), *const)
             ks, vs = rest[-2], rest[-1]
             for l in self.layers:
                 cache.k[l], cache.v[l] = ks[l], vs[l]
-            cache.advance(w)
-            return (t, pos, *rest[:-2]), toks
+            cache.advance(1)
+            return (t, pos, *rest[:-2])
 
         def finish(step, use: bool) -> np.ndarray:
-            got = np.asarray(cuda_rt.fetch(jax.block_until_ready(step[1]))).astype(np.int64)
-            return got.T if got.ndim == 2 else got
+            return np.asarray(cuda_rt.fetch(jax.block_until_ready(step[0]))).astype(np.int64)
 
-        return ahead.run(launch, finish, n, int(first[0].shape[0]), stop_ids, done, on_token=on_token, chunk=chunk)
+        return ahead.run(launch, finish, n, int(first[0].shape[0]), stop_ids, done, on_token=on_token)
 
     @staticmethod
     def fetch(v) -> np.ndarray:
@@ -234,8 +201,7 @@ class DecodeSteps:
             chosen, checked, logits, ks, vs = one(tok, pos, hist, u_j, ks, vs)
             return (chosen, pos + 1, device_sampling.remember(hist, chosen), ks, vs, logits), checked
         logits0 = jnp.zeros((B, self._vocab()), jnp.float32)
-        (chosen, pos, _, ks, vs, logits), checked = jax.lax.scan(body, (tok, pos, hist, ks, vs, logits0), u,
-                                                                 unroll=self._unroll(steps))
+        (chosen, pos, _, ks, vs, logits), checked = jax.lax.scan(body, (tok, pos, hist, ks, vs, logits0), u)
         return pad(chosen), pad(checked), logits, pos, ks, vs
 
     def _batch_sampling(self, rows: int, sampling, steps: int = 1) -> tuple:
