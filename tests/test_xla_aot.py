@@ -128,5 +128,8 @@ def test_a_traced_setting_is_part_of_the_programs_key(tiny_int8_plan, cache):
         assert Session(plan, "xla").executor._scope() != scope
     with settings.override(pallas="off"):
         assert Session(plan, "xla").executor._scope() != scope
-    with settings.override(gpu_preallocate=True):         # not traced: the same programs
+    exe = Session(plan, "xla").executor
+    key = exe._ahead_fn._key("sig")
+    with settings.override(gpu_preallocate=True, temperature=0.5):     # nothing traced: the same programs
         assert Session(plan, "xla").executor._scope() == scope
+        assert exe._ahead_fn._key("sig") == key

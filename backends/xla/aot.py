@@ -7,10 +7,11 @@ kernels' Triton lowering most of it). A `Program` keeps each executable of one j
 the abstract signature of its arguments: in memory, else loaded from the cache directory, else
 compiled and stored there.
 
-An entry's key names everything that shapes the program: the caller's scope (the plan's graph and
-the executor's own choices), the function, its static arguments, the arguments' tree, shapes,
-dtypes and devices, every setting's value, the JAX and jaxlib versions and the digest of Strata's
-sources. A file is `MAGIC`, a JSON header (the key in full, the argument and output trees, the
+An entry's key names everything that shapes the program: the caller's scope (the plan's graph,
+the executor's own choices and the settings that change what is traced), the function, its static
+arguments, the arguments' tree, shapes, dtypes and devices, the JAX and jaxlib versions and the
+digest of Strata's sources; not a setting that changes nothing traced (a temperature given by
+STRATA_TEMPERATURE is another program's argument, not another program). A file is `MAGIC`, a JSON header (the key in full, the argument and output trees, the
 caller's metadata, the payload's sha256) and JAX's serialized executable (`serialize_executable`).
 `prefetch` starts loading every entry of a program's scope on threads before its first call (a
 new process's weights go up meanwhile); the call takes the one of its signature.
@@ -226,9 +227,8 @@ class Program:
         jax = load_jax()
         import jaxlib
 
-        vals = {s: repr(settings.get(s)) for s in settings.names()}
-        return "\n".join([self.name, self.scope(), sig, json.dumps(vals, sort_keys=True), jax.__version__,
-                          jaxlib.__version__, source_digest(), sys.version.split()[0]])
+        return "\n".join([self.name, self.scope(), sig, jax.__version__, jaxlib.__version__, source_digest(),
+                          sys.version.split()[0]])
 
     def _path(self, key: str) -> Path | None:
         d = directory()
