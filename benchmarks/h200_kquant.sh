@@ -8,13 +8,14 @@
 #           model is made and converted to a bf16 GGUF (llama.cpp's converter needs no build); Strata's
 #           Q4_0 side runs meanwhile from `--quant int4` of the same weights (Q4_0 bit for bit, quantizer
 #           included: tests/test_gguf_moe.py), decode (3 fresh runs) and prefill 512 (median of 3)
-#           (SAMPLING=0 leaves out the sampling cost)
 #           (KERNELS=1, the default: also the K-quant kernels' GPU tests, benchmarks/kquant_kernels.py and
 #           benchmarks/sampling_choice.py)
 #   PHASE=2 (right after, the same warm machine): llama.cpp's Q4_0 and Q4_K_M of the bf16 file,
 #           Strata compiles the Q4_K_M file and measures it
-#           beside the Q4_0 plan, llama-bench on both files, then N requests batched against the
-#           same N in turn (benchmarks/batch_vs_serial.py; BATCH=0 leaves it out)
+#           beside the Q4_0 plan, llama-bench on both files, sampling's cost per decode step and the
+#           API's step (benchmarks/sampling_step.py, api_step_profile.py; SAMPLING=0 leaves them out),
+#           then N requests batched against the same N in turn (benchmarks/batch_vs_serial.py; BATCH=0
+#           leaves it out)
 # Outputs under $OUT (else /tmp/kqout): summary.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -59,11 +60,6 @@ if [ "${PHASE:-1}" = 1 ]; then
     timeout 120 python3 benchmarks/kquant_kernels.py 2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
     timeout 120 python3 benchmarks/sampling_choice.py --batches 1 2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
   fi
-  if [ "${SAMPLING:-1}" = 1 ]; then
-  log "sampling's cost: greedy against the chat defaults (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat penalty 1.1)"
-  decode "greedy" $W/p-Q4_0 --temperature 0
-  decode "sampled" $W/p-Q4_0
-  fi
   wait
   log "bf16 GGUF: $(ls -l $W/mx-bf16.gguf 2>&1); llama.cpp build: $(tail -1 $W/build.out 2>&1)"
 elif [ "${PHASE:-1}" = 2 ]; then
@@ -88,6 +84,13 @@ elif [ "${PHASE:-1}" = 2 ]; then
     LLAMA llama-bench -m $W/mx-$q.gguf -ngl 99 -t 16 -p 512 -n 128 -r 3 -o md > $W/lb-$q.md 2>&1
     log "llama-bench $q"; grep "|" $W/lb-$q.md | tee -a "$OUT/summary.txt"
   done
+  if [ "${SAMPLING:-1}" = 1 ]; then      # after the build: a quiet machine
+    log "sampling's cost per decode step (greedy against the chat defaults), and the API's step (decode_steps 1, 8)"
+    timeout 120 python3 benchmarks/sampling_step.py $W/p-Q4_0 --rounds 3 2>&1 | grep -v "$QUIET" | grep "|" \
+      | tee -a "$OUT/summary.txt"
+    timeout 120 python3 benchmarks/api_step_profile.py $W/p-Q4_0 --steps 1,8 2>&1 | grep -v "$QUIET" | grep "|" \
+      | tee -a "$OUT/summary.txt"
+  fi
   [ "${BATCH:-1}" = 1 ] || { log "done ($(left) s left)"; exit 0; }
   log "batching against serial, Q4_0 plan (the Python API's scheduler)"
   timeout $(( $(left) - 10 )) python3 benchmarks/batch_vs_serial.py $W/p-Q4_0 --conc 1,4,16 --tokens 64 --rounds 2 \
