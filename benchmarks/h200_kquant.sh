@@ -8,8 +8,7 @@
 #           model is made and converted to a bf16 GGUF (llama.cpp's converter needs no build); Strata's
 #           Q4_0 side runs meanwhile from `--quant int4` of the same weights (Q4_0 bit for bit, quantizer
 #           included: tests/test_gguf_moe.py), decode (3 fresh runs) and prefill 512 (median of 3)
-#           (KERNELS=1, the default: also the K-quant kernels' GPU tests, benchmarks/kquant_kernels.py and
-#           benchmarks/sampling_choice.py)
+#           (KERNELS=1, the default: also benchmarks/kquant_kernels.py --check and benchmarks/sampling_choice.py)
 #   PHASE=2 (right after, the same warm machine): llama.cpp's Q4_0 and Q4_K_M of the bf16 file,
 #           Strata compiles the Q4_K_M file and measures it
 #           beside the Q4_0 plan, llama-bench on both files, sampling's cost per decode step and the
@@ -54,10 +53,8 @@ if [ "${PHASE:-1}" = 1 ]; then
   timeout $(( $(left) - 10 )) python3 benchmarks/gpu_prefill.py $W/p-Q4_0 --label Q4_0 --lens 512 --repeats 3 \
     2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
   if [ "${KERNELS:-1}" = 1 ]; then
-    log "the K-quant kernels compiled by Triton (tests/test_pallas_kquant.py -m gpu); sampling's choice, timed"
-    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_pallas_kquant.py 2>&1 | tail -3 \
-      | tee -a "$OUT/summary.txt"
-    timeout 120 python3 benchmarks/kquant_kernels.py 2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
+    log "the decode kernels per format, compiled by Triton and checked against interpret mode; sampling's choice, timed"
+    timeout 150 python3 benchmarks/kquant_kernels.py --check 2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
     timeout 120 python3 benchmarks/sampling_choice.py --batches 1 2>&1 | grep -v "$QUIET" | tee -a "$OUT/summary.txt"
   fi
   wait
