@@ -369,7 +369,7 @@ def _partition_seconds(dev, reps: int, say: Callable[[str], None]) -> float:
     xin = np.ones((1, 2048), np.float32)
     from .xla import cuda_rt
 
-    if cuda_rt.enable(dev.platform):   # the runtime's own hand-off: raw copies through staging arrays
+    if cuda_rt.raw_mode(dev.platform):   # the runtime's own hand-off: raw copies through staging arrays
         say("gpu: partition round trip (a tiny jitted call, raw copies in and out)")
         st, xout = cuda_rt.Staging(dev), np.empty((1, 2048), np.float32)
 

@@ -39,14 +39,11 @@ def main() -> int:
 
     from strata_compiler.backends.llvm_cpu.jit import optimize
     from strata_compiler.backends.llvm_cpu.target import Target
-    from strata_compiler.backends.xla import cuda_rt
     from strata_compiler.backends.xla.host_call import HostCall, python_work
 
     L, H = a.layers, a.hidden
     dev = jax.devices()[0]
     platform = "gpu" if dev.platform == "gpu" else "cpu"
-    if platform == "gpu":
-        cuda_rt.enable("gpu")
     rng = np.random.default_rng(0)
     Ws = [jax.device_put((rng.standard_normal((H, H)) / np.sqrt(H)).astype(np.float32), dev) for _ in range(L)]
     x0 = jax.device_put(np.full((1, H), 0.1, np.float32), dev)

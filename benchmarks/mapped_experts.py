@@ -50,7 +50,6 @@ def main() -> None:
     print(f"device: {dev.device_kind} ({dev.platform})")
     if dev.platform != "gpu":
         raise SystemExit("needs a GPU")
-    cuda_rt.enable("gpu")
     E, D, I, k, G = a.experts, a.dim, a.inter, a.k, 32
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()

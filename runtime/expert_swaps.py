@@ -77,7 +77,7 @@ class ExpertSwaps:
                 c.miss_path = "gpu"
             c.expert_bytes = sum(v.nbytes for role, _ in n.weights
                                  for v in self.host_arrays(host.weight(role)).values()) // E
-        if pinned and getattr(m.weights, "disk_tier", None) is None:   # (disk-tier pages must stay evictable)
+        if pinned and m.transfers.cuda and getattr(m.weights, "disk_tier", None) is None:   # (disk-tier pages stay evictable)
             self.pinned_bytes = cuda_rt.pin(pinned)
         # the caches' bookkeeping after each step as whole-array operations (ExpertCache rows of a
         # CacheGroup's arrays: before any native program reads their addresses)
@@ -119,7 +119,7 @@ class ExpertSwaps:
     def _copy_in(self, c, xla, gpu_node, host, slot: int, e: int, label: str) -> None:
         """Expert e's stored rows (from the host node's whole-layer weights) into GPU slot `slot`."""
         t0 = time.perf_counter()
-        bulk = self.async_swaps and xla.on_gpu and cuda_rt.bulk_ok()
+        bulk = self.async_swaps and xla.transfers.cuda
         plan = self.copy_plan(c, xla, gpu_node, host) if bulk else ()
         if bulk and all(raw for *_, raw in plan):
             moved = 0           # raw copies on the bulk stream; the next step lands them (land_slot_copies)

@@ -217,7 +217,7 @@ class FusedStep:
             fn = self._fn[B] = jax.jit(fused_step, donate_argnums=(1, 2))
         packed = np.concatenate([np.asarray(input_ids, np.int32).reshape(-1), pos,
                                  *[np.asarray(s, np.int32) for s in self._maps()]]).astype(np.int32)
-        if cuda_rt.mode is not None:
+        if self.m.transfers.raw:
             if self._stage is None:
                 self._stage = cuda_rt.Staging(self.device)
             packed = self._stage.stage("step", packed)
@@ -299,7 +299,7 @@ class FusedStep:
                 s[sorted(drop)] = -1
             maps.append(np.asarray(s, np.int32))
         packed = np.concatenate([np.zeros(B, np.int32), pos, *maps]).astype(np.int32)
-        if cuda_rt.mode is not None:
+        if self.m.transfers.raw:
             # two staging buffers, one per step in flight: the step two back has finished with its own
             k = self._ahead_parity = 1 - self._ahead_parity
             st = self._ahead_stage[k]

@@ -127,10 +127,12 @@ class MixedExecutor(Executor):
         # (spin, yield) microseconds of idle CPU workers at a hand-off, and between a fused step's host calls
         self._spin = settings.get("hand_off_spin_us") if self.hand_off else None
         self._fused_spin = settings.get("fused_spin_us")
-        # small host<->GPU hand-offs as raw copies when a CUDA runtime is there (the xla executors
-        # turn them on: backends/xla/cuda_rt.py); then the decode results only CPU kernels read
-        # leave each GPU partition as one buffer: one device->host copy per switch, not per value
-        self.raw_copy = not self.mesh and cuda_rt.mode is not None and "xla" in kinds
+        # small host<->GPU hand-offs as raw copies when a CUDA runtime is there (the xla executors'
+        # Transfers, one platform for all: backends/xla/cuda_rt.py); then the decode results only
+        # CPU kernels read leave each GPU partition as one buffer: one device->host copy per switch
+        xla = [exe for kind, exe, _ in self.parts if kind == "xla"]
+        self.transfers = xla[0].transfers if xla else cuda_rt.Transfers()
+        self.raw_copy = not self.mesh and self.transfers.raw
         if self.raw_copy:
             for i, (kind, exe, _) in enumerate(self.parts):
                 if kind == "xla" and hasattr(exe, "pack_for_host"):
@@ -456,12 +458,13 @@ class MixedExecutor(Executor):
         from strata_compiler.backends.xla import cuda_rt
 
         exes = list(self._streamed.values())
-        if not exes or len({e.device for e in exes}) != 1 or cuda_rt.mode != ("cuda" if exes[0].on_gpu else "host"):
+        if not exes or len({e.device for e in exes}) != 1 or not exes[0].transfers.raw:
             return
         from strata_compiler.backends.xla.streaming import WeightPool
 
-        cuda_rt.pin([v for exe in exes for arrs in exe.host_params.values() for v in arrs.values()])
-        pool = WeightPool(exes[0].device)
+        if exes[0].transfers.cuda:
+            cuda_rt.pin([v for exe in exes for arrs in exe.host_params.values() for v in arrs.values()])
+        pool = WeightPool(exes[0].device, exes[0].transfers)
         for exe in exes:
             exe.pool = pool
 

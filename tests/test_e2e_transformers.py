@@ -181,7 +181,6 @@ def test_mixed_plan_raw_hand_offs_give_the_same_logits(tmp_path, monkeypatch):
     arrays), the results only CPU kernels read packed into one buffer per partition, change how
     values move, never what is computed: every step's logits are bit-identical to JAX's own
     transfers'."""
-    from strata_compiler.backends.xla import cuda_rt
     from strata_compiler.runtime.plan import load_plan
     from strata_compiler.runtime.session import Session
 
@@ -193,7 +192,7 @@ def test_mixed_plan_raw_hand_offs_give_the_same_logits(tmp_path, monkeypatch):
             monkeypatch.setenv("STRATA_RAW_COPY", "host")
         s = Session(load_plan(tmp_path / "plan"), "auto", device="cpu")
         packed = any(exe.packed for kind, exe, _ in s.executor.parts if kind == "xla")
-        assert s.executor.raw_copy == packed == (mode == "raw") and (cuda_rt.mode == "host") == (mode == "raw")
+        assert s.executor.raw_copy == packed == (mode == "raw") and s.executor.transfers.raw == (mode == "raw")
         s.reset(1, 32)
         out = [s.step(np.array([[3, 5, 7, 11]], np.int64))]
         for t in (13, 17, 19, 23):
@@ -203,7 +202,6 @@ def test_mixed_plan_raw_hand_offs_give_the_same_logits(tmp_path, monkeypatch):
             staged = [k for kind, exe, _ in s.executor.parts if kind == "xla" and hasattr(exe, "_stage")
                       for k in exe._stage.bufs]
             assert any(isinstance(k, int) for k in staged) and "ids" in staged and "pos" in staged
-            cuda_rt.disable()
     for a, b in zip(runs["raw"], runs["jax"]):
         np.testing.assert_array_equal(a, b)
 

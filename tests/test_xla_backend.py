@@ -129,37 +129,35 @@ def test_raw_copy_staging_round_trip(monkeypatch):
     from strata_compiler.backends.xla import cuda_rt
 
     monkeypatch.setenv("STRATA_RAW_COPY", "host")
-    try:
-        assert cuda_rt.enable("cpu") == "host"
-        dev = jax.devices("cpu")[0]
-        st = cuda_rt.Staging(dev)
-        f = jax.jit(lambda x, p: x * 2.0 + p)
-        for i in range(3):
-            x = np.arange(8, dtype=np.float32).reshape(1, 8) + i
-            p = st.stage("pos", np.asarray(i, np.int32))
-            assert p.shape == ()
-            y = f(st.stage(0, x), p)
-            st.guard = y
-            out = np.empty((1, 8), np.float32)
-            assert cuda_rt.fetch_into(y, out)
-            np.testing.assert_array_equal(out, x * 2 + i)
-        assert not cuda_rt.fetch_into(y, np.empty((1, 8), np.float64))
-        np.testing.assert_array_equal(cuda_rt.fetch(y), np.asarray(y))
-        # a staged value rewritten without write=True stays; a bulk copy (wait=False) lands by wait_bulk
-        assert st.stage("pos", np.asarray(9, np.int32), write=False) is p and int(np.asarray(p)) == 2
-        buf = st.stage(1, np.zeros(8, np.float32))
-        cuda_rt.to_device(np.full(4, 7, np.float32), buf, offset=16, wait=False)
-        cuda_rt.wait_bulk()
-        np.testing.assert_array_equal(np.asarray(buf), [0, 0, 0, 0, 7, 7, 7, 7])
-        with pytest.raises(ValueError, match="does not fit"):
-            cuda_rt.to_device(np.zeros(4, np.float32), buf, offset=20)
-        assert cuda_rt.pin([x]) == 0          # page-locking needs CUDA
-        monkeypatch.delenv("STRATA_RAW_COPY")
-        assert cuda_rt.enable("cpu") is None and cuda_rt.mode is None     # the default on JAX's CPU platform
-        if not cuda_rt.available():
-            assert cuda_rt.enable("gpu") is None
-    finally:
-        cuda_rt.disable()
+    assert cuda_rt.Transfers.of("cpu") == cuda_rt.Transfers("host") and cuda_rt.Transfers.of("cpu").raw
+    dev = jax.devices("cpu")[0]
+    st = cuda_rt.Staging(dev)
+    f = jax.jit(lambda x, p: x * 2.0 + p)
+    for i in range(3):
+        x = np.arange(8, dtype=np.float32).reshape(1, 8) + i
+        p = st.stage("pos", np.asarray(i, np.int32))
+        assert p.shape == ()
+        y = f(st.stage(0, x), p)
+        st.guard = y
+        out = np.empty((1, 8), np.float32)
+        assert cuda_rt.fetch_into(y, out)
+        np.testing.assert_array_equal(out, x * 2 + i)
+    assert not cuda_rt.fetch_into(y, np.empty((1, 8), np.float64))
+    np.testing.assert_array_equal(cuda_rt.fetch(y), np.asarray(y))
+    # a staged value rewritten without write=True stays; a bulk copy (wait=False) lands by wait_bulk
+    assert st.stage("pos", np.asarray(9, np.int32), write=False) is p and int(np.asarray(p)) == 2
+    buf = st.stage(1, np.zeros(8, np.float32))
+    cuda_rt.to_device(np.full(4, 7, np.float32), buf, offset=16, wait=False)
+    cuda_rt.wait_bulk()
+    np.testing.assert_array_equal(np.asarray(buf), [0, 0, 0, 0, 7, 7, 7, 7])
+    with pytest.raises(ValueError, match="does not fit"):
+        cuda_rt.to_device(np.zeros(4, np.float32), buf, offset=20)
+    assert cuda_rt.pin([x]) == 0          # page-locking needs CUDA
+    monkeypatch.delenv("STRATA_RAW_COPY")
+    assert cuda_rt.raw_mode("cpu") is None      # the default on JAX's CPU platform: JAX's own copies
+    assert not cuda_rt.fetch_into(y, out)       # decided per array, by its platform
+    if not cuda_rt.available():
+        assert cuda_rt.raw_mode("gpu") is None and not cuda_rt.Transfers.of("gpu").raw
 
 
 def test_timings_count_the_compiling(plans, capsys):

@@ -14,18 +14,23 @@ Ordering: a staging array is rewritten only after the partition's previous run h
 (its outputs are ready), so no queued computation can still be reading it. Every copy runs on a
 non-blocking stream of ours and is synchronised there (`_stream_of`).
 
-`mode` "cuda" uses libcudart; "host" (the `raw_copy` setting's `host`: tests on JAX's CPU
-platform) does the same with memmove on the CPU arrays' buffers, so CI exercises the staging
-logic; None leaves everything to JAX.
+Which copies are raw is decided per array, by its platform: a CUDA GPU's arrays by libcudart
+where it loads; JAX's CPU arrays by memmove on their buffers where the `raw_copy` setting is
+`host` (tests: CI exercises the staging logic); else JAX's own transfers. An executor holds the
+decision for its platform as a `Transfers` (staging, uploads, expert-slot writes, page-locking);
+nothing here is process-wide but libcudart's handle, its streams and the memo of each sharding's
+platform.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,7 +39,6 @@ from strata_compiler import settings
 _LIB = None
 _TRIED = False
 H2D, D2H = 1, 2
-mode: str | None = None     # "cuda", "host" or None (JAX's own transfers)
 
 
 def _find() -> list[str]:
@@ -78,23 +82,33 @@ def available() -> bool:
     return lib() is not None
 
 
-def enable(platform: str) -> str | None:
-    """Turn raw copies on for xla partitions on `platform` ("gpu" or "cpu"); returns the mode."""
-    global mode
-    _BY_SHARDING.clear()
+def raw_mode(platform: str) -> str | None:
+    """The raw copies of `platform`'s arrays: "cuda" (libcudart), "host" (memmove on JAX's CPU
+    arrays, the raw_copy setting's `host`) or None (JAX's own transfers)."""
     if platform == "gpu":
-        mode = "cuda" if available() else None
-    elif platform == "cpu" and settings.get("raw_copy") == "host":
-        mode = "host"
-    else:
-        mode = None
-    return mode
+        return "cuda" if available() else None
+    return "host" if platform == "cpu" and settings.get("raw_copy") == "host" else None
 
 
-def disable() -> None:
-    global mode
-    mode = None
-    _BY_SHARDING.clear()
+@dataclass(frozen=True)
+class Transfers:
+    """How one executor's values cross to and from its device (`raw_mode` of its platform): with
+    a mode, host values go through staging arrays and uploads and slot writes are raw copies."""
+
+    mode: str | None = None
+
+    @classmethod
+    def of(cls, platform: str) -> "Transfers":
+        return cls(raw_mode(platform))
+
+    @property
+    def raw(self) -> bool:
+        return self.mode is not None
+
+    @property
+    def cuda(self) -> bool:
+        """Raw copies by libcudart: bulk copies (copy_bulk), page-locking (pin), upload lanes."""
+        return self.mode == "cuda"
 
 
 def _check(rc: int, what: str) -> None:
@@ -103,27 +117,33 @@ def _check(rc: int, what: str) -> None:
 
 
 _STREAMS: dict[tuple, ctypes.c_void_p] = {}     # (device, bulk flag) -> stream
-# per sharding object (JAX shares one per device; kept alive here so its id is not reused): the
-# array's platform is ours and its copy stream. Looking both up through x.devices() costs a few
-# Python-level microseconds per copy, as much as the copy of a hidden state itself.
-_BY_SHARDING: dict[int, tuple] = {}
+
+
+@functools.lru_cache(maxsize=256)
+def _sharding_info(sh) -> tuple[bool, object, str]:
+    """(one device, its copy stream where libcudart copies it, its platform) of a sharding: looked
+    up once per sharding object (JAX shares one per device), since x.devices() costs a few Python
+    microseconds per copy, as much as the copy of a hidden state itself."""
+    devs = sh.device_set
+    if len(devs) != 1:
+        return False, None, ""
+    d = next(iter(devs))
+    stream = _stream_of(d) if d.platform == "gpu" and available() else None
+    return True, stream, d.platform
 
 
 def _info(x) -> tuple[bool, object]:
-    """(x is a single-device array of the raw copies' platform, its copy stream or None)."""
+    """(x is a single-device array that raw copies take, its copy stream or None: memmove)."""
     sh = getattr(x, "sharding", None)
-    hit = _BY_SHARDING.get(id(sh))
-    if hit is not None and hit[0] is sh:
-        return hit[1], hit[2]
-    devs = x.devices() if hasattr(x, "devices") else ()
-    ok = mode is not None and hasattr(x, "unsafe_buffer_pointer") and len(devs) == 1 \
-        and (mode == "cuda") == (next(iter(devs)).platform == "gpu")
-    stream = _stream_of(next(iter(devs))) if ok and mode == "cuda" else None
-    if sh is not None:
-        if len(_BY_SHARDING) >= 256:     # results that each bring a sharding of their own: no caching pays
-            _BY_SHARDING.clear()
-        _BY_SHARDING[id(sh)] = (sh, ok, stream)
-    return ok, stream
+    if sh is None or not hasattr(x, "unsafe_buffer_pointer"):
+        return False, None
+    try:
+        one, stream, platform = _sharding_info(sh)
+    except TypeError:                   # a sharding that does not hash: looked up each time
+        one, stream, platform = _sharding_info.__wrapped__(sh)
+    if stream is not None:
+        return True, stream
+    return one and raw_mode(platform) == "host", None
 
 
 def _stream_of(d, bulk: bool = False):
@@ -165,8 +185,9 @@ def _copy(dst: int, src: int, n: int, kind: int, s) -> None:
 
 def to_host(x, out: np.ndarray) -> None:
     """Copy finished device array x into NumPy array `out` (C-contiguous, x's byte size)."""
-    if mode == "cuda":
-        _copy(out.ctypes.data, x.unsafe_buffer_pointer(), out.nbytes, D2H, _info(x)[1])
+    s = _info(x)[1]
+    if s is not None:
+        _copy(out.ctypes.data, x.unsafe_buffer_pointer(), out.nbytes, D2H, s)
     else:
         ctypes.memmove(out.ctypes.data, x.unsafe_buffer_pointer(), out.nbytes)
 
@@ -181,11 +202,12 @@ def to_device(src: np.ndarray, x, offset: int = 0, wait: bool = True) -> None:
     if offset < 0 or offset + src.nbytes > x.nbytes:
         raise ValueError(f"a copy of {src.nbytes} B at offset {offset} does not fit an array of {x.nbytes} B")
     dst = x.unsafe_buffer_pointer() + offset
-    if mode != "cuda":
+    s = _info(x)[1]
+    if s is None:
         ctypes.memmove(dst, src.ctypes.data, src.nbytes)
         return
     if wait:
-        _copy(dst, src.ctypes.data, src.nbytes, H2D, _info(x)[1])
+        _copy(dst, src.ctypes.data, src.nbytes, H2D, s)
         return
     s = _stream_of(next(iter(x.devices())), bulk=True)
     _check(_LIB.cudaMemcpyAsync(dst, src.ctypes.data, src.nbytes, H2D, s), "cudaMemcpyAsync")
@@ -204,7 +226,7 @@ def upload(pairs, workers: int | None = None) -> None:
     for h, x in pairs:
         if h.nbytes != x.nbytes:
             raise ValueError(f"an upload of {h.nbytes} B into a device array of {x.nbytes} B")
-    if mode != "cuda":
+    if not pairs or _info(pairs[0][1])[1] is None:
         for h, x in pairs:
             to_device(h, x)
         return
@@ -232,15 +254,10 @@ def copy_bulk(dst: int, src: int, n: int, x) -> None:
     """n bytes from host address `src` (pinned memory that outlives the copy) to device address
     `dst` inside device array x, queued on the bulk stream of x's device as to_device(wait=False)
     queues them (`wait_bulk()` before anything reads x): an expert-cache swap from its copy plan,
-    without building arrays per copy. Only with mode "cuda" (`bulk_ok`)."""
+    without building arrays per copy. Only where libcudart copies (Transfers.cuda)."""
     s = _stream_of(next(iter(x.devices())), bulk=True)
     _check(_LIB.cudaMemcpyAsync(dst, src, n, H2D, s), "cudaMemcpyAsync")
     _PENDING[s.value] = s
-
-
-def bulk_ok() -> bool:
-    """Whether copy_bulk may be used: raw copies on a CUDA GPU."""
-    return mode == "cuda"
 
 
 def wait_bulk() -> None:
@@ -253,7 +270,7 @@ def wait_bulk() -> None:
 _PINNED: list[tuple[int, int]] = []     # page ranges registered with cudaHostRegister
 
 
-def pin(arrays, force: bool = False) -> int:
+def pin(arrays) -> int:
     """Page-lock the host memory under `arrays` (cudaHostRegister, read-only) so that copies from
     it run at the pinned rate (several times the pageable one) and without a staging copy on the
     host. Page ranges are merged first (neighbouring arrays share
@@ -261,8 +278,8 @@ def pin(arrays, force: bool = False) -> int:
     runtime, and whatever fails to register stays pageable. Registrations last as long as the
     process (the driver holds the pages), so pin only memory that lives as long: the plan's
     weight mapping of a session. The pages are mapped into the GPUs' address space too
-    (runtime/mapped.py reads them in place). `force`: also before raw copies are enabled."""
-    if (mode != "cuda" and not force) or lib() is None:
+    (runtime/mapped.py reads them in place)."""
+    if lib() is None:
         return 0
     import mmap
 
@@ -308,14 +325,10 @@ def copy_async(dst: int, src: int, n: int, stream: int) -> None:
     _check(_LIB.cudaMemcpyAsync(dst, src, n, H2D, ctypes.c_void_p(stream)), "cudaMemcpyAsync")
 
 
-def _raw_ok(v) -> bool:
-    return mode is not None and _info(v)[0]
-
-
 def fetch_into(v, dst: np.ndarray) -> bool:
     """GPU result v into `dst` (same number of elements) by a raw copy when that applies (same
     dtype, `dst` contiguous); False when the caller must copy it itself."""
-    if not _raw_ok(v) or dst.dtype != v.dtype or dst.size != v.size or not dst.flags.c_contiguous:
+    if not _info(v)[0] or dst.dtype != v.dtype or dst.size != v.size or not dst.flags.c_contiguous:
         return False
     v.block_until_ready()
     to_host(v, dst)
@@ -323,8 +336,8 @@ def fetch_into(v, dst: np.ndarray) -> bool:
 
 
 def fetch(v) -> np.ndarray:
-    """v as a NumPy array: a raw copy for a single-device array when enabled, else np.asarray."""
-    if isinstance(v, np.ndarray) or not _raw_ok(v):
+    """v as a NumPy array: a raw copy for a single-device array raw copies take, else np.asarray."""
+    if isinstance(v, np.ndarray) or not _info(v)[0]:
         return np.asarray(v)
     out = np.empty(v.shape, v.dtype)
     v.block_until_ready()

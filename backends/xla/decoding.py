@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from strata_compiler import settings
 from strata_compiler.errors import BackendError, UsageError
 
 from . import cuda_rt

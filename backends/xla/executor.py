@@ -99,7 +99,7 @@ class XLAExecutor(DecodeSteps, Executor):
         self.residency = residency if residency is not None else Residency()
         self.device = pick_device(device_kind, device_index)
         self.on_gpu = self.device.platform != "cpu"
-        cuda_rt.enable("gpu" if self.on_gpu else "cpu")     # raw hand-off copies where they apply
+        self.transfers = cuda_rt.Transfers.of("gpu" if self.on_gpu else "cpu")    # raw hand-off copies where they apply
         ids = set(nodes) if nodes is not None else {n.id for n in graph.nodes}
         self.nodes = [n for n in graph.nodes if n.id in ids]
         _check_lowered(self.nodes)
@@ -226,7 +226,7 @@ class XLAExecutor(DecodeSteps, Executor):
         raw copies from several threads into arrays allocated there (JAX's device_put of a
         mapped file goes one array at a time through one thread's staging copy)."""
         jax = load_jax()
-        if cuda_rt.mode == "cuda" and self.on_gpu and type(self) is XLAExecutor and self.host_params is None:
+        if self.transfers.cuda and type(self) is XLAExecutor and self.host_params is None:
             flat = [(name, a, np.ascontiguousarray(v)) for name, arrs in host.items() for a, v in arrs.items()]
             dst = zeros_all([(v.shape, v.dtype) for _, _, v in flat], self.device)
             jax.block_until_ready(dst)
@@ -302,7 +302,7 @@ class XLAExecutor(DecodeSteps, Executor):
         moved = 0
         # on a CUDA GPU, a raw copy straight into the slot's rows (no jitted update, no donation)
         # once this partition's last call has finished reading the weights
-        raw = cuda_rt.mode == "cuda" and self.on_gpu
+        raw = self.transfers.cuda
         if raw and getattr(self, "_last_outs", None) is not None:
             jax.block_until_ready(self._last_outs)
             self._last_outs = None
@@ -455,7 +455,7 @@ class XLAExecutor(DecodeSteps, Executor):
 
     def _staging(self):
         """This partition's staging arrays when raw copies are on for its platform (cuda_rt), else None."""
-        if cuda_rt.mode is None or (cuda_rt.mode == "cuda") != self.on_gpu:
+        if not self.transfers.raw:
             return None
         if not hasattr(self, "_stage"):
             self._stage = cuda_rt.Staging(self._home())
@@ -493,7 +493,7 @@ class XLAExecutor(DecodeSteps, Executor):
             outs = self.run_partition(ext, input_ids, cache, T_pad)
             packed = outs.pop(PACKED, None)
             if packed is not None:
-                if cuda_rt.mode is None:
+                if not self.transfers.raw:
                     packed.copy_to_host_async()
                 off, holder = 0, {"buf": packed}
                 for o in self.packed:

@@ -123,7 +123,7 @@ def device_view(a: np.ndarray, device):
 
         raise BackendError("--miss-path gpu reads host memory from the GPU through libcudart (the CUDA runtime), "
                            "which did not load; run with --miss-path cpu")
-    cuda_rt.pin([a], force=True)
+    cuda_rt.pin([a])
     cap = _Capsule(device_pointer(a), a.shape, a.dtype, int(getattr(device, "local_hardware_id", None) or device.id))
     _KEEP.append((cap, a))
     return jax.dlpack.from_dlpack(cap, copy=False)

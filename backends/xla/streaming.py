@@ -18,8 +18,8 @@ from .device import load_jax, zeros_all
 
 
 class WeightPool:
-    def __init__(self, device) -> None:
-        self.device = device
+    def __init__(self, device, transfers) -> None:
+        self.device, self.transfers = device, transfers       # cuda_rt.Transfers of the device's partitions
         self.sets: dict[tuple, list[list]] = {}       # layout -> two lists of device arrays
         self.turn: dict[tuple, int] = {}
         self.guards: dict[tuple, object] = {}          # (layout, set) -> a result of its last reader
@@ -42,7 +42,7 @@ class WeightPool:
         guard = self.guards.pop((layout, k), None)
         if guard is not None:
             jax.block_until_ready(guard)
-        if cuda_rt.mode == "cuda" and self.stream is None:
+        if self.transfers.cuda and self.stream is None:
             self.stream = cuda_rt.copy_stream(self.device)
         for (_, _, v), d in zip(items, sets[k]):
             if self.stream is not None:
