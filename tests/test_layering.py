@@ -394,3 +394,54 @@ def test_no_private_member_crosses_a_package():
     found = [f"{_where(m, line)} {m} {what}" for m, line, what in private_crossings({m: tree(m) for m in MODULES})]
     if found:
         pytest.fail(f"{len(found)} private members used across packages:\n" + "\n".join(found), pytrace=False)
+
+
+def test_a_traced_mixed_run_keeps_the_layers(tmp_path):
+    """What the static checks above cannot see, watched while it runs: a mixed plan (experts on the
+    llvm CPU backend, the rest on xla) prefills and decodes under sys.setprofile, and no backend
+    function calls a runtime function, and no private function (`_name`) is called from another
+    package."""
+    import sys
+
+    import numpy as np
+
+    from strata_compiler.cli import stratac
+    from strata_compiler.cli_common import run_cli
+    from strata_compiler.runtime.plan import load_plan
+    from strata_compiler.runtime.sampler import Sampler
+    from strata_compiler.runtime.session import Session
+
+    plan_dir = tmp_path / "plan"
+    assert run_cli(stratac, ["compile", str(ROOT / "examples" / "models" / "tiny-moe"), "-o", str(plan_dir),
+                             "--quant", "int4", "--place", "experts=cpu,all=gpu"]) == 0
+    session = Session(load_plan(plan_dir), "auto", device="cpu")
+    assert {kind for kind, _, _ in session.executor.parts} == {"llvm", "xla"}
+    roots = {str(ROOT / d) + "/": d for d in ("strata_compiler", "passes", "backends", "runtime")}
+
+    def package(code) -> str | None:
+        return next((d for r, d in roots.items() if code.co_filename.startswith(r)), None)
+
+    upward, private, seen = set(), set(), set()
+
+    def watch(frame, event, _arg) -> None:
+        if event != "call" or frame.f_back is None:
+            return
+        callee, caller = frame.f_code, frame.f_back.f_code
+        a, b = package(caller), package(callee)
+        if a is None or b is None:
+            return
+        seen.add((a, b))
+        where = f"{caller.co_filename}:{caller.co_name} -> {callee.co_filename}:{callee.co_name}"
+        if a == "backends" and b == "runtime":
+            upward.add(where)
+        if a != b and callee.co_name.startswith("_") and not callee.co_name.startswith("__"):
+            private.add(where)
+
+    sys.setprofile(watch)
+    try:
+        session.generate(np.array([[3, 5, 7, 11]], np.int64), 8, Sampler())
+    finally:
+        sys.setprofile(None)
+    assert ("runtime", "backends") in seen          # the watch saw the runtime drive the backends
+    assert not upward, sorted(upward)
+    assert not private, sorted(private)
