@@ -101,7 +101,7 @@ def _route_weight(x, rank, mine, k: int, norm: bool):
 
 
 def _gate_up_kernel(ids_ref, *refs, p: _Proj, k: int, I: int, Ip: int, BN: int, route=None,
-                    interpret: bool = False, eps=None, q8_out: bool = False, cached: bool = False):
+                    interpret: bool = False, eps=None, q8_out: int = 0, cached: bool = False):
     """route (norm, E, partials: P or 0): each program takes its expert from the top-k of the router
     logits of its token (`_ranks`: no routing kernels in between), and the first program of each
     (token, rank) pair also writes the pair's expert and weight for the down kernel (the last two
@@ -110,8 +110,8 @@ def _gate_up_kernel(ids_ref, *refs, p: _Proj, k: int, I: int, Ip: int, BN: int, 
     applied to the norm weight times x, not yet divided by x's rms (taken here, from the norm
     prologue, which `partials` needs). Without route, ids_ref holds the chosen ids [M*k].
     eps: x arrives un-normalised, with the norm's weight after it (`_x_parts` norm prologue).
-    q8_out (BN = the down projection's group): h leaves in its dp4a q8 form (`_store_q8`), one
-    group per program, so the down kernel reads it as is.
+    q8_out (BN = the down projection's group): h leaves in its dp4a q8 form (`_store_q8`; 2: q16,
+    for int8 down weights), one group per program, so the down kernel reads it as is.
     cached: the weights come with an expert cache's slot map and slots after them
     (`_expert_rows`)."""
     import jax.numpy as jnp
@@ -152,7 +152,7 @@ def _gate_up_kernel(ids_ref, *refs, p: _Proj, k: int, I: int, Ip: int, BN: int, 
     g, u = _rows_apply(p, wg, xs, interpret), _rows_apply(p, wu, xs, interpret)
     h = g / (1.0 + jnp.exp(-g)) * u                                             # rows >= I: 0
     if q8_out:
-        _store_q8(outs, pair, blk, h, BN)
+        _store_q8(outs, pair, blk, h, BN, q8_out)
     else:
         _store_rows(outs[0], pair, row0, BN, Ip, h)
     if route is not None:
@@ -213,7 +213,7 @@ def _calls(gu: tuple, dn: tuple, M: int, k: int, interpret: bool, bn1: int, bn2:
     bn1 = pd.G if q8 else min(bn1, _pow2(I))
     bn2 = min(bn2, _pow2(pd.N))
     if q8:
-        h_shape = (jax.ShapeDtypeStruct((M * k, pd.ng, pd.G // 4), jnp.int32),
+        h_shape = (jax.ShapeDtypeStruct((M * k, pd.ng, pd.G // 4 * pd.planes), jnp.int32),
                    jax.ShapeDtypeStruct((M * k, pd.ng), jnp.float32), jax.ShapeDtypeStruct((M * k, pd.ng), jnp.int32))
     else:
         h_shape = (jax.ShapeDtypeStruct((M * k, Ip), jnp.float32),)
@@ -222,7 +222,7 @@ def _calls(gu: tuple, dn: tuple, M: int, k: int, interpret: bool, bn1: int, bn2:
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps1, num_stages=1))
     gate_up = pl.pallas_call(
         functools.partial(_gate_up_kernel, p=pg, k=k, I=I, Ip=Ip, BN=bn1, route=route, interpret=interpret,
-                          eps=eps, q8_out=q8, cached=cached),
+                          eps=eps, q8_out=pd.planes if q8 else 0, cached=cached),
         out_shape=h_shape, grid=(M * k, -(-Ip // bn1)), interpret=interpret, name="strata_moe_gate_up", **params)
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps2, num_stages=1))
     down = pl.pallas_call(

@@ -3,7 +3,10 @@ they read stored int4/int4a/int8 weights against an activation row.
 
 Weights are read as u32 words (int4: nibbles masked into bytes) and multiplied by activations
 quantized to int8 per group of G (q8, as llama.cpp's mmvq and the llvm CPU kernels) with integer
-dot products (PTX dp4a, 4 products per instruction; signed bytes for int8 weights). Sums are f32.
+dot products (PTX dp4a, 4 products per instruction). int8 weights (signed bytes) take the
+activations in two planes of int8 codes (q16: x ~ d (hi + lo / 254), about 15 bits, as the llvm
+CPU kernels' default): twice the integer products, where one plane would round away more than the
+weights' own 8 bits keep. Sums are f32.
 
 The weights stay exactly as formats.py stores them (no repacking): int4 qs u8[E, N, Kp/2] is
 viewed (a free reshape and bitcast) as u32 [E, N, Kp/G, G/8], where byte i of a group holds
@@ -75,6 +78,7 @@ class _Proj:
         self.dp4a = self.W % 4 == 0
         self.signed = not nib                                    # int8: signed bytes on both sides of dp4a
         self.halves = 2 if nib else 1                            # q8 word blocks per group (int4: a nibble each)
+        self.planes = 2 if self.signed and self.dp4a else 1      # activation code planes: q16 for int8, q8 else
         self.QW = self.W // 4 if self.dp4a else self.W          # stored elements per group as loaded
 
     def qs_view(self, qs):
@@ -154,7 +158,7 @@ def _row_block(ref, r, row0, BN: int, n: int):
 
 def _x_parts(p: _Proj, x_ref, r, norm=None, with_inv: bool = False):
     """Row r of the activation as the kernels multiply it: without dp4a, one f32 [NGP, W] block;
-    dp4a, its q8 form (`_q8_parts`) of the 4 halves [NGP, QW] blocks (half, byte j) that line up
+    dp4a, its q8 (int8: q16) form (`_q8_parts`) of the 4 halves [NGP, QW] blocks (half, byte j) that line up
     with the bytes (int4: the nibbles) of the weight words, quantized here by every program that reads the row (a few
     thousand values, against the weight block it reads), or read as such when x_ref is a (words,
     scales, sums) triple that an earlier kernel wrote (`_store_q8`).
@@ -170,7 +174,7 @@ def _x_parts(p: _Proj, x_ref, r, norm=None, with_inv: bool = False):
         gmask = jnp.arange(p.NGP) < p.ng
     if isinstance(x_ref, tuple):
         wq, sq, tq = x_ref
-        words = tuple(_load(wq.at[r, gs, pl.ds(h * p.QW, p.QW)], mask) for h in range(p.halves))
+        words = tuple(_load(wq.at[r, gs, pl.ds(h * p.QW, p.QW)], mask) for h in range(p.halves * p.planes))
         return (*words, _load(sq.at[r, gs], gmask), _load(tq.at[r, gs], gmask))
     if p.dp4a:
         # (half, byte) indices traced: interpret mode masks no python ints
@@ -185,7 +189,7 @@ def _x_parts(p: _Proj, x_ref, r, norm=None, with_inv: bool = False):
                 ss = t if ss is None else ss + t
             inv = 1.0 / jnp.sqrt(ss / p.K + eps)
             blocks = [b * inv * _load(w_ref.at[gs, h, :, j], mask) for b, (h, j) in zip(blocks, hj)]
-        parts = _q8_parts(blocks)
+        parts = _q8_parts(blocks, p.planes)
         return (parts, inv) if with_inv else parts
     assert norm is None, "the norm prologue needs the dp4a layout"
     return (_load(x_ref.at[r, gs, :], mask).astype(jnp.float32),)
@@ -205,6 +209,14 @@ def _q8_values(x, inv):
     return jnp.floor(x * inv + 0.5).astype(jnp.int32)
 
 
+def _q16_low(x, inv, hi):
+    """The second plane of q16: floor((x inv - hi) 254 + 1/2) as i32 (|lo| <= 127), so that
+    x ~ (hi + lo / 254) / inv."""
+    import jax.numpy as jnp
+
+    return jnp.floor((x * inv - hi.astype(jnp.float32)) * 254.0 + 0.5).astype(jnp.int32)
+
+
 def _pack4(q):
     """i32 [..., 4] of q8 values -> u32 [...] with byte j the low byte of q[..., j]."""
     import jax
@@ -214,27 +226,34 @@ def _pack4(q):
     return (u << (jnp.arange(4, dtype=jnp.uint32) * jnp.uint32(8))).sum(axis=-1)
 
 
-def _store_q8(out_refs, r, blk, h, G: int) -> None:
-    """The G values h (one group of the next projection's input) as its dp4a q8 form, at group
-    blk of row r of (words i32 [R, ng, G/4], scales f32 [R, ng], sums i32 [R, ng])."""
+def _store_q8(out_refs, r, blk, h, G: int, planes: int = 1) -> None:
+    """The G values h (one group of the next projection's input) as its dp4a q8 form (planes 2:
+    q16, the second plane's words after the first's), at group blk of row r of (words i32 [R, ng,
+    planes G/4], scales f32 [R, ng], sums i32 [R, ng])."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
     wq, sq, tq = out_refs
     amax = jnp.abs(h).max()
-    q = _q8_values(h.reshape(G // 4, 4), _q8_inv(amax))
+    inv = _q8_inv(amax)
+    x = h.reshape(G // 4, 4)
+    q = _q8_values(x, inv)
     one = pl.ds(blk, 1)
-    wq.at[r, one, :][...] = jax.lax.bitcast_convert_type(_pack4(q), jnp.int32)[None, :]
+    wq.at[r, one, pl.ds(0, G // 4)][...] = jax.lax.bitcast_convert_type(_pack4(q), jnp.int32)[None, :]
+    if planes == 2:
+        lo = _pack4(_q16_low(x, inv, q))
+        wq.at[r, one, pl.ds(G // 4, G // 4)][...] = jax.lax.bitcast_convert_type(lo, jnp.int32)[None, :]
     sq.at[r, one][...] = jnp.full((1,), amax / 127.0, jnp.float32)
     tq.at[r, one][...] = jnp.full((1,), q.sum(), jnp.int32)
 
 
-def _q8_parts(blocks: list):
+def _q8_parts(blocks: list, planes: int = 1):
     """q8 of one activation row, from its 4 halves f32 blocks [NGP, QW] (half h, byte j: element
     g G + h G/halves + 4w + j at [g, w]): (each half's words i32 [NGP, QW], with byte j of word w
-    the q8 value of block (h, j) at w; scales f32 [NGP]; sums i32 [NGP] of each group's q8
-    values, for the -8 of the int4 weights). q = floor(x 127 / max|x| + 1/2) per group."""
+    the q8 value of block (h, j) at w; with planes 2 then the second plane's words (`_q16_low`);
+    scales f32 [NGP]; sums i32 [NGP] of each group's q8 values, for the -8 of the int4 weights).
+    q = floor(x 127 / max|x| + 1/2) per group."""
     import jax
     import jax.numpy as jnp
 
@@ -244,12 +263,14 @@ def _q8_parts(blocks: list):
         amax = m if amax is None else jnp.maximum(amax, m)
     inv = _q8_inv(amax)[:, None]
     qs = [_q8_values(b, inv) for b in blocks]
+    if planes == 2:
+        qs += [_q16_low(b, inv, q) for b, q in zip(blocks, qs)]
     total = None
-    for q in qs:
+    for q in qs[:len(blocks)]:
         t = q.sum(axis=-1)
         total = t if total is None else total + t
     words = []
-    for h in range(len(blocks) // 4):   # byte j of word w <- block (h, j) at w (no stacking: Triton has no such op)
+    for h in range(len(qs) // 4):   # byte j of word w <- block (h, j) at w (no stacking: Triton has no such op)
         w = None
         for j in range(4):
             u = (jax.lax.bitcast_convert_type(qs[4 * h + j], jnp.uint32) & jnp.uint32(0xFF)) << jnp.uint32(8 * j)
@@ -285,10 +306,12 @@ def _dequant_dot(p: _Proj, q, xs, interpret: bool = False):
     int4a: (that, the group's sum of x) [..., NGP] each, for its scale and its min."""
     import jax.numpy as jnp
 
-    if p.signed and p.dp4a:                 # int8: signed weight bytes times q8 bytes, no offset
-        xw, dx, _ = xs
-        acc = _dp4a(q, jnp.broadcast_to(xw, q.shape), jnp.zeros(q.shape, jnp.int32), interpret, signed=True)
-        return acc.sum(axis=-1).astype(jnp.float32) * dx
+    if p.signed and p.dp4a:                 # int8: signed weight bytes times the q16 planes, no offset
+        hi, lo, dx, _ = xs
+        zero = jnp.zeros(q.shape, jnp.int32)
+        a = _dp4a(q, jnp.broadcast_to(hi, q.shape), zero, interpret, signed=True).sum(axis=-1)
+        b = _dp4a(q, jnp.broadcast_to(lo, q.shape), zero, interpret, signed=True).sum(axis=-1)
+        return (a.astype(jnp.float32) + b.astype(jnp.float32) * (1.0 / 254.0)) * dx
     if p.dp4a:
         xlo, xhi, dx, sm = xs
         lo = q & jnp.uint32(0x0F0F0F0F)
