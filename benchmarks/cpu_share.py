@@ -10,7 +10,7 @@ program: after a prompt and two decode steps (so every frame exists), each CPU p
 for every MoE op in it, k experts of its share chosen at random per call (so the weights come
 from DRAM, not the cache, as in a real decode), for each k of --experts. It prints per
 partition and k: the segment's median µs, and the MoE op's phases (masking, routing pairs, q8
-quantization of x and h, gate/up, down: backends/llvm_cpu/executor.py PHASE_NS) with the
+quantization of x and h, gate/up, down: LLVMExecutor.phase_ns) with the
 weight GB/s of the two matrix kernels.
 
 Run it on the machine whose fused step is in question; against switch_breakdown.py's fused
@@ -110,10 +110,10 @@ def main() -> int:
             return seg[5:]
 
         for k in ks:
-            lx.PHASE_NS = {}                # op by op in Python, the MoE op's phases timed
+            exe.phase_ns = {}                # op by op in Python, the MoE op's phases timed
             seg = segment_ns(k)
-            ph = {key: v[5 * len(moes):] for key, v in lx.PHASE_NS.items()}
-            lx.PHASE_NS = None
+            ph = {key: v[5 * len(moes):] for key, v in exe.phase_ns.items()}
+            exe.phase_ns = None
             native = statistics.median(segment_ns(k)) / 1e3 if as_program else float("nan")   # one program
             med = {key: statistics.median(v) for key, v in ph.items()}
             gu = sum(ph["moe.gate_up_bytes"]) / max(1, sum(ph["moe.gate_up"]))

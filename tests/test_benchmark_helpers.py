@@ -295,7 +295,7 @@ def test_device_benchmarks_smoke(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cache_sim.py"), str(tmp_path / "pb" / "hot-cache-25")],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode != 0 and "whole layers" in r.stderr
-    # a CPU partition alone, its MoE op's phases timed (PHASE_NS), k random experts a call
+    # a CPU partition alone, its MoE op's phases timed (LLVMExecutor.phase_ns), k random experts a call
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_share.py"), str(tmp_path / "pb" / "hot-cache-25"),
                         "--device", "cpu", "--reps", "3", "--experts", "1,2"], capture_output=True, text=True, env=env,
                        timeout=600)
@@ -304,7 +304,7 @@ def test_device_benchmarks_smoke(tmp_path):
     # (the cached plan's segment runs as a native program too: the MASK instruction, "native us")
     assert rows and {x[1] for x in rows} == {"1", "2"} and all(float(v) > 0 for x in rows for v in x[2:])
     from strata_compiler.backends.llvm_cpu import executor as lx
-    assert lx.PHASE_NS is None          # off unless a benchmark turns it on
+    assert lx.LLVMExecutor.phase_ns is None          # off unless a benchmark turns it on
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_dispatch.py"), str(tmp_path / "pb" / "hot-cache-25"),
                         "--device", "cpu", "--reps", "3"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

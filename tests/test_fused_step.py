@@ -288,7 +288,7 @@ def test_cpu_partitions_run_as_native_programs_with_the_same_logits(model, tmp_p
     # op by op in Python; partition by partition (programs called from Python); programs called
     # by the host calls; the same, traced
     for name in ("python", "partitions", "host calls", "traced"):
-        monkeypatch.setattr(lx, "PHASE_NS", {} if name == "python" else None)
+        monkeypatch.setattr(lx.LLVMExecutor, "phase_ns", {} if name == "python" else None)
         calls.clear()
         s = Session(plan, "auto", device="cpu")
         if name == "partitions":
@@ -343,7 +343,7 @@ def test_cached_layers_run_natively_and_overlap(model, tmp_path, monkeypatch, ba
     plan = load_plan(cached_plan(d, tmp_path, monkeypatch, 0.3))
     runs = {}
     for native in (True, False):
-        monkeypatch.setattr(lx, "PHASE_NS", None if native else {})
+        monkeypatch.setattr(lx.LLVMExecutor, "phase_ns", None if native else {})
         s = Session(plan, "auto", device="cpu")
         s.executor.swaps.copy_share = 1e9       # no copy budget: the same swaps in both runs, whatever the timing
         s.reset(batch, 64)

@@ -491,7 +491,7 @@ def test_hugepage_resident_weights_keep_the_logits(moe_plan, monkeypatch):
 
 def test_segment_program_matches_the_op_by_op_path(moe_plan, monkeypatch):
     """An all-CPU step runs as one native segment program (pool.ll strata_run_program); timing the
-    MoE phases (PHASE_NS) or tracing runs it op by op from Python instead: the same logits, bit
+    MoE phases (LLVMExecutor.phase_ns) or tracing runs it op by op from Python instead: the same logits, bit
     for bit, and the phase timer gets the MoE op's phases."""
     from strata_compiler.backends.llvm_cpu import executor as lx
     from strata_compiler.backends.llvm_cpu import pool as poolmod
@@ -503,7 +503,7 @@ def test_segment_program_matches_the_op_by_op_path(moe_plan, monkeypatch):
     out, ran = {}, {}
     for name in ("program", "phases", "traced"):
         calls.clear()
-        monkeypatch.setattr(lx, "PHASE_NS", {} if name == "phases" else None)
+        monkeypatch.setattr(lx.LLVMExecutor, "phase_ns", {} if name == "phases" else None)
         trace.ACTIVE = trace.Tracer() if name == "traced" else None
         try:
             _, _, out[name] = _logits(*moe_plan, steps=4)
@@ -511,7 +511,8 @@ def test_segment_program_matches_the_op_by_op_path(moe_plan, monkeypatch):
             trace.ACTIVE = None
         ran[name] = len(calls)
         if name == "phases":
-            assert lx.PHASE_NS["moe.gate_up"] and len(lx.PHASE_NS["moe.down"]) == len(lx.PHASE_NS["moe.pairs"])
+            ph = lx.LLVMExecutor.phase_ns
+            assert ph["moe.gate_up"] and len(ph["moe.down"]) == len(ph["moe.pairs"])
     assert ran == {"program": 5, "phases": 0, "traced": 0}
     np.testing.assert_array_equal(out["program"], out["phases"])
     np.testing.assert_array_equal(out["program"], out["traced"])

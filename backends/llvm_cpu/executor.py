@@ -5,7 +5,7 @@ nothing is compiled on the hot path; kernels read weights straight from the plan
 once into huge pages where the OS offers transparent huge pages). A step (prefill chunk or decode)
 takes activation buffers from plan-memory's slots, sized for its M = B*T tokens (frame.py), and
 runs its ops as one native segment program over the pool; op by op from Python only where that
-cannot work or is wanted: while tracing, while the MoE phases are timed (PHASE_NS), with experts
+cannot work or is wanted: while tracing, while the MoE phases are timed (`phase_ns`), with experts
 on the disk tier, or where an input must first be fetched from another device.
 
 Activations for int8/int4 weights (groups of 32) are quantized to q8 blocks once per consumer,
@@ -36,11 +36,7 @@ from .jit import KernelLibrary, library
 from .pool import get_pool, pool_split, set_spin
 from .target import Target
 
-__all__ = ["LLVMExecutor", "IN_FRAME", "Frame", "Step", "PHASE_NS", "kernel_sources"]
-
-#: Benchmarks (benchmarks/cpu_share.py) set this to a dict to collect the MoE op's phases:
-#: phase name -> list of nanoseconds, one per call; the segment then runs op by op in Python.
-PHASE_NS: dict[str, list[int]] | None = None
+__all__ = ["LLVMExecutor", "IN_FRAME", "Frame", "Step", "kernel_sources"]
 
 
 def hugepages_available() -> bool:
@@ -54,6 +50,11 @@ def hugepages_available() -> bool:
 
 
 class LLVMExecutor(Executor):
+    #: a benchmark's (benchmarks/cpu_share.py) timer of the MoE op's phases on this executor: set to
+    #: a dict, it collects phase name -> nanoseconds, one per call, and the segment then runs op by
+    #: op in Python
+    phase_ns: dict[str, list[int]] | None = None
+
     def __init__(self, graph: Graph, weights, target: Target | None = None, act: str | None = None,
                  lib: "KernelLibrary | SourceCollector | None" = None, nodes: list[int] | None = None,
                  residency: Residency | None = None, fetch_into: Callable | None = None) -> None:
@@ -139,9 +140,9 @@ class LLVMExecutor(Executor):
             for rows, name in self.tables:
                 check_token_ids(input_ids, rows, name)
             frame.ids[:] = input_ids.reshape(-1)
-        step = Step(B, T, cache, PHASE_NS)
+        step = Step(B, T, cache, self.phase_ns)
         prog = None
-        if trace.ACTIVE is None and PHASE_NS is None and getattr(self.w, "disk_tier", None) is None \
+        if trace.ACTIVE is None and self.phase_ns is None and getattr(self.w, "disk_tier", None) is None \
                 and all(env.get(i) is IN_FRAME for f in self._fetch_vals[lo:hi] for i in f):
             prog = self.host_program(frame, ops, step, lo, hi)
         if prog is not None:             # the whole range as one native call

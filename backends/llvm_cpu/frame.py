@@ -157,7 +157,7 @@ class Frame:
 @dataclass
 class Step:
     """What one forward step needs: token counts and the cache; `phases`, where a benchmark collects
-    the MoE op's phase times (executor.py PHASE_NS)."""
+    the MoE op's phase times (LLVMExecutor.phase_ns)."""
 
     B: int
     T: int
