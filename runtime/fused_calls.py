@@ -55,14 +55,13 @@ class FusedCalls:
         time stamps between ops (2: tracing)."""
         from strata_compiler import trace
         from strata_compiler.backends.llvm_cpu.executor import IN_FRAME
-        from strata_compiler.backends.llvm_cpu.pool import get_pool
 
         # GPU-made inputs arrive in the frame buffers themselves (the host calls copy them there)
         self.env = {a: IN_FRAME for ins in self.f.dev_in.values() for a in ins}
         timed = any(exe.phase_ns is not None for kind, exe, _ in self.m.parts if kind == "llvm")
         self.cells[0] = 1 if timed or getattr(self.m.weights, "disk_tier", None) is not None \
             else 2 if trace.ACTIVE is not None else 0
-        pool = get_pool()
+        pool = next(exe.pool for kind, exe, _ in self.m.parts if kind == "llvm")
         self.cells[1] = pool.n_threads * pool.split
         self.cur = (input_ids, cache)
         self.error = None

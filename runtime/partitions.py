@@ -110,9 +110,11 @@ class MixedExecutor(Executor):
             self.parts.append((*self._executor(backend, ids, device, shrink_caches), ids))
         kinds = {k for k, _, _ in self.parts}
         if "llvm" in kinds and "xla" in kinds:
-            from strata_compiler.backends.llvm_cpu.pool import get_pool, pool_split
+            from strata_compiler.backends.llvm_cpu.pool import pool_split
 
-            get_pool().split = pool_split(MIXED_POOL_SPLIT)
+            for kind, exe, _ in self.parts:
+                if kind == "llvm":
+                    exe.pool.split = pool_split(MIXED_POOL_SPLIT)
         # the GPU results each partition hands to a later CPU partition: their device->host copies
         # start as soon as the partition is dispatched, all at once, instead of one by one when
         # the CPU reads them (each a wait of its own)

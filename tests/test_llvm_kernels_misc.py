@@ -499,7 +499,7 @@ def test_segment_program_matches_the_op_by_op_path(moe_plan, monkeypatch):
 
     calls = []
     real = poolmod.ThreadPool.run_program
-    monkeypatch.setattr(poolmod.ThreadPool, "run_program", lambda self, a, n: (calls.append(n), real(self, a, n)))
+    monkeypatch.setattr(poolmod.ThreadPool, "run_program", lambda self, a, n, *r: (calls.append(n), real(self, a, n, *r)))
     out, ran = {}, {}
     for name in ("program", "phases", "traced"):
         calls.clear()

@@ -33,7 +33,7 @@ from .binders import BINDERS
 from .codegen.dot import pair_layout
 from .frame import IN_FRAME, TSC, Frame, Q8, Step, ins
 from .jit import KernelLibrary, library
-from .pool import get_pool, pool_split, set_spin
+from .pool import PoolShare, get_pool, pool_split, set_spin
 from .target import Target
 
 __all__ = ["LLVMExecutor", "IN_FRAME", "Frame", "Step", "kernel_sources"]
@@ -79,8 +79,7 @@ class LLVMExecutor(Executor):
         self.w = weights
         self.target = target or Target.host()
         self.lib = lib or library(self.target)
-        self.pool = get_pool()
-        self.pool.split = pool_split()     # the setting, read per executor (a mixed plan sets 4 afterwards)
+        self.pool = PoolShare(get_pool(), pool_split())   # the setting, read per executor (a mixed plan sets its own)
         self.act = (act or settings.get("cpu_act")).lower()
         if self.act not in ("q16", "q8", "f32"):
             raise BackendError(f"activations {self.act!r}: use q16, q8 or f32")

@@ -50,7 +50,7 @@ from strata_compiler import settings
 from strata_compiler.backends.llvm_cpu.target import Target
 from strata_compiler.backends.llvm_cpu.jit import KernelLibrary, object_code
 
-__all__ = ["ThreadPool", "get_pool", "set_spin", "default_threads", "pool_split", "KERNEL_CFUNC"]
+__all__ = ["ThreadPool", "PoolShare", "get_pool", "set_spin", "default_threads", "pool_split", "KERNEL_CFUNC"]
 
 #: ctypes prototype of a kernel: ``void kernel(void* args, int64_t begin, int64_t end)``.
 KERNEL_CFUNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
@@ -267,23 +267,47 @@ class ThreadPool:
         job may be published in between."""
         return int(self._nat.async_start_address), int(self._nat.async_wait_address)
 
-    def run_async(self, prog_addr: int, n: int) -> Callable[[], None]:
+    def run_async(self, prog_addr: int, n: int, split: int | None = None) -> Callable[[], None]:
         """strata_async_start from Python; returns the wait (tests)."""
         start = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)(self.async_addresses[0])
         wait = ctypes.CFUNCTYPE(None)(self.async_addresses[1])
-        start(prog_addr, n, self.n_threads * self.split)
+        start(prog_addr, n, self.n_threads * (self.split if split is None else split))
         return wait
 
-    def run_program(self, prog_addr: int, n: int) -> None:
+    def run_program(self, prog_addr: int, n: int, split: int | None = None) -> None:
         """Run a segment program of n instructions at prog_addr (``strata_run_program`` in the pool's
         IR: kernels over the pool, argument slots set from values the kernels wrote, copies,
-        column gathers), as one native call; its parallel kernels split like parallel_for's."""
+        column gathers), as one native call; its parallel kernels split like parallel_for's
+        (`split` chunks per thread, default the pool's)."""
         nat = self._nat
         if nat.workers < self._want_workers:      # after fork(), in the child
             with nat.lock:
                 nat.ensure_workers(self._want_workers)
         with nat.lock:
-            nat.run_program(prog_addr, n, self.n_threads * self.split)
+            nat.run_program(prog_addr, n, self.n_threads * (self.split if split is None else split))
+
+
+class PoolShare:
+    """One executor's use of the process's pool (`get_pool`): its own chunks per thread (`split`),
+    passed with each job, so that one executor's choice (a mixed plan's, runtime/partitions.py)
+    changes no other's; everything else is the pool's."""
+
+    def __init__(self, pool: ThreadPool, split: int) -> None:
+        self.pool, self.split = pool, split
+
+    def __getattr__(self, name: str):
+        return getattr(self.pool, name)
+
+    def parallel_for(self, kernel_addr: int, args_addr: int, total: int, n_chunks: int | None = None,
+                     *, min_chunk: int = 1) -> None:
+        chunks = self.pool.n_threads * self.split if n_chunks is None else n_chunks
+        self.pool.parallel_for(kernel_addr, args_addr, total, chunks, min_chunk=min_chunk)
+
+    def run_program(self, prog_addr: int, n: int) -> None:
+        self.pool.run_program(prog_addr, n, self.split)
+
+    def run_async(self, prog_addr: int, n: int) -> Callable[[], None]:
+        return self.pool.run_async(prog_addr, n, self.split)
 
 
 _pool: ThreadPool | None = None
