@@ -61,8 +61,8 @@ class FusedCalls:
         timed = any(exe.phase_ns is not None for kind, exe, _ in self.m.parts if kind == "llvm")
         self.cells[0] = 1 if timed or getattr(self.m.weights, "disk_tier", None) is not None \
             else 2 if trace.ACTIVE is not None else 0
-        pool = next(exe.pool for kind, exe, _ in self.m.parts if kind == "llvm")
-        self.cells[1] = pool.n_threads * pool.split
+        pools = [exe.pool for kind, exe, _ in self.m.parts if kind == "llvm"]     # (none: a plan wholly on the GPU)
+        self.cells[1] = pools[0].n_threads * pools[0].split if pools else 1
         self.cur = (input_ids, cache)
         self.error = None
 
