@@ -11,8 +11,9 @@ An entry's key names everything that shapes the program: the caller's scope (the
 the executor's own choices and the settings that change what is traced), the function, its static
 arguments, the arguments' tree, shapes, dtypes and devices, the JAX and jaxlib versions and the
 digest of Strata's sources; not a setting that changes nothing traced (a temperature given by
-STRATA_TEMPERATURE is another program's argument, not another program). A file is `MAGIC`, a JSON header (the key in full, the argument and output trees, the
-caller's metadata, the payload's sha256) and JAX's serialized executable (`serialize_executable`).
+STRATA_TEMPERATURE is another program's argument, not another program). A file is `MAGIC`, a
+JSON header (the key in full, the argument and output trees, the caller's metadata, the
+payload's sha256) and JAX's serialized executable (`serialize_executable`).
 `prefetch` starts loading every entry of a program's scope on threads before its first call (a
 new process's weights go up meanwhile); the call takes the one of its signature.
 

@@ -1,8 +1,8 @@
 """The xla executor's decode steps beyond one call per step (XLAExecutor inherits them): greedy
 tokens chosen on the device and steps launched before the last one's tokens are read (one
-sequence: decode_ahead, backends/ahead.py; several steps a program), a whole greedy loop as one
-program (greedy_decode),
-and the server's continuous-batching step (batch_step). Whole plans on one device only.
+sequence: decode_ahead, backends/ahead.py), a whole greedy loop as one program (greedy_decode),
+and the server's continuous-batching step (batch_step; several steps a program). Whole plans on
+one device only.
 """
 
 from __future__ import annotations
@@ -98,28 +98,21 @@ class DecodeSteps:
         (tok, pos, ks, vs), toks = load_jax().lax.scan(body, (tok, pos, ks, vs), None, length=steps)
         return tok, pos, ks, vs, toks
 
-    def _ahead_fn_of(self, sampling):
-        """The jitted program decode_ahead launches each step: greedy, or sampled by `sampling`; a
-        stored executable each (and per top-k, greedy)."""
-        if sampling is None:
-            return self._ahead_fn
-        if "_sampled_fn" not in self.__dict__:
-            self._sampled_fn = self._program("ahead_sampled", self._sampled_step, static_argnums=(9, 10),
-                                             donate_argnums=(1, 2))
-        key = device_sampling.static(sampling.settings)
-        return lambda *a: self._sampled_fn(*a, *key)
-
     def _ahead_program(self, sampling):
-        """decode_ahead's one-step program (`_ahead_fn_of`), the device values its first launch takes
-        after (ids, positions) — its state, which each launch returns — and the constants every
+        """The jitted step decode_ahead launches, and the device values its first launch takes
+        after (ids, positions) — its state, which each step returns — and the constants every
         launch takes: none for greedy, else state (window, step) and constants (uniforms, knobs)."""
-        fn = self._ahead_fn_of(sampling)
         if sampling is None:
-            return fn, (), ()
+            return self._ahead_fn, (), ()
         jnp = _jnp()
+        key = device_sampling.static(sampling.settings)
+        fn = self.__dict__.get("_sampled_fn")
+        if fn is None:      # a stored executable per (top-k, greedy), as the greedy step's
+            fn = self._sampled_fn = self._program("ahead_sampled", self._sampled_step, static_argnums=(9, 10),
+                                                  donate_argnums=(1, 2))
         state = (np.asarray(sampling.history, np.int32), np.int32(0))
         const = device_sampling.generation_constants(sampling.uniforms, sampling.settings)
-        return fn, tuple(map(jnp.asarray, state)), tuple(map(jnp.asarray, const))
+        return (lambda *a: fn(*a, *key)), tuple(map(jnp.asarray, state)), tuple(map(jnp.asarray, const))
 
     def decode_ahead(self, tok: np.ndarray, cache, n: int, stop_ids=(), done: np.ndarray | None = None,
                      sampling=None, on_token=None) -> np.ndarray:
